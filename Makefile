@@ -1,0 +1,62 @@
+# symmsync: the two commands a fresh machine needs are `make demo` and `make test`.
+# Each creates .venv when missing and installs what it needs there.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Where there is no NVIDIA GPU, take torch's CPU build (on this project's CI machines it lies on
+# disk); with a GPU, pip's default torch (a CUDA build) is what the range in pyproject.toml takes.
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+TORCH_CPU ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-gpu bench-fence bench-pcp doctor lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+$(VENV)/.torch: | $(PY)
+	$(if $(HAS_GPU),,$(PIP) install --quiet "$(TORCH_CPU)")
+	touch $@
+
+$(VENV)/.base: pyproject.toml $(VENV)/.torch
+	$(PIP) install --quiet -e ".[demo]"
+	touch $@
+
+$(VENV)/.test: pyproject.toml $(VENV)/.base
+	$(PIP) install --quiet -e ".[test,demo]"
+	touch $@
+
+$(VENV)/.bench: pyproject.toml $(VENV)/.base
+	$(PIP) install --quiet -e ".[bench,demo]"
+	touch $@
+
+## demo: the main demo (PCP direct-KV publication, host backend unless GPUs are present)
+demo: $(VENV)/.base
+	$(PY) examples/pcp_kv.py
+
+## test: the whole test suite; GPU tests skip with the reason where there are no GPUs
+test: $(VENV)/.test
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+## test-gpu: only the GPU suite (needs 2 NVIDIA GPUs)
+test-gpu: $(VENV)/.test
+	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
+
+bench-fence: $(VENV)/.bench
+	$(PY) benchmarks/fence.py
+
+bench-pcp: $(VENV)/.bench
+	$(PY) benchmarks/pcp_kv.py
+
+doctor: $(VENV)/.base
+	$(PY) -m symmsync doctor
+
+lint: $(VENV)/.test
+	$(PIP) install --quiet ruff
+	$(PY) -m ruff check symmsync tests examples benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

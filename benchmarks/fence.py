@@ -1,0 +1,246 @@
+"""Fence latency on 2 GPUs: symmsync against torch's barrier, NCCL and the launch floor.
+
+Run on a machine with 2 NVLinked GPUs (one process per GPU is spawned)::
+
+    python benchmarks/fence.py [--out benchmarks/results] [--iters 1000] [--reps 9]
+
+Measures, in one run on the same GPUs, the time per fence of:
+  * symmsync ``Fence.fence()`` (one launch, the cuda-python launch path), eager and in
+    CUDA-graph replay; ``arrive()`` + ``wait()``;
+  * the same fence kernel launched through Triton's own launcher, and as two Triton
+    launches (publish, then wait): what a straightforward implementation does;
+  * torch symmetric memory's ``barrier()``; NCCL ``all_reduce`` of one int;
+  * an empty kernel (the floor), through Triton and through symmsync's launcher;
+  * where a fence's time goes (graph replay): epoch + publish alone, a wait that is
+    already satisfied, and the full fence;
+  * overlap: ``arrive()``, a kernel that computes for ~12 µs, ``wait()``, against the
+    compute kernel alone.
+Medians of ``--reps`` repetitions after warm-up. Prints a table with ratios and
+writes ``fence_<machine>.json`` and ``.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+TARGET_GRAPH_US = 2.0
+TARGET_EAGER_US = 5.0
+TARGET_OVERLAP = 0.10
+
+
+@triton.jit
+def empty_kernel(x):
+    pass
+
+
+@triton.jit
+def spin_kernel(ns):
+    start = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    now = start
+    while now - start < ns:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+def worker(rank: int, world: int, args: argparse.Namespace) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    import symmsync as ss
+    from symmsync import fence as fence_mod
+    from symmsync.launch import Launcher
+
+    buf = ss.SymmetricBuffer(1 << 20, backend="cuda", channels=8)
+    view = buf.view(list(range(world)))
+    fences = [ss.Fence(view, channel=c) for c in range(8)]
+    it, reps = args.iters, args.reps
+    R: dict[str, float] = {}
+
+    def both(name: str, fn) -> None:
+        R[f"{name}.eager"] = common.eager_us(fn, iters=2 * it, reps=reps)
+        R[f"{name}.graph"] = common.graph_us(fn, iters=it, reps=reps)
+
+    # symmsync, fast launch path
+    f0 = fences[0]
+    both("symmsync_fence", f0.fence)
+    f1 = fences[1]
+
+    def arrive_wait():
+        f1.arrive()
+        f1.wait()
+
+    both("symmsync_arrive_wait", arrive_wait)
+
+    # The same kernels through Triton's launcher (what a plain Triton fence costs).
+    def triton_launch(f, arrive, wait):
+        args_ = (view.ptrs, f.cell, view.local_index, f.timeout_ns, f.record)
+        kw = dict(SIZE=view.size, ARRIVE=arrive, WAIT=wait, TRAP=True, num_warps=1)
+        return lambda: fence_mod._fence_kernel[(1,)](*args_, **kw)
+
+    tl_fence = triton_launch(fences[2], True, True)
+    both("triton_launcher_fence", tl_fence)
+    tl_pub, tl_wait = triton_launch(fences[3], True, False), triton_launch(fences[3], False, True)
+
+    def two_launch():
+        tl_pub()
+        tl_wait()
+
+    both("triton_two_launch", two_launch)
+
+    # Baselines
+    import torch.distributed._symmetric_memory as symm_mem
+
+    t = symm_mem.empty(1 << 20, dtype=torch.uint8, device=dev)
+    hdl = symm_mem.rendezvous(t, dist.group.WORLD.group_name)
+    both("torch_symm_barrier", lambda: hdl.barrier(channel=0))
+    x = torch.zeros(1, dtype=torch.int32, device=dev)
+    R["nccl_allreduce.eager"] = common.eager_us(lambda: dist.all_reduce(x), iters=it, reps=reps)
+    R["nccl_allreduce.graph"] = common.graph_us(lambda: dist.all_reduce(x), iters=max(it // 4, 50), reps=reps)
+    both("empty_triton", lambda: empty_kernel[(1,)](x, num_warps=1))
+    empty_fast = Launcher(empty_kernel, (1,), num_warps=1).bind(x)
+    both("empty_symmsync_launcher", empty_fast)
+
+    # Where the time goes (graph replay): publish alone, a satisfied wait, the full fence.
+    def variant(f, arrive, wait):
+        return Launcher(fence_mod._fence_kernel, (1,), num_warps=1, SIZE=view.size, ARRIVE=arrive, WAIT=wait,
+                        TRAP=True).bind(view.ptrs, f.cell, view.local_index, f.timeout_ns, f.record)
+
+    R["breakdown_arrive_only.graph"] = common.graph_us(variant(fences[4], True, False), iters=it, reps=reps)
+    R["breakdown_wait_satisfied.graph"] = common.graph_us(variant(fences[5], False, True), iters=it, reps=reps)
+
+    # Overlap: arrive, ~12 µs of compute, wait.
+    spin_ns = 12_000
+    spin = Launcher(spin_kernel, (1,), num_warps=1).bind(spin_ns)
+    f6 = fences[6]
+
+    def overlapped():
+        f6.arrive()
+        spin()
+        f6.wait()
+
+    R["overlap_compute_alone.graph"] = common.graph_us(spin, iters=it, reps=reps)
+    R["overlap_arrive_compute_wait.graph"] = common.graph_us(overlapped, iters=it, reps=reps)
+    R["launch_path"] = f0.launch_path  # type: ignore[assignment]
+    R["epochs_after"] = [f.epoch for f in fences]  # type: ignore[assignment]
+
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, R)
+    if rank == 0:
+        report(gathered, args)
+    dist.barrier()
+    buf.close()
+    dist.destroy_process_group()
+
+
+ROWS = [
+    ("symmsync_fence", "symmsync Fence.fence() (one launch)"),
+    ("symmsync_arrive_wait", "symmsync arrive() + wait()"),
+    ("triton_launcher_fence", "same fence kernel, Triton's launcher"),
+    ("triton_two_launch", "publish then wait, two Triton launches"),
+    ("torch_symm_barrier", "torch symmetric-memory barrier"),
+    ("nccl_allreduce", "NCCL all_reduce of one int"),
+    ("empty_triton", "empty kernel, Triton's launcher"),
+    ("empty_symmsync_launcher", "empty kernel, symmsync launcher"),
+]
+
+
+def report(per_rank: list, args: argparse.Namespace) -> None:
+    info = common.machine()
+    keys = [k for k, v in per_rank[0].items() if isinstance(v, float)]
+    res = {k: max(r[k] for r in per_rank) for k in keys}  # the slower rank sets the pace
+    sym_g, sym_e = res["symmsync_fence.graph"], res["symmsync_fence.eager"]
+    lines = [f"fence latency, µs per fence (max over ranks of the median of {args.reps} runs); "
+             f"{info['gpu_count']}× {info['gpus'][0]}, torch {info['torch']}, triton {info['triton']}",
+             f"{'':44s} {'graph':>8s} {'eager':>8s}   vs symmsync (graph / eager)"]
+    for key, label in ROWS:
+        g, e = res.get(f"{key}.graph"), res.get(f"{key}.eager")
+        lines.append(f"{label:44s} {g:8.2f} {e:8.2f}   {g / sym_g:5.2f}× / {e / sym_e:5.2f}×")
+    arrive_only = res["breakdown_arrive_only.graph"]
+    wait_sat = res["breakdown_wait_satisfied.graph"]
+    empty_g = res["empty_symmsync_launcher.graph"]
+    lines += [
+        "where a fence's time goes (graph replay, µs):",
+        f"  kernel node floor (empty kernel)            {empty_g:8.2f}",
+        f"  epoch + release stores to peers, no wait    {arrive_only:8.2f}",
+        f"  acquire polls of a satisfied wait           {wait_sat:8.2f}",
+        f"  full fence                                  {sym_g:8.2f}",
+        f"  -> waiting on the peer (cross-GPU latency)  {sym_g - max(arrive_only, wait_sat):8.2f}",
+    ]
+    c = res["overlap_compute_alone.graph"]
+    o = res["overlap_arrive_compute_wait.graph"]
+    overlap = (o - c) / sym_g
+    lines += [
+        f"overlap: compute alone {c:.2f} µs; arrive + compute + wait {o:.2f} µs; "
+        f"the fence adds {o - c:.2f} µs = {overlap:.1%} of its own cost",
+        "targets:",
+        f"  graph replay <= {TARGET_GRAPH_US} µs: {sym_g:.2f} µs "
+        f"({'met' if sym_g <= TARGET_GRAPH_US else 'MISSED by %.2f µs' % (sym_g - TARGET_GRAPH_US)}); "
+        f"{res['torch_symm_barrier.graph'] / sym_g:.2f}× faster than torch's barrier (target >= 1.4×)",
+        f"  eager <= {TARGET_EAGER_US} µs: {sym_e:.2f} µs "
+        f"({'met' if sym_e <= TARGET_EAGER_US else 'MISSED by %.2f µs' % (sym_e - TARGET_EAGER_US)}); "
+        f"{res['torch_symm_barrier.eager'] / sym_e:.2f}× faster than torch's barrier (target >= 1.5×)",
+        f"  overlap <= {TARGET_OVERLAP:.0%}: {overlap:.1%} ({'met' if overlap <= TARGET_OVERLAP else 'MISSED'})",
+        f"launch path: {per_rank[0]['launch_path']}; epochs after the run (rank 0): {per_rank[0]['epochs_after']}",
+    ]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    name = f"fence_{common.slug(info)}"
+    payload = {"machine": info, "results_us": res, "per_rank_us": per_rank, "iters": args.iters, "reps": args.reps,
+               "overlap_fraction": overlap, "table": text}
+    common.write_json(os.path.join(args.out, name + ".json"), payload)
+    plot(res, info, os.path.join(args.out, name + ".png"))
+    print(f"wrote {os.path.join(args.out, name)}.json and .png", flush=True)
+
+
+def plot(res: dict, info: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [label for _, label in ROWS]
+    g = [res[f"{k}.graph"] for k, _ in ROWS]
+    e = [res[f"{k}.eager"] for k, _ in ROWS]
+    fig, ax = plt.subplots(figsize=(10, 5))
+    ys = range(len(ROWS))
+    ax.barh([y - 0.2 for y in ys], g, height=0.4, label="CUDA graph replay")
+    ax.barh([y + 0.2 for y in ys], e, height=0.4, label="eager")
+    ax.set_yticks(list(ys), labels)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.axvline(TARGET_GRAPH_US, color="C0", ls="--", lw=1)
+    ax.axvline(TARGET_EAGER_US, color="C1", ls="--", lw=1)
+    ax.set_xlabel("µs per fence (log)")
+    ax.set_title(f"Fence latency, {info['gpu_count']}× {info['gpus'][0]} ({info.get('link_gpu0_gpu1', '?')}), "
+                 f"torch {info['torch']}, triton {info['triton']}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--iters", type=int, default=1000, help="fences per graph (eager: twice as many)")
+    parser.add_argument("--reps", type=int, default=9)
+    args = parser.parse_args()
+    world = torch.cuda.device_count()
+    if world < 2:
+        sys.exit(f"benchmarks/fence.py needs 2 GPUs; this machine has {world}")
+    mp.spawn(worker, args=(2, args), nprocs=2, join=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Diagnose the machine: versions, GPUs, peer access, and which backends work here."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+from importlib import metadata
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _host_backend() -> tuple[bool, str]:
+    try:
+        import _posixshmem  # noqa: F401
+    except ImportError as e:
+        return False, f"no POSIX shared memory in this Python ({e})"
+    if os.path.isdir("/dev/shm"):
+        free = shutil.disk_usage("/dev/shm").free
+        if free < 64 << 20:
+            return False, f"/dev/shm has only {free >> 20} MiB free"
+    try:
+        import numpy  # noqa: F401 - the interpreter needs it
+        import triton  # noqa: F401
+    except ImportError as e:
+        return False, f"Triton's interpreter is unavailable: {e}"
+    return True, "POSIX shared memory + Triton interpreter (TRITON_INTERPRET=1)"
+
+
+def _cuda_section(lines: list[str]) -> tuple[bool, str]:
+    import torch
+
+    try:
+        from cuda.bindings import driver as drv
+    except ImportError as e:
+        return False, f"cuda-python is not importable: {e}"
+    try:
+        res = drv.cuInit(0)
+    except Exception as e:  # noqa: BLE001 - no driver library at all
+        return False, f"no NVIDIA driver: {str(e).splitlines()[0]}"
+    if res[0] != drv.CUresult.CUDA_SUCCESS:
+        return False, f"cuInit failed: {res[0]}"
+    err, ver = drv.cuDriverGetVersion()
+    lines.append(f"CUDA driver API  {ver // 1000}.{ver % 1000 // 10}")
+    lines.append(f"torch CUDA       {torch.version.cuda}")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    lines.append(f"GPUs             {n}")
+    attr = drv.CUdevice_attribute
+    for i in range(n):
+        props = torch.cuda.get_device_properties(i)
+        _, dev = drv.cuDeviceGet(i)
+        flags = []
+        for label, a in (
+            ("VMM", attr.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED),
+            ("posix_fd", attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED),
+            ("fabric", getattr(attr, "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED", None)),
+        ):
+            if a is None:
+                continue
+            e, v = drv.cuDeviceGetAttribute(a, dev)
+            flags.append(f"{label}={'yes' if e == drv.CUresult.CUDA_SUCCESS and v else 'no'}")
+        lines.append(f"  cuda:{i}  {props.name}, {props.total_memory >> 30} GiB, sm_{props.major}{props.minor}, "
+                     + ", ".join(flags))
+    if n > 1:
+        lines.append("peer access (row can access column):")
+        lines.append("        " + " ".join(f"{j:>3}" for j in range(n)))
+        for i in range(n):
+            row = " ".join("  -" if i == j else ("yes" if torch.cuda.can_device_access_peer(i, j) else " no")
+                           for j in range(n))
+            lines.append(f"  {i:>4}  {row}")
+        if shutil.which("nvidia-smi"):
+            try:
+                topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20)
+                lines.append("nvidia-smi topo -m:")
+                lines.extend("  " + line for line in topo.stdout.rstrip().splitlines())
+            except (OSError, subprocess.SubprocessError) as e:
+                lines.append(f"nvidia-smi topo -m failed: {e}")
+    if n == 0:
+        return False, "torch sees no CUDA device"
+    if n == 1:
+        return True, "one GPU: buffers of one rank per GPU work; peers need more GPUs"
+    peers = all(torch.cuda.can_device_access_peer(i, j) for i in range(n) for j in range(n) if i != j)
+    if not peers:
+        return False, "some GPU pairs have no peer access: direct peer stores need P2P (NVLink or PCIe P2P)"
+    return True, "cuMemCreate + shareable handles, peers mapped with cuMemSetAccess"
+
+
+def report() -> tuple[str, bool]:
+    """The doctor's text and whether at least one backend works here."""
+    lines = [
+        "symmsync doctor",
+        f"python           {platform.python_version()} ({platform.machine()}, {platform.system()})",
+        f"symmsync         {_version('symmsync')}",
+        f"torch            {_version('torch')}",
+        f"triton           {_version('triton')}",
+        f"cuda-python      {_version('cuda-python')} (cuda-bindings {_version('cuda-bindings')})",
+        f"numpy            {_version('numpy')}",
+        f"TRITON_INTERPRET {os.environ.get('TRITON_INTERPRET', '(unset)')}",
+    ]
+    host_ok, host_why = _host_backend()
+    cuda_ok, cuda_why = _cuda_section(lines)
+    lines.append("backends:")
+    lines.append(f"  host  {'works' if host_ok else 'unavailable'}: {host_why}")
+    lines.append(f"  cuda  {'works' if cuda_ok else 'unavailable'}: {cuda_why}")
+    return "\n".join(lines), host_ok or cuda_ok

@@ -1,0 +1,199 @@
+"""Fence: device-resident epochs and fused publish-and-wait among a peer view's ranks.
+
+One :class:`Fence` is one channel of one peer view. Its state lives in the view's
+signal cell for that channel, in device memory: this rank's epoch counter and the
+slots where the other members publish theirs. So the host never holds an epoch,
+and a captured CUDA graph advances the epoch on every replay.
+
+* :meth:`Fence.fence` is one kernel launch: advance the epoch, publish it to every
+  other member (release, system scope), wait until every member published it to
+  this rank (acquire, system scope).
+* :meth:`Fence.arrive` and :meth:`Fence.wait` split it into two launches, so work
+  can run between them.
+
+Every wait is bounded by ``timeout_s`` and fails closed. On the host backend the
+host reads the kernel's record and raises :class:`~symmsync.FenceTimeout`. On a GPU
+the kernel writes the same record to pinned host memory and traps, so the stream
+never runs on stale data; :meth:`Fence.synchronize` (and :attr:`Fence.epoch`) turn
+the resulting CUDA error into the same :class:`~symmsync.FenceTimeout`.
+
+Under torch.compile each operation is a compiler boundary: the graph ends before it
+and a new one starts after it, so every write before it is in memory when it runs
+and every read after it happens after it, whatever the compiler backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from . import language as ssl
+from .errors import ClosedError, ConfigError, FenceTimeout
+from .launch import Launcher
+
+#: Default wait budget in seconds, per backend. The host budget allows for the
+#: Triton interpreter on a loaded CI machine; the GPU budget for a peer that is
+#: still compiling its first kernel.
+DEFAULT_TIMEOUT_S = {"host": 120.0, "cuda": 60.0}
+
+_FENCE, _ARRIVE, _WAIT = 0, 1, 2
+
+
+@triton.jit
+def _fence_kernel(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, ARRIVE: tl.constexpr,
+                  WAIT: tl.constexpr, TRAP: tl.constexpr):
+    if ARRIVE:
+        e = ssl.advance_epoch(ptrs, cell, me)
+        ssl.publish(ptrs, cell, me, e, SIZE)
+    else:
+        e = tl.load(ssl.epoch_ptr(ptrs, cell, me))
+    if WAIT:
+        ssl.fence_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
+
+
+class Fence:
+    """Channel ``channel`` of a peer view, as a fence.
+
+    Args:
+        view: the :class:`~symmsync.PeerView` whose members synchronize.
+        channel: which of the view's channels (fences on different channels, or on
+            different views, never touch each other's slots).
+        timeout_s: wait budget (default: :data:`DEFAULT_TIMEOUT_S` of the backend).
+
+    Every member of the view must create its fence for the same channel and call
+    the same sequence of ``fence`` / ``arrive`` / ``wait``.
+    """
+
+    def __init__(self, view: Any, channel: int = 0, *, timeout_s: float | None = None):
+        view._check_channel(channel)
+        buf = view.buffer
+        self.view = view
+        self.channel = channel
+        self.backend = buf.backend
+        if timeout_s is None:
+            timeout_s = DEFAULT_TIMEOUT_S[self.backend]
+        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ConfigError(f"rank {buf.rank}: timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        #: Byte offset of this fence's cell in every member's memory (kernel argument).
+        self.cell = view.signal_offset(channel)
+        #: Wait budget in ns (kernel argument).
+        self.timeout_ns = int(self.timeout_s * 1e9)
+        n = ssl.RECORD_SLOTS + view.size
+        pin = self.backend == "cuda"
+        self._record = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        #: Address of the timeout record (kernel argument; pinned host memory on GPUs).
+        self.record = self._record.data_ptr()
+        local = buf.local_memory()
+        self._epoch_word = local[self.cell : self.cell + 8].view(torch.int64)
+        self._failed: FenceTimeout | None = None
+        trap = self.backend == "cuda"
+        args = (view.ptrs, self.cell, view.local_index, self.timeout_ns, self.record)
+        self._launch = {}
+        for kind, (arrive, wait) in ((_FENCE, (True, True)), (_ARRIVE, (True, False)), (_WAIT, (False, True))):
+            launcher = Launcher(_fence_kernel, (1,), num_warps=1, SIZE=view.size, ARRIVE=arrive, WAIT=wait, TRAP=trap)
+            self._launch[kind] = launcher.bind(*args)
+
+    # ------------------------------------------------------------------ operations
+    def fence(self) -> None:
+        """Advance the epoch, publish it, wait for every member: one launch."""
+        if torch.compiler.is_compiling():
+            return _compiler_boundary(self, _FENCE)
+        self._launch_now(_FENCE)
+
+    def arrive(self) -> None:
+        """Advance the epoch and publish it (first half of a split fence)."""
+        if torch.compiler.is_compiling():
+            return _compiler_boundary(self, _ARRIVE)
+        self._launch_now(_ARRIVE)
+
+    def wait(self) -> None:
+        """Wait until every member published this rank's current epoch (second half)."""
+        if torch.compiler.is_compiling():
+            return _compiler_boundary(self, _WAIT)
+        self._launch_now(_WAIT)
+
+    def _launch_now(self, kind: int) -> None:
+        self._check_usable()
+        self._launch[kind]()
+        if self.backend == "host":
+            self.check()
+
+    def _check_usable(self) -> None:
+        if self.view.buffer.closed:
+            raise ClosedError(f"rank {self.view.rank}: Fence(channel={self.channel}) used after its buffer was closed")
+        if self._failed is not None:
+            raise self._failed
+
+    # ------------------------------------------------------------------ state
+    @property
+    def epoch(self) -> int:
+        """This rank's device epoch: the number of arrivals on this channel so far."""
+        self._check_usable()
+        if self.backend == "cuda":
+            self.synchronize()
+        return int(self._epoch_word.item())
+
+    @property
+    def launch_path(self) -> str:
+        """How the last fence launch went: ``"cuda-python"`` or ``"triton"``."""
+        return self._launch[_FENCE].launcher.path
+
+    def check(self) -> None:
+        """Raise :class:`~symmsync.FenceTimeout` if a wait of this fence timed out."""
+        err = self.timeout_error()
+        if err is not None:
+            self._failed = err
+            raise err
+
+    def synchronize(self) -> None:
+        """Wait for the device; turn a trapped fence timeout into :class:`~symmsync.FenceTimeout`."""
+        if self.backend != "cuda":
+            self.check()
+            return
+        try:
+            torch.cuda.synchronize(self.view.buffer.device)
+        except RuntimeError as e:
+            err = self.timeout_error()
+            if err is None:
+                raise
+            self._failed = err
+            raise err from e
+        self.check()
+
+    def timeout_error(self) -> FenceTimeout | None:
+        """The :class:`~symmsync.FenceTimeout` described by this fence's record, if any."""
+        rec = self._record.tolist()
+        if rec[ssl.RECORD_FLAG] != ssl.TIMED_OUT.value:
+            return None
+        epoch = rec[ssl.RECORD_EPOCH]
+        size = rec[ssl.RECORD_SIZE]
+        me = rec[ssl.RECORD_INDEX]
+        slots = rec[ssl.RECORD_SLOTS : ssl.RECORD_SLOTS + size]
+        ranks = self.view.ranks
+        late = {ranks[i]: slots[i] for i in range(size) if i != me and slots[i] < epoch}
+        who = ", ".join(f"rank {r} (its slot holds epoch {v})" for r, v in late.items())
+        msg = (
+            f"rank {ranks[me]}: fence on view {list(ranks)} channel {self.channel} timed out after "
+            f"{self.timeout_s:g} s waiting for epoch {epoch}; not arrived: {who}. Those ranks never "
+            "reached this fence (crashed, hung, or took another path); nothing after it ran."
+        )
+        return FenceTimeout(msg, rank=ranks[me], epoch=epoch, late=late, channel=self.channel)
+
+    def __repr__(self) -> str:
+        return f"Fence(view={list(self.view.ranks)}, channel={self.channel}, backend={self.backend})"
+
+
+# torch.compile: a fence is a compiler boundary. Dynamo ends the graph before the call
+# and starts a new one after it, so the graph's writes are in memory when the fence
+# runs and its reads come after. A custom op inside the graph would not be safe:
+# functionalization turns writes into graph inputs (views of symmetric memory) into
+# copies applied at the end of the graph, and auto-functionalized ops run on clones,
+# so the fence would publish before the payload reached memory. Eager calls never
+# reach this wrapper (it costs microseconds per call).
+@torch.compiler.disable
+def _compiler_boundary(fence: Fence, kind: int) -> None:
+    fence._launch_now(kind)

@@ -1,0 +1,180 @@
+"""Peer views: the pointer table and signal region of one subgroup of a buffer's ranks.
+
+A :class:`PeerView` is what kernels and fences work with: the base addresses of just
+the ranks of a subgroup (in the view's order, so kernels index peers 0..size-1) and
+a signal region that belongs to that view alone. Views of disjoint subgroups can
+share one buffer, and so can nested ones (a PCP subgroup inside the world): every
+view gets its own region, so no fence of one view touches another view's slots.
+
+Views are created collectively over the buffer's group (every rank calls, each
+with its own subgroup), which lets every rank check that the members of each view
+asked for the same view, in the same order, before anything uses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .errors import ConfigError, ViewError
+
+#: The order of ranks in a TP×PCP layout: ``rank = pcp_rank * tp + tp_rank``.
+TP_PCP_ORDER = "rank = pcp_rank * tp + tp_rank"
+
+
+class PeerView:
+    """This rank's view of a subgroup of a :class:`~symmsync.SymmetricBuffer`.
+
+    Attributes:
+        buffer: the buffer the view is over.
+        ranks: the members' ranks in the buffer's group, in view order.
+        size: number of members.
+        local_index: this rank's index in :attr:`ranks`.
+        region: index of the view's signal region in every member's allocation.
+    """
+
+    def __init__(self, buffer: Any, ranks: tuple[int, ...], region: int):
+        self.buffer = buffer
+        self.ranks = ranks
+        self.size = len(ranks)
+        self.local_index = ranks.index(buffer.rank)
+        self.region = region
+        self._ptrs = buffer.ptrs[list(ranks)].contiguous()
+
+    @classmethod
+    def _create(cls, buffer: Any, ranks: Sequence[int], problem: str | None = None) -> "PeerView":
+        from .buffer import _gather
+
+        me, world = buffer.rank, buffer.world_size
+        req: tuple[int, ...] = ()
+        if problem is None:
+            req, problem = _parse_request(ranks, me, world)
+        requests = _gather(buffer.group, (req, problem), world)
+        _raise_on_bad_requests(requests)
+        region = buffer._next_region()
+        if region >= buffer.signals.max_views:
+            raise ViewError(
+                f"rank {me}: the buffer has signal regions for {buffer.signals.max_views} views and all are "
+                "taken; create views once at set-up, or pass a larger max_views to SymmetricBuffer"
+            )
+        return cls(buffer, req, region)
+
+    # ------------------------------------------------------------------ kernel inputs
+    @property
+    def rank(self) -> int:
+        """This process's rank in the buffer's group."""
+        return self.buffer.rank
+
+    @property
+    def ptrs(self) -> torch.Tensor:
+        """int64 tensor ``[size]`` of the members' base addresses, on the buffer's device."""
+        self.buffer._check_open("PeerView.ptrs")
+        return self._ptrs
+
+    def signal_offset(self, channel: int) -> int:
+        """Byte offset (from each member's base address) of this view's cell for ``channel``."""
+        self._check_channel(channel)
+        return self.buffer.signals.cell(self.region, channel)
+
+    def _check_channel(self, channel: int) -> None:
+        n = self.buffer.signals.channels
+        if not isinstance(channel, int) or isinstance(channel, bool) or not 0 <= channel < n:
+            raise ConfigError(
+                f"rank {self.rank}: channel {channel!r} is out of range; the buffer has {n} channels per view "
+                "(pass channels= to SymmetricBuffer for more)"
+            )
+
+    # ------------------------------------------------------------------ host access
+    def tensor(self, offset: int, shape: Sequence[int] | int, dtype: torch.dtype, index: int | None = None) -> torch.Tensor:
+        """:meth:`SymmetricBuffer.tensor` of member ``index`` (default: this rank)."""
+        if index is None:
+            index = self.local_index
+        if not isinstance(index, int) or not 0 <= index < self.size:
+            raise ConfigError(f"rank {self.rank}: member index {index!r} is out of range for a view of {self.size}")
+        return self.buffer.tensor(offset, shape, dtype, rank=self.ranks[index])
+
+    def __repr__(self) -> str:
+        return f"PeerView(ranks={list(self.ranks)}, local_index={self.local_index}, region={self.region})"
+
+
+def _parse_request(ranks: Any, me: int, world: int) -> tuple[tuple[int, ...], str | None]:
+    try:
+        if isinstance(ranks, (str, bytes)) or any(isinstance(r, bool) or int(r) != r for r in ranks):
+            raise TypeError
+        req = tuple(int(r) for r in ranks)
+    except (TypeError, ValueError):
+        return (), f"ranks must be a sequence of ints, got {ranks!r}"
+    return req, _check_request(req, me, world)
+
+
+def _check_request(req: tuple[int, ...], me: int, world: int) -> str | None:
+    if not req:
+        return "a view needs at least one rank (its own)"
+    if len(set(req)) != len(req):
+        dup = sorted({r for r in req if req.count(r) > 1})
+        return f"ranks {list(req)} repeat {dup}"
+    out = [r for r in req if not 0 <= r < world]
+    if out:
+        return f"ranks {out} are outside the group of {world} ranks"
+    if me not in req:
+        return f"the view {list(req)} excludes the calling rank {me}; each rank passes the subgroup it belongs to"
+    return None
+
+
+def _raise_on_bad_requests(requests: list[tuple[tuple[int, ...], str | None]]) -> None:
+    bad = [(r, p) for r, (_, p) in enumerate(requests) if p]
+    if bad:
+        r, p = bad[0]
+        more = f" (also ranks {[b[0] for b in bad[1:]]})" if len(bad) > 1 else ""
+        raise ViewError(f"view: rank {r}{more}: {p}")
+    for r, (req, _) in enumerate(requests):
+        for m in req:
+            if requests[m][0] != req:
+                raise ViewError(
+                    f"view: rank {r} asked for a view of {list(req)} but its member rank {m} asked for "
+                    f"{list(requests[m][0])}; every member must pass the same ranks in the same order"
+                )
+
+
+def tp_pcp_ranks(rank: int, tp: int, pcp: int) -> tuple[list[int], list[int]]:
+    """The PCP and TP subgroups of ``rank`` in a ``tp × pcp`` layout.
+
+    Ranks are numbered ``rank = pcp_rank * tp + tp_rank``: the TP ranks of one PCP
+    rank are consecutive, and a PCP subgroup is the ranks with the same TP rank.
+
+    Returns:
+        ``(pcp_group, tp_group)``: the ranks of ``rank``'s PCP subgroup, ordered by
+        PCP rank, and of its TP subgroup, ordered by TP rank.
+    """
+    if tp <= 0 or pcp <= 0:
+        raise ConfigError(f"tp and pcp must be positive, got tp={tp}, pcp={pcp}")
+    if not 0 <= rank < tp * pcp:
+        raise ConfigError(f"rank {rank} is outside a tp={tp} × pcp={pcp} layout of {tp * pcp} ranks")
+    tp_rank, pcp_rank = rank % tp, rank // tp
+    return [k * tp + tp_rank for k in range(pcp)], [pcp_rank * tp + t for t in range(tp)]
+
+
+def pcp_view(buffer: Any, tp: int = 1) -> PeerView:
+    """This rank's PCP subgroup view in a TP×PCP layout (collective over the buffer's group).
+
+    With ``world = tp * pcp`` ranks numbered ``rank = pcp_rank * tp + tp_rank``, the
+    PCP subgroup of a rank is every rank with the same ``tp_rank``, ordered by
+    ``pcp_rank``; its :attr:`PeerView.local_index` is the rank's PCP rank.
+    """
+    return _layout_view(buffer, tp, pcp=True)
+
+
+def tp_view(buffer: Any, tp: int) -> PeerView:
+    """This rank's TP subgroup view in a TP×PCP layout (collective; see :func:`pcp_view`)."""
+    return _layout_view(buffer, tp, pcp=False)
+
+
+def _layout_view(buffer: Any, tp: Any, pcp: bool) -> PeerView:
+    buffer._check_open("view")
+    world = buffer.world_size
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp <= 0 or world % tp:
+        # Still enter the exchange, so that every rank raises instead of some waiting.
+        return PeerView._create(buffer, (), problem=f"tp={tp!r} must be a positive divisor of the world size {world}")
+    pcp_group, tp_group = tp_pcp_ranks(buffer.rank, tp, world // tp)
+    return buffer.view(pcp_group if pcp else tp_group)

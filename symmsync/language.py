@@ -1,0 +1,347 @@
+"""Device-side primitives for Triton kernels: peer addresses, publish, wait, fence.
+
+Call these from your own ``@triton.jit`` kernels. They take a peer view's pointer
+table (``view.ptrs``, int64 base addresses in view order), the byte offset of a
+signal cell (``view.signal_offset(channel)``), this rank's index in the view
+(``view.local_index``) and the view size as a compile-time constant (``SIZE``)::
+
+    @triton.jit
+    def exchange(ptrs, cell, me, epoch, timeout_ns, SIZE: tl.constexpr):
+        for p in tl.static_range(SIZE):
+            dst = ssl.peer_ptr(ptrs, p, 0, tl.int64)
+            tl.store(dst + me, epoch)            # payload into every peer
+        tl.debug_barrier()                        # every thread's payload before the release
+        ssl.publish(ptrs, cell, me, epoch, SIZE)
+        status = ssl.wait(ptrs, cell, me, epoch, timeout_ns, SIZE)
+
+Memory model (the contract, on both backends)::
+
+    publish(e):  every write this rank made before publish(e), from this kernel (after a
+                 block barrier) and from kernels earlier on the stream, happens-before any
+                 read by a peer that observed slot >= e.            [release, system scope]
+    wait(e):     returns 0 only once every other member's slot for this rank holds >= e;
+                 reads after it see everything those members wrote before publish(e).
+                                                                    [acquire, system scope]
+    epochs:      int64, only grow; compared with >=, never ==, so a member one fence ahead
+                 is harmless and nothing ever needs a reset.
+
+A fence orders visibility; it does not stop a fast peer from overwriting memory a
+slow rank still reads: double-buffer reused payload (by epoch parity) or fence twice.
+
+The layout of a cell (the same byte offset ``cell`` in every member's memory)::
+
+    cell + 0     int64 epoch      this rank's epoch counter for the channel (device-resident)
+    cell + 8     int64 arrivals   programs of the current launch that reached grid_fence()
+    cell + 128   int64 slot[n]    slot j: the last epoch member j published to this rank
+
+Backends. The same source runs compiled on NVIDIA GPUs and under Triton's
+interpreter on the host backend; the instructions that differ are picked when this
+module is imported (``INTERPRETED``), never at run time:
+
+================  =================================  ===============================
+operation         GPU (compiled)                     host (interpreter)
+================  =================================  ===============================
+publish store     ``st.release.sys.global.b64``      ``atomic_xchg`` release (a real
+                  (no reply round trip)              lock-free atomic across processes)
+wait load         ``ld.acquire.sys.global.b64``      ``atomic_add(0)`` acquire
+clock             ``%globaltimer`` (ns)              ``time.monotonic_ns()``
+trap              ``trap`` (stream stops)            none: the host reads the status
+================  =================================  ===============================
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .backends import interpreter_active
+
+#: True when this process runs Triton kernels under the interpreter (host backend).
+INTERPRETED: bool = interpreter_active()
+
+#: Lanes per pass over the members of a view: one warp, one member per thread.
+LANES = tl.constexpr(32)
+#: Byte offset of the slots inside a cell (the epoch line comes first).
+SLOTS = tl.constexpr(128)
+
+#: ``record`` layout written by :func:`write_timeout_record` (int64 words).
+RECORD_FLAG, RECORD_EPOCH, RECORD_INDEX, RECORD_SIZE, RECORD_SLOTS = 0, 1, 2, 3, 4
+#: The flag value that marks a record as a timeout ("SYMMTIME").
+TIMED_OUT = tl.constexpr(0x5359_4D4D_5449_4D45)
+
+if INTERPRETED:
+    # Under the interpreter these helpers are plain Python called from interpreted
+    # kernels (Triton's language is already patched by the caller): every nested
+    # @triton.jit call would re-patch it, which costs more than the fence itself.
+    import time as _time
+
+    def _clock_ns():
+        return tl.full((), _time.monotonic_ns(), tl.int64)
+
+    def _store_release(ptrs, value, mask):
+        # Interpreter atomics on int64 are lock-free CPU atomics, honouring the order.
+        tl.atomic_xchg(ptrs, value, mask=mask, sem="release", scope="sys")
+
+    def _load_acquire(ptrs):
+        return tl.atomic_add(ptrs, 0, sem="acquire", scope="sys")
+
+    def _system_fence():
+        pass
+
+    def _trap():
+        pass
+
+else:
+
+    @triton.jit
+    def _clock_ns():
+        return tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+
+    @triton.jit
+    def _store_release(ptrs, value, mask):
+        # A release store, not an atomic exchange: atom.exch waits for a reply across
+        # NVLink, st.release.sys does not. Masked-off lanes store nothing.
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p st.release.sys.global.b64 [$1], $2; }\n\tmov.u32 $0, 0;",
+            "=r,l,l,r",
+            [ptrs, tl.cast(value, tl.int64), tl.cast(mask, tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    @triton.jit
+    def _load_acquire(ptrs):
+        return tl.inline_asm_elementwise(
+            "ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptrs], dtype=tl.int64, is_pure=False, pack=1
+        )
+
+    @triton.jit
+    def _system_fence():
+        tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _trap():
+        tl.inline_asm_elementwise("trap;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def epoch_ptr(ptrs, cell, me):
+    """Pointer to this rank's int64 epoch counter of the cell (in its own memory)."""
+    return (tl.load(ptrs + me) + cell).to(tl.pointer_type(tl.int64))
+
+
+@triton.jit
+def advance_epoch(ptrs, cell, me):
+    """Increment this rank's device-resident epoch and return the new value.
+
+    Pseudocode::
+
+        e = mem[me].cell.epoch + 1; mem[me].cell.epoch = e; return e
+
+    Graph-safe: a captured launch advances the epoch on every replay. Call from one
+    program per launch (the counter is this rank's alone; launches on one stream are
+    ordered, so no atomic is needed).
+    """
+    ep = epoch_ptr(ptrs, cell, me)
+    e = tl.load(ep) + 1
+    tl.store(ep, e)
+    return e
+
+
+@triton.jit
+def peer_ptr(ptrs, index, offset, DTYPE: tl.constexpr):
+    """Typed pointer to byte ``offset`` of member ``index``'s memory.
+
+    Pseudocode::
+
+        return (DTYPE*)(ptrs[index] + offset)
+
+    Args:
+        ptrs: the view's pointer table (``view.ptrs``; int64 base addresses).
+        index: member index in the view (0..SIZE-1), scalar or block.
+        offset: byte offset from the member's base, a multiple of DTYPE's size.
+        DTYPE: element type of the returned pointer (``tl.float32``, ...).
+
+    Cost: one load from the table (cached), one add. Graph-safe.
+    """
+    return (tl.load(ptrs + index) + offset).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def translate(ptr, ptrs, from_index, to_index):
+    """The address in member ``to_index``'s memory that ``ptr`` has in ``from_index``'s.
+
+    Pseudocode::
+
+        return ptr + (ptrs[to_index] - ptrs[from_index]) / sizeof(*ptr)
+
+    Base addresses are page aligned, so the difference is a whole number of elements.
+    Cost: two table loads, a subtract. Graph-safe.
+    """
+    ELEM: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
+    delta = tl.load(ptrs + to_index) - tl.load(ptrs + from_index)
+    return ptr + delta // ELEM
+
+
+@triton.jit
+def publish(ptrs, cell, me, epoch, SIZE: tl.constexpr):
+    """Release ``epoch`` into this rank's slot on every other member of the view.
+
+    Pseudocode::
+
+        for p in 0..SIZE-1, p != me:             # one lane per member, concurrently
+            store_release_sys(&mem[p].cell.slot[me], epoch)
+
+    Contract: every write this rank made before the call (by this thread; by other
+    threads of the block once they passed a ``tl.debug_barrier()``; by kernels earlier
+    on the stream) is visible to a member that observes its slot >= ``epoch``.
+    Graph-safe when ``epoch`` comes from device memory (as in :class:`~symmsync.Fence`).
+    Cost: SIZE-1 remote stores in flight together, no reply awaited; no self store.
+    """
+    for base in tl.static_range(0, SIZE, LANES):
+        idx = base + tl.arange(0, LANES)
+        live = (idx < SIZE) & (idx != me)
+        dst = tl.load(ptrs + tl.where(idx < SIZE, idx, me)) + cell + SLOTS
+        _store_release(dst.to(tl.pointer_type(tl.int64)) + me, epoch, live)
+
+
+@triton.jit
+def pending(ptrs, cell, me, epoch, SIZE: tl.constexpr):
+    """How many other members have not yet published ``epoch`` to this rank (one poll).
+
+    Pseudocode::
+
+        return count(p != me and load_acquire_sys(&mem[me].cell.slot[p]) < epoch)
+    """
+    slots = (tl.load(ptrs + me) + cell + SLOTS).to(tl.pointer_type(tl.int64))
+    n = 0
+    for base in tl.static_range(0, SIZE, LANES):
+        idx = base + tl.arange(0, LANES)
+        live = (idx < SIZE) & (idx != me)
+        v = _load_acquire(slots + tl.where(idx < SIZE, idx, me))
+        n += tl.sum(((v < epoch) & live).to(tl.int32), axis=0)
+    return n
+
+
+@triton.jit
+def wait(ptrs, cell, me, epoch, timeout_ns, SIZE: tl.constexpr):
+    """Wait until every other member's slot for this rank holds >= ``epoch``; bounded.
+
+    Pseudocode::
+
+        start = clock_ns()
+        while pending(epoch) > 0:                 # acquire loads at system scope
+            if clock_ns() - start > timeout_ns:
+                return 1                          # timed out: do NOT read peer data
+        return 0
+
+    Contract: after a 0, reads see every write the members made before they published
+    ``epoch`` (see :func:`publish`). After a 1, nothing is guaranteed: write a record
+    (:func:`write_timeout_record`) and :func:`trap`, or report the status to the host.
+    Graph-safe. Cost: one acquire load per member per poll; the first poll usually
+    succeeds when the members are in step.
+    """
+    start = _clock_ns()
+    left = pending(ptrs, cell, me, epoch, SIZE)
+    elapsed = start - start
+    while (left > 0) & (elapsed <= timeout_ns):
+        left = pending(ptrs, cell, me, epoch, SIZE)
+        elapsed = _clock_ns() - start
+    return (left > 0).to(tl.int32)
+
+
+@triton.jit
+def write_timeout_record(record, ptrs, cell, me, epoch, SIZE: tl.constexpr):
+    """Write what a timed-out wait saw to ``record`` (int64 words), then a system fence.
+
+    Layout: ``[TIMED_OUT, epoch, me, SIZE, slot[0], ..., slot[SIZE-1]]``; the host turns
+    it into a :class:`~symmsync.FenceTimeout` that names the late members.
+    """
+    slots = (tl.load(ptrs + me) + cell + SLOTS).to(tl.pointer_type(tl.int64))
+    rec = record.to(tl.pointer_type(tl.int64))
+    for base in tl.static_range(0, SIZE, LANES):
+        idx = base + tl.arange(0, LANES)
+        v = _load_acquire(slots + tl.where(idx < SIZE, idx, me))
+        tl.store(rec + 4 + idx, tl.where(idx == me, epoch, v), mask=idx < SIZE)
+    tl.store(rec + 1, epoch)
+    tl.store(rec + 2, me)
+    tl.store(rec + 3, SIZE)
+    tl.store(rec, TIMED_OUT)
+    _system_fence()
+
+
+@triton.jit
+def trap():
+    """Stop the kernel and the stream (GPU); the host sees a CUDA error. No-op on the host
+    backend, where the wait's status reaches the host instead."""
+    _trap()
+
+
+@triton.jit
+def fence(ptrs, cell, me, epoch, timeout_ns, SIZE: tl.constexpr):
+    """:func:`publish` then :func:`wait` for the same ``epoch``; returns the wait status.
+
+    Pseudocode::
+
+        publish(epoch); return wait(epoch)
+
+    Contract: on 0, every member reached this point and all their writes before it are
+    visible here. Call it from one program (or after a grid-wide arrival), after a
+    ``tl.debug_barrier()`` when other threads wrote the payload. Graph-safe.
+    """
+    publish(ptrs, cell, me, epoch, SIZE)
+    return wait(ptrs, cell, me, epoch, timeout_ns, SIZE)
+
+
+@triton.jit
+def fence_or_trap(ptrs, cell, me, epoch, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.constexpr):
+    """:func:`wait` for ``epoch``; on timeout write ``record`` and, if ``TRAP``, :func:`trap`.
+
+    Returns the wait status (0: arrived). With ``TRAP`` (the GPU default) a timed-out
+    kernel never returns, so nothing downstream on the stream runs on stale data.
+    """
+    status = wait(ptrs, cell, me, epoch, timeout_ns, SIZE)
+    if status != 0:
+        write_timeout_record(record, ptrs, cell, me, epoch, SIZE)
+        if TRAP:
+            trap()
+    return status
+
+
+@triton.jit
+def grid_fence(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.constexpr):
+    """A whole fence at the tail of a multi-program kernel, with no extra launch.
+
+    Every program calls it after its last write to peer memory. The last program to
+    arrive advances the epoch, publishes it and waits; the kernel ends only after
+    every member arrived, so kernels after it on the stream read complete data.
+
+    Pseudocode::
+
+        block_barrier()                                    # this program's writes first
+        n = atomic_add_acq_rel_sys(&mem[me].cell.arrivals, 1)
+        if n == num_programs - 1:                          # last one in
+            mem[me].cell.arrivals = 0                      # ready for the next launch
+            e = advance_epoch(); publish(e); fence_or_trap(e)
+
+    Why it is correct: each program's peer writes precede its release (acq_rel, system
+    scope) on the arrival counter; the last program acquires every earlier increment,
+    and its release store of the epoch is cumulative, so a member that observes the
+    epoch observes every program's writes. Graph-safe. Cost: one local atomic per
+    program, one publish and one wait in total. Returns the wait status (last
+    program) or 0.
+    """
+    tl.debug_barrier()
+    counter = (tl.load(ptrs + me) + cell + 8).to(tl.pointer_type(tl.int64))
+    nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    n = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys")
+    status = (n * 0).to(tl.int32)
+    if n == nprog - 1:
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        e = advance_epoch(ptrs, cell, me)
+        publish(ptrs, cell, me, e, SIZE)
+        status = fence_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
+    return status

@@ -1,0 +1,216 @@
+"""Run a function on N ranks (one process each) and collect every rank's result.
+
+This is how symmsync's own tests run, and how users test their kernels on a machine
+without GPUs::
+
+    import symmsync as ss
+    from symmsync.testing import run
+
+    def exchange(n):
+        buf = ss.SymmetricBuffer(n, backend="host")
+        ...
+        return buf.rank
+
+    assert run(exchange, 4, 1024) == [0, 1, 2, 3]
+
+Each rank is a fresh process (``spawn``) with torch.distributed initialized (gloo
+for the host backend, NCCL with one GPU per rank for CUDA) and, for the host
+backend, ``TRITON_INTERPRET=1`` set before anything imports Triton. The first rank
+that raises stops the run: the others are killed and :class:`~symmsync.RankFailure`
+carries that rank's traceback. A run that outlives ``timeout_s`` is killed and
+names the ranks that never finished, so a deadlock fails fast instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import os
+import pickle
+import queue
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+from .errors import ConfigError, RankFailure
+
+#: Default time budget of a whole run, in seconds.
+DEFAULT_TIMEOUT_S = 180.0
+
+_env_lock = threading.Lock()
+
+
+def run(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "host",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    env: dict[str, str] | None = None,
+    dist_backend: str | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results.
+
+    Args:
+        fn: a module-level (picklable) function. Inside it, ``torch.distributed`` is
+            initialized; ``torch.distributed.get_rank()`` gives the rank.
+        world_size: number of ranks (processes).
+        backend: ``"host"`` (gloo, CPU, Triton interpreter) or ``"cuda"`` (NCCL,
+            GPU ``rank`` per process; needs ``world_size`` GPUs).
+        timeout_s: budget for the whole run, start-up included.
+        env: extra environment variables for the ranks.
+        dist_backend: torch.distributed backend (default: gloo for host, NCCL for cuda;
+            gloo with cuda keeps collectives on the CPU, e.g. for tests that stop a GPU).
+
+    Returns:
+        ``[result of rank 0, result of rank 1, ...]``.
+
+    Raises:
+        RankFailure: a rank raised (its traceback is in the message), died, or the
+            run timed out (the message names the ranks that had not finished).
+    """
+    if backend not in ("host", "cuda"):
+        raise ConfigError(f"testing.run: backend must be 'host' or 'cuda', got {backend!r}")
+    dist_backend = dist_backend or ("gloo" if backend == "host" else "nccl")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"testing.run: world_size must be a positive int, got {world_size!r}")
+    ctx = mp.get_context("spawn")
+    results: queue.Queue = ctx.Queue()
+    tmp = tempfile.mkdtemp(prefix="symmsync-run-")
+    prefix = f"symmsync-t{secrets.token_hex(4)}"
+    child_env = {
+        "SYMMSYNC_SHM_PREFIX": prefix,
+        "TRITON_INTERPRET": "1" if backend == "host" else "0",
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
+    procs = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        with _env_lock:  # spawn copies os.environ at start; set it for the children only
+            saved = {k: os.environ.get(k) for k in child_env}
+            os.environ.update(child_env)
+            try:
+                for rank in range(world_size):
+                    p = ctx.Process(
+                        target=_rank_main,
+                        args=(fn, rank, world_size, backend, dist_backend, os.path.join(tmp, "store"), timeout_s, results,
+                              args, kwargs),
+                        name=f"symmsync-rank{rank}",
+                        daemon=True,
+                    )
+                    p.start()
+                    procs.append(p)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        return _collect(procs, results, world_size, deadline, timeout_s)
+    except BaseException:
+        _kill(procs)
+        _remove_segments(prefix)
+        raise
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+        _kill(procs)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _collect(procs: list, results: queue.Queue, world_size: int, deadline: float, timeout_s: float) -> list[Any]:
+    out: dict[int, Any] = {}
+    exited_at: dict[int, float] = {}
+    while len(out) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = [r for r in range(world_size) if r not in out]
+            raise RankFailure(
+                f"testing.run: ranks {missing} did not finish within {timeout_s:.0f} s "
+                "(a hang: a collective or a wait that some rank never joined?)",
+                rank=missing[0],
+            )
+        try:
+            rank, status, payload = results.get(timeout=min(0.2, remaining))
+        except queue.Empty:
+            now = time.monotonic()
+            for r, p in enumerate(procs):
+                if r not in out and p.exitcode is not None:
+                    # Give the queue's feeder a moment to deliver a result posted on exit.
+                    if now - exited_at.setdefault(r, now) > 2.0:
+                        raise RankFailure(
+                            f"testing.run: rank {r} exited with code {p.exitcode} without a result "
+                            "(killed or crashed in native code?)",
+                            rank=r,
+                        )
+            continue
+        if status == "ok":
+            out[rank] = pickle.loads(payload)
+            continue
+        kind, message, tb, exc_bytes = payload
+        cause = None
+        if exc_bytes is not None:
+            try:
+                cause = pickle.loads(exc_bytes)
+            except Exception:  # noqa: BLE001 - the text below still says everything
+                cause = None
+        raise RankFailure(f"testing.run: rank {rank} raised {kind}: {message}\n--- rank {rank} traceback ---\n{tb}",
+                          rank=rank, remote_traceback=tb) from cause
+    return [out[r] for r in range(world_size)]
+
+
+def _kill(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+
+
+def _remove_segments(prefix: str) -> None:
+    """Unlink shared-memory segments that killed ranks had no chance to unlink."""
+    for path in glob.glob(f"/dev/shm/{prefix}-*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _rank_main(fn, rank, world_size, backend, dist_backend, store, timeout_s, results, args, kwargs) -> None:  # pragma: no cover - runs in children
+    import torch
+    import torch.distributed as dist
+
+    try:
+        extra = {}
+        if backend == "cuda":
+            torch.cuda.set_device(rank)
+            if dist_backend == "nccl":
+                extra["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group(
+            dist_backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s), **extra,
+        )
+        value = fn(*args, **kwargs)
+        results.put((rank, "ok", pickle.dumps(value)))
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        try:
+            exc_bytes = pickle.dumps(e)
+        except Exception:  # noqa: BLE001
+            exc_bytes = None
+        results.put((rank, "error", (type(e).__name__, str(e), traceback.format_exc(), exc_bytes)))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a peer already gone must not mask the result
+            pass
+        results.close()
+        results.join_thread()

@@ -1,0 +1,169 @@
+"""SymmetricBuffer on the host backend: exchange, views of peer memory, bad input, teardown."""
+
+import glob
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import symmsync as ss
+from symmsync.testing import run
+
+NBYTES = 64 * 1024
+
+
+def _stamp(src: int, dst: int) -> int:
+    return 1000 * src + dst + 1
+
+
+def exchange_pattern(nbytes: int) -> list[list[int]]:
+    """Every rank writes a rank-stamped block into every peer, then reads its own."""
+    with ss.SymmetricBuffer(nbytes, backend="host") as buf:
+        r, w = buf.rank, buf.world_size
+        assert buf.ptrs.dtype == torch.int64 and buf.ptrs.shape == (w,)
+        assert buf.device == torch.device("cpu") and buf.nbytes == nbytes
+        block = nbytes // w // 16 * 16 // 8  # int64 words per source rank
+        for p in range(w):
+            buf.tensor(r * block * 8, (block,), torch.int64, rank=p).copy_(
+                torch.arange(block, dtype=torch.int64) * 7 + _stamp(r, p)
+            )
+        dist.barrier()
+        mine = buf.tensor(0, (w, block), torch.int64)
+        return [(mine[s] - torch.arange(block) * 7).unique().tolist() for s in range(w)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_rank_reads_what_every_peer_wrote(world):
+    results = run(exchange_pattern, world, NBYTES)
+    for dst, seen in enumerate(results):
+        assert seen == [[_stamp(src, dst)] for src in range(world)]
+
+
+def peer_tensor_aliases_peer_memory() -> tuple[int, int, bool]:
+    buf = ss.SymmetricBuffer(4096, backend="host")
+    peer = (buf.rank + 1) % buf.world_size
+    t = buf.tensor(32, (4,), torch.int32, rank=peer)
+    base = buf.ptrs[peer].item()
+    same_as_own = buf.tensor(32, (4,), torch.int32).data_ptr() == t.data_ptr()
+    buf.close()
+    return t.data_ptr(), base + 32, same_as_own
+
+
+def test_tensor_is_a_view_of_the_peers_memory_not_a_copy():
+    for addr, expected, same in run(peer_tensor_aliases_peer_memory, 2):
+        assert addr == expected
+        assert not same
+
+
+def bad_size_on_one_rank(backend="host"):
+    nbytes = 4096 if dist.get_rank() != 1 else 8192
+    with pytest.raises(ss.SizeMismatchError) as e:
+        ss.SymmetricBuffer(nbytes, backend=backend)
+    return str(e.value)
+
+
+def bad_size_on_one_rank_cuda():
+    return bad_size_on_one_rank("cuda")
+
+
+def test_sizes_that_differ_raise_on_every_rank_naming_ranks_and_sizes():
+    msgs = run(bad_size_on_one_rank, 3)
+    for m in msgs:
+        assert "rank 0: 4096" in m and "rank 1: 8192" in m and "rank 2: 4096" in m
+
+
+def bad_nbytes(value_on_rank_0):
+    nbytes = value_on_rank_0 if dist.get_rank() == 0 else 4096
+    with pytest.raises(ss.ConfigError) as e:
+        ss.SymmetricBuffer(nbytes, backend="host")
+    return str(e.value)
+
+
+@pytest.mark.parametrize("value", [0, -16])
+def test_zero_or_negative_size_raises_on_every_rank(value):
+    for m in run(bad_nbytes, 2, value):
+        assert "rank 0" in m and "positive" in m and str(value) in m
+
+
+def bad_views():
+    buf = ss.SymmetricBuffer(1024, backend="host")
+    errors = {}
+    cases = {
+        "past_end": lambda: buf.tensor(1024 - 16, (5,), torch.float32),
+        "misaligned": lambda: buf.tensor(8, (2,), torch.float32),
+        "negative": lambda: buf.tensor(-16, (2,), torch.float32),
+        "dtype": lambda: buf.tensor(0, (2,), "float32"),
+        "rank": lambda: buf.tensor(0, (2,), torch.float32, rank=buf.world_size),
+        "shape": lambda: buf.tensor(0, (-1,), torch.float32),
+    }
+    for name, fn in cases.items():
+        try:
+            fn()
+        except ss.SymmSyncError as e:
+            errors[name] = (type(e).__name__, str(e))
+    ok_end = buf.tensor(1024 - 16, (4,), torch.float32).numel()  # exactly fits
+    buf.close()
+    closed = {}
+    for name, fn in {
+        "tensor": lambda: buf.tensor(0, (1,), torch.uint8),
+        "ptrs": lambda: buf.ptrs,
+        "view": lambda: buf.view([buf.rank]),
+    }.items():
+        try:
+            fn()
+        except ss.ClosedError as e:
+            closed[name] = str(e)
+    buf.close()  # idempotent
+    return errors, ok_end, closed
+
+
+def test_views_outside_the_buffer_or_misaligned_raise_and_use_after_close_raises():
+    for errors, ok_end, closed in run(bad_views, 2):
+        assert set(errors) == {"past_end", "misaligned", "negative", "dtype", "rank", "shape"}
+        assert errors["past_end"][0] == "BoundsError" and "[1008, 1028)" in errors["past_end"][1]
+        assert "multiple of 16" in errors["misaligned"][1]
+        assert errors["rank"][0] == "ConfigError"
+        assert ok_end == 4
+        assert set(closed) == {"tensor", "ptrs", "view"} and all("after close" in m for m in closed.values())
+
+
+def segments_after_close(prefix_env: str):
+    prefix = os.environ[prefix_env]
+    buf = ss.SymmetricBuffer(1 << 16, backend="host")
+    # The names are unlinked as soon as every peer mapped them, before any close.
+    linked_while_open = glob.glob(f"/dev/shm/{prefix}-*")
+    buf.tensor(0, (16,), torch.uint8).fill_(1)
+    dist.barrier()
+    buf.close()
+    dist.barrier()
+    return linked_while_open, glob.glob(f"/dev/shm/{prefix}-*")
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="/dev/shm is Linux's view of POSIX shared memory")
+def test_no_segment_is_left_in_dev_shm():
+    for while_open, after in run(segments_after_close, 4, "SYMMSYNC_SHM_PREFIX"):
+        assert while_open == [] and after == []
+
+
+def backend_choice():
+    buf = ss.SymmetricBuffer(1024)  # auto: no CUDA device here, so host
+    name = buf.backend
+    buf.close()
+    with pytest.raises(ss.ConfigError) as e:
+        ss.SymmetricBuffer(1024, backend="nvshmem")
+    return name, str(e.value)
+
+
+def test_auto_backend_picks_host_without_gpus_and_unknown_backends_raise():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: auto would pick CUDA")
+    for name, msg in run(backend_choice, 2):
+        assert name == "host" and "nvshmem" in msg
+
+
+def test_buffer_needs_an_initialized_process_group():
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with pytest.raises(ss.ConfigError, match="init_process_group"):
+        ss.SymmetricBuffer(1024, backend="host")

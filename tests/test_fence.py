@@ -1,0 +1,162 @@
+"""Fences on the host backend: the payload oracle, split phase, channels, epochs, timeouts.
+
+The payload oracle: before fence ``e`` every rank writes ``stamp(e, i) = 1000 e + i``
+into its slot ``i`` of every member's payload (double-buffered by epoch parity,
+written by a Triton kernel through the view's pointer table); after the fence
+every rank checks every slot of that epoch. Payload writes are delayed on some
+ranks and fences, so a fence that did not wait would be caught reading stale slots
+(``test_the_oracle_bites_without_the_wait`` proves it does get caught).
+"""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+import symmsync as ss
+import symmsync.language as ssl
+from symmsync.testing import run
+
+N_FENCES = 200
+
+
+@triton.jit
+def stamp_kernel(ptrs, payload, me, epoch, SIZE: tl.constexpr):
+    parity = epoch % 2
+    for p in tl.static_range(SIZE):
+        dst = ssl.peer_ptr(ptrs, p, payload, tl.int64)
+        tl.store(dst + parity * SIZE + me, epoch * 1000 + me)
+
+
+def _stamp(view, payload, epoch):
+    stamp_kernel[(1,)](view.ptrs, payload, view.local_index, epoch, SIZE=view.size)
+
+
+def _check(view, payload, epoch):
+    got = view.tensor(payload, (2, view.size), torch.int64)[epoch % 2]
+    want = torch.arange(view.size, dtype=torch.int64, device=got.device) + 1000 * epoch
+    return int((got != want).sum())
+
+
+def _delay(view, epoch):
+    # Make one member late on some fences, so a fence that does not wait reads stale slots.
+    if view.local_index == (epoch // 7) % view.size and epoch % 7 == 3:
+        time.sleep(0.05)
+
+
+def payload_oracle(n, mode, tp=None, backend="host"):
+    """mode: 'fence' (one launch), 'split' (arrive, work, wait), 'nowait' (arrive only)."""
+    buf = ss.SymmetricBuffer(1 << 14, backend=backend)
+    view = ss.pcp_view(buf, tp=tp) if tp else buf.view(list(range(buf.world_size)))
+    fence = ss.Fence(view, timeout_s=60)
+    payload = 0
+    errors = 0
+    work = torch.zeros(64, device=buf.device)
+    for e in range(1, n + 1):
+        _delay(view, e)
+        _stamp(view, payload, e)
+        if mode == "fence":
+            fence.fence()
+        elif mode == "split":
+            fence.arrive()
+            work += torch.randn(64, device=buf.device)  # independent work between arrive and wait
+            fence.wait()
+        else:
+            fence.arrive()
+        errors += _check(view, payload, e)
+    dist.barrier()
+    epoch = fence.epoch
+    path = fence.launch_path
+    buf.close()
+    return {"errors": errors, "epoch": epoch, "ranks": list(view.ranks), "path": path}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_sees_every_peers_payload_after_each_fence(world):
+    for res in run(payload_oracle, world, N_FENCES, "fence"):
+        assert res["errors"] == 0
+        assert res["epoch"] == N_FENCES
+
+
+def test_disjoint_subgroups_fence_independently_on_one_buffer():
+    results = run(payload_oracle, 4, N_FENCES, "fence", tp=2)
+    for rank, res in enumerate(results):
+        assert res["ranks"] == [rank % 2, rank % 2 + 2]
+        assert res["errors"] == 0 and res["epoch"] == N_FENCES
+
+
+def test_split_phase_with_work_between_arrive_and_wait():
+    for res in run(payload_oracle, 2, N_FENCES, "split"):
+        assert res["errors"] == 0 and res["epoch"] == N_FENCES
+
+
+def test_the_oracle_bites_without_the_wait():
+    results = run(payload_oracle, 2, 60, "nowait")
+    assert sum(r["errors"] for r in results) > 0
+
+
+def interleaved_channels(n, backend="host"):
+    buf = ss.SymmetricBuffer(1 << 14, backend=backend, channels=2)
+    view = buf.view(list(range(buf.world_size)))
+    fences = [ss.Fence(view, channel=c, timeout_s=60) for c in (0, 1)]
+    payloads = [0, 256]
+    errors = 0
+    for e in range(1, n + 1):
+        for c in (0, 1):
+            _delay(view, e + c)
+            _stamp(view, payloads[c], e)
+        fences[0].arrive()
+        fences[1].fence()  # channel 1 completes while channel 0 is still open
+        fences[0].wait()
+        errors += _check(view, payloads[0], e) + _check(view, payloads[1], e)
+    epochs = [f.epoch for f in fences]
+    buf.close()
+    return errors, epochs
+
+
+def test_channels_interleave_without_interference():
+    for errors, epochs in run(interleaved_channels, 2, 100):
+        assert errors == 0 and epochs == [100, 100]
+
+
+def one_rank_never_arrives(budget, absent, backend="host"):
+    buf = ss.SymmetricBuffer(4096, backend=backend)
+    view = buf.view(list(range(buf.world_size)))
+    fence = ss.Fence(view, timeout_s=budget)
+    fence.fence()  # everybody arrives once
+    if buf.rank == absent:
+        dist.barrier()  # never reaches the second fence; waits for the others to give up
+        return None
+    t0 = time.monotonic()
+    try:
+        fence.fence()
+        fence.synchronize()  # GPU: the trap surfaces here, as a FenceTimeout
+    except ss.FenceTimeout as e:
+        elapsed = time.monotonic() - t0
+        try:
+            fence.fence()
+        except ss.FenceTimeout as again:
+            repeated = again is e
+        dist.barrier()
+        return {"elapsed": elapsed, "msg": str(e), "rank": e.rank, "late": e.late, "epoch": e.epoch,
+                "repeated": repeated}
+    dist.barrier()
+    return "no timeout"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_that_never_arrives_makes_the_others_time_out_naming_it(world):
+    budget = 2.0
+    absent = world - 1
+    results = run(one_rank_never_arrives, world, budget, absent, timeout_s=120)
+    assert results[absent] is None
+    for rank in range(world - 1):
+        r = results[rank]
+        assert isinstance(r, dict), r
+        assert budget <= r["elapsed"] < budget + 10
+        assert r["rank"] == rank and r["epoch"] == 2 and r["late"] == {absent: 1}
+        assert f"rank {absent} (its slot holds epoch 1)" in r["msg"] and "epoch 2" in r["msg"]
+        assert r["repeated"]  # a timed-out fence stays failed: it never runs on stale data

@@ -1,0 +1,59 @@
+"""symmsync.testing.run: results in rank order, fail fast with the failing rank's traceback."""
+
+import os
+import time
+
+import pytest
+import torch.distributed as dist
+
+import symmsync as ss
+from symmsync.testing import run
+
+
+def rank_and_world(tag):
+    return (tag, dist.get_rank(), dist.get_world_size(), os.environ.get("TRITON_INTERPRET"))
+
+
+def test_results_come_back_in_rank_order_with_the_interpreter_set():
+    assert run(rank_and_world, 3, "x") == [("x", r, 3, "1") for r in range(3)]
+
+
+def one_rank_raises():
+    if dist.get_rank() == 1:
+        raise ValueError("planted failure on rank 1")
+    time.sleep(120)  # the others would wait for a long time: run must not
+
+
+def test_a_failing_rank_stops_the_run_with_its_traceback():
+    t0 = time.monotonic()
+    with pytest.raises(ss.RankFailure) as e:
+        run(one_rank_raises, 3, timeout_s=100)
+    assert time.monotonic() - t0 < 60
+    assert e.value.rank == 1
+    assert "planted failure on rank 1" in str(e.value)
+    assert "one_rank_raises" in e.value.remote_traceback
+    assert isinstance(e.value.__cause__, ValueError)
+
+
+def one_rank_hangs():
+    if dist.get_rank() == 0:
+        time.sleep(600)
+    return "done"
+
+
+def test_a_hang_becomes_a_failure_naming_the_ranks_that_did_not_finish():
+    t0 = time.monotonic()
+    with pytest.raises(ss.RankFailure, match=r"ranks \[0\] did not finish within 15 s"):
+        run(one_rank_hangs, 2, timeout_s=15)
+    assert time.monotonic() - t0 < 45
+
+
+def one_rank_dies():
+    if dist.get_rank() == 1:
+        os._exit(3)
+    time.sleep(120)
+
+
+def test_a_rank_that_dies_is_reported_with_its_exit_code():
+    with pytest.raises(ss.RankFailure, match="rank 1 exited with code 3"):
+        run(one_rank_dies, 2, timeout_s=60)
