@@ -52,6 +52,73 @@ def spin_kernel(ns):
         now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
 
+@triton.jit
+def _st_release(ptr, v):
+    tl.inline_asm_elementwise("st.release.sys.global.b64 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,l", [ptr, v],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _red_release(ptr, v):
+    tl.inline_asm_elementwise("red.release.sys.global.add.u64 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,l", [ptr, v],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _fence_then_relaxed(ptr, v):
+    tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tst.relaxed.sys.global.b64 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,l",
+                              [ptr, v], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _ld_acquire(ptr):
+    return tl.inline_asm_elementwise("ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _ld_relaxed(ptr):
+    return tl.inline_asm_elementwise("ld.relaxed.sys.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _acquire_fence():
+    tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
+def variant_fence(ptrs, cell, me, PUB: tl.constexpr, POLL: tl.constexpr):
+    """Candidate instruction choices for a 2-rank fence (one peer), measured side by side.
+
+    PUB: 0 st.release.sys, 1 red.release.sys.add (slot counts arrivals), 2 fence + st.relaxed.
+    POLL: 0 ld.acquire.sys per poll, 1 ld.relaxed.sys polls then one fence.acq_rel.sys.
+    No time budget (measurement only).
+    """
+    peer = 1 - me
+    ep = (tl.load(ptrs + me) + cell).to(tl.pointer_type(tl.int64))
+    e = tl.load(ep) + 1
+    tl.store(ep, e)
+    dst = (tl.load(ptrs + peer) + cell + 128).to(tl.pointer_type(tl.int64)) + me
+    if PUB == 0:
+        _st_release(dst, e)
+    elif PUB == 1:
+        _red_release(dst, e - e + 1)
+    else:
+        _fence_then_relaxed(dst, e)
+    mine = (tl.load(ptrs + me) + cell + 128).to(tl.pointer_type(tl.int64)) + peer
+    if POLL == 0:
+        v = _ld_acquire(mine)
+        while v < e:
+            v = _ld_acquire(mine)
+    else:
+        v = _ld_relaxed(mine)
+        while v < e:
+            v = _ld_relaxed(mine)
+        _acquire_fence()
+
+
 def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
@@ -62,9 +129,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     from symmsync import fence as fence_mod
     from symmsync.launch import Launcher
 
-    buf = ss.SymmetricBuffer(1 << 20, backend="cuda", channels=8)
+    buf = ss.SymmetricBuffer(1 << 20, backend="cuda", channels=16)
     view = buf.view(list(range(world)))
-    fences = [ss.Fence(view, channel=c) for c in range(8)]
+    fences = [ss.Fence(view, channel=c) for c in range(16)]
     it, reps = args.iters, args.reps
     R: dict[str, float] = {}
 
@@ -112,6 +179,12 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     empty_fast = Launcher(empty_kernel, (1,), num_warps=1).bind(x)
     both("empty_symmsync_launcher", empty_fast)
 
+    # Instruction candidates for publish and poll (graph replay), each on its own channel.
+    for i, (pub, poll) in enumerate(((0, 0), (1, 0), (2, 0), (0, 1), (1, 1))):
+        f = fences[8 + i]
+        k = Launcher(variant_fence, (1,), num_warps=1, PUB=pub, POLL=poll).bind(view.ptrs, f.cell, view.local_index)
+        R[f"variant_pub{pub}_poll{poll}.graph"] = common.graph_us(k, iters=it, reps=reps)
+
     # Where the time goes (graph replay): publish alone, a satisfied wait, the full fence.
     def variant(f, arrive, wait):
         return Launcher(fence_mod._fence_kernel, (1,), num_warps=1, SIZE=view.size, ARRIVE=arrive, WAIT=wait,
@@ -120,7 +193,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     R["breakdown_arrive_only.graph"] = common.graph_us(variant(fences[4], True, False), iters=it, reps=reps)
     R["breakdown_wait_satisfied.graph"] = common.graph_us(variant(fences[5], False, True), iters=it, reps=reps)
 
-    # Overlap: arrive, ~12 µs of compute, wait.
+    # Overlap: arrive, ~12 µs of compute, wait; and the fence on a side stream (Fence.overlap).
     spin_ns = 12_000
     spin = Launcher(spin_kernel, (1,), num_warps=1).bind(spin_ns)
     f6 = fences[6]
@@ -130,8 +203,17 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         spin()
         f6.wait()
 
+    f7 = fences[7]
+
+    def side_stream():
+        with f7.overlap():
+            spin()
+
     R["overlap_compute_alone.graph"] = common.graph_us(spin, iters=it, reps=reps)
     R["overlap_arrive_compute_wait.graph"] = common.graph_us(overlapped, iters=it, reps=reps)
+    R["overlap_side_stream.graph"] = common.graph_us(side_stream, iters=it, reps=reps)
+    R["overlap_side_stream.eager"] = common.eager_us(side_stream, iters=it, reps=reps)
+    R["overlap_compute_alone.eager"] = common.eager_us(spin, iters=it, reps=reps)
     R["launch_path"] = f0.launch_path  # type: ignore[assignment]
     R["epochs_after"] = [f.epoch for f in fences]  # type: ignore[assignment]
 
@@ -180,10 +262,21 @@ def report(per_rank: list, args: argparse.Namespace) -> None:
     ]
     c = res["overlap_compute_alone.graph"]
     o = res["overlap_arrive_compute_wait.graph"]
-    overlap = (o - c) / sym_g
+    side = res["overlap_side_stream.graph"]
+    overlap = (side - c) / sym_g
     lines += [
-        f"overlap: compute alone {c:.2f} µs; arrive + compute + wait {o:.2f} µs; "
-        f"the fence adds {o - c:.2f} µs = {overlap:.1%} of its own cost",
+        f"  eager launch of an empty kernel: symmsync {res['empty_symmsync_launcher.eager']:.2f} µs, "
+        f"Triton {res['empty_triton.eager']:.2f} µs",
+        "instruction candidates, 2-rank fence without a time budget (graph replay, µs):",
+    ] + [
+        f"  publish {['st.release.sys', 'red.release.sys.add', 'fence.acq_rel + st.relaxed'][p]:28s} "
+        f"poll {['ld.acquire.sys', 'ld.relaxed + fence'][q]:20s} {res[f'variant_pub{p}_poll{q}.graph']:6.2f}"
+        for p, q in ((0, 0), (1, 0), (2, 0), (0, 1), (1, 1))
+    ] + [
+        f"overlap (graph): compute alone {c:.2f} µs; arrive + compute + wait on one stream {o:.2f} µs "
+        f"(+{o - c:.2f}); Fence.overlap() side stream {side:.2f} µs (+{side - c:.2f} = {overlap:.1%} of a fence)",
+        f"overlap (eager): compute alone {res['overlap_compute_alone.eager']:.2f} µs; "
+        f"Fence.overlap() {res['overlap_side_stream.eager']:.2f} µs",
         "targets:",
         f"  graph replay <= {TARGET_GRAPH_US} µs: {sym_g:.2f} µs "
         f"({'met' if sym_g <= TARGET_GRAPH_US else 'MISSED by %.2f µs' % (sym_g - TARGET_GRAPH_US)}); "

@@ -8,7 +8,6 @@ what the peer wrote, inside one compiled function, with one rank delayed.
 
 import time
 
-import pytest
 import torch
 
 import symmsync as ss

@@ -48,7 +48,8 @@ def _delay(view, epoch):
 
 
 def payload_oracle(n, mode, tp=None, backend="host"):
-    """mode: 'fence' (one launch), 'split' (arrive, work, wait), 'nowait' (arrive only)."""
+    """mode: 'fence' (one launch), 'split' (arrive, work, wait), 'overlap' (Fence.overlap around
+    the work), 'nowait' (arrive only)."""
     buf = ss.SymmetricBuffer(1 << 14, backend=backend)
     view = ss.pcp_view(buf, tp=tp) if tp else buf.view(list(range(buf.world_size)))
     fence = ss.Fence(view, timeout_s=60)
@@ -64,6 +65,9 @@ def payload_oracle(n, mode, tp=None, backend="host"):
             fence.arrive()
             work += torch.randn(64, device=buf.device)  # independent work between arrive and wait
             fence.wait()
+        elif mode == "overlap":
+            with fence.overlap():
+                work += torch.randn(64, device=buf.device)
         else:
             fence.arrive()
         errors += _check(view, payload, e)
@@ -88,8 +92,9 @@ def test_disjoint_subgroups_fence_independently_on_one_buffer():
         assert res["errors"] == 0 and res["epoch"] == N_FENCES
 
 
-def test_split_phase_with_work_between_arrive_and_wait():
-    for res in run(payload_oracle, 2, N_FENCES, "split"):
+@pytest.mark.parametrize("mode", ["split", "overlap"])
+def test_split_phase_with_work_between_arrive_and_wait(mode):
+    for res in run(payload_oracle, 2, N_FENCES, mode):
         assert res["errors"] == 0 and res["epoch"] == N_FENCES
 
 

@@ -18,6 +18,8 @@ from symmsync.testing import run
 
 import test_buffer
 import test_fence
+import test_pcp
+from symmsync import pcp
 
 pytestmark = pytest.mark.gpu
 WORLD = 2
@@ -72,9 +74,10 @@ def test_fence_payload_oracle_on_gpus():
         assert res["path"] == "cuda-python"  # the fast launch path, not Triton's launcher
 
 
-def test_split_phase_and_channels_on_gpus():
-    for res in run(test_fence.payload_oracle, WORLD, 200, "split", None, "cuda", backend="cuda"):
-        assert res["errors"] == 0 and res["epoch"] == 200
+def test_split_phase_overlap_and_channels_on_gpus():
+    for mode in ("split", "overlap"):
+        for res in run(test_fence.payload_oracle, WORLD, 200, mode, None, "cuda", backend="cuda"):
+            assert res["errors"] == 0 and res["epoch"] == 200, mode
     for errors, epochs in run(test_fence.interleaved_channels, WORLD, 100, "cuda", backend="cuda"):
         assert errors == 0 and epochs == [100, 100]
 
@@ -216,3 +219,65 @@ def adopt_torch_symmetric_memory():
 def test_adopting_torch_symmetric_memory_gives_views_and_fences():
     for rank, (got, same) in enumerate(run(adopt_torch_symmetric_memory, WORLD, backend="cuda")):
         assert got == [1 - rank + 0.5] * 8 and same
+
+
+def test_pcp2_byte_oracle_on_gpus_eagerly():
+    test_pcp._assert_oracle(run(test_pcp.byte_oracle, WORLD, 1, 1000, 3, 5, "cuda", backend="cuda"), 3)
+
+
+def pcp_graph_replay(route, fused, replays):
+    world = dist.get_world_size()
+    tokens, layers = 700, 2
+    layout = pcp.CacheLayout(num_blocks=tokens // 64 + 2, num_layers=layers, base=128)
+    buf = ss.SymmetricBuffer(layout.end + 128, backend="cuda")
+    view = buf.view(list(range(world)))
+    writer = pcp.DirectKVWriter(view, layout, route=route, fused=fused, timeout_s=30)
+    split = pcp.pcp_split(tokens, world)
+    me = buf.rank
+    static = [torch.zeros(split.tokens_per_rank, w, dtype=torch.bfloat16, device=buf.device) for w in (512, 64, 128)]
+    _, _, _, slots = test_pcp.prompt(0, tokens, layout.num_slots)
+    batch = writer.prepare(split.local_slots(slots, me).to(buf.device))
+
+    def step():
+        for layer in range(layers):
+            writer.write(layer, *static, batch)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    dist.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    ok = []
+    for rep in range(replays):
+        kv, pe, ix, _ = test_pcp.prompt(100 + rep, tokens, layout.num_slots, special=True)
+        for dst, src in zip(static, (kv, pe, ix)):
+            dst.copy_(split.local_rows(src, me))
+        torch.cuda.synchronize()
+        dist.barrier()  # every rank's inputs are in place before any replica is written
+        g.replay()
+        if writer.fence is not None:
+            writer.fence.synchronize()
+        torch.cuda.synchronize()
+        dist.barrier()
+        want = test_pcp.reference_cache(layout, kv, pe, ix, slots)
+        for layer in range(layers):
+            ok.append(torch.equal(layout.main_kv(buf, layer).cpu(), want[0])
+                      and torch.equal(layout.indexer_k(buf, layer).cpu(), want[1]))
+        dist.barrier()  # nobody overwrites inputs of the next replay while a peer still checks
+    epoch = writer.fence.epoch if writer.fence is not None else None
+    buf.close()
+    return ok, epoch
+
+
+@pytest.mark.parametrize("route,fused", [("direct", False), ("direct", True), ("allgather", False)])
+def test_pcp2_byte_oracle_in_cuda_graph_replay(route, fused):
+    replays = 4
+    for ok, epoch in run(pcp_graph_replay, WORLD, route, fused, replays, backend="cuda"):
+        assert ok == [True] * (2 * replays)
+        if route == "direct":
+            assert epoch == 2 * (replays + 1)  # one fence per layer, on the warm-up and every replay

@@ -2,7 +2,7 @@
 
 Compiles symmsync's kernels with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``
 in a subprocess without the interpreter, and checks that the compile-time switch
-picked the GPU instructions: release stores and acquire loads at system scope, the
+picked the GPU instructions: release reductions and acquire loads at system scope, the
 global timer for the time budget, and a trap after the timeout record.
 """
 
@@ -52,6 +52,16 @@ SCRIPT = textwrap.dedent(
                        target=target, options={"num_warps": 1})
     out["translate"] = k.asm["ptx"]
     out["cubin"] = len(k.asm["cubin"])
+    from symmsync.pcp import writer as W
+    wsig = {"kv_c": "*i16", "k_pe": "*i16", "idx_k": "*i16", "kv_stride": "i32", "pe_stride": "i32",
+            "ix_stride": "i32", "slots": "*i64", "n_rows": "i32", "dst": "*i64", "main_off": "i32", "idx_off": "i32",
+            "cell": "i32", "me": "i32", "timeout_ns": "i64", "record": "i64"}
+    for split in (False, True):
+        for fused in (False, True):
+            consts = {"NDST": 2, "BLOCK_T": 32, "BLOCK_SIZE": 64, "SPLIT": split, "FUSED": fused, "TRAP": True}
+            src = ASTSource(W._quantize_write_kernel, {**wsig, **{k: "constexpr" for k in consts}}, consts)
+            k = triton.compile(src, target=target, options={"num_warps": 4})
+            out[f"writer_split{int(split)}_fused{int(fused)}"] = k.asm["ptx"]
     print(json.dumps(out))
     """
 )
@@ -72,9 +82,9 @@ def _lines(text, needle):
     return [line.strip() for line in text.splitlines() if needle in line and not line.strip().startswith(".loc")]
 
 
-def test_fence_publishes_with_release_stores_and_waits_with_acquire_loads_on_sm90(ptx):
+def test_fence_publishes_with_release_reductions_and_waits_with_acquire_loads_on_sm90(ptx):
     fence = ptx["fence"]
-    assert _lines(fence, "st.release.sys.global.b64")
+    assert _lines(fence, "red.release.sys.global.add.u64")
     assert _lines(fence, "ld.acquire.sys.global.b64")
     assert not _lines(fence, "atom.")  # no exchange round trip in the publish
     assert _lines(fence, "%globaltimer") and _lines(fence, "trap;") and _lines(fence, "fence.sc.sys")
@@ -82,15 +92,25 @@ def test_fence_publishes_with_release_stores_and_waits_with_acquire_loads_on_sm9
 
 
 def test_split_phase_kernels_contain_only_their_half(ptx):
-    assert _lines(ptx["arrive"], "st.release.sys") and not _lines(ptx["arrive"], "ld.acquire.sys")
-    assert _lines(ptx["wait"], "ld.acquire.sys") and not _lines(ptx["wait"], "st.release.sys")
+    assert _lines(ptx["arrive"], "red.release.sys") and not _lines(ptx["arrive"], "ld.acquire.sys")
+    assert _lines(ptx["wait"], "ld.acquire.sys") and not _lines(ptx["wait"], "red.release.sys")
 
 
 def test_grid_fence_counts_arrivals_with_a_system_scope_atomic(ptx):
     tail = ptx["tail"]
     assert any("atom" in line and "sys" in line and "add" in line for line in _lines(tail, "atom"))
-    assert _lines(tail, "st.release.sys") and _lines(tail, "ld.acquire.sys")
+    assert _lines(tail, "red.release.sys") and _lines(tail, "ld.acquire.sys")
 
 
 def test_peer_address_translation_compiles(ptx):
     assert _lines(ptx["translate"], "st.global")
+
+
+def test_the_pcp_writer_compiles_with_exact_division_and_no_fp8_cast(ptx):
+    for split in (0, 1):
+        for fused in (0, 1):
+            text = ptx[f"writer_split{split}_fused{fused}"]
+            assert _lines(text, "div.rn.f32")
+            assert not _lines(text, "div.full.f32") and not _lines(text, "div.approx")
+            assert not _lines(text, "cvt.rn.satfinite.e4m3")  # fp8 bits come from integer arithmetic
+            assert bool(_lines(text, "red.release.sys")) == bool(fused)  # the fused tail publishes

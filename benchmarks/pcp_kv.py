@@ -1,0 +1,255 @@
+"""Direct-KV publication against all-gather + insert, on 2 GPUs (PCP2).
+
+Run on a machine with 2 NVLinked GPUs (one process per GPU is spawned)::
+
+    python benchmarks/pcp_kv.py [--out benchmarks/results] [--tokens 1024 4096 8192 16384 32768]
+
+For each number of tokens per rank, with DeepSeek-V3.2 shapes (kv_c 512, k_pe 64,
+indexer K 128, bf16 in; fp8_ds_mla 656 B + indexer 132 B per token out) and a
+61-layer prefill, it measures per layer, eagerly and in CUDA-graph replay:
+  * direct: quantize + write into both replicas + one fence (symmsync's writer);
+  * fused: the same with the fence in the writer's tail;
+  * allgather: NCCL all-gather of the bf16 inputs, then the insert kernel;
+  * floors: the insert kernel writing only the local replica (no peers), and a
+    copy-engine peer copy of the bytes the writer sends to the peer.
+Medians of ``--reps`` runs of 61 layers. Prints a table with ratios and writes
+``pcp_kv_<machine>.json`` and ``.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+LAYERS = 61
+TOKEN_BYTES = 656 + 132
+
+
+def worker(rank: int, world: int, args: argparse.Namespace) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29532")
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    import symmsync as ss
+    from symmsync import pcp
+
+    layers = args.layers
+    config = sweep(rank, world, args) if args.sweep else {}
+    results = []
+    for tokens in args.tokens:  # tokens per rank
+        total = tokens * world
+        layout = pcp.CacheLayout(num_blocks=total // 64 + 1, num_layers=layers, base=0)
+        buf = ss.SymmetricBuffer(layout.end, backend="cuda", channels=4)
+        view = buf.view(list(range(world)))
+        split = pcp.pcp_split(total, world)
+        slots = split.local_slots(torch.arange(total), rank).to(dev)
+        g = torch.Generator(device=dev).manual_seed(rank)
+        inputs = [torch.randn(split.tokens_per_rank, w, device=dev, generator=g).to(torch.bfloat16)
+                  for w in (512, 64, 128)]
+        row = {"tokens_per_rank": tokens, "layers": layers}
+        writers = {
+            "direct": pcp.DirectKVWriter(view, layout, route="direct", channel=0, **config),
+            "fused": pcp.DirectKVWriter(view, layout, route="direct", fused=True, channel=1, **config),
+            "allgather": pcp.DirectKVWriter(view, layout, route="allgather", **config),
+        }
+        for name, w in writers.items():
+            batch = w.prepare(slots)
+
+            def prefill(w=w, batch=batch):
+                for layer in range(layers):
+                    w.write(layer, *inputs, batch)
+
+            row[f"{name}.eager"] = common.eager_us(prefill, iters=1, reps=args.reps, warmup=2) / layers
+            row[f"{name}.graph"] = common.graph_us(prefill, iters=1, reps=args.reps) / layers
+        # Floors. The insert kernel into the local replica only (the allgather route's
+        # kernel on this rank's rows), and the copy engine moving the peer's share.
+        local = writers["allgather"]
+        lbatch = local.prepare(slots)
+
+        def local_insert():
+            for layer in range(layers):
+                local._launch(layer, *inputs, 512, 64, 128, lbatch.slots, lbatch.rows)
+
+        row["local_insert.eager"] = common.eager_us(local_insert, iters=1, reps=args.reps, warmup=2) / layers
+        row["local_insert.graph"] = common.graph_us(local_insert, iters=1, reps=args.reps) / layers
+        nbytes = split.tokens_per_rank * TOKEN_BYTES
+        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
+        peer = buf.tensor(0, (nbytes,), torch.uint8, rank=1 - rank)
+        row["ce_peer_copy.eager"] = common.eager_us(lambda: peer.copy_(src), iters=layers, reps=args.reps)
+        row["peer_bytes_per_layer"] = nbytes
+        results.append(row)
+        for w in writers.values():
+            if w.fence is not None:
+                w.fence.synchronize()
+        dist.barrier()
+        buf.close()
+        torch.cuda.empty_cache()
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, {"rows": results, "config": config, "sweep": SWEEP_RESULTS})
+    if rank == 0:
+        report(gathered, args)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+CONFIGS = [
+    {"block_rows": 16, "num_warps": 4, "split": False},
+    {"block_rows": 16, "num_warps": 4, "split": True},
+    {"block_rows": 32, "num_warps": 4, "split": True},
+    {"block_rows": 32, "num_warps": 8, "split": True},
+    {"block_rows": 64, "num_warps": 8, "split": True},
+    {"block_rows": 32, "num_warps": 4, "split": True, "programs_per_sm": 8},
+]
+SWEEP_RESULTS: list = []
+
+
+def sweep(rank: int, world: int, args: argparse.Namespace) -> dict:
+    """Writer kernel configurations at the largest size (direct, graph replay); the fastest is used."""
+    import symmsync as ss
+    from symmsync import pcp
+
+    tokens = max(args.tokens)
+    total = tokens * world
+    dev = torch.device("cuda", rank)
+    layers = 8
+    layout = pcp.CacheLayout(num_blocks=total // 64 + 1, num_layers=layers, base=0)
+    buf = ss.SymmetricBuffer(layout.end, backend="cuda", channels=len(CONFIGS))
+    view = buf.view(list(range(world)))
+    split = pcp.pcp_split(total, world)
+    slots = split.local_slots(torch.arange(total), rank).to(dev)
+    inputs = [torch.randn(split.tokens_per_rank, w, device=dev).to(torch.bfloat16) for w in (512, 64, 128)]
+    times = []
+    for i, cfg in enumerate(CONFIGS):
+        w = pcp.DirectKVWriter(view, layout, route="direct", channel=i, **cfg)
+        batch = w.prepare(slots)
+
+        def prefill(w=w, batch=batch):
+            for layer in range(layers):
+                w.write(layer, *inputs, batch)
+
+        t = common.graph_us(prefill, iters=1, reps=args.reps) / layers
+        times.append(t)
+        SWEEP_RESULTS.append({"config": cfg, "tokens_per_rank": tokens, "direct_graph_us": t})
+    # Both ranks must pick the same configuration: the slower rank's times decide.
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, times)
+    worst = [max(g[i] for g in gathered) for i in range(len(CONFIGS))]
+    best = CONFIGS[worst.index(min(worst))]
+    buf.close()
+    torch.cuda.empty_cache()
+    return dict(best)
+
+
+def report(per_rank: list, args: argparse.Namespace) -> None:
+    info = common.machine()
+    config, sweep_rows = per_rank[0]["config"], per_rank[0]["sweep"]
+    per_rank = [p["rows"] for p in per_rank]
+    rows = []
+    for i, r0 in enumerate(per_rank[0]):
+        row = dict(r0)
+        for k, v in r0.items():
+            if k.endswith((".eager", ".graph")):
+                row[k] = max(r[i][k] for r in per_rank)  # the slower rank sets the pace
+        rows.append(row)
+    lines = []
+    if sweep_rows:
+        lines.append(f"writer configurations at {sweep_rows[0]['tokens_per_rank']} tokens/rank, direct, graph replay "
+                     "(rank 0, µs per layer):")
+        lines += [f"  {r['config']}: {r['direct_graph_us']:.1f}" for r in sweep_rows]
+    lines.append(f"writer configuration used below: {config or 'the defaults'}")
+    lines += [f"PCP2 KV publication, µs per layer (median of {args.reps} runs of a {args.layers}-layer prefill); "
+              f"{info['gpu_count']}× {info['gpus'][0]}, torch {info['torch']}, triton {info['triton']}",
+             f"{'tokens/rank':>11s} {'mode':>5s} {'direct':>8s} {'fused':>8s} {'allgath':>8s} {'local':>8s} "
+             f"{'CE peer':>8s} {'speedup':>8s} {'writer GB/s':>11s} {'CE GB/s':>8s} {'% of CE':>7s}"]
+    for row in rows:
+        ce = row["ce_peer_copy.eager"]
+        for mode in ("graph", "eager"):
+            d, f, a = row[f"direct.{mode}"], row[f"fused.{mode}"], row[f"allgather.{mode}"]
+            loc = row[f"local_insert.{mode}"]
+            bw = row["peer_bytes_per_layer"] / d / 1e3
+            ce_bw = row["peer_bytes_per_layer"] / ce / 1e3
+            row[f"speedup.{mode}"] = a / d
+            row[f"writer_peer_GBps.{mode}"] = bw
+            row["ce_peer_GBps"] = ce_bw
+            lines.append(f"{row['tokens_per_rank']:>11d} {mode:>5s} {d:8.1f} {f:8.1f} {a:8.1f} {loc:8.1f} {ce:8.1f} "
+                         f"{a / d:7.2f}× {bw:11.1f} {ce_bw:8.1f} {bw / ce_bw:7.1%}")
+    lines.append("targets: direct >= 2× allgather at >= 4k tokens; writer >= 90% of copy-engine bandwidth at >= 16k; "
+                 "fused no slower than direct")
+    for row in rows:
+        t = row["tokens_per_rank"]
+        for mode in ("graph", "eager"):
+            notes = []
+            if t >= 4096:
+                notes.append(f"speedup {row[f'speedup.{mode}']:.2f}× "
+                             f"({'met' if row[f'speedup.{mode}'] >= 2 else 'MISSED'})")
+            if t >= 16384:
+                frac = row[f"writer_peer_GBps.{mode}"] / row["ce_peer_GBps"]
+                notes.append(f"bandwidth {frac:.0%} of CE ({'met' if frac >= 0.9 else 'MISSED'})")
+            fused_ok = row[f"fused.{mode}"] <= row[f"direct.{mode}"] * 1.02
+            notes.append(f"fused {row[f'fused.{mode}']:.1f} vs {row[f'direct.{mode}']:.1f} µs "
+                         f"({'met' if fused_ok else 'MISSED'})")
+            lines.append(f"  {t:>6d} {mode}: " + "; ".join(notes))
+    text = "\n".join(lines)
+    print(text, flush=True)
+    name = f"pcp_kv_{common.slug(info)}"
+    common.write_json(os.path.join(args.out, name + ".json"),
+                      {"machine": info, "rows": rows, "per_rank": per_rank, "reps": args.reps, "table": text,
+                       "writer_config": config, "sweep": sweep_rows})
+    plot(rows, info, os.path.join(args.out, name + ".png"))
+    print(f"wrote {os.path.join(args.out, name)}.json and .png", flush=True)
+
+
+def plot(rows: list, info: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [r["tokens_per_rank"] for r in rows]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key, label in (("direct", "direct (writer + fence)"), ("fused", "direct, fused tail"),
+                       ("allgather", "all-gather + insert"), ("local_insert", "local insert (floor)")):
+        ax.plot(t, [r[f"{key}.graph"] for r in rows], marker="o", label=label)
+    ax.plot(t, [r["ce_peer_copy.eager"] for r in rows], marker="x", ls="--", label="copy-engine peer copy")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("µs per layer (graph replay)")
+    ax.legend(fontsize=8)
+    bx.plot(t, [r["writer_peer_GBps.graph"] for r in rows], marker="o", label="writer peer writes")
+    bx.plot(t, [r["ce_peer_GBps"] for r in rows], marker="x", ls="--", label="copy engine")
+    bx.set_xscale("log", base=2)
+    bx.set_xlabel("tokens per rank")
+    bx.set_ylabel("GB/s to the peer")
+    bx.legend(fontsize=8)
+    fig.suptitle(f"PCP2 KV publication, {info['gpu_count']}× {info['gpus'][0]}, torch {info['torch']}, "
+                 f"triton {info['triton']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 32768])
+    parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--no-sweep", dest="sweep", action="store_false",
+                        help="skip the writer-configuration sweep; use the writer's defaults")
+    args = parser.parse_args()
+    if torch.cuda.device_count() < 2:
+        sys.exit(f"benchmarks/pcp_kv.py needs 2 GPUs; this machine has {torch.cuda.device_count()}")
+    mp.spawn(worker, args=(2, args), nprocs=2, join=True)
+
+
+if __name__ == "__main__":
+    main()

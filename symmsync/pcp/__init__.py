@@ -1,0 +1,28 @@
+"""Prefill context parallelism: the direct-KV cache writer, symmsync's first consumer.
+
+Built only on symmsync's public API (buffers, peer views, fences, the device
+primitives in :mod:`symmsync.language`)::
+
+    from symmsync import pcp
+
+    layout = pcp.CacheLayout(num_blocks, num_layers)
+    writer = pcp.DirectKVWriter(ss.pcp_view(buf, tp), layout)
+    batch = writer.prepare(local_slot_mapping)        # once per batch
+    for layer in range(num_layers):
+        writer.write(layer, kv_c, k_pe, indexer_k, batch)
+"""
+
+from .layout import CacheLayout, IndexerKLayout, MainKVLayout
+from .split import PCPSplit, pcp_split
+from .writer import ROUTES, Batch, DirectKVWriter
+
+__all__ = [
+    "Batch",
+    "CacheLayout",
+    "DirectKVWriter",
+    "IndexerKLayout",
+    "MainKVLayout",
+    "PCPSplit",
+    "ROUTES",
+    "pcp_split",
+]

@@ -1,0 +1,298 @@
+"""Bit-exact fp8 (e4m3fn) quantization primitives for KV-cache writers.
+
+This module provides Triton device functions and pure-torch references for
+the two fp8 layouts used by DeepSeek-V3.2 sparse MLA KV caches. The Triton
+functions give byte-identical results when compiled for NVIDIA GPUs and when
+run by Triton's CPU interpreter (``TRITON_INTERPRET=1``); the torch
+references define the expected bytes.
+
+Formats
+-------
+Main KV, "fp8_ds_mla", 656 bytes per token, built from ``kv_c[t]`` (512
+bf16 values) and ``k_pe[t]`` (64 bf16 values):
+
+* bytes ``[0, 512)``: the 512 ``kv_c`` values as float8_e4m3fn bit
+  patterns, in 4 tiles of 128 values. Value ``x`` of tile ``j`` is stored as
+  ``q = e4m3fn(x / s_j)``: ``x`` is converted to fp32 (exact), divided by
+  ``s_j`` with IEEE round-to-nearest fp32 division, then rounded to e4m3fn
+  with round-to-nearest-even.
+* bytes ``[512, 528)``: the 4 tile scales ``s_j`` as little-endian fp32,
+  ``s_j = max(amax_j / 448, FLT_MIN)``, where ``amax_j`` is the largest
+  ``|x|`` of the tile in fp32, the division is IEEE round-to-nearest and
+  ``FLT_MIN = 2**-126`` is the smallest normal fp32.
+* bytes ``[528, 656)``: the 64 ``k_pe`` values as bf16, copied bit for bit.
+
+Indexer K, 128 values per token from ``indexer_k[t]`` (bf16), one fp32 scale
+per token: ``m = max(amax, 1e-4) / 448`` (fp32, IEEE round-to-nearest
+division; ``1e-4`` is the fp32 value nearest to it, bits ``0x38D1B717``),
+``s`` = the smallest power of two that is ``>= m`` (``s = m`` when ``m`` is
+already a power of two), and ``q = e4m3fn(x / s)``. The quotient is still
+computed as an IEEE round-to-nearest division; because ``s`` is a power of
+two it is exact unless it falls in the fp32 subnormal range, where it is
+correctly rounded (and far below the smallest e4m3 subnormal, so it
+becomes a signed zero in fp8 either way).
+
+Conversion to e4m3fn (:func:`e4m3_bits`)
+----------------------------------------
+Round-to-nearest-even, identical to
+``t.to(torch.float8_e4m3fn).view(torch.uint8)`` in torch 2.13 for every fp32
+input: finite ``|x| < 464`` rounds normally (``+0 -> 0x00``, ``-0 -> 0x80``,
+fp32 subnormals ``-> 0x00/0x80``, e4m3 subnormals ``k * 2**-9``); 464 is the
+midpoint between 448 and the (NaN) code above it and rounds to the even
+code 448; every larger finite value and ``+-inf`` saturates to ``+-448``
+(``0x7E``/``0xFE``); NaN gives ``0x7F`` with the input's sign bit (so
+``0x7F`` or ``0xFF``). Earlier torch releases gave the NaN code instead of
+saturating above 464; the callers here never reach that range (their
+``|x / s|`` is at most about ``448 * (1 + 2**-22)``).
+
+Why the results are exact on both backends
+------------------------------------------
+* :func:`e4m3_bits` uses only 32-bit integer operations (bitcast, and/or,
+  shifts by amounts clamped to ``[21, 25]``, adds that cannot overflow,
+  compares, ``tl.where``), which have a single defined result on the GPU and
+  in numpy. It deliberately avoids ``x.to(tl.float8e4nv)``, whose
+  interpreter implementation (checked in triton 3.6 and 3.9) disagrees with
+  the GPU and torch: halfway cases round away from zero (1.3125 -> 1.375),
+  the carry is lost when rounding crosses a power of two (31.29 -> 16),
+  values in (2**-10, 2**-9) and fp32 subnormals round the wrong way, and
+  out-of-range inputs give odd codes (464 -> NaN, inf -> 256).
+* Divisions use ``tl.math.div_rn`` (available in triton 3.6 through 3.9). It
+  builds ``tt.precise_divf``, which NVIDIA lowers to a plain LLVM ``fdiv``
+  (PTX ``div.rn.f32``, IEEE round-to-nearest) and the interpreter runs as
+  numpy float32 division (also IEEE). The ``/`` operator is not used: for
+  fp32 Triton lowers it to an approximate division (``div.full.f32`` in
+  3.6, ``div.approx.f32`` in 3.9). Kernels built from these functions for
+  sm_90 with triton 3.6 and 3.9 contain ``div.rn.f32``, ``max.f32`` and
+  ``abs.f32`` and no ``.ftz`` instruction (Triton's ``nvvm-reflect-ftz`` flag
+  only affects libdevice calls, which are not used here).
+* ``max`` against a normal constant, and choosing a power of two by
+  masking the fp32 bits, are exact. :func:`mla_tile_scale` does not depend on
+  whether subnormals are flushed: ``amax / 448`` is below ``FLT_MIN``
+  whenever it or ``amax`` is subnormal, so the floor applies either way.
+  :func:`indexer_scale` never meets subnormals (``m >= 1e-4 / 448``).
+* Constants (``448.0``, ``FLT_MIN``, ``1e-4``) are fp32 values converted
+  from Python floats by round-to-nearest on both backends; ``448`` and
+  ``FLT_MIN`` are exact.
+* bf16 inputs are widened with :func:`bf16_to_f32` (a 16-bit shift of the
+  bits), not ``.to(tl.float32)``: the interpreter's bf16 -> fp32 conversion
+  gets bf16 subnormals wrong (bits ``0x0001`` become 0, ``0x003C`` becomes
+  about 1.03e-38 instead of 5.5e-39).
+
+A caller loads bf16 ``x``, widens it with ``bf16_to_f32``, computes ``amax``
+as ``tl.max(tl.abs(x), axis=...)`` (exact), and quantizes with
+``e4m3_bits(tl.math.div_rn(x, s))``. ``tl.math.div_rn`` broadcasts its
+operands like the arithmetic operators do. Inputs are expected to be
+finite: an inf or NaN in a tile makes its scale inf or NaN, and NaNs made by
+arithmetic carry backend-dependent sign bits (x86 gives negative NaNs, NVIDIA
+positive ones), so such tiles are not byte-reproducible.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "FP8_E4M3_MAX",
+    "FLT_MIN",
+    "INDEXER_AMAX_FLOOR",
+    "MLA_TILE",
+    "MLA_NOPE_DIM",
+    "MLA_ROPE_DIM",
+    "MLA_TOKEN_BYTES",
+    "INDEXER_DIM",
+    "e4m3_bits",
+    "bf16_to_f32",
+    "mla_tile_scale",
+    "indexer_scale",
+    "ref_e4m3_bits",
+    "ref_mla_token_bytes",
+    "ref_indexer_bytes",
+]
+
+FP8_E4M3_MAX = 448.0
+"""Largest finite float8_e4m3fn value."""
+
+FLT_MIN = 1.1754943508222875e-38
+"""Smallest normal fp32 value, ``2**-126``; the floor of the MLA tile scales."""
+
+INDEXER_AMAX_FLOOR = 1e-4
+"""Floor applied to the indexer ``amax`` (rounded to fp32, bits 0x38D1B717)."""
+
+MLA_TILE = 128
+MLA_NOPE_DIM = 512
+MLA_ROPE_DIM = 64
+MLA_TOKEN_BYTES = MLA_NOPE_DIM + 4 * (MLA_NOPE_DIM // MLA_TILE) + 2 * MLA_ROPE_DIM
+INDEXER_DIM = 128
+
+
+@triton.jit
+def e4m3_bits(x):
+    """Converts fp32 values to float8_e4m3fn bit patterns (round to nearest even).
+
+    Pure 32-bit integer arithmetic on the fp32 bits, so the result is the same
+    compiled and interpreted. Matches torch 2.13's ``float8_e4m3fn`` cast for
+    every fp32 input; see the module docstring for the saturation, infinity
+    and NaN rules.
+
+    Args:
+        x: fp32 tensor.
+
+    Returns:
+        uint8 tensor of the same shape holding the e4m3fn bit patterns.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    # |x| as bits; clamping at +inf keeps every sum below 2**31.
+    mag = bits & 0x7FFFFFFF
+    a = tl.minimum(mag, 0x7F800000)
+    # Normal e4m3 range (|x| >= 2**-6): keep 3 mantissa bits, round the 20
+    # dropped bits to nearest even (adding 0x7FFFF plus the kept lsb carries
+    # exactly when the dropped part is above half, or is half and lsb is odd;
+    # a carry out of the mantissa bumps the exponent), then rebias the
+    # exponent from 127 to 7 (120 << 3 == 960 in the shifted word).
+    lsb = (a >> 20) & 1
+    normal = ((a + 0x7FFFF + lsb) >> 20) - 960
+    normal = tl.minimum(normal, 0x7E)  # 480 and above saturate to 448
+    # e4m3 subnormal range (|x| < 2**-6): the code is |x| / 2**-9 rounded to
+    # nearest even; |x| = sig * 2**(e - 150) so the code is sig >> (141 - e)
+    # rounded the same way. Shifts of 25 or more give 0 (sig < 2**24), so
+    # clamp there; fp32 subnormals (e == 0) land in that clamped case. A
+    # result of 8 is exactly the smallest normal code 0x08. The lower clamp
+    # only keeps the unused lanes (normal range) free of undefined shifts.
+    e = a >> 23
+    sig = (a & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(tl.maximum(141 - e, 21), 25)
+    half = 1 << (shift - 1)
+    sub = (sig + (half - 1) + ((sig >> shift) & 1)) >> shift
+    code = tl.where(a >= 0x3C800000, normal, sub)
+    code = tl.where(mag > 0x7F800000, 0x7F, code)  # NaN
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def bf16_to_f32(x):
+    """Widens bf16 values to fp32 exactly, through their bits.
+
+    Use this instead of ``x.to(tl.float32)``: Triton's interpreter (3.6
+    through 3.9) converts bf16 subnormals to wrong fp32 values (``0x0001``
+    becomes 0). Compiled, both forms are exact.
+
+    Args:
+        x: bf16 tensor.
+
+    Returns:
+        fp32 tensor with the same values.
+    """
+    bits = x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mla_tile_scale(amax):
+    """Scale of one fp8_ds_mla tile: ``max(amax / 448, FLT_MIN)``.
+
+    Args:
+        amax: fp32 tensor, the largest ``|x|`` of each tile (non-negative).
+
+    Returns:
+        fp32 tensor of scales, the division rounded to nearest (IEEE).
+    """
+    return tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
+
+
+@triton.jit
+def indexer_scale(amax):
+    """Power-of-two indexer scale: the smallest ``2**k >= max(amax, 1e-4) / 448``.
+
+    The quotient is an IEEE round-to-nearest fp32 division; the rounding up
+    to a power of two is done on its bits (no log2/ceil).
+
+    Args:
+        amax: fp32 tensor, the largest ``|x|`` of each token (non-negative,
+            finite).
+
+    Returns:
+        fp32 tensor of power-of-two scales.
+    """
+    m = tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0)
+    # m is a positive normal fp32 below 2**120. Adding 0x7FFFFF carries into
+    # the exponent iff any mantissa bit is set; masking keeps the exponent.
+    b = m.to(tl.int32, bitcast=True)
+    return ((b + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+
+
+def ref_e4m3_bits(x: torch.Tensor) -> torch.Tensor:
+    """Reference fp32 -> float8_e4m3fn bit patterns via torch's cast.
+
+    Args:
+        x: fp32 tensor (any shape, CPU).
+
+    Returns:
+        uint8 tensor of the same shape.
+    """
+    return x.to(torch.float32).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def ref_mla_token_bytes(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """Reference fp8_ds_mla bytes, 656 per token.
+
+    Args:
+        kv_c: bf16 tensor ``[T, 512]``.
+        k_pe: bf16 tensor ``[T, 64]``.
+
+    Returns:
+        uint8 tensor ``[T, 656]``: 512 fp8 codes, 4 fp32 tile scales
+        (little endian), 64 bf16 values.
+    """
+    if kv_c.dtype != torch.bfloat16 or k_pe.dtype != torch.bfloat16:
+        raise TypeError("kv_c and k_pe must be bfloat16")
+    if kv_c.dim() != 2 or kv_c.shape[1] != MLA_NOPE_DIM:
+        raise ValueError(f"kv_c must be [T, {MLA_NOPE_DIM}], got {tuple(kv_c.shape)}")
+    if k_pe.shape != (kv_c.shape[0], MLA_ROPE_DIM):
+        raise ValueError(f"k_pe must be [T, {MLA_ROPE_DIM}], got {tuple(k_pe.shape)}")
+    t = kv_c.shape[0]
+    x = kv_c.cpu().to(torch.float32).reshape(t, MLA_NOPE_DIM // MLA_TILE, MLA_TILE)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    # Divide by a tensor (not a Python scalar) so torch performs a true IEEE
+    # division rather than any multiply-by-reciprocal shortcut.
+    scale = torch.clamp_min(amax / torch.full_like(amax, FP8_E4M3_MAX), FLT_MIN)
+    q = ref_e4m3_bits(x / scale).reshape(t, MLA_NOPE_DIM)
+    scale_bytes = _le_bytes(scale.reshape(t, MLA_NOPE_DIM // MLA_TILE).contiguous())
+    pe_bytes = _le_bytes(k_pe.cpu().contiguous())
+    return torch.cat([q, scale_bytes, pe_bytes], dim=1)
+
+
+def ref_indexer_bytes(indexer_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference indexer-K quantization.
+
+    Args:
+        indexer_k: bf16 tensor ``[T, 128]``.
+
+    Returns:
+        ``(codes, scales)``: uint8 ``[T, 128]`` fp8 bit patterns and fp32
+        ``[T]`` power-of-two scales.
+    """
+    if indexer_k.dtype != torch.bfloat16:
+        raise TypeError("indexer_k must be bfloat16")
+    if indexer_k.dim() != 2 or indexer_k.shape[1] != INDEXER_DIM:
+        raise ValueError(f"indexer_k must be [T, {INDEXER_DIM}], got {tuple(indexer_k.shape)}")
+    t = indexer_k.shape[0]
+    x = indexer_k.cpu().to(torch.float32)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    floor = torch.tensor(INDEXER_AMAX_FLOOR, dtype=torch.float32)
+    m = torch.maximum(amax, floor) / torch.full_like(amax, FP8_E4M3_MAX)
+    # m = mant * 2**e with mant in [0.5, 1): m is a power of two iff mant is
+    # 0.5, otherwise the next power of two up is 2**e. Exact.
+    mant, e = torch.frexp(m)
+    scale = torch.where(mant == 0.5, m, torch.ldexp(torch.ones_like(m), e))
+    codes = ref_e4m3_bits(x / scale)
+    return codes, scale.reshape(t)
+
+
+def _le_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Views a 2-D contiguous tensor's rows as little-endian bytes."""
+    if not torch.tensor([1], dtype=torch.int16).view(torch.uint8)[0].item():
+        raise RuntimeError("reference byte layout assumes a little-endian host")
+    return t.view(torch.uint8).reshape(t.shape[0], t.shape[1] * t.element_size())

@@ -1,0 +1,83 @@
+"""How prefill context parallelism splits a prompt over P ranks.
+
+The prompt's T tokens are cut into 2P chunks of ``ceil(T / 2P)`` tokens (the last
+ones shorter or empty); rank r takes chunks r and 2P-1-r, which balances causal
+attention work. Each chunk is padded to the full chunk length, so every rank has
+the same number of local rows, ``2 * chunk``; padding rows carry slot -1.
+
+"Rank-major" order is the order of an all-gather over the PCP group: rank 0's
+local rows, then rank 1's, and so on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class PCPSplit:
+    """The split of ``num_tokens`` over ``pcp`` ranks.
+
+    Attributes:
+        num_tokens: tokens in the prompt.
+        pcp: ranks in the PCP group.
+        chunk: tokens per chunk (``ceil(num_tokens / (2 * pcp))``).
+        token_index: int64 ``[pcp, 2 * chunk]``: the prompt position of each local row of
+            each rank, -1 for padding.
+    """
+
+    num_tokens: int
+    pcp: int
+    chunk: int
+    token_index: torch.Tensor
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Local rows per rank, padding included (the same on every rank)."""
+        return 2 * self.chunk
+
+    def local_rows(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        """The rows of a ``[num_tokens, ...]`` tensor that ``rank`` owns, zeros for padding."""
+        idx = self.token_index[rank].to(x.device)
+        out = x.new_zeros((self.tokens_per_rank,) + tuple(x.shape[1:]))
+        keep = idx >= 0
+        out[keep] = x[idx[keep]]
+        return out
+
+    def local_slots(self, slot_mapping: torch.Tensor, rank: int) -> torch.Tensor:
+        """``rank``'s slot mapping: the slot of each local row, -1 for padding."""
+        return self._slots(slot_mapping, self.token_index[rank])
+
+    def gathered_slots(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """The slot mapping of all ranks' rows in rank-major order (what an all-gather yields)."""
+        return self._slots(slot_mapping, self.token_index.reshape(-1))
+
+    def _slots(self, slot_mapping: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if slot_mapping.shape != (self.num_tokens,):
+            raise ConfigError(f"slot_mapping must have shape ({self.num_tokens},), got {tuple(slot_mapping.shape)}")
+        idx = idx.to(slot_mapping.device)
+        out = torch.full(idx.shape, -1, dtype=torch.int64, device=slot_mapping.device)
+        keep = idx >= 0
+        out[keep] = slot_mapping[idx[keep]].to(torch.int64)
+        return out
+
+
+def pcp_split(num_tokens: int, pcp: int) -> PCPSplit:
+    """Split ``num_tokens`` over ``pcp`` ranks: rank r takes chunks r and 2P-1-r of 2P."""
+    if not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ConfigError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+    if not isinstance(pcp, int) or pcp <= 0:
+        raise ConfigError(f"pcp must be a positive int, got {pcp!r}")
+    chunks = 2 * pcp
+    chunk = -(-num_tokens // chunks)
+    index = torch.full((pcp, 2 * chunk), -1, dtype=torch.int64)
+    for r in range(pcp):
+        for half, c in enumerate((r, chunks - 1 - r)):
+            start, stop = c * chunk, min((c + 1) * chunk, num_tokens)
+            if stop > start:
+                index[r, half * chunk : half * chunk + stop - start] = torch.arange(start, stop)
+    return PCPSplit(num_tokens, pcp, chunk, index)

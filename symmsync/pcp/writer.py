@@ -1,0 +1,379 @@
+"""The PCP direct-KV writer: quantize once, write the final cache bytes into every replica.
+
+Two routes, chosen explicitly and agreed by every rank (never a silent mix):
+
+``"direct"``
+    Each rank quantizes its own rows and stores the final cache bytes into every
+    member of its PCP peer view through the view's pointer table; one fence per
+    layer makes them visible. With ``fused=True`` the fence's publish and wait run in
+    the writer's tail (:func:`symmsync.language.grid_fence`): no extra launch.
+``"allgather"``
+    The baseline runtimes ship: all-gather the bf16 inputs over the PCP group
+    (torch.distributed), then run the same quantize-and-insert kernel locally on
+    the gathered rows. It is the byte oracle of the direct route and the explicit
+    fallback where peers cannot be mapped (for example across hosts without NVLink).
+
+Both routes run the same kernel, so their bytes can be compared exactly; the
+quantization itself is checked against torch in the tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from .. import language as ssl
+from ..errors import ConfigError, InputError
+from ..fence import Fence
+from ..launch import Launcher
+from .layout import CacheLayout
+from .quant import bf16_to_f32, e4m3_bits, indexer_scale, mla_tile_scale
+
+ROUTES = ("direct", "allgather")
+# torch 2.13 renamed all_gather_into_tensor; 2.11 has only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_NOPE, _ROPE, _IDX = 512, 64, 128
+_TOKEN = 656
+_SCALES, _ROPE_OFF = 512, 528
+
+
+@triton.jit
+def _pack(codes, SHIFT: tl.constexpr):
+    """Pack the last axis (4 bytes or 2 halves) of ``codes`` into int32 words, low first.
+
+    Stores of whole words (16 bytes per thread once Triton vectorizes them) reach
+    peers over NVLink far faster than byte stores."""
+    n: tl.constexpr = 32 // SHIFT
+    k = tl.arange(0, n)[None, None, :] * SHIFT
+    # The fields do not overlap, so their sum is their bitwise or (and wraps like it).
+    return tl.sum((codes.to(tl.int32) & ((1 << SHIFT) - 1)) << k, axis=2)
+
+
+@triton.jit
+def _write_indexer_and_rope(idx_k, k_pe, ix_stride, pe_stride, rows, live, dst, main_row, idx_val, idx_scale,
+                            NDST: tl.constexpr):
+    w32 = tl.arange(0, 32)
+    c4 = w32[:, None] * 4 + tl.arange(0, 4)[None, :]  # [32, 4]: byte k of word w is value 4w + k
+    c2 = w32[:, None] * 2 + tl.arange(0, 2)[None, :]  # [32, 2]: half k of word w is value 2w + k
+    m3 = live[:, None, None]
+    m2 = live[:, None]
+    # Indexer K: one power-of-two scale per token.
+    xi = bf16_to_f32(tl.load(idx_k + rows[:, None, None] * ix_stride + c4[None, :, :], mask=m3, other=0))
+    si = indexer_scale(tl.max(tl.max(tl.abs(xi), axis=2), axis=1))
+    qi = _pack(e4m3_bits(tl.math.div_rn(xi, si[:, None, None])), 8)
+    pe = _pack(tl.load(k_pe + rows[:, None, None] * pe_stride + c2[None, :, :], mask=m3, other=0), 16)
+    for d in tl.static_range(NDST):
+        # Typed base pointers with offsets in elements keep the alignment Triton can prove
+        # (every offset here is a multiple of 16 bytes), so the word stores vectorize.
+        words = tl.multiple_of(tl.load(dst + d).to(tl.pointer_type(tl.int32)), 16)
+        floats = tl.multiple_of(tl.load(dst + d).to(tl.pointer_type(tl.float32)), 16)
+        tl.store(words + (idx_val // 4)[:, None] + w32[None, :], qi, mask=m2)
+        tl.store(floats + idx_scale // 4, si, mask=live)
+        tl.store(words + ((main_row + 528) // 4)[:, None] + w32[None, :], pe, mask=m2)
+
+
+@triton.jit
+def _write_main_tile(kv_c, kv_stride, j, rows, live, dst, main_row, NDST: tl.constexpr):
+    # Main KV tile j: 128 values and their scale.
+    w32 = tl.arange(0, 32)
+    c4 = w32[:, None] * 4 + tl.arange(0, 4)[None, :]
+    m3 = live[:, None, None]
+    x = bf16_to_f32(tl.load(kv_c + rows[:, None, None] * kv_stride + j * 128 + c4[None, :, :], mask=m3, other=0))
+    s = mla_tile_scale(tl.max(tl.max(tl.abs(x), axis=2), axis=1))
+    q = _pack(e4m3_bits(tl.math.div_rn(x, s[:, None, None])), 8)
+    for d in tl.static_range(NDST):
+        words = tl.multiple_of(tl.load(dst + d).to(tl.pointer_type(tl.int32)), 16)
+        floats = tl.multiple_of(tl.load(dst + d).to(tl.pointer_type(tl.float32)), 16)
+        tl.store(words + ((main_row + j * 128) // 4)[:, None] + w32[None, :], q, mask=live[:, None])
+        tl.store(floats + (main_row + 512) // 4 + j, s, mask=live)
+
+
+@triton.jit
+def _quantize_write_kernel(
+    kv_c, k_pe, idx_k, kv_stride, pe_stride, ix_stride,  # bf16 rows, read as int16 bits
+    slots, n_rows,  # int64 slot of each row (-1: padding), number of rows
+    dst, main_off, idx_off,  # table of destination base addresses; byte offsets of the layer's regions
+    cell, me, timeout_ns, record,  # fence arguments (FUSED only)
+    NDST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+    FUSED: tl.constexpr, TRAP: tl.constexpr,
+):
+    # A persistent grid: each program takes work items (a block of rows, and with SPLIT
+    # one of its five pieces: main-KV tiles 0-3, then indexer K + RoPE) until none are left.
+    PIECES: tl.constexpr = 5 if SPLIT else 1
+    n_items = tl.cdiv(n_rows, BLOCK_T) * PIECES
+    item = tl.program_id(0)
+    step = tl.num_programs(0)
+    while item < n_items:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
+        rows = (item // PIECES) * BLOCK_T + tl.arange(0, BLOCK_T)
+        in_range = rows < n_rows
+        slot = tl.load(slots + rows, mask=in_range, other=-1)
+        live = in_range & (slot >= 0)
+        slot = tl.where(live, slot, 0)
+        main_row = main_off + slot * 656  # byte offset of each row's 656 bytes in every replica
+        if SPLIT:
+            piece = item % PIECES
+            if piece < 4:
+                _write_main_tile(kv_c, kv_stride, piece, rows, live, dst, main_row, NDST)
+            else:
+                block = slot // BLOCK_SIZE
+                off = slot % BLOCK_SIZE
+                idx_val = idx_off + block * (BLOCK_SIZE * 132) + off * 128
+                idx_scale = idx_off + block * (BLOCK_SIZE * 132) + BLOCK_SIZE * 128 + off * 4
+                _write_indexer_and_rope(idx_k, k_pe, ix_stride, pe_stride, rows, live, dst, main_row, idx_val,
+                                        idx_scale, NDST)
+        else:
+            block = slot // BLOCK_SIZE
+            off = slot % BLOCK_SIZE
+            idx_val = idx_off + block * (BLOCK_SIZE * 132) + off * 128
+            idx_scale = idx_off + block * (BLOCK_SIZE * 132) + BLOCK_SIZE * 128 + off * 4
+            _write_indexer_and_rope(idx_k, k_pe, ix_stride, pe_stride, rows, live, dst, main_row, idx_val,
+                                    idx_scale, NDST)
+            for j in tl.static_range(4):
+                _write_main_tile(kv_c, kv_stride, j, rows, live, dst, main_row, NDST)
+        item += step
+
+    if FUSED:
+        ssl.grid_fence(dst, cell, me, timeout_ns, record, NDST, TRAP)
+
+
+@dataclass
+class Batch:
+    """One prefill batch as agreed by every rank: the local slot mapping, validated once.
+
+    A runtime computes its slot mapping once per batch and reuses it for every layer,
+    so the checks that need the values (range, duplicates) and the rank consensus
+    happen here, not per layer.
+    """
+
+    slots: torch.Tensor  #: int64 [rows] local slot mapping (-1: padding)
+    rows: int
+    gathered_slots: torch.Tensor | None = None  #: allgather route: every rank's slots, rank-major
+
+
+class DirectKVWriter:
+    """Writes a PCP group's KV-cache bytes into every replica, one layer at a time.
+
+    Args:
+        view: this rank's PCP peer view (``symmsync.pcp_view(buffer, tp)``).
+        layout: where every layer's caches live in the view's buffer.
+        route: ``"direct"`` or ``"allgather"``; every rank must pass the same.
+        fused: direct route only: publish and wait in the writer's tail (no fence launch).
+        group: the torch.distributed group of the view's ranks; needed by the allgather
+            route when the view is not the whole world.
+        channel: the fence channel of the view the writer uses.
+        timeout_s: fence wait budget (default: the backend's).
+        debug: also check, at :meth:`prepare`, that no slot is claimed twice across the
+            PCP group (one more exchange per batch).
+        block_rows: rows per work item of the kernel (a power of two).
+        num_warps: warps per program.
+        split: give each of a row block's five pieces (four main-KV tiles; indexer K
+            with RoPE) its own work item, for more parallelism.
+        programs_per_sm: size of the persistent grid on GPUs, per multiprocessor.
+
+    Construction is collective over the buffer's group (every rank agrees on the route).
+    """
+
+    def __init__(
+        self,
+        view: Any,
+        layout: CacheLayout,
+        *,
+        route: str = "direct",
+        fused: bool = False,
+        group: Any = None,
+        channel: int = 0,
+        timeout_s: float | None = None,
+        debug: bool = False,
+        block_rows: int = 32,
+        num_warps: int = 4,
+        split: bool = True,
+        programs_per_sm: int = 4,
+    ):
+        buf = view.buffer
+        self.view, self.layout, self.route, self.fused, self.debug = view, layout, route, bool(fused), debug
+        self.buffer = buf
+        problem = None
+        if route not in ROUTES:
+            problem = f"route must be one of {ROUTES}, got {route!r}"
+        elif fused and route != "direct":
+            problem = "fused=True needs route='direct' (the all-gather route has no fence to fuse)"
+        elif layout.end > buf.nbytes:
+            problem = f"the cache layout needs {layout.end} bytes but the buffer holds {buf.nbytes}"
+        elif route == "allgather" and group is None and view.size != buf.world_size:
+            problem = "the allgather route needs group=, the torch.distributed group of the view's ranks"
+        elif block_rows <= 0 or block_rows & (block_rows - 1):
+            problem = f"block_rows must be a power of two, got {block_rows}"
+        from ..buffer import _gather
+
+        agreed = _gather(buf.group, (route, bool(fused), problem), buf.world_size)
+        bad = [(r, p) for r, (_, _, p) in enumerate(agreed) if p]
+        if bad:
+            raise ConfigError(f"DirectKVWriter: rank {bad[0][0]}: {bad[0][1]}")
+        if len({(r, f) for r, f, _ in agreed}) > 1:
+            per = ", ".join(f"rank {i}: {r}{' fused' if f else ''}" for i, (r, f, _) in enumerate(agreed))
+            raise ConfigError(f"DirectKVWriter: every rank must take the same route ({per})")
+        self.group = group
+        self.block_rows = block_rows
+        self.fence = Fence(view, channel, timeout_s=timeout_s) if route == "direct" else None
+        if route == "direct":
+            dst = view.ptrs
+        else:
+            dst = buf.ptrs[buf.rank : buf.rank + 1].contiguous()
+        self._dst = dst
+        self._trap = buf.backend == "cuda"
+        self._pieces = 5 if split else 1
+        if buf.backend == "cuda":
+            sms = torch.cuda.get_device_properties(buf.device).multi_processor_count
+            self._max_programs = max(1, sms * programs_per_sm)
+        else:
+            self._max_programs = 4  # the interpreter runs programs one after another
+        self._launcher = Launcher(
+            _quantize_write_kernel, (1,), num_warps=num_warps, NDST=dst.numel(), BLOCK_T=block_rows,
+            BLOCK_SIZE=layout.block_size, SPLIT=bool(split), FUSED=self.fused, TRAP=self._trap,
+        )
+
+    # ------------------------------------------------------------------ per batch
+    def prepare(self, slot_mapping: torch.Tensor) -> Batch:
+        """Validate this rank's slot mapping (collective over the buffer's group).
+
+        Raises:
+            InputError: on every rank, when any rank's mapping has the wrong dtype,
+                device or shape, a slot outside ``[-1, num_slots)``, a different number
+                of rows than the others, or (``debug``) a slot claimed twice.
+        """
+        from ..buffer import _gather
+
+        buf = self.buffer
+        problem = None
+        slots = None
+        if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
+            problem = "slot_mapping must be a 1-D tensor"
+        elif slot_mapping.dtype not in (torch.int32, torch.int64):
+            problem = f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}"
+        elif slot_mapping.device != buf.device:
+            problem = f"slot_mapping is on {slot_mapping.device}, the buffer on {buf.device}"
+        else:
+            slots = slot_mapping.to(torch.int64).contiguous()
+            if slots.numel():
+                lo, hi = int(slots.min()), int(slots.max())
+                n = self.layout.num_slots
+                if lo < -1 or hi >= n:
+                    bad = lo if lo < -1 else hi
+                    problem = f"slot {bad} is outside [-1, {n}) (the cache has {self.layout.num_blocks} blocks)"
+        rows = slots.numel() if slots is not None else -1
+        payload = (rows, problem, slots.cpu() if (self.debug and slots is not None) else None)
+        every = _gather(buf.group, payload, buf.world_size)
+        bad = [(r, p) for r, (_, p, _) in enumerate(every) if p]
+        if bad:
+            raise InputError(f"DirectKVWriter.prepare: rank {bad[0][0]}: {bad[0][1]}")
+        members = [every[r] for r in self.view.ranks]
+        if len({m[0] for m in members}) > 1:
+            per = ", ".join(f"rank {r}: {m[0]}" for r, m in zip(self.view.ranks, members))
+            raise InputError(f"DirectKVWriter.prepare: ranks of a PCP group must have equal row counts ({per}); "
+                             "pad with slot -1 (symmsync.pcp.pcp_split does)")
+        if self.debug:
+            self._check_duplicates(every)
+        batch = Batch(slots=slots, rows=rows)
+        if self.route == "allgather":
+            batch.gathered_slots = self._all_gather(slots)
+        return batch
+
+    def _check_duplicates(self, every: list) -> None:
+        # Every rank checks its own PCP group from the mappings all ranks sent.
+        seen: dict[int, int] = {}
+        for r in self.view.ranks:
+            for s in every[r][2].tolist():
+                if s < 0:
+                    continue
+                if s in seen:
+                    raise InputError(f"DirectKVWriter.prepare (debug): slot {s} is written by rank {seen[s]} and "
+                                     f"rank {r} of the PCP group {list(self.view.ranks)}; each token needs one owner")
+                seen[s] = r
+
+    # ------------------------------------------------------------------ per layer
+    def write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, indexer_k: torch.Tensor, batch: Batch) -> None:
+        """Quantize this rank's rows of ``layer`` and make them visible in every replica.
+
+        Direct route: one writer launch into every member's replica plus one fence (or
+        the fused tail). Allgather route: an all-gather of the inputs, then a local
+        insert. On return (in stream order), every replica of the PCP group holds the
+        layer's bytes of every member's rows.
+
+        Raises:
+            InputError: wrong layer, dtype, shape, device, or non-contiguous input;
+                raised before any byte is written.
+        """
+        self._check_inputs(layer, kv_c, k_pe, indexer_k, batch)
+        if self.route == "allgather":
+            self._insert_gathered(layer, kv_c, k_pe, indexer_k, batch)
+            return
+        self._launch(layer, kv_c, k_pe, indexer_k, kv_c.stride(0), k_pe.stride(0), indexer_k.stride(0),
+                     batch.slots, batch.rows)
+        if self.fused:
+            if self.buffer.backend == "host":
+                self.fence.check()
+        else:
+            self.fence.fence()
+
+    def _check_inputs(self, layer, kv_c, k_pe, indexer_k, batch) -> None:
+        rank = self.buffer.rank
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.layout.num_layers:
+            raise InputError(f"rank {rank}: layer {layer!r} is out of range for a cache of "
+                             f"{self.layout.num_layers} layers")
+        if not isinstance(batch, Batch):
+            raise InputError(f"rank {rank}: pass the Batch returned by prepare()")
+        for name, t, width in (("kv_c", kv_c, _NOPE), ("k_pe", k_pe, _ROPE), ("indexer_k", indexer_k, _IDX)):
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"rank {rank}: {name} must be a tensor")
+            if t.dtype != torch.bfloat16:
+                raise InputError(f"rank {rank}: {name} must be bfloat16, got {t.dtype}")
+            if t.shape != (batch.rows, width):
+                raise InputError(f"rank {rank}: {name} must have shape ({batch.rows}, {width}) to match the batch's "
+                                 f"slot mapping, got {tuple(t.shape)}")
+            if t.device != self.buffer.device:
+                raise InputError(f"rank {rank}: {name} is on {t.device}, the cache on {self.buffer.device}")
+            if not t.is_contiguous():
+                raise InputError(f"rank {rank}: {name} must be contiguous (call .contiguous())")
+
+    def _launch(self, layer, kv_c, k_pe, idx_k, kv_stride, pe_stride, ix_stride, slots, rows) -> None:
+        self.buffer._check_open("DirectKVWriter.write")
+        f = self.fence
+        cell, me, timeout_ns, record = (f.cell, self.view.local_index, f.timeout_ns, f.record) if f else (0, 0, 0, 0)
+        items = triton.cdiv(rows, self.block_rows) * self._pieces
+        grid = max(1, min(items, self._max_programs))  # one program at least: the fused tail must run
+        self._launcher.grid = (grid, 1, 1)
+        self._launcher(
+            kv_c.view(torch.int16), k_pe.view(torch.int16), idx_k.view(torch.int16), kv_stride, pe_stride, ix_stride,
+            slots, rows, self._dst, self.layout.main_offset(layer), self.layout.indexer_offset(layer),
+            cell, me, timeout_ns, record,
+        )
+
+    # ------------------------------------------------------------------ baseline
+    def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.new_empty((self.view.size * t.shape[0],) + tuple(t.shape[1:]))
+        _all_gather_single(out, t.contiguous(), group=self.group)
+        return out
+
+    def _insert_gathered(self, layer, kv_c, k_pe, indexer_k, batch) -> None:
+        rows = batch.rows
+        packed = torch.cat([kv_c.view(torch.int16), k_pe.view(torch.int16), indexer_k.view(torch.int16)], dim=1)
+        gathered = self._all_gather(packed.view(torch.uint8)).view(torch.int16)  # bytes travel on every backend
+        width = gathered.shape[1]
+        self._launch(layer, gathered[:, :_NOPE].view(torch.bfloat16), gathered[:, _NOPE:_NOPE + _ROPE].view(torch.bfloat16),
+                     gathered[:, _NOPE + _ROPE:].view(torch.bfloat16), width, width, width,
+                     batch.gathered_slots, rows * self.view.size)
+
+    def bytes_per_layer(self, rows: int) -> dict[str, int]:
+        """What one layer moves per rank: cache bytes written, and bytes sent to peers."""
+        token = _TOKEN + 132
+        peers = self.view.size - 1
+        if self.route == "direct":
+            return {"cache_bytes_written": rows * token * self.view.size, "sent_to_peers": rows * token * peers}
+        inputs = rows * (_NOPE + _ROPE + _IDX) * 2
+        return {"cache_bytes_written": rows * token * self.view.size, "sent_to_peers": inputs * peers}
