@@ -187,10 +187,9 @@ def publish(ptrs, cell, me, SIZE: tl.constexpr):
 
     Pseudocode::
 
-        e = ++mem[me].cell.epoch                  # device-resident: graph replays advance it
         for p in 0..SIZE-1, p != me:             # one lane per member, concurrently
-            red_add_release_sys(&mem[p].cell.slot[me], 1)    # the slot counts publishes: == e
-        return e
+            red_add_release_sys(&mem[p].cell.slot[me], 1)    # the slot counts publishes
+        return ++mem[me].cell.epoch               # device-resident: graph replays advance it
 
     Contract: every write this rank made before the call (by this thread; by other
     threads of the block once they passed a ``tl.debug_barrier()``; by kernels earlier
@@ -199,13 +198,15 @@ def publish(ptrs, cell, me, SIZE: tl.constexpr):
     Cost: one local load and store, SIZE-1 remote reductions in flight together, no reply
     awaited, nothing sent to itself.
     """
-    e = _advance_epoch(ptrs, cell, me)
+    # The reductions go first: a release waits for this thread's earlier writes, and the
+    # epoch store is one it need not wait for (a slot counts publishes, so the value
+    # sent does not depend on the epoch).
     for base in tl.static_range(0, SIZE, LANES):
         idx = base + tl.arange(0, LANES)
         live = (idx < SIZE) & (idx != me)
         dst = tl.load(ptrs + tl.where(idx < SIZE, idx, me)) + cell + SLOTS
         _release_add(dst.to(tl.pointer_type(tl.int64)) + me, live)
-    return e
+    return _advance_epoch(ptrs, cell, me)
 
 
 @triton.jit
