@@ -255,7 +255,7 @@ def report(per_rank: list, args: argparse.Namespace) -> None:
     lines += [
         "where a fence's time goes (graph replay, µs):",
         f"  kernel node floor (empty kernel)            {empty_g:8.2f}",
-        f"  epoch + release stores to peers, no wait    {arrive_only:8.2f}",
+        f"  epoch + release reductions to peers, no wait {arrive_only:7.2f}",
         f"  acquire polls of a satisfied wait           {wait_sat:8.2f}",
         f"  full fence                                  {sym_g:8.2f}",
         f"  -> waiting on the peer (cross-GPU latency)  {sym_g - max(arrive_only, wait_sat):8.2f}",

@@ -1,0 +1,134 @@
+"""symmsync's main demo: a DeepSeek-V3.2-shaped prefill publishes its KV cache over PCP.
+
+    python examples/pcp_kv.py                      # host backend, 2 ranks, finishes in seconds
+    python examples/pcp_kv.py --pcp 4 --tp 1       # 4 ranks
+    python examples/pcp_kv.py --tp 2 --pcp 2       # TP2 x PCP2: each TP rank publishes in its PCP group
+    python examples/pcp_kv.py --backend cuda       # one GPU per rank (needs tp * pcp GPUs)
+
+Every rank owns the tokens of two of the prompt's 2*PCP chunks. For every layer it
+publishes those tokens' final cache bytes (fp8_ds_mla main KV, 656 B/token, and the
+indexer K, 132 B/token) into every replica of its PCP group, by both routes:
+
+  direct     quantize once, write into every replica through peer pointers, one fence
+  allgather  all-gather the bf16 inputs over the PCP group, then insert locally
+
+Then it checks the byte oracle (every replica of both routes holds identical bytes)
+and prints per-layer times, the bytes each rank moves, and the speedup of direct.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import symmsync as ss
+from symmsync import pcp
+from symmsync.testing import run
+
+SHAPES = {"kv_c": 512, "k_pe": 64, "indexer_k": 128}
+
+
+def publish_prefill(tp: int, tokens: int, layers: int, backend: str, seed: int) -> dict:
+    """One rank's work: both routes over every layer, the byte oracle, timings."""
+    from tqdm import tqdm
+
+    world = dist.get_world_size()
+    p = world // tp
+    # Two layouts on one buffer: the direct route's cache, then the all-gather route's.
+    one = pcp.CacheLayout(num_blocks=tokens // 64 + 1, num_layers=layers)
+    layouts = [pcp.CacheLayout(one.num_blocks, layers, base=0), pcp.CacheLayout(one.num_blocks, layers, base=one.end)]
+    buf = ss.SymmetricBuffer(layouts[1].end, backend=backend)
+    view = ss.pcp_view(buf, tp=tp)  # rank = pcp_rank * tp + tp_rank
+    group, _ = dist.new_subgroups_by_enumeration([[k * tp + t for k in range(p)] for t in range(tp)])
+    writers = {
+        "direct": pcp.DirectKVWriter(view, layouts[0], route="direct"),
+        "allgather": pcp.DirectKVWriter(view, layouts[1], route="allgather", group=group),
+    }
+    split = pcp.pcp_split(tokens, p)
+    gen = torch.Generator().manual_seed(seed + view.ranks[0])  # the same prompt in a PCP group
+    slot_mapping = torch.randperm(layouts[0].num_slots, generator=gen)[:tokens]
+    prompt = {k: torch.randn(layers, tokens, w, generator=gen).to(torch.bfloat16) for k, w in SHAPES.items()}
+    me = view.local_index
+    local = {k: [split.local_rows(v[layer], me).to(buf.device).contiguous() for layer in range(layers)]
+             for k, v in prompt.items()}
+    times: dict[str, list[float]] = {name: [] for name in writers}
+    batches = {name: w.prepare(split.local_slots(slot_mapping, me).to(buf.device)) for name, w in writers.items()}
+    sync = torch.cuda.synchronize if buf.device.type == "cuda" else (lambda: None)
+    bar = tqdm(range(layers), desc=f"publishing {layers} layers", unit="layer", disable=buf.rank != 0,
+               file=sys.stdout)
+    for layer in bar:
+        for name, w in writers.items():
+            sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+            w.write(layer, local["kv_c"][layer], local["k_pe"][layer], local["indexer_k"][layer], batches[name])
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    sync()
+    dist.barrier()
+    same = all(
+        torch.equal(layouts[0].layer_backing(buf, layer, r), layouts[1].layer_backing(buf, layer, r))
+        for layer in range(layers) for r in view.ranks
+    )
+    out = {
+        "rank": buf.rank, "view": list(view.ranks), "rows": split.tokens_per_rank, "identical": same,
+        "times": {k: statistics.median(v) for k, v in times.items()},
+        "bytes": {k: w.bytes_per_layer(split.tokens_per_rank) for k, w in writers.items()},
+        "backend": buf.backend,
+    }
+    buf.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pcp", type=int, default=2, help="ranks in a PCP group (default 2)")
+    parser.add_argument("--tp", type=int, default=1, help="TP ranks per PCP rank (default 1); world = tp * pcp")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="prompt tokens (default: 256 on the host backend, 16384 on GPUs)")
+    parser.add_argument("--layers", type=int, default=None, help="layers (default: 4 on the host, 61 on GPUs)")
+    parser.add_argument("--backend", choices=("auto", "host", "cuda"), default="auto",
+                        help="auto: cuda when this machine has tp*pcp GPUs, else host (CPU processes)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    world = args.tp * args.pcp
+    if args.tp < 1 or args.pcp < 1:
+        parser.error("--tp and --pcp must be at least 1")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = args.backend if args.backend != "auto" else ("cuda" if gpus >= world else "host")
+    if backend == "cuda" and gpus < world:
+        parser.error(f"--backend cuda needs {world} GPUs (tp*pcp); this machine has {gpus}")
+    tokens = args.tokens if args.tokens is not None else (16384 if backend == "cuda" else 256)
+    layers = args.layers if args.layers is not None else (61 if backend == "cuda" else 4)
+    print(f"PCP{args.pcp} x TP{args.tp} on the {backend} backend: {tokens} prompt tokens, {layers} layers, "
+          f"{world} ranks", flush=True)
+    t0 = time.perf_counter()
+    results = run(publish_prefill, world, args.tp, tokens, layers, backend, args.seed, backend=backend,
+                  timeout_s=max(300.0, 2.0 * layers * world))
+    ok = all(r["identical"] for r in results)
+    print(f"\n{'rank':>4s} {'PCP group':>10s} {'rows':>6s} {'direct ms/layer':>16s} {'allgather ms/layer':>19s} "
+          f"{'speedup':>8s} {'sent to peers, direct':>22s} {'allgather':>10s}")
+    for r in results:
+        d, a = r["times"]["direct"] * 1e3, r["times"]["allgather"] * 1e3
+        print(f"{r['rank']:>4d} {str(r['view']):>10s} {r['rows']:>6d} {d:16.3f} {a:19.3f} {a / d:7.2f}× "
+              f"{_kib(r['bytes']['direct']['sent_to_peers']):>22s} {_kib(r['bytes']['allgather']['sent_to_peers']):>10s}")
+    print(f"\nbyte oracle (every replica identical between direct and all-gather + insert, every layer): "
+          f"{'OK' if ok else 'FAILED'}")
+    if backend == "host":
+        print("(host backend: kernels run in Triton's interpreter, so times show the mechanics, not GPU speed; "
+              "see docs/performance.md for H200 numbers)")
+    print(f"done in {time.perf_counter() - t0:.1f} s")
+    return 0 if ok else 1
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.0f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
