@@ -11,8 +11,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from importlib import metadata
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -86,8 +86,12 @@ def machine() -> dict:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20).stdout.split()
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.split()
         info["driver"] = out[0] if out else "unknown"
         topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
         m = re.search(r"GPU0\s+X\s+(\S+)", topo)

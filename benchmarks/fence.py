@@ -54,38 +54,57 @@ def spin_kernel(ns):
 
 @triton.jit
 def _st_release(ptr, v):
-    tl.inline_asm_elementwise("st.release.sys.global.b64 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,l", [ptr, v],
-                              dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise(
+        "st.release.sys.global.b64 [$1], $2;\n\tmov.u32 $0, 0;",
+        "=r,l,l",
+        [ptr, v],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
 def _red_release(ptr, v):
-    tl.inline_asm_elementwise("red.release.sys.global.add.u64 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,l", [ptr, v],
-                              dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise(
+        "red.release.sys.global.add.u64 [$1], $2;\n\tmov.u32 $0, 0;",
+        "=r,l,l",
+        [ptr, v],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
 def _fence_then_relaxed(ptr, v):
-    tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tst.relaxed.sys.global.b64 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,l",
-                              [ptr, v], dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise(
+        "fence.acq_rel.sys;\n\tst.relaxed.sys.global.b64 [$1], $2;\n\tmov.u32 $0, 0;",
+        "=r,l,l",
+        [ptr, v],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
 def _ld_acquire(ptr):
-    return tl.inline_asm_elementwise("ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64,
-                                     is_pure=False, pack=1)
+    return tl.inline_asm_elementwise(
+        "ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64, is_pure=False, pack=1
+    )
 
 
 @triton.jit
 def _ld_relaxed(ptr):
-    return tl.inline_asm_elementwise("ld.relaxed.sys.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64,
-                                     is_pure=False, pack=1)
+    return tl.inline_asm_elementwise(
+        "ld.relaxed.sys.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64, is_pure=False, pack=1
+    )
 
 
 @triton.jit
 def _acquire_fence():
-    tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                              pack=1)
+    tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -187,8 +206,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
     # Where the time goes (graph replay): publish alone, a satisfied wait, the full fence.
     def variant(f, arrive, wait):
-        return Launcher(fence_mod._fence_kernel, (1,), num_warps=1, SIZE=view.size, ARRIVE=arrive, WAIT=wait,
-                        TRAP=True).bind(view.ptrs, f.cell, view.local_index, f.timeout_ns, f.record)
+        return Launcher(
+            fence_mod._fence_kernel, (1,), num_warps=1, SIZE=view.size, ARRIVE=arrive, WAIT=wait, TRAP=True
+        ).bind(view.ptrs, f.cell, view.local_index, f.timeout_ns, f.record)
 
     R["breakdown_arrive_only.graph"] = common.graph_us(variant(fences[4], True, False), iters=it, reps=reps)
     R["breakdown_wait_satisfied.graph"] = common.graph_us(variant(fences[5], False, True), iters=it, reps=reps)
@@ -243,9 +263,11 @@ def report(per_rank: list, args: argparse.Namespace) -> None:
     keys = [k for k, v in per_rank[0].items() if isinstance(v, float)]
     res = {k: max(r[k] for r in per_rank) for k in keys}  # the slower rank sets the pace
     sym_g, sym_e = res["symmsync_fence.graph"], res["symmsync_fence.eager"]
-    lines = [f"fence latency, µs per fence (max over ranks of the median of {args.reps} runs); "
-             f"{info['gpu_count']}× {info['gpus'][0]}, torch {info['torch']}, triton {info['triton']}",
-             f"{'':44s} {'graph':>8s} {'eager':>8s}   vs symmsync (graph / eager)"]
+    lines = [
+        f"fence latency, µs per fence (max over ranks of the median of {args.reps} runs); "
+        f"{info['gpu_count']}× {info['gpus'][0]}, torch {info['torch']}, triton {info['triton']}",
+        f"{'':44s} {'graph':>8s} {'eager':>8s}   vs symmsync (graph / eager)",
+    ]
     for key, label in ROWS:
         g, e = res.get(f"{key}.graph"), res.get(f"{key}.eager")
         lines.append(f"{label:44s} {g:8.2f} {e:8.2f}   {g / sym_g:5.2f}× / {e / sym_e:5.2f}×")
@@ -264,34 +286,45 @@ def report(per_rank: list, args: argparse.Namespace) -> None:
     o = res["overlap_arrive_compute_wait.graph"]
     side = res["overlap_side_stream.graph"]
     overlap = (side - c) / sym_g
-    lines += [
-        f"  eager launch of an empty kernel: symmsync {res['empty_symmsync_launcher.eager']:.2f} µs, "
-        f"Triton {res['empty_triton.eager']:.2f} µs",
-        "instruction candidates, 2-rank fence without a time budget (graph replay, µs):",
-    ] + [
-        f"  publish {['st.release.sys', 'red.release.sys.add', 'fence.acq_rel + st.relaxed'][p]:28s} "
-        f"poll {['ld.acquire.sys', 'ld.relaxed + fence'][q]:20s} {res[f'variant_pub{p}_poll{q}.graph']:6.2f}"
-        for p, q in ((0, 0), (1, 0), (2, 0), (0, 1), (1, 1))
-    ] + [
-        f"overlap (graph): compute alone {c:.2f} µs; arrive + compute + wait on one stream {o:.2f} µs "
-        f"(+{o - c:.2f}); Fence.overlap() side stream {side:.2f} µs (+{side - c:.2f} = {overlap:.1%} of a fence)",
-        f"overlap (eager): compute alone {res['overlap_compute_alone.eager']:.2f} µs; "
-        f"Fence.overlap() {res['overlap_side_stream.eager']:.2f} µs",
-        "targets:",
-        f"  graph replay <= {TARGET_GRAPH_US} µs: {sym_g:.2f} µs "
-        f"({'met' if sym_g <= TARGET_GRAPH_US else 'MISSED by %.2f µs' % (sym_g - TARGET_GRAPH_US)}); "
-        f"{res['torch_symm_barrier.graph'] / sym_g:.2f}× faster than torch's barrier (target >= 1.4×)",
-        f"  eager <= {TARGET_EAGER_US} µs: {sym_e:.2f} µs "
-        f"({'met' if sym_e <= TARGET_EAGER_US else 'MISSED by %.2f µs' % (sym_e - TARGET_EAGER_US)}); "
-        f"{res['torch_symm_barrier.eager'] / sym_e:.2f}× faster than torch's barrier (target >= 1.5×)",
-        f"  overlap <= {TARGET_OVERLAP:.0%}: {overlap:.1%} ({'met' if overlap <= TARGET_OVERLAP else 'MISSED'})",
-        f"launch path: {per_rank[0]['launch_path']}; epochs after the run (rank 0): {per_rank[0]['epochs_after']}",
-    ]
+    lines += (
+        [
+            f"  eager launch of an empty kernel: symmsync {res['empty_symmsync_launcher.eager']:.2f} µs, "
+            f"Triton {res['empty_triton.eager']:.2f} µs",
+            "instruction candidates, 2-rank fence without a time budget (graph replay, µs):",
+        ]
+        + [
+            f"  publish {['st.release.sys', 'red.release.sys.add', 'fence.acq_rel + st.relaxed'][p]:28s} "
+            f"poll {['ld.acquire.sys', 'ld.relaxed + fence'][q]:20s} {res[f'variant_pub{p}_poll{q}.graph']:6.2f}"
+            for p, q in ((0, 0), (1, 0), (2, 0), (0, 1), (1, 1))
+        ]
+        + [
+            f"overlap (graph): compute alone {c:.2f} µs; arrive + compute + wait on one stream {o:.2f} µs "
+            f"(+{o - c:.2f}); Fence.overlap() side stream {side:.2f} µs (+{side - c:.2f} = {overlap:.1%} of a fence)",
+            f"overlap (eager): compute alone {res['overlap_compute_alone.eager']:.2f} µs; "
+            f"Fence.overlap() {res['overlap_side_stream.eager']:.2f} µs",
+            "targets:",
+            f"  graph replay <= {TARGET_GRAPH_US} µs: {sym_g:.2f} µs "
+            f"({'met' if sym_g <= TARGET_GRAPH_US else 'MISSED by %.2f µs' % (sym_g - TARGET_GRAPH_US)}); "
+            f"{res['torch_symm_barrier.graph'] / sym_g:.2f}× faster than torch's barrier (target >= 1.4×)",
+            f"  eager <= {TARGET_EAGER_US} µs: {sym_e:.2f} µs "
+            f"({'met' if sym_e <= TARGET_EAGER_US else 'MISSED by %.2f µs' % (sym_e - TARGET_EAGER_US)}); "
+            f"{res['torch_symm_barrier.eager'] / sym_e:.2f}× faster than torch's barrier (target >= 1.5×)",
+            f"  overlap <= {TARGET_OVERLAP:.0%}: {overlap:.1%} ({'met' if overlap <= TARGET_OVERLAP else 'MISSED'})",
+            f"launch path: {per_rank[0]['launch_path']}; epochs after the run (rank 0): {per_rank[0]['epochs_after']}",
+        ]
+    )
     text = "\n".join(lines)
     print(text, flush=True)
     name = f"fence_{common.slug(info)}"
-    payload = {"machine": info, "results_us": res, "per_rank_us": per_rank, "iters": args.iters, "reps": args.reps,
-               "overlap_fraction": overlap, "table": text}
+    payload = {
+        "machine": info,
+        "results_us": res,
+        "per_rank_us": per_rank,
+        "iters": args.iters,
+        "reps": args.reps,
+        "overlap_fraction": overlap,
+        "table": text,
+    }
     common.write_json(os.path.join(args.out, name + ".json"), payload)
     plot(res, info, os.path.join(args.out, name + ".png"))
     print(f"wrote {os.path.join(args.out, name)}.json and .png", flush=True)
@@ -316,8 +349,11 @@ def plot(res: dict, info: dict, path: str) -> None:
     ax.axvline(TARGET_GRAPH_US, color="C0", ls="--", lw=1)
     ax.axvline(TARGET_EAGER_US, color="C1", ls="--", lw=1)
     ax.set_xlabel("µs per fence (log)")
-    ax.set_title(f"Fence latency, {info['gpu_count']}× {info['gpus'][0]} ({info.get('link_gpu0_gpu1', '?')}), "
-                 f"torch {info['torch']}, triton {info['triton']}", fontsize=9)
+    ax.set_title(
+        f"Fence latency, {info['gpu_count']}× {info['gpus'][0]} ({info.get('link_gpu0_gpu1', '?')}), "
+        f"torch {info['torch']}, triton {info['triton']}",
+        fontsize=9,
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -53,8 +53,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         split = pcp.pcp_split(total, world)
         slots = split.local_slots(torch.arange(total), rank).to(dev)
         g = torch.Generator(device=dev).manual_seed(rank)
-        inputs = [torch.randn(split.tokens_per_rank, w, device=dev, generator=g).to(torch.bfloat16)
-                  for w in (512, 64, 128)]
+        inputs = [
+            torch.randn(split.tokens_per_rank, w, device=dev, generator=g).to(torch.bfloat16) for w in (512, 64, 128)
+        ]
         row = {"tokens_per_rank": tokens, "layers": layers}
         writers = {
             "direct": pcp.DirectKVWriter(view, layout, route="direct", channel=0, **config),
@@ -66,7 +67,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
             def prefill(w=w, batch=batch):
                 for layer in range(layers):
-                    w.write(layer, *inputs, batch)
+                    w.write(layer, *inputs, batch)  # noqa: B023 - called within this iteration
 
             row[f"{name}.eager"] = common.eager_us(prefill, iters=1, reps=args.reps, warmup=2) / layers
             row[f"{name}.graph"] = common.graph_us(prefill, iters=1, reps=args.reps) / layers
@@ -77,14 +78,14 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
         def local_insert():
             for layer in range(layers):
-                local._launch(layer, *inputs, 512, 64, 128, lbatch.slots, lbatch.rows)
+                local._launch(layer, *inputs, 512, 64, 128, lbatch.slots, lbatch.rows)  # noqa: B023
 
         row["local_insert.eager"] = common.eager_us(local_insert, iters=1, reps=args.reps, warmup=2) / layers
         row["local_insert.graph"] = common.graph_us(local_insert, iters=1, reps=args.reps) / layers
         nbytes = split.tokens_per_rank * TOKEN_BYTES
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
         peer = buf.tensor(0, (nbytes,), torch.uint8, rank=1 - rank)
-        row["ce_peer_copy.eager"] = common.eager_us(lambda: peer.copy_(src), iters=layers, reps=args.reps)
+        row["ce_peer_copy.eager"] = common.eager_us(lambda: peer.copy_(src), iters=layers, reps=args.reps)  # noqa: B023
         row["peer_bytes_per_layer"] = nbytes
         results.append(row)
         for w in writers.values():
@@ -156,20 +157,24 @@ def report(per_rank: list, args: argparse.Namespace) -> None:
     rows = []
     for i, r0 in enumerate(per_rank[0]):
         row = dict(r0)
-        for k, v in r0.items():
+        for k, _v in r0.items():
             if k.endswith((".eager", ".graph")):
                 row[k] = max(r[i][k] for r in per_rank)  # the slower rank sets the pace
         rows.append(row)
     lines = []
     if sweep_rows:
-        lines.append(f"writer configurations at {sweep_rows[0]['tokens_per_rank']} tokens/rank, direct, graph replay "
-                     "(rank 0, µs per layer):")
+        lines.append(
+            f"writer configurations at {sweep_rows[0]['tokens_per_rank']} tokens/rank, direct, graph replay "
+            "(rank 0, µs per layer):"
+        )
         lines += [f"  {r['config']}: {r['direct_graph_us']:.1f}" for r in sweep_rows]
     lines.append(f"writer configuration used below: {config or 'the defaults'}")
-    lines += [f"PCP2 KV publication, µs per layer (median of {args.reps} runs of a {args.layers}-layer prefill); "
-              f"{info['gpu_count']}× {info['gpus'][0]}, torch {info['torch']}, triton {info['triton']}",
-             f"{'tokens/rank':>11s} {'mode':>5s} {'direct':>8s} {'fused':>8s} {'allgath':>8s} {'local':>8s} "
-             f"{'CE peer':>8s} {'speedup':>8s} {'writer GB/s':>11s} {'CE GB/s':>8s} {'% of CE':>7s}"]
+    lines += [
+        f"PCP2 KV publication, µs per layer (median of {args.reps} runs of a {args.layers}-layer prefill); "
+        f"{info['gpu_count']}× {info['gpus'][0]}, torch {info['torch']}, triton {info['triton']}",
+        f"{'tokens/rank':>11s} {'mode':>5s} {'direct':>8s} {'fused':>8s} {'allgath':>8s} {'local':>8s} "
+        f"{'CE peer':>8s} {'speedup':>8s} {'writer GB/s':>11s} {'CE GB/s':>8s} {'% of CE':>7s}",
+    ]
     for row in rows:
         ce = row["ce_peer_copy.eager"]
         for mode in ("graph", "eager"):
@@ -180,30 +185,46 @@ def report(per_rank: list, args: argparse.Namespace) -> None:
             row[f"speedup.{mode}"] = a / d
             row[f"writer_peer_GBps.{mode}"] = bw
             row["ce_peer_GBps"] = ce_bw
-            lines.append(f"{row['tokens_per_rank']:>11d} {mode:>5s} {d:8.1f} {f:8.1f} {a:8.1f} {loc:8.1f} {ce:8.1f} "
-                         f"{a / d:7.2f}× {bw:11.1f} {ce_bw:8.1f} {bw / ce_bw:7.1%}")
-    lines.append("targets: direct >= 2× allgather at >= 4k tokens; writer >= 90% of copy-engine bandwidth at >= 16k; "
-                 "fused no slower than direct")
+            lines.append(
+                f"{row['tokens_per_rank']:>11d} {mode:>5s} {d:8.1f} {f:8.1f} {a:8.1f} {loc:8.1f} {ce:8.1f} "
+                f"{a / d:7.2f}× {bw:11.1f} {ce_bw:8.1f} {bw / ce_bw:7.1%}"
+            )
+    lines.append(
+        "targets: direct >= 2× allgather at >= 4k tokens; writer >= 90% of copy-engine bandwidth at >= 16k; "
+        "fused no slower than direct"
+    )
     for row in rows:
         t = row["tokens_per_rank"]
         for mode in ("graph", "eager"):
             notes = []
             if t >= 4096:
-                notes.append(f"speedup {row[f'speedup.{mode}']:.2f}× "
-                             f"({'met' if row[f'speedup.{mode}'] >= 2 else 'MISSED'})")
+                notes.append(
+                    f"speedup {row[f'speedup.{mode}']:.2f}× ({'met' if row[f'speedup.{mode}'] >= 2 else 'MISSED'})"
+                )
             if t >= 16384:
                 frac = row[f"writer_peer_GBps.{mode}"] / row["ce_peer_GBps"]
                 notes.append(f"bandwidth {frac:.0%} of CE ({'met' if frac >= 0.9 else 'MISSED'})")
             fused_ok = row[f"fused.{mode}"] <= row[f"direct.{mode}"] * 1.02
-            notes.append(f"fused {row[f'fused.{mode}']:.1f} vs {row[f'direct.{mode}']:.1f} µs "
-                         f"({'met' if fused_ok else 'MISSED'})")
+            notes.append(
+                f"fused {row[f'fused.{mode}']:.1f} vs {row[f'direct.{mode}']:.1f} µs "
+                f"({'met' if fused_ok else 'MISSED'})"
+            )
             lines.append(f"  {t:>6d} {mode}: " + "; ".join(notes))
     text = "\n".join(lines)
     print(text, flush=True)
     name = f"pcp_kv_{common.slug(info)}"
-    common.write_json(os.path.join(args.out, name + ".json"),
-                      {"machine": info, "rows": rows, "per_rank": per_rank, "reps": args.reps, "table": text,
-                       "writer_config": config, "sweep": sweep_rows})
+    common.write_json(
+        os.path.join(args.out, name + ".json"),
+        {
+            "machine": info,
+            "rows": rows,
+            "per_rank": per_rank,
+            "reps": args.reps,
+            "table": text,
+            "writer_config": config,
+            "sweep": sweep_rows,
+        },
+    )
     plot(rows, info, os.path.join(args.out, name + ".png"))
     print(f"wrote {os.path.join(args.out, name)}.json and .png", flush=True)
 
@@ -216,8 +237,12 @@ def plot(rows: list, info: dict, path: str) -> None:
 
     t = [r["tokens_per_rank"] for r in rows]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for key, label in (("direct", "direct (writer + fence)"), ("fused", "direct, fused tail"),
-                       ("allgather", "all-gather + insert"), ("local_insert", "local insert (floor)")):
+    for key, label in (
+        ("direct", "direct (writer + fence)"),
+        ("fused", "direct, fused tail"),
+        ("allgather", "all-gather + insert"),
+        ("local_insert", "local insert (floor)"),
+    ):
         ax.plot(t, [r[f"{key}.graph"] for r in rows], marker="o", label=label)
     ax.plot(t, [r["ce_peer_copy.eager"] for r in rows], marker="x", ls="--", label="copy-engine peer copy")
     ax.set_xscale("log", base=2)
@@ -231,8 +256,10 @@ def plot(rows: list, info: dict, path: str) -> None:
     bx.set_xlabel("tokens per rank")
     bx.set_ylabel("GB/s to the peer")
     bx.legend(fontsize=8)
-    fig.suptitle(f"PCP2 KV publication, {info['gpu_count']}× {info['gpus'][0]}, torch {info['torch']}, "
-                 f"triton {info['triton']}", fontsize=10)
+    fig.suptitle(
+        f"PCP2 KV publication, {info['gpu_count']}× {info['gpus'][0]}, torch {info['torch']}, triton {info['triton']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -243,8 +270,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 32768])
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--no-sweep", dest="sweep", action="store_false",
-                        help="skip the writer-configuration sweep; use the writer's defaults")
+    parser.add_argument(
+        "--no-sweep",
+        dest="sweep",
+        action="store_false",
+        help="skip the writer-configuration sweep; use the writer's defaults",
+    )
     args = parser.parse_args()
     if torch.cuda.device_count() < 2:
         sys.exit(f"benchmarks/pcp_kv.py needs 2 GPUs; this machine has {torch.cuda.device_count()}")

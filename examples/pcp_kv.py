@@ -54,13 +54,14 @@ def publish_prefill(tp: int, tokens: int, layers: int, backend: str, seed: int) 
     slot_mapping = torch.randperm(layouts[0].num_slots, generator=gen)[:tokens]
     prompt = {k: torch.randn(layers, tokens, w, generator=gen).to(torch.bfloat16) for k, w in SHAPES.items()}
     me = view.local_index
-    local = {k: [split.local_rows(v[layer], me).to(buf.device).contiguous() for layer in range(layers)]
-             for k, v in prompt.items()}
+    local = {
+        k: [split.local_rows(v[layer], me).to(buf.device).contiguous() for layer in range(layers)]
+        for k, v in prompt.items()
+    }
     times: dict[str, list[float]] = {name: [] for name in writers}
     batches = {name: w.prepare(split.local_slots(slot_mapping, me).to(buf.device)) for name, w in writers.items()}
     sync = torch.cuda.synchronize if buf.device.type == "cuda" else (lambda: None)
-    bar = tqdm(range(layers), desc=f"publishing {layers} layers", unit="layer", disable=buf.rank != 0,
-               file=sys.stdout)
+    bar = tqdm(range(layers), desc=f"publishing {layers} layers", unit="layer", disable=buf.rank != 0, file=sys.stdout)
     for layer in bar:
         for name, w in writers.items():
             sync()
@@ -73,10 +74,14 @@ def publish_prefill(tp: int, tokens: int, layers: int, backend: str, seed: int) 
     dist.barrier()
     same = all(
         torch.equal(layouts[0].layer_backing(buf, layer, r), layouts[1].layer_backing(buf, layer, r))
-        for layer in range(layers) for r in view.ranks
+        for layer in range(layers)
+        for r in view.ranks
     )
     out = {
-        "rank": buf.rank, "view": list(view.ranks), "rows": split.tokens_per_rank, "identical": same,
+        "rank": buf.rank,
+        "view": list(view.ranks),
+        "rows": split.tokens_per_rank,
+        "identical": same,
         "times": {k: statistics.median(v) for k, v in times.items()},
         "bytes": {k: w.bytes_per_layer(split.tokens_per_rank) for k, w in writers.items()},
         "backend": buf.backend,
@@ -89,11 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pcp", type=int, default=2, help="ranks in a PCP group (default 2)")
     parser.add_argument("--tp", type=int, default=1, help="TP ranks per PCP rank (default 1); world = tp * pcp")
-    parser.add_argument("--tokens", type=int, default=None,
-                        help="prompt tokens (default: 256 on the host backend, 16384 on GPUs)")
+    parser.add_argument(
+        "--tokens", type=int, default=None, help="prompt tokens (default: 256 on the host backend, 16384 on GPUs)"
+    )
     parser.add_argument("--layers", type=int, default=None, help="layers (default: 4 on the host, 61 on GPUs)")
-    parser.add_argument("--backend", choices=("auto", "host", "cuda"), default="auto",
-                        help="auto: cuda when this machine has tp*pcp GPUs, else host (CPU processes)")
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "host", "cuda"),
+        default="auto",
+        help="auto: cuda when this machine has tp*pcp GPUs, else host (CPU processes)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     world = args.tp * args.pcp
@@ -105,23 +115,42 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--backend cuda needs {world} GPUs (tp*pcp); this machine has {gpus}")
     tokens = args.tokens if args.tokens is not None else (16384 if backend == "cuda" else 256)
     layers = args.layers if args.layers is not None else (61 if backend == "cuda" else 4)
-    print(f"PCP{args.pcp} x TP{args.tp} on the {backend} backend: {tokens} prompt tokens, {layers} layers, "
-          f"{world} ranks", flush=True)
+    print(
+        f"PCP{args.pcp} x TP{args.tp} on the {backend} backend: {tokens} prompt tokens, {layers} layers, {world} ranks",
+        flush=True,
+    )
     t0 = time.perf_counter()
-    results = run(publish_prefill, world, args.tp, tokens, layers, backend, args.seed, backend=backend,
-                  timeout_s=max(300.0, 2.0 * layers * world))
+    results = run(
+        publish_prefill,
+        world,
+        args.tp,
+        tokens,
+        layers,
+        backend,
+        args.seed,
+        backend=backend,
+        timeout_s=max(300.0, 2.0 * layers * world),
+    )
     ok = all(r["identical"] for r in results)
-    print(f"\n{'rank':>4s} {'PCP group':>10s} {'rows':>6s} {'direct ms/layer':>16s} {'allgather ms/layer':>19s} "
-          f"{'speedup':>8s} {'sent to peers, direct':>22s} {'allgather':>10s}")
+    print(
+        f"\n{'rank':>4s} {'PCP group':>10s} {'rows':>6s} {'direct ms/layer':>16s} {'allgather ms/layer':>19s} "
+        f"{'speedup':>8s} {'sent to peers, direct':>22s} {'allgather':>10s}"
+    )
     for r in results:
         d, a = r["times"]["direct"] * 1e3, r["times"]["allgather"] * 1e3
-        print(f"{r['rank']:>4d} {str(r['view']):>10s} {r['rows']:>6d} {d:16.3f} {a:19.3f} {a / d:7.2f}× "
-              f"{_kib(r['bytes']['direct']['sent_to_peers']):>22s} {_kib(r['bytes']['allgather']['sent_to_peers']):>10s}")
-    print(f"\nbyte oracle (every replica identical between direct and all-gather + insert, every layer): "
-          f"{'OK' if ok else 'FAILED'}")
+        print(
+            f"{r['rank']:>4d} {str(r['view']):>10s} {r['rows']:>6d} {d:16.3f} {a:19.3f} {a / d:7.2f}× "
+            f"{_kib(r['bytes']['direct']['sent_to_peers']):>22s} {_kib(r['bytes']['allgather']['sent_to_peers']):>10s}"
+        )
+    print(
+        f"\nbyte oracle (every replica identical between direct and all-gather + insert, every layer): "
+        f"{'OK' if ok else 'FAILED'}"
+    )
     if backend == "host":
-        print("(host backend: kernels run in Triton's interpreter, so times show the mechanics, not GPU speed; "
-              "see docs/performance.md for H200 numbers)")
+        print(
+            "(host backend: kernels run in Triton's interpreter, so times show the mechanics, not GPU speed; "
+            "see docs/performance.md for H200 numbers)"
+        )
     print(f"done in {time.perf_counter() - t0:.1f} s")
     return 0 if ok else 1
 

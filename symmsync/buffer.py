@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -110,8 +111,13 @@ class SymmetricBuffer:
             name, dev, problem = backend, None, str(e)
         if problem is None:
             problem = self._check_args(nbytes, max_views, channels)
-        info = {"nbytes": nbytes if isinstance(nbytes, int) else repr(nbytes), "backend": name,
-                "max_views": max_views, "channels": channels, "problem": problem}
+        info = {
+            "nbytes": nbytes if isinstance(nbytes, int) else repr(nbytes),
+            "backend": name,
+            "max_views": max_views,
+            "channels": channels,
+            "problem": problem,
+        }
         self._raise_on_bad_args(_gather(self._group, info, self._world))
 
         self._nbytes = nbytes
@@ -150,7 +156,7 @@ class SymmetricBuffer:
         *,
         max_views: int = 16,
         channels: int = 4,
-    ) -> "SymmetricBuffer":
+    ) -> SymmetricBuffer:
         """Adopt symmetric memory a runtime already allocated and mapped (collective).
 
         Args:
@@ -178,8 +184,13 @@ class SymmetricBuffer:
             problem = f"ptrs holds {len(ptrs)} addresses for a group of {self._world} ranks"
         if problem is None and nbytes < probe.size + _LINE:
             problem = f"{nbytes} bytes cannot hold symmsync's {probe.size} bytes of signal cells; adopt a larger region"
-        info = {"nbytes": nbytes if isinstance(nbytes, int) else repr(nbytes), "backend": dev.type,
-                "max_views": max_views, "channels": channels, "problem": problem}
+        info = {
+            "nbytes": nbytes if isinstance(nbytes, int) else repr(nbytes),
+            "backend": dev.type,
+            "max_views": max_views,
+            "channels": channels,
+            "problem": problem,
+        }
         self._raise_on_bad_args(_gather(self._group, info, self._world))
         base = (nbytes - probe.size) // _LINE * _LINE
         self._nbytes = base
@@ -197,7 +208,7 @@ class SymmetricBuffer:
         return self
 
     @classmethod
-    def from_torch(cls, handle: Any, group: Any = None, **kwargs: Any) -> "SymmetricBuffer":
+    def from_torch(cls, handle: Any, group: Any = None, **kwargs: Any) -> SymmetricBuffer:
         """Adopt a ``torch.distributed._symmetric_memory`` rendezvous handle (collective).
 
         Uses the handle's buffer (``buffer_ptrs``, ``buffer_size``); torch's own signal
@@ -247,7 +258,9 @@ class SymmetricBuffer:
         problems = _gather(self._group, problem, self._world)
         bad = [r for r, p in enumerate(problems) if p]
         if bad:
-            raise BackendError(f"SymmetricBuffer: backend {name!r} unavailable on {_ranks_text(bad)}: {problems[bad[0]]}")
+            raise BackendError(
+                f"SymmetricBuffer: backend {name!r} unavailable on {_ranks_text(bad)}: {problems[bad[0]]}"
+            )
         assert be is not None
         return be
 
@@ -352,7 +365,9 @@ class SymmetricBuffer:
         self._check_open("local_memory")
         return self._own.tensor
 
-    def tensor(self, offset: int, shape: Sequence[int] | int, dtype: torch.dtype, rank: int | None = None) -> torch.Tensor:
+    def tensor(
+        self, offset: int, shape: Sequence[int] | int, dtype: torch.dtype, rank: int | None = None
+    ) -> torch.Tensor:
         """A tensor over ``rank``'s memory (default: this rank's), without a copy.
 
         Args:
@@ -376,9 +391,7 @@ class SymmetricBuffer:
         if any(not isinstance(s, int) or s < 0 for s in shape):
             raise BoundsError(f"rank {self._rank}: shape must hold non-negative ints, got {shape}")
         if not isinstance(offset, int) or offset < 0 or offset % ALIGN:
-            raise BoundsError(
-                f"rank {self._rank}: offset {offset!r} must be a non-negative multiple of {ALIGN} bytes"
-            )
+            raise BoundsError(f"rank {self._rank}: offset {offset!r} must be a non-negative multiple of {ALIGN} bytes")
         size = math.prod(shape) * dtype.itemsize
         if offset + size > self._nbytes:
             raise BoundsError(
@@ -420,7 +433,7 @@ class SymmetricBuffer:
         self._own = None
         self._peers = [None] * self._world
 
-    def __enter__(self) -> "SymmetricBuffer":
+    def __enter__(self) -> SymmetricBuffer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -428,4 +441,7 @@ class SymmetricBuffer:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self._nbytes} bytes"
-        return f"SymmetricBuffer(rank={self._rank}/{self._world}, {state}, backend={self._backend.name}, device={self._device})"
+        return (
+            f"SymmetricBuffer(rank={self._rank}/{self._world}, {state}, backend={self._backend.name}, "
+            f"device={self._device})"
+        )

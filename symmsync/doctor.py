@@ -65,14 +65,17 @@ def _cuda_section(lines: list[str]) -> tuple[bool, str]:
                 continue
             e, v = drv.cuDeviceGetAttribute(a, dev)
             flags.append(f"{label}={'yes' if e == drv.CUresult.CUDA_SUCCESS and v else 'no'}")
-        lines.append(f"  cuda:{i}  {props.name}, {props.total_memory >> 30} GiB, sm_{props.major}{props.minor}, "
-                     + ", ".join(flags))
+        lines.append(
+            f"  cuda:{i}  {props.name}, {props.total_memory >> 30} GiB, sm_{props.major}{props.minor}, "
+            + ", ".join(flags)
+        )
     if n > 1:
         lines.append("peer access (row can access column):")
         lines.append("        " + " ".join(f"{j:>3}" for j in range(n)))
         for i in range(n):
-            row = " ".join("  -" if i == j else ("yes" if torch.cuda.can_device_access_peer(i, j) else " no")
-                           for j in range(n))
+            row = " ".join(
+                "  -" if i == j else ("yes" if torch.cuda.can_device_access_peer(i, j) else " no") for j in range(n)
+            )
             lines.append(f"  {i:>4}  {row}")
         if shutil.which("nvidia-smi"):
             try:

@@ -25,7 +25,8 @@ and every read after it happens after it, whatever the compiler backend.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import triton
@@ -44,8 +45,9 @@ _FENCE, _ARRIVE, _WAIT = 0, 1, 2  # indices into Fence._launch, in this order
 
 
 @triton.jit
-def _fence_kernel(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, ARRIVE: tl.constexpr,
-                  WAIT: tl.constexpr, TRAP: tl.constexpr):
+def _fence_kernel(
+    ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, ARRIVE: tl.constexpr, WAIT: tl.constexpr, TRAP: tl.constexpr
+):
     if ARRIVE:
         e = ssl.publish(ptrs, cell, me, SIZE)
     else:
@@ -96,7 +98,7 @@ class Fence:
         trap = self.backend == "cuda"
         args = (view.ptrs, self.cell, view.local_index, self.timeout_ns, self.record)
         self._launch = []
-        for kind, (arrive, wait) in ((_FENCE, (True, True)), (_ARRIVE, (True, False)), (_WAIT, (False, True))):
+        for _kind, (arrive, wait) in ((_FENCE, (True, True)), (_ARRIVE, (True, False)), (_WAIT, (False, True))):
             launcher = Launcher(_fence_kernel, (1,), num_warps=1, SIZE=view.size, ARRIVE=arrive, WAIT=wait, TRAP=trap)
             self._launch.append(launcher.bind(*args))
 

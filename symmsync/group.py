@@ -13,7 +13,8 @@ asked for the same view, in the same order, before anything uses it.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ class PeerView:
         self._ptrs = buffer.ptrs[list(ranks)].contiguous()
 
     @classmethod
-    def _create(cls, buffer: Any, ranks: Sequence[int], problem: str | None = None) -> "PeerView":
+    def _create(cls, buffer: Any, ranks: Sequence[int], problem: str | None = None) -> PeerView:
         from .buffer import _gather
 
         me, world = buffer.rank, buffer.world_size
@@ -86,7 +87,9 @@ class PeerView:
             )
 
     # ------------------------------------------------------------------ host access
-    def tensor(self, offset: int, shape: Sequence[int] | int, dtype: torch.dtype, index: int | None = None) -> torch.Tensor:
+    def tensor(
+        self, offset: int, shape: Sequence[int] | int, dtype: torch.dtype, index: int | None = None
+    ) -> torch.Tensor:
         """:meth:`SymmetricBuffer.tensor` of member ``index`` (default: this rank)."""
         if index is None:
             index = self.local_index

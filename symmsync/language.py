@@ -98,9 +98,7 @@ else:
 
     @triton.jit
     def _clock_ns():
-        return tl.inline_asm_elementwise(
-            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
-        )
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
     @triton.jit
     def _release_add(ptrs, mask):

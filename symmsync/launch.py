@@ -21,17 +21,28 @@ from __future__ import annotations
 
 import ctypes
 import inspect
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from .errors import BackendError
 
 _CTYPES = {
-    "i1": ctypes.c_int8, "i8": ctypes.c_int8, "i16": ctypes.c_int16, "i32": ctypes.c_int32,
-    "i64": ctypes.c_int64, "u1": ctypes.c_uint8, "u8": ctypes.c_uint8, "u16": ctypes.c_uint16,
-    "u32": ctypes.c_uint32, "u64": ctypes.c_uint64, "fp32": ctypes.c_float, "f32": ctypes.c_float,
-    "fp64": ctypes.c_double, "f64": ctypes.c_double,
+    "i1": ctypes.c_int8,
+    "i8": ctypes.c_int8,
+    "i16": ctypes.c_int16,
+    "i32": ctypes.c_int32,
+    "i64": ctypes.c_int64,
+    "u1": ctypes.c_uint8,
+    "u8": ctypes.c_uint8,
+    "u16": ctypes.c_uint16,
+    "u32": ctypes.c_uint32,
+    "u64": ctypes.c_uint64,
+    "fp32": ctypes.c_float,
+    "f32": ctypes.c_float,
+    "fp64": ctypes.c_double,
+    "f64": ctypes.c_double,
 }
 
 
@@ -61,6 +72,7 @@ def _runtime_params(kernel: Any) -> tuple[list[str], list[str]]:
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
 
 def current_stream(device_index: int) -> int:
     """The raw handle of torch's current CUDA stream on a device (cheap)."""
@@ -92,7 +104,9 @@ class Launcher:
         self.names, const_names = _runtime_params(kernel)
         missing = set(const_names) - set(constexprs)
         if missing:
-            raise BackendError(f"Launcher({getattr(kernel, '__name__', kernel)}): constexprs {sorted(missing)} not given")
+            raise BackendError(
+                f"Launcher({getattr(kernel, '__name__', kernel)}): constexprs {sorted(missing)} not given"
+            )
         self.interpreted = INTERPRETED
         self.path = "none"  #: "cuda-python" or "triton": how the last launch went
         self.fallback_reason = "not launched yet"
@@ -103,7 +117,7 @@ class Launcher:
         """Launch with ``args`` (runtime parameters, in order)."""
         self.bind(*args)()
 
-    def bind(self, *args: Any) -> "BoundLaunch":
+    def bind(self, *args: Any) -> BoundLaunch:
         """Pack ``args`` once; the returned object launches them with no per-call packing."""
         if len(args) != len(self.names):
             raise BackendError(
@@ -117,7 +131,7 @@ class Launcher:
         kwargs = dict(zip(self.names, args))
         return self.kernel[self.grid](**kwargs, **self.constexprs, num_warps=self.num_warps)
 
-    def _packer(self, args: Sequence[Any]) -> "_Packed | None":
+    def _packer(self, args: Sequence[Any]) -> _Packed | None:
         """The compiled kernel and packed parameters for these argument classes, if exact."""
         if self.interpreted:
             self.fallback_reason = "Triton interpreter (host backend)"
@@ -132,7 +146,7 @@ class Launcher:
 class _Packed:
     """ctypes kernel parameters of one argument tuple, in the compiled signature's order."""
 
-    def __init__(self, entry: "_Compiled", args: Sequence[Any], names: Sequence[str]):
+    def __init__(self, entry: _Compiled, args: Sequence[Any], names: Sequence[str]):
         values = dict(zip(names, args))
         self.keep: list[Any] = []
         for name, ty in entry.signature:
@@ -158,7 +172,11 @@ class _Compiled:
         md = compiled.metadata
         if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
             raise _NotExact("the kernel needs scratch memory")
-        if getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False) or getattr(md, "launch_pdl", False):
+        if (
+            getattr(md, "num_ctas", 1) != 1
+            or getattr(md, "launch_cooperative_grid", False)
+            or getattr(md, "launch_pdl", False)
+        ):
             raise _NotExact("the kernel needs launch attributes (clusters, cooperative or PDL)")
         sig = getattr(compiled.src, "signature", None)
         if not isinstance(sig, dict):

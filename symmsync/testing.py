@@ -34,7 +34,8 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -101,8 +102,18 @@ def run(
                 for rank in range(world_size):
                     p = ctx.Process(
                         target=_rank_main,
-                        args=(fn, rank, world_size, backend, dist_backend, os.path.join(tmp, "store"), timeout_s, results,
-                              args, kwargs),
+                        args=(
+                            fn,
+                            rank,
+                            world_size,
+                            backend,
+                            dist_backend,
+                            os.path.join(tmp, "store"),
+                            timeout_s,
+                            results,
+                            args,
+                            kwargs,
+                        ),
                         name=f"symmsync-rank{rank}",
                         daemon=True,
                     )
@@ -140,8 +151,14 @@ class RankPool:
                 assert pool.call(exchange, n) == [...]
     """
 
-    def __init__(self, world_size: int, backend: str = "host", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 env: dict[str, str] | None = None, dist_backend: str | None = None):
+    def __init__(
+        self,
+        world_size: int,
+        backend: str = "host",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        env: dict[str, str] | None = None,
+        dist_backend: str | None = None,
+    ):
         self.world_size = world_size
         self.timeout_s = timeout_s
         ctx = mp.get_context("spawn")
@@ -152,15 +169,24 @@ class RankPool:
         # start-up, environment and cleanup are exactly run()'s.
         self._error: BaseException | None = None
         self._thread = threading.Thread(
-            target=self._run, daemon=True,
+            target=self._run,
+            daemon=True,
             args=(world_size, backend, env, dist_backend),
         )
         self._thread.start()
 
     def _run(self, world_size, backend, env, dist_backend) -> None:
         try:
-            run(_pool_main, world_size, self._tasks, self._results, backend=backend, timeout_s=7 * 24 * 3600.0,
-                env=env, dist_backend=dist_backend)
+            run(
+                _pool_main,
+                world_size,
+                self._tasks,
+                self._results,
+                backend=backend,
+                timeout_s=7 * 24 * 3600.0,
+                env=env,
+                dist_backend=dist_backend,
+            )
         except BaseException as e:  # noqa: BLE001 - reported by the next call
             self._error = e
             self._results.put((-1, "pool", None))
@@ -181,8 +207,11 @@ class RankPool:
                 if remaining <= 0 or not self._thread.is_alive():
                     missing = [r for r in range(self.world_size) if r not in out]
                     self.close(kill=True)
-                    raise RankFailure(f"testing.RankPool: ranks {missing} did not finish the call within "
-                                      f"{timeout_s or self.timeout_s:.0f} s", rank=missing[0]) from self._error
+                    raise RankFailure(
+                        f"testing.RankPool: ranks {missing} did not finish the call within "
+                        f"{timeout_s or self.timeout_s:.0f} s",
+                        rank=missing[0],
+                    ) from self._error
                 continue
             if status == "ok":
                 out[rank] = pickle.loads(payload)
@@ -204,7 +233,7 @@ class RankPool:
         if not kill:
             self._thread.join(timeout=60)
 
-    def __enter__(self) -> "RankPool":
+    def __enter__(self) -> RankPool:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -248,7 +277,7 @@ def _collect(procs: list, results: queue.Queue, world_size: int, deadline: float
                             f"testing.run: rank {r} exited with code {p.exitcode} without a result "
                             "(killed or crashed in native code?)",
                             rank=r,
-                        )
+                        ) from None
             continue
         if status == "ok":
             out[rank] = pickle.loads(payload)
@@ -260,8 +289,11 @@ def _collect(procs: list, results: queue.Queue, world_size: int, deadline: float
                 cause = pickle.loads(exc_bytes)
             except Exception:  # noqa: BLE001 - the text below still says everything
                 cause = None
-        raise RankFailure(f"testing.run: rank {rank} raised {kind}: {message}\n--- rank {rank} traceback ---\n{tb}",
-                          rank=rank, remote_traceback=tb) from cause
+        raise RankFailure(
+            f"testing.run: rank {rank} raised {kind}: {message}\n--- rank {rank} traceback ---\n{tb}",
+            rank=rank,
+            remote_traceback=tb,
+        ) from cause
     return [out[r] for r in range(world_size)]
 
 
@@ -282,7 +314,9 @@ def _remove_segments(prefix: str) -> None:
             pass
 
 
-def _rank_main(fn, rank, world_size, backend, dist_backend, store, timeout_s, results, args, kwargs) -> None:  # pragma: no cover - runs in children
+def _rank_main(
+    fn, rank, world_size, backend, dist_backend, store, timeout_s, results, args, kwargs
+) -> None:  # pragma: no cover - runs in children
     import torch
     import torch.distributed as dist
 
@@ -293,8 +327,12 @@ def _rank_main(fn, rank, world_size, backend, dist_backend, store, timeout_s, re
             if dist_backend == "nccl":
                 extra["device_id"] = torch.device("cuda", rank)
         dist.init_process_group(
-            dist_backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s), **extra,
+            dist_backend,
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **extra,
         )
         value = fn(*args, **kwargs)
         results.put((rank, "ok", pickle.dumps(value)))

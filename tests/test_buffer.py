@@ -167,3 +167,52 @@ def test_buffer_needs_an_initialized_process_group():
         pytest.skip("a process group is already initialized in this process")
     with pytest.raises(ss.ConfigError, match="init_process_group"):
         ss.SymmetricBuffer(1024, backend="host")
+
+
+def map_fails_on_rank_1(prefix_env: str):
+    from symmsync.backends import host
+
+    if dist.get_rank() == 1:
+
+        def broken(self, handle, owner):
+            raise ss.BackendError("planted mapping failure")
+
+        host.HostBackend.import_handle = broken
+    try:
+        ss.SymmetricBuffer(1 << 16, backend="host")
+    except ss.BackendError as e:
+        dist.barrier()
+        return str(e), glob.glob(f"/dev/shm/{os.environ[prefix_env]}-*")
+    return None, []
+
+
+def test_a_failed_mapping_on_one_rank_raises_everywhere_and_leaves_nothing():
+    for msg, left in run(map_fails_on_rank_1, 3, "SYMMSYNC_SHM_PREFIX"):
+        assert msg is not None and "could not map on rank 1" in msg and "planted mapping failure" in msg
+        assert "released" in msg and left == []
+
+
+def adopt_peer_addresses():
+    own = ss.SymmetricBuffer(1 << 16, backend="host")  # stands in for a runtime's own mapping
+    adopted = ss.SymmetricBuffer.from_peer_addresses(own.ptrs.tolist(), 1 << 16, device="cpu")
+    fence = ss.Fence(adopted.view([0, 1]), timeout_s=60)
+    adopted.tensor(0, (4,), torch.int32, rank=1 - adopted.rank).fill_(adopted.rank + 5)
+    fence.fence()
+    seen_via_adopted = adopted.tensor(0, (4,), torch.int32).tolist()
+    seen_via_owner = own.tensor(0, (4,), torch.int32).tolist()
+    nbytes = adopted.nbytes
+    adopted.close()  # releases nothing: the owner's mapping still works
+    still = own.tensor(0, (4,), torch.int32).tolist()
+    try:
+        ss.SymmetricBuffer.from_peer_addresses(own.ptrs.tolist()[:1], 1 << 16, device="cpu")
+    except ss.ConfigError as e:
+        short = str(e)
+    own.close()
+    return seen_via_adopted, seen_via_owner, still, nbytes, short
+
+
+def test_adopting_memory_a_runtime_mapped_gives_views_and_fences():
+    for rank, (adopted, owner, still, nbytes, short) in enumerate(run(adopt_peer_addresses, 2)):
+        assert adopted == owner == still == [1 - rank + 5] * 4
+        assert 0 < nbytes < 1 << 16  # the signal cells live at the end of the adopted memory
+        assert "1 addresses for a group of 2 ranks" in short

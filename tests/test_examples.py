@@ -23,8 +23,9 @@ def test_the_exchange_example_prints_every_peers_block():
     assert "rank 1 sees the blocks of ranks 0..1 as [100, 101]" in proc.stdout
 
 
-@pytest.mark.parametrize("args", [[], ["--tp", "2", "--pcp", "2", "--tokens", "96", "--layers", "2"]],
-                         ids=["defaults", "tp2xpcp2"])
+@pytest.mark.parametrize(
+    "args", [[], ["--tp", "2", "--pcp", "2", "--tokens", "96", "--layers", "2"]], ids=["defaults", "tp2xpcp2"]
+)
 def test_the_pcp_demo_checks_the_byte_oracle_and_prints_its_table(args):
     proc = _run("examples/pcp_kv.py", "--backend", "host", *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

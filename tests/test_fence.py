@@ -146,8 +146,14 @@ def one_rank_never_arrives(budget, absent, backend="host"):
         except ss.FenceTimeout as again:
             repeated = again is e
         dist.barrier()
-        return {"elapsed": elapsed, "msg": str(e), "rank": e.rank, "late": e.late, "epoch": e.epoch,
-                "repeated": repeated}
+        return {
+            "elapsed": elapsed,
+            "msg": str(e),
+            "rank": e.rank,
+            "late": e.late,
+            "epoch": e.epoch,
+            "repeated": repeated,
+        }
     dist.barrier()
     return "no timeout"
 

@@ -7,6 +7,9 @@ Marker ``gpu``: skipped with the reason where fewer than 2 GPUs exist. Run with
 import time
 
 import pytest
+import test_buffer
+import test_fence
+import test_pcp
 import torch
 import torch.distributed as dist
 import triton
@@ -14,12 +17,8 @@ import triton.language as tl
 
 import symmsync as ss
 import symmsync.language as ssl
-from symmsync.testing import run
-
-import test_buffer
-import test_fence
-import test_pcp
 from symmsync import pcp
+from symmsync.testing import run
 
 pytestmark = pytest.mark.gpu
 WORLD = 2
@@ -124,7 +123,7 @@ def graph_replay(batches, per_batch):
     with torch.cuda.graph(g):
         step()
     log = []
-    for b in range(batches):
+    for _b in range(batches):
         before = fence.epoch
         for _ in range(per_batch):
             g.replay()
@@ -142,8 +141,9 @@ def test_cuda_graph_replay_advances_the_device_epoch_and_keeps_the_payload_oracl
 
 
 def test_a_rank_that_skips_the_fence_makes_the_other_trap_and_raise_fence_timeout():
-    results = run(test_fence.one_rank_never_arrives, WORLD, 2.0, 1, "cuda", backend="cuda",
-                  dist_backend="gloo", timeout_s=180)
+    results = run(
+        test_fence.one_rank_never_arrives, WORLD, 2.0, 1, "cuda", backend="cuda", dist_backend="gloo", timeout_s=180
+    )
     r = results[0]
     assert isinstance(r, dict), r
     assert r["rank"] == 0 and r["late"] == {1: 1} and r["epoch"] == 2
@@ -182,6 +182,7 @@ def map_fails_on_rank_1():
     torch.cuda.synchronize()
     free_before, _ = torch.cuda.mem_get_info()
     if dist.get_rank() == 1:
+
         def broken(self, handle, owner):
             raise ss.BackendError("planted mapping failure")
 
@@ -266,8 +267,10 @@ def pcp_graph_replay(route, fused, replays):
         dist.barrier()
         want = test_pcp.reference_cache(layout, kv, pe, ix, slots)
         for layer in range(layers):
-            ok.append(torch.equal(layout.main_kv(buf, layer).cpu(), want[0])
-                      and torch.equal(layout.indexer_k(buf, layer).cpu(), want[1]))
+            ok.append(
+                torch.equal(layout.main_kv(buf, layer).cpu(), want[0])
+                and torch.equal(layout.indexer_k(buf, layer).cpu(), want[1])
+            )
         dist.barrier()  # nobody overwrites inputs of the next replay while a peer still checks
     epoch = writer.fence.epoch if writer.fence is not None else None
     buf.close()

@@ -118,8 +118,9 @@ def byte_oracle(tp, tokens, num_layers, seed, backend="host"):
     local = [split.local_rows(t, me).contiguous().to(buf.device) for t in (kv, pe, ix)]
     result = {}
     for i, (route, fused) in enumerate(ROUTES):
-        writer = pcp.DirectKVWriter(view, layouts[i], route=route, fused=fused, group=group, channel=i % 2,
-                                    timeout_s=60)
+        writer = pcp.DirectKVWriter(
+            view, layouts[i], route=route, fused=fused, group=group, channel=i % 2, timeout_s=60
+        )
         batch = writer.prepare(split.local_slots(slots, me).to(buf.device))
         for layer in range(num_layers):
             # Different inputs per layer, so a layer written into another layer's place shows.
@@ -128,15 +129,18 @@ def byte_oracle(tp, tokens, num_layers, seed, backend="host"):
         torch.cuda.synchronize()
     dist.barrier()
     for layer in range(num_layers):
-        want = reference_cache(layouts[0], *[(t.float() * (layer + 1)).to(torch.bfloat16) for t in (kv, pe, ix)],
-                               slots)
+        want = reference_cache(layouts[0], *[(t.float() * (layer + 1)).to(torch.bfloat16) for t in (kv, pe, ix)], slots)
         for i, (route, fused) in enumerate(ROUTES):
             got = (layouts[i].main_kv(buf, layer).cpu(), layouts[i].indexer_k(buf, layer).cpu())
             base = (layouts[2].main_kv(buf, layer).cpu(), layouts[2].indexer_k(buf, layer).cpu())
             key = f"{route}{'-fused' if fused else ''}"
             result.setdefault(key, []).append(
-                (torch.equal(got[0], want[0]), torch.equal(got[1], want[1]),
-                 torch.equal(got[0], base[0]), torch.equal(got[1], base[1]))
+                (
+                    torch.equal(got[0], want[0]),
+                    torch.equal(got[1], want[1]),
+                    torch.equal(got[0], base[0]),
+                    torch.equal(got[1], base[1]),
+                )
             )
     mem = buf.tensor(0, (buf.nbytes,), torch.uint8).cpu()
     mask = torch.ones(buf.nbytes, dtype=torch.bool)
@@ -179,7 +183,9 @@ def one_example(tokens, num_layers, pad, seed):
         rows = [(split.local_rows(t, buf.rank).float() + layer).to(torch.bfloat16).contiguous() for t in (kv, pe, ix)]
         writer.write(layer, *rows, batch)
         want = reference_cache(layout, *[(t.float() + layer).to(torch.bfloat16) for t in (kv, pe, ix)], slots)
-        ok.append(torch.equal(layout.main_kv(buf, layer), want[0]) and torch.equal(layout.indexer_k(buf, layer), want[1]))
+        ok.append(
+            torch.equal(layout.main_kv(buf, layer), want[0]) and torch.equal(layout.indexer_k(buf, layer), want[1])
+        )
     buf.close()
     return ok
 

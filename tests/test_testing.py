@@ -57,3 +57,28 @@ def one_rank_dies():
 def test_a_rank_that_dies_is_reported_with_its_exit_code():
     with pytest.raises(ss.RankFailure, match="rank 1 exited with code 3"):
         run(one_rank_dies, 2, timeout_s=60)
+
+
+def square(x):
+    return dist.get_rank() * x * x
+
+
+def fail_on_rank(r):
+    if dist.get_rank() == r:
+        raise RuntimeError(f"planted failure on rank {r}")
+    return "ok"
+
+
+def test_a_rank_pool_runs_many_calls_and_stops_at_the_first_failure():
+    from symmsync.testing import RankPool
+
+    pool = RankPool(2, timeout_s=120)
+    try:
+        assert pool.call(square, 3) == [0, 9]
+        assert pool.call(square, 4) == [0, 16]
+        with pytest.raises(ss.RankFailure, match="planted failure on rank 1"):
+            pool.call(fail_on_rank, 1)
+        with pytest.raises(ss.RankFailure, match="closed"):
+            pool.call(square, 1)
+    finally:
+        pool.close()

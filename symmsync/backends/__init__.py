@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ class Backend(abc.ABC):
     def import_handle(self, handle: Any, owner: int) -> Memory:
         """Map a peer's memory from its handle."""
 
-    def all_mapped(self, mem: Memory) -> None:
+    def all_mapped(self, mem: Memory) -> None:  # noqa: B027 - optional hook
         """Called once every peer has mapped ``mem``: drop what only served the exchange."""
 
     @abc.abstractmethod

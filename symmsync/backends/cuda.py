@@ -144,7 +144,9 @@ class CudaBackend(Backend):
         prop.requestedHandleTypes = self.cu_handle_type
         self.prop = prop
         self.granularity = check(
-            drv.cuMemGetAllocationGranularity(prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+            drv.cuMemGetAllocationGranularity(
+                prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+            ),
             "cuMemGetAllocationGranularity",
         )
         access = drv.CUmemAccessDesc()
@@ -203,8 +205,10 @@ class CudaBackend(Backend):
         if self.handle_type == "cuda_ipc":
             h = check(drv.cuIpcGetMemHandle(mem.ptr), "cuIpcGetMemHandle")
             return ("cuda_ipc", bytes(h.reserved), mem.nbytes)
-        shareable = check(drv.cuMemExportToShareableHandle(st["handle"], self.cu_handle_type, 0),
-                          f"cuMemExportToShareableHandle({self.handle_type})")
+        shareable = check(
+            drv.cuMemExportToShareableHandle(st["handle"], self.cu_handle_type, 0),
+            f"cuMemExportToShareableHandle({self.handle_type})",
+        )
         if self.handle_type == "fabric":
             return ("fabric", bytes(shareable.data), st["size"], mem.nbytes)
         st["fd"] = int(shareable)
@@ -217,30 +221,48 @@ class CudaBackend(Backend):
         if kind == "cuda_ipc":
             h = drv.CUipcMemHandle()
             h.reserved = handle[1]
-            ptr = int(check(drv.cuIpcOpenMemHandle(h, drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
-                            f"cuIpcOpenMemHandle(rank {owner})"))
+            ptr = int(
+                check(
+                    drv.cuIpcOpenMemHandle(h, drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+                    f"cuIpcOpenMemHandle(rank {owner})",
+                )
+            )
             nbytes = handle[2]
-            return Memory(ptr=ptr, nbytes=nbytes, tensor=tensor_at(ptr, nbytes, self.device), owner=owner,
-                          state={"kind": "ipc-peer"})
+            return Memory(
+                ptr=ptr,
+                nbytes=nbytes,
+                tensor=tensor_at(ptr, nbytes, self.device),
+                owner=owner,
+                state={"kind": "ipc-peer"},
+            )
         size, nbytes = handle[2], handle[3]
         if kind == "posix_fd":
             fd = _receive_fd(handle[1], owner)
             try:
-                phys = check(drv.cuMemImportFromShareableHandle(fd, self.cu_handle_type),
-                             f"cuMemImportFromShareableHandle(rank {owner})")
+                phys = check(
+                    drv.cuMemImportFromShareableHandle(fd, self.cu_handle_type),
+                    f"cuMemImportFromShareableHandle(rank {owner})",
+                )
             finally:
                 os.close(fd)
         else:
             fh = drv.CUmemFabricHandle()
             fh.data = handle[1]
-            phys = check(drv.cuMemImportFromShareableHandle(fh, self.cu_handle_type),
-                         f"cuMemImportFromShareableHandle(fabric, rank {owner})")
+            phys = check(
+                drv.cuMemImportFromShareableHandle(fh, self.cu_handle_type),
+                f"cuMemImportFromShareableHandle(fabric, rank {owner})",
+            )
         try:
             ptr = self._map(phys, size)
         finally:
             drv.cuMemRelease(phys)  # the mapping holds the memory from here on
-        return Memory(ptr=ptr, nbytes=nbytes, tensor=tensor_at(ptr, nbytes, self.device), owner=owner,
-                      state={"kind": "vmm-peer", "size": size})
+        return Memory(
+            ptr=ptr,
+            nbytes=nbytes,
+            tensor=tensor_at(ptr, nbytes, self.device),
+            owner=owner,
+            state={"kind": "vmm-peer", "size": size},
+        )
 
     def all_mapped(self, mem: Memory) -> None:
         st = mem.state

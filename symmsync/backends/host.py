@@ -11,13 +11,13 @@ makes the host backend test real cross-process synchronization.
 
 from __future__ import annotations
 
+import _posixshmem
 import atexit
 import mmap
 import os
 import secrets
 import warnings
 
-import _posixshmem
 import torch
 
 from ..errors import BackendError
@@ -74,8 +74,7 @@ class HostBackend(Backend):
         except OSError as e:
             _unlink(name)
             raise BackendError(
-                f"rank {rank}: could not size or map {nbytes} bytes of shared memory ({e}); "
-                "is /dev/shm large enough?"
+                f"rank {rank}: could not size or map {nbytes} bytes of shared memory ({e}); is /dev/shm large enough?"
             ) from e
         finally:
             os.close(fd)

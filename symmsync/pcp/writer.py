@@ -56,8 +56,9 @@ def _pack(codes, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _write_indexer_and_rope(idx_k, k_pe, ix_stride, pe_stride, rows, live, dst, main_row, idx_val, idx_scale,
-                            NDST: tl.constexpr):
+def _write_indexer_and_rope(
+    idx_k, k_pe, ix_stride, pe_stride, rows, live, dst, main_row, idx_val, idx_scale, NDST: tl.constexpr
+):
     w32 = tl.arange(0, 32)
     c4 = w32[:, None] * 4 + tl.arange(0, 4)[None, :]  # [32, 4]: byte k of word w is value 4w + k
     c2 = w32[:, None] * 2 + tl.arange(0, 2)[None, :]  # [32, 2]: half k of word w is value 2w + k
@@ -96,12 +97,27 @@ def _write_main_tile(kv_c, kv_stride, j, rows, live, dst, main_row, NDST: tl.con
 
 @triton.jit
 def _quantize_write_kernel(
-    kv_c, k_pe, idx_k, kv_stride, pe_stride, ix_stride,  # bf16 rows, read as int16 bits
-    slots, n_rows,  # int64 slot of each row (-1: padding), number of rows
-    dst, main_off, idx_off,  # table of destination base addresses; byte offsets of the layer's regions
-    cell, me, timeout_ns, record,  # fence arguments (FUSED only)
-    NDST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-    FUSED: tl.constexpr, TRAP: tl.constexpr,
+    kv_c,
+    k_pe,
+    idx_k,
+    kv_stride,
+    pe_stride,
+    ix_stride,  # bf16 rows, read as int16 bits
+    slots,
+    n_rows,  # int64 slot of each row (-1: padding), number of rows
+    dst,
+    main_off,
+    idx_off,  # table of destination base addresses; byte offsets of the layer's regions
+    cell,
+    me,
+    timeout_ns,
+    record,  # fence arguments (FUSED only)
+    NDST: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    FUSED: tl.constexpr,
+    TRAP: tl.constexpr,
 ):
     # A persistent grid: each program takes work items (a block of rows, and with SPLIT
     # one of its five pieces: main-KV tiles 0-3, then indexer K + RoPE) until none are left.
@@ -125,15 +141,17 @@ def _quantize_write_kernel(
                 off = slot % BLOCK_SIZE
                 idx_val = idx_off + block * (BLOCK_SIZE * 132) + off * 128
                 idx_scale = idx_off + block * (BLOCK_SIZE * 132) + BLOCK_SIZE * 128 + off * 4
-                _write_indexer_and_rope(idx_k, k_pe, ix_stride, pe_stride, rows, live, dst, main_row, idx_val,
-                                        idx_scale, NDST)
+                _write_indexer_and_rope(
+                    idx_k, k_pe, ix_stride, pe_stride, rows, live, dst, main_row, idx_val, idx_scale, NDST
+                )
         else:
             block = slot // BLOCK_SIZE
             off = slot % BLOCK_SIZE
             idx_val = idx_off + block * (BLOCK_SIZE * 132) + off * 128
             idx_scale = idx_off + block * (BLOCK_SIZE * 132) + BLOCK_SIZE * 128 + off * 4
-            _write_indexer_and_rope(idx_k, k_pe, ix_stride, pe_stride, rows, live, dst, main_row, idx_val,
-                                    idx_scale, NDST)
+            _write_indexer_and_rope(
+                idx_k, k_pe, ix_stride, pe_stride, rows, live, dst, main_row, idx_val, idx_scale, NDST
+            )
             for j in tl.static_range(4):
                 _write_main_tile(kv_c, kv_stride, j, rows, live, dst, main_row, NDST)
         item += step
@@ -235,8 +253,15 @@ class DirectKVWriter:
         else:
             self._max_programs = 4  # the interpreter runs programs one after another
         self._launcher = Launcher(
-            _quantize_write_kernel, (1,), num_warps=num_warps, NDST=dst.numel(), BLOCK_T=block_rows,
-            BLOCK_SIZE=layout.block_size, SPLIT=bool(split), FUSED=self.fused, TRAP=self._trap,
+            _quantize_write_kernel,
+            (1,),
+            num_warps=num_warps,
+            NDST=dst.numel(),
+            BLOCK_T=block_rows,
+            BLOCK_SIZE=layout.block_size,
+            SPLIT=bool(split),
+            FUSED=self.fused,
+            TRAP=self._trap,
         )
 
     # ------------------------------------------------------------------ per batch
@@ -276,8 +301,10 @@ class DirectKVWriter:
         members = [every[r] for r in self.view.ranks]
         if len({m[0] for m in members}) > 1:
             per = ", ".join(f"rank {r}: {m[0]}" for r, m in zip(self.view.ranks, members))
-            raise InputError(f"DirectKVWriter.prepare: ranks of a PCP group must have equal row counts ({per}); "
-                             "pad with slot -1 (symmsync.pcp.pcp_split does)")
+            raise InputError(
+                f"DirectKVWriter.prepare: ranks of a PCP group must have equal row counts ({per}); "
+                "pad with slot -1 (symmsync.pcp.pcp_split does)"
+            )
         if self.debug:
             self._check_duplicates(every)
         batch = Batch(slots=slots, rows=rows)
@@ -293,8 +320,10 @@ class DirectKVWriter:
                 if s < 0:
                     continue
                 if s in seen:
-                    raise InputError(f"DirectKVWriter.prepare (debug): slot {s} is written by rank {seen[s]} and "
-                                     f"rank {r} of the PCP group {list(self.view.ranks)}; each token needs one owner")
+                    raise InputError(
+                        f"DirectKVWriter.prepare (debug): slot {s} is written by rank {seen[s]} and "
+                        f"rank {r} of the PCP group {list(self.view.ranks)}; each token needs one owner"
+                    )
                 seen[s] = r
 
     # ------------------------------------------------------------------ per layer
@@ -314,8 +343,9 @@ class DirectKVWriter:
         if self.route == "allgather":
             self._insert_gathered(layer, kv_c, k_pe, indexer_k, batch)
             return
-        self._launch(layer, kv_c, k_pe, indexer_k, kv_c.stride(0), k_pe.stride(0), indexer_k.stride(0),
-                     batch.slots, batch.rows)
+        self._launch(
+            layer, kv_c, k_pe, indexer_k, kv_c.stride(0), k_pe.stride(0), indexer_k.stride(0), batch.slots, batch.rows
+        )
         if self.fused:
             if self.buffer.backend == "host":
                 self.fence.check()
@@ -325,8 +355,9 @@ class DirectKVWriter:
     def _check_inputs(self, layer, kv_c, k_pe, indexer_k, batch) -> None:
         rank = self.buffer.rank
         if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.layout.num_layers:
-            raise InputError(f"rank {rank}: layer {layer!r} is out of range for a cache of "
-                             f"{self.layout.num_layers} layers")
+            raise InputError(
+                f"rank {rank}: layer {layer!r} is out of range for a cache of {self.layout.num_layers} layers"
+            )
         if not isinstance(batch, Batch):
             raise InputError(f"rank {rank}: pass the Batch returned by prepare()")
         for name, t, width in (("kv_c", kv_c, _NOPE), ("k_pe", k_pe, _ROPE), ("indexer_k", indexer_k, _IDX)):
@@ -335,8 +366,10 @@ class DirectKVWriter:
             if t.dtype != torch.bfloat16:
                 raise InputError(f"rank {rank}: {name} must be bfloat16, got {t.dtype}")
             if t.shape != (batch.rows, width):
-                raise InputError(f"rank {rank}: {name} must have shape ({batch.rows}, {width}) to match the batch's "
-                                 f"slot mapping, got {tuple(t.shape)}")
+                raise InputError(
+                    f"rank {rank}: {name} must have shape ({batch.rows}, {width}) to match the batch's "
+                    f"slot mapping, got {tuple(t.shape)}"
+                )
             if t.device != self.buffer.device:
                 raise InputError(f"rank {rank}: {name} is on {t.device}, the cache on {self.buffer.device}")
             if not t.is_contiguous():
@@ -350,9 +383,21 @@ class DirectKVWriter:
         grid = max(1, min(items, self._max_programs))  # one program at least: the fused tail must run
         self._launcher.grid = (grid, 1, 1)
         self._launcher(
-            kv_c.view(torch.int16), k_pe.view(torch.int16), idx_k.view(torch.int16), kv_stride, pe_stride, ix_stride,
-            slots, rows, self._dst, self.layout.main_offset(layer), self.layout.indexer_offset(layer),
-            cell, me, timeout_ns, record,
+            kv_c.view(torch.int16),
+            k_pe.view(torch.int16),
+            idx_k.view(torch.int16),
+            kv_stride,
+            pe_stride,
+            ix_stride,
+            slots,
+            rows,
+            self._dst,
+            self.layout.main_offset(layer),
+            self.layout.indexer_offset(layer),
+            cell,
+            me,
+            timeout_ns,
+            record,
         )
 
     # ------------------------------------------------------------------ baseline
@@ -366,9 +411,17 @@ class DirectKVWriter:
         packed = torch.cat([kv_c.view(torch.int16), k_pe.view(torch.int16), indexer_k.view(torch.int16)], dim=1)
         gathered = self._all_gather(packed.view(torch.uint8)).view(torch.int16)  # bytes travel on every backend
         width = gathered.shape[1]
-        self._launch(layer, gathered[:, :_NOPE].view(torch.bfloat16), gathered[:, _NOPE:_NOPE + _ROPE].view(torch.bfloat16),
-                     gathered[:, _NOPE + _ROPE:].view(torch.bfloat16), width, width, width,
-                     batch.gathered_slots, rows * self.view.size)
+        self._launch(
+            layer,
+            gathered[:, :_NOPE].view(torch.bfloat16),
+            gathered[:, _NOPE : _NOPE + _ROPE].view(torch.bfloat16),
+            gathered[:, _NOPE + _ROPE :].view(torch.bfloat16),
+            width,
+            width,
+            width,
+            batch.gathered_slots,
+            rows * self.view.size,
+        )
 
     def bytes_per_layer(self, rows: int) -> dict[str, int]:
         """What one layer moves per rank: cache bytes written, and bytes sent to peers."""
