@@ -18,6 +18,18 @@ import torch
 import torch.distributed as dist
 
 
+def init_worker(rank: int, world: int, port: int) -> torch.device:
+    """One process per GPU: select the GPU and join an NCCL group on 127.0.0.1."""
+    import os
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    return dev
+
+
 def sync_all() -> None:
     torch.cuda.synchronize()
     dist.barrier()

@@ -139,11 +139,7 @@ def variant_fence(ptrs, cell, me, PUB: tl.constexpr, POLL: tl.constexpr):
 
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    dev = common.init_worker(rank, world, 29531)
     import symmsync as ss
     from symmsync import fence as fence_mod
     from symmsync.launch import Launcher

@@ -34,11 +34,7 @@ TOKEN_BYTES = 656 + 132
 
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29532")
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    dev = common.init_worker(rank, world, 29532)
     import symmsync as ss
     from symmsync import pcp
 

@@ -99,6 +99,22 @@ def check_current_epoch(ptrs, cell, payload, me, errors, SIZE: tl.constexpr):
     tl.atomic_add(errors, bad)
 
 
+def capture(step, warmup=3):
+    """Run ``step`` eagerly on a side stream (compiling everything), then capture it once."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    dist.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    return g
+
+
 def graph_replay(batches, per_batch):
     buf = ss.SymmetricBuffer(1 << 16, backend="cuda")
     view = buf.view(list(range(buf.world_size)))
@@ -111,17 +127,7 @@ def graph_replay(batches, per_batch):
         fence.fence()
         check_current_epoch[(1,)](*args, errors, SIZE=view.size)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    dist.barrier()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    g = capture(step)
     log = []
     for _b in range(batches):
         before = fence.epoch
@@ -243,16 +249,7 @@ def pcp_graph_replay(route, fused, replays):
         for layer in range(layers):
             writer.write(layer, *static, batch)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    dist.barrier()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    g = capture(step, warmup=1)
     ok = []
     for rep in range(replays):
         kv, pe, ix, _ = test_pcp.prompt(100 + rep, tokens, layout.num_slots, special=True)

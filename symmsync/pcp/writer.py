@@ -132,23 +132,19 @@ def _quantize_write_kernel(
         live = in_range & (slot >= 0)
         slot = tl.where(live, slot, 0)
         main_row = main_off + slot * 656  # byte offset of each row's 656 bytes in every replica
+        block = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        idx_val = idx_off + block * (BLOCK_SIZE * 132) + off * 128
+        idx_scale = idx_off + block * (BLOCK_SIZE * 132) + BLOCK_SIZE * 128 + off * 4
         if SPLIT:
             piece = item % PIECES
             if piece < 4:
                 _write_main_tile(kv_c, kv_stride, piece, rows, live, dst, main_row, NDST)
             else:
-                block = slot // BLOCK_SIZE
-                off = slot % BLOCK_SIZE
-                idx_val = idx_off + block * (BLOCK_SIZE * 132) + off * 128
-                idx_scale = idx_off + block * (BLOCK_SIZE * 132) + BLOCK_SIZE * 128 + off * 4
                 _write_indexer_and_rope(
                     idx_k, k_pe, ix_stride, pe_stride, rows, live, dst, main_row, idx_val, idx_scale, NDST
                 )
         else:
-            block = slot // BLOCK_SIZE
-            off = slot % BLOCK_SIZE
-            idx_val = idx_off + block * (BLOCK_SIZE * 132) + off * 128
-            idx_scale = idx_off + block * (BLOCK_SIZE * 132) + BLOCK_SIZE * 128 + off * 4
             _write_indexer_and_rope(
                 idx_k, k_pe, ix_stride, pe_stride, rows, live, dst, main_row, idx_val, idx_scale, NDST
             )
