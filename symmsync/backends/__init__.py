@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,6 +160,3 @@ def interpreter_active() -> bool:
         return bool(knobs.runtime.interpret)
     except (ImportError, AttributeError):  # pragma: no cover - older triton
         return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-Release = Callable[[], None]
