@@ -28,13 +28,22 @@ import triton
 import triton.language as tl
 
 from .. import language as ssl
-from ..errors import ConfigError, InputError
+from ..errors import ClosedError, ConfigError, InputError
 from ..fence import Fence
 from ..launch import Launcher
 from .layout import CacheLayout
 from .quant import bf16_to_f32, e4m3_bits, indexer_scale, mla_tile_scale
 
 ROUTES = ("direct", "allgather")
+
+
+def _exchange(group: Any, obj: Any, world_size: int) -> list[Any]:
+    """Every rank's ``obj`` (torch.distributed only: this module uses symmsync's public API)."""
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 # torch 2.13 renamed all_gather_into_tensor; 2.11 has only the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -224,9 +233,7 @@ class DirectKVWriter:
             problem = "the allgather route needs group=, the torch.distributed group of the view's ranks"
         elif block_rows <= 0 or block_rows & (block_rows - 1):
             problem = f"block_rows must be a power of two, got {block_rows}"
-        from ..buffer import _gather
-
-        agreed = _gather(buf.group, (route, bool(fused), problem), buf.world_size)
+        agreed = _exchange(buf.group, (route, bool(fused), problem), buf.world_size)
         bad = [(r, p) for r, (_, _, p) in enumerate(agreed) if p]
         if bad:
             raise ConfigError(f"DirectKVWriter: rank {bad[0][0]}: {bad[0][1]}")
@@ -269,8 +276,6 @@ class DirectKVWriter:
                 device or shape, a slot outside ``[-1, num_slots)``, a different number
                 of rows than the others, or (``debug``) a slot claimed twice.
         """
-        from ..buffer import _gather
-
         buf = self.buffer
         problem = None
         slots = None
@@ -290,7 +295,7 @@ class DirectKVWriter:
                     problem = f"slot {bad} is outside [-1, {n}) (the cache has {self.layout.num_blocks} blocks)"
         rows = slots.numel() if slots is not None else -1
         payload = (rows, problem, slots.cpu() if (self.debug and slots is not None) else None)
-        every = _gather(buf.group, payload, buf.world_size)
+        every = _exchange(buf.group, payload, buf.world_size)
         bad = [(r, p) for r, (_, p, _) in enumerate(every) if p]
         if bad:
             raise InputError(f"DirectKVWriter.prepare: rank {bad[0][0]}: {bad[0][1]}")
@@ -372,7 +377,8 @@ class DirectKVWriter:
                 raise InputError(f"rank {rank}: {name} must be contiguous (call .contiguous())")
 
     def _launch(self, layer, kv_c, k_pe, idx_k, kv_stride, pe_stride, ix_stride, slots, rows) -> None:
-        self.buffer._check_open("DirectKVWriter.write")
+        if self.buffer.closed:
+            raise ClosedError(f"rank {self.buffer.rank}: DirectKVWriter.write used after its buffer was closed")
         f = self.fence
         cell, me, timeout_ns, record = (f.cell, self.view.local_index, f.timeout_ns, f.record) if f else (0, 0, 0, 0)
         items = triton.cdiv(rows, self.block_rows) * self._pieces
