@@ -38,12 +38,31 @@ demo: $(VENV)/.base
 	$(PY) examples/pcp_kv.py
 
 ## test: the whole test suite; GPU tests skip with the reason where there are no GPUs
-test: $(VENV)/.test
+test: $(VENV)/.test install-spin
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 ## test-gpu: only the GPU suite (needs 2 NVIDIA GPUs)
 test-gpu: $(VENV)/.test
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
+
+## verify: model-check the fence protocol with Spin, every configuration and bug variant (verify/README.md)
+verify: install-spin
+	$(PYTHON) verify/check.py
+
+.PHONY: verify install-spin
+# The Spin model checker from the distribution's packages, when it is not on PATH (root or sudo).
+install-spin:
+	@command -v spin >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null 2>&1; then SUDO=sudo; \
+	  else echo "make: spin is missing; installing it needs root or sudo: apt-get install spin" >&2; exit 1; fi; \
+	  command -v apt-get >/dev/null 2>&1 || { \
+	    echo "make: spin is missing and there is no apt-get: install Spin 6 and gcc by hand" >&2; exit 1; }; \
+	  echo "make: installing spin (apt-get)"; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q spin >/dev/null 2>&1 || { \
+	    $$SUDO apt-get update -q >/dev/null && \
+	    $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q spin >/dev/null; } || { \
+	    echo "make: apt-get could not install spin" >&2; exit 1; }; }
+	@command -v gcc >/dev/null 2>&1 || { echo "make: gcc is missing; Spin's verifiers are C programs" >&2; exit 1; }
 
 bench-fence: $(VENV)/.bench
 	$(PY) benchmarks/fence.py
@@ -56,7 +75,7 @@ doctor: $(VENV)/.base
 
 lint: $(VENV)/.test
 	$(PIP) install --quiet ruff
-	$(PY) -m ruff check symmsync tests examples benchmarks
+	$(PY) -m ruff check symmsync tests examples benchmarks verify
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,8 +1,12 @@
-"""Fence latency on 2 GPUs: symmsync against torch's barrier, NCCL and the launch floor.
+"""Fence latency: symmsync against torch's barrier, NCCL and the launch floor.
 
-Run on a machine with 2 NVLinked GPUs (one process per GPU is spawned)::
+Run on a machine with NVLinked GPUs (one process per GPU is spawned)::
 
-    python benchmarks/fence.py [--out benchmarks/results] [--iters 1000] [--reps 9]
+    python benchmarks/fence.py [--world 2] [--tp 1] [--out benchmarks/results] [--iters 1000] [--reps 9]
+
+The fence spans the PCP view of ``--world`` ranks with TP size ``--tp`` (``--world 4
+--tp 2``: two 2-rank views, {0, 2} and {1, 3}, fencing concurrently on one buffer);
+the baselines run over the same ranks (torch's barrier and NCCL on that subgroup).
 
 Measures, in one run on the same GPUs, the time per fence of:
   * symmsync ``Fence.fence()`` (one launch, the cuda-python launch path), eager and in
@@ -16,7 +20,8 @@ Measures, in one run on the same GPUs, the time per fence of:
   * overlap: ``arrive()``, a kernel that computes for ~12 µs, ``wait()``, against the
     compute kernel alone.
 Medians of ``--reps`` repetitions after warm-up. Prints a table with ratios and
-writes ``fence_<machine>.json`` and ``.png`` into ``--out``.
+writes ``fence_<machine>[_<layout>].json`` and ``.png`` into ``--out`` (no suffix for 2 ranks).
+The instruction candidates are 2-member kernels: measured only when the view has 2 members.
 """
 
 from __future__ import annotations
@@ -145,7 +150,12 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     from symmsync.launch import Launcher
 
     buf = ss.SymmetricBuffer(1 << 20, backend="cuda", channels=16)
-    view = buf.view(list(range(world)))
+    view = ss.pcp_view(buf, tp=args.tp)
+    if args.tp == 1:
+        group = dist.group.WORLD
+    else:
+        groups = [[k * args.tp + t for k in range(world // args.tp)] for t in range(args.tp)]
+        group = dist.new_subgroups_by_enumeration(groups)[0]
     fences = [ss.Fence(view, channel=c) for c in range(16)]
     it, reps = args.iters, args.reps
     R: dict[str, float] = {}
@@ -185,17 +195,19 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     import torch.distributed._symmetric_memory as symm_mem
 
     t = symm_mem.empty(1 << 20, dtype=torch.uint8, device=dev)
-    hdl = symm_mem.rendezvous(t, dist.group.WORLD.group_name)
+    hdl = symm_mem.rendezvous(t, group.group_name)
     both("torch_symm_barrier", lambda: hdl.barrier(channel=0))
     x = torch.zeros(1, dtype=torch.int32, device=dev)
-    R["nccl_allreduce.eager"] = common.eager_us(lambda: dist.all_reduce(x), iters=it, reps=reps)
-    R["nccl_allreduce.graph"] = common.graph_us(lambda: dist.all_reduce(x), iters=max(it // 4, 50), reps=reps)
+    R["nccl_allreduce.eager"] = common.eager_us(lambda: dist.all_reduce(x, group=group), iters=it, reps=reps)
+    R["nccl_allreduce.graph"] = common.graph_us(
+        lambda: dist.all_reduce(x, group=group), iters=max(it // 4, 50), reps=reps
+    )
     both("empty_triton", lambda: empty_kernel[(1,)](x, num_warps=1))
     empty_fast = Launcher(empty_kernel, (1,), num_warps=1).bind(x)
     both("empty_symmsync_launcher", empty_fast)
 
     # Instruction candidates for publish and poll (graph replay), each on its own channel.
-    for i, (pub, poll) in enumerate(((0, 0), (1, 0), (2, 0), (0, 1), (1, 1))):
+    for i, (pub, poll) in enumerate(VARIANTS if view.size == 2 else ()):
         f = fences[8 + i]
         k = Launcher(variant_fence, (1,), num_warps=1, PUB=pub, POLL=poll).bind(view.ptrs, f.cell, view.local_index)
         R[f"variant_pub{pub}_poll{poll}.graph"] = common.graph_us(k, iters=it, reps=reps)
@@ -242,6 +254,13 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+VARIANTS = ((0, 0), (1, 0), (2, 0), (0, 1), (1, 1))
+
+
+def layout_name(world: int, tp: int) -> str:
+    return f"{world} ranks" if tp == 1 else f"TP{tp}×PCP{world // tp} (two {world // tp}-rank views)"
+
+
 ROWS = [
     ("symmsync_fence", "symmsync Fence.fence() (one launch)"),
     ("symmsync_arrive_wait", "symmsync arrive() + wait()"),
@@ -260,7 +279,8 @@ def report(per_rank: list, args: argparse.Namespace) -> None:
     res = {k: max(r[k] for r in per_rank) for k in keys}  # the slower rank sets the pace
     sym_g, sym_e = res["symmsync_fence.graph"], res["symmsync_fence.eager"]
     lines = [
-        f"fence latency, µs per fence (max over ranks of the median of {args.reps} runs); "
+        f"fence latency, {layout_name(args.world, args.tp)}, µs per fence "
+        f"(max over ranks of the median of {args.reps} runs); "
         f"{info['gpu_count']}× {info['gpus'][0]}, torch {info['torch']}, triton {info['triton']}",
         f"{'':44s} {'graph':>8s} {'eager':>8s}   vs symmsync (graph / eager)",
     ]
@@ -286,12 +306,15 @@ def report(per_rank: list, args: argparse.Namespace) -> None:
         [
             f"  eager launch of an empty kernel: symmsync {res['empty_symmsync_launcher.eager']:.2f} µs, "
             f"Triton {res['empty_triton.eager']:.2f} µs",
-            "instruction candidates, 2-rank fence without a time budget (graph replay, µs):",
+            "instruction candidates, 2-rank fence without a time budget (graph replay, µs):"
+            if "variant_pub0_poll0.graph" in res
+            else "instruction candidates: not measured (2-member views only)",
         ]
         + [
             f"  publish {['st.release.sys', 'red.release.sys.add', 'fence.acq_rel + st.relaxed'][p]:28s} "
             f"poll {['ld.acquire.sys', 'ld.relaxed + fence'][q]:20s} {res[f'variant_pub{p}_poll{q}.graph']:6.2f}"
-            for p, q in ((0, 0), (1, 0), (2, 0), (0, 1), (1, 1))
+            for p, q in VARIANTS
+            if f"variant_pub{p}_poll{q}.graph" in res
         ]
         + [
             f"overlap (graph): compute alone {c:.2f} µs; arrive + compute + wait on one stream {o:.2f} µs "
@@ -312,8 +335,12 @@ def report(per_rank: list, args: argparse.Namespace) -> None:
     text = "\n".join(lines)
     print(text, flush=True)
     name = f"fence_{common.slug(info)}"
+    if (args.world, args.tp) != (2, 1):
+        name += f"_w{args.world}" + (f"_tp{args.tp}" if args.tp > 1 else "")
     payload = {
         "machine": info,
+        "world": args.world,
+        "tp": args.tp,
         "results_us": res,
         "per_rank_us": per_rank,
         "iters": args.iters,
@@ -322,11 +349,11 @@ def report(per_rank: list, args: argparse.Namespace) -> None:
         "table": text,
     }
     common.write_json(os.path.join(args.out, name + ".json"), payload)
-    plot(res, info, os.path.join(args.out, name + ".png"))
+    plot(res, info, os.path.join(args.out, name + ".png"), layout_name(args.world, args.tp))
     print(f"wrote {os.path.join(args.out, name)}.json and .png", flush=True)
 
 
-def plot(res: dict, info: dict, path: str) -> None:
+def plot(res: dict, info: dict, path: str, label: str = "2 ranks") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -346,7 +373,7 @@ def plot(res: dict, info: dict, path: str) -> None:
     ax.axvline(TARGET_EAGER_US, color="C1", ls="--", lw=1)
     ax.set_xlabel("µs per fence (log)")
     ax.set_title(
-        f"Fence latency, {info['gpu_count']}× {info['gpus'][0]} ({info.get('link_gpu0_gpu1', '?')}), "
+        f"Fence latency, {label}, {info['gpu_count']}× {info['gpus'][0]} ({info.get('link_gpu0_gpu1', '?')}), "
         f"torch {info['torch']}, triton {info['triton']}",
         fontsize=9,
     )
@@ -360,11 +387,15 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--iters", type=int, default=1000, help="fences per graph (eager: twice as many)")
     parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--world", type=int, default=2, help="GPUs (one process each)")
+    parser.add_argument("--tp", type=int, default=1, help="TP size; each fence spans world / tp ranks")
     args = parser.parse_args()
-    world = torch.cuda.device_count()
-    if world < 2:
-        sys.exit(f"benchmarks/fence.py needs 2 GPUs; this machine has {world}")
-    mp.spawn(worker, args=(2, args), nprocs=2, join=True)
+    n = torch.cuda.device_count()
+    if args.world < 2 or args.tp < 1 or args.world % args.tp or args.world // args.tp < 2:
+        sys.exit(f"--world {args.world} --tp {args.tp}: need world >= 2 divisible by tp, with world / tp >= 2")
+    if n < args.world:
+        sys.exit(f"benchmarks/fence.py --world {args.world} needs {args.world} GPUs; this machine has {n}")
+    mp.spawn(worker, args=(args.world, args), nprocs=args.world, join=True)
 
 
 if __name__ == "__main__":

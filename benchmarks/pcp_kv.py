@@ -1,8 +1,12 @@
-"""Direct-KV publication against all-gather + insert, on 2 GPUs (PCP2).
+"""Direct-KV publication against all-gather + insert: PCP2, PCP4 or TP×PCP.
 
-Run on a machine with 2 NVLinked GPUs (one process per GPU is spawned)::
+Run on a machine with NVLinked GPUs (one process per GPU is spawned)::
 
-    python benchmarks/pcp_kv.py [--out benchmarks/results] [--tokens 1024 4096 8192 16384 32768]
+    python benchmarks/pcp_kv.py [--world 2] [--tp 1] [--out benchmarks/results] [--tokens 1024 ... 32768]
+
+``--world 4 --tp 1`` is PCP4; ``--world 4 --tp 2`` is TP2×PCP2: two PCP subgroups
+({0, 2} and {1, 3}) publish concurrently on one buffer, each TP rank only inside its
+own subgroup (rank = pcp_rank·tp + tp_rank).
 
 For each number of tokens per rank, with DeepSeek-V3.2 shapes (kv_c 512, k_pe 64,
 indexer K 128, bf16 in; fp8_ds_mla 656 B + indexer 132 B per token out) and a
@@ -10,10 +14,11 @@ indexer K 128, bf16 in; fp8_ds_mla 656 B + indexer 132 B per token out) and a
   * direct: quantize + write into both replicas + one fence (symmsync's writer);
   * fused: the same with the fence in the writer's tail;
   * allgather: NCCL all-gather of the bf16 inputs, then the insert kernel;
-  * floors: the insert kernel writing only the local replica (no peers), and a
-    copy-engine peer copy of the bytes the writer sends to the peer.
+  * floors: the insert kernel writing only the local replica (no peers), and
+    copy-engine peer copies of the bytes the writer sends to its PCP peers (one copy
+    per peer, one after another on one stream).
 Medians of ``--reps`` runs of 61 layers. Prints a table with ratios and writes
-``pcp_kv_<machine>.json`` and ``.png`` into ``--out``.
+``pcp_kv_<machine>[_<layout>].json`` and ``.png`` into ``--out`` (no suffix for PCP2).
 """
 
 from __future__ import annotations
@@ -39,15 +44,18 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     from symmsync import pcp
 
     layers = args.layers
+    tp, p = args.tp, world // args.tp
+    group = _pcp_group(world, tp)
     config = sweep(rank, world, args) if args.sweep else {}
     results = []
     for tokens in args.tokens:  # tokens per rank
-        total = tokens * world
+        total = tokens * p
         layout = pcp.CacheLayout(num_blocks=total // 64 + 1, num_layers=layers, base=0)
         buf = ss.SymmetricBuffer(layout.end, backend="cuda", channels=4)
-        view = buf.view(list(range(world)))
-        split = pcp.pcp_split(total, world)
-        slots = split.local_slots(torch.arange(total), rank).to(dev)
+        view = ss.pcp_view(buf, tp=tp)
+        me = view.local_index
+        split = pcp.pcp_split(total, p)
+        slots = split.local_slots(torch.arange(total), me).to(dev)
         g = torch.Generator(device=dev).manual_seed(rank)
         inputs = [
             torch.randn(split.tokens_per_rank, w, device=dev, generator=g).to(torch.bfloat16) for w in (512, 64, 128)
@@ -56,7 +64,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         writers = {
             "direct": pcp.DirectKVWriter(view, layout, route="direct", channel=0, **config),
             "fused": pcp.DirectKVWriter(view, layout, route="direct", fused=True, channel=1, **config),
-            "allgather": pcp.DirectKVWriter(view, layout, route="allgather", **config),
+            "allgather": pcp.DirectKVWriter(view, layout, route="allgather", group=group, **config),
         }
         for name, w in writers.items():
             batch = w.prepare(slots)
@@ -80,9 +88,14 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         row["local_insert.graph"] = common.graph_us(local_insert, iters=1, reps=args.reps) / layers
         nbytes = split.tokens_per_rank * TOKEN_BYTES
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
-        peer = buf.tensor(0, (nbytes,), torch.uint8, rank=1 - rank)
-        row["ce_peer_copy.eager"] = common.eager_us(lambda: peer.copy_(src), iters=layers, reps=args.reps)  # noqa: B023
-        row["peer_bytes_per_layer"] = nbytes
+        peers = [view.tensor(0, (nbytes,), torch.uint8, index=i) for i in range(p) if i != me]
+
+        def ce_copies():
+            for t in peers:  # noqa: B023 - called within this iteration
+                t.copy_(src)  # noqa: B023
+
+        row["ce_peer_copy.eager"] = common.eager_us(ce_copies, iters=layers, reps=args.reps)
+        row["peer_bytes_per_layer"] = nbytes * (p - 1)
         results.append(row)
         for w in writers.values():
             if w.fence is not None:
@@ -96,6 +109,19 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         report(gathered, args)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _pcp_group(world: int, tp: int):
+    """The torch.distributed group of this rank's PCP subgroup (the all-gather route's group)."""
+    if tp == 1:
+        return None
+    groups = [[k * tp + t for k in range(world // tp)] for t in range(tp)]
+    return dist.new_subgroups_by_enumeration(groups)[0]
+
+
+def layout_name(world: int, tp: int) -> str:
+    p = world // tp
+    return f"PCP{p}" if tp == 1 else f"TP{tp}×PCP{p}"
 
 
 CONFIGS = [
@@ -115,14 +141,15 @@ def sweep(rank: int, world: int, args: argparse.Namespace) -> dict:
     from symmsync import pcp
 
     tokens = max(args.tokens)
-    total = tokens * world
+    p = world // args.tp
+    total = tokens * p
     dev = torch.device("cuda", rank)
     layers = 8
     layout = pcp.CacheLayout(num_blocks=total // 64 + 1, num_layers=layers, base=0)
     buf = ss.SymmetricBuffer(layout.end, backend="cuda", channels=len(CONFIGS))
-    view = buf.view(list(range(world)))
-    split = pcp.pcp_split(total, world)
-    slots = split.local_slots(torch.arange(total), rank).to(dev)
+    view = ss.pcp_view(buf, tp=args.tp)
+    split = pcp.pcp_split(total, p)
+    slots = split.local_slots(torch.arange(total), view.local_index).to(dev)
     inputs = [torch.randn(split.tokens_per_rank, w, device=dev).to(torch.bfloat16) for w in (512, 64, 128)]
     times = []
     for i, cfg in enumerate(CONFIGS):
@@ -136,7 +163,7 @@ def sweep(rank: int, world: int, args: argparse.Namespace) -> dict:
         t = common.graph_us(prefill, iters=1, reps=args.reps) / layers
         times.append(t)
         SWEEP_RESULTS.append({"config": cfg, "tokens_per_rank": tokens, "direct_graph_us": t})
-    # Both ranks must pick the same configuration: the slower rank's times decide.
+    # Every rank must pick the same configuration: the slowest rank's times decide.
     gathered: list = [None] * world
     dist.all_gather_object(gathered, times)
     worst = [max(g[i] for g in gathered) for i in range(len(CONFIGS))]
@@ -166,10 +193,12 @@ def report(per_rank: list, args: argparse.Namespace) -> None:
         lines += [f"  {r['config']}: {r['direct_graph_us']:.1f}" for r in sweep_rows]
     lines.append(f"writer configuration used below: {config or 'the defaults'}")
     lines += [
-        f"PCP2 KV publication, µs per layer (median of {args.reps} runs of a {args.layers}-layer prefill); "
+        f"{layout_name(args.world, args.tp)} KV publication, µs per layer (median of {args.reps} runs of a "
+        f"{args.layers}-layer prefill); "
         f"{info['gpu_count']}× {info['gpus'][0]}, torch {info['torch']}, triton {info['triton']}",
         f"{'tokens/rank':>11s} {'mode':>5s} {'direct':>8s} {'fused':>8s} {'allgath':>8s} {'local':>8s} "
-        f"{'CE peer':>8s} {'speedup':>8s} {'writer GB/s':>11s} {'CE GB/s':>8s} {'% of CE':>7s}",
+        f"{'CE peers':>8s} {'speedup':>8s} {'writer GB/s':>11s} {'CE GB/s':>8s} {'% of CE':>7s}",
+        "(GB/s: bytes this rank sends to all its PCP peers per layer, over the time of one layer)",
     ]
     for row in rows:
         ce = row["ce_peer_copy.eager"]
@@ -209,10 +238,15 @@ def report(per_rank: list, args: argparse.Namespace) -> None:
     text = "\n".join(lines)
     print(text, flush=True)
     name = f"pcp_kv_{common.slug(info)}"
+    if (args.world, args.tp) != (2, 1):
+        name += f"_{layout_name(args.world, args.tp).lower().replace('×', 'x')}"
     common.write_json(
         os.path.join(args.out, name + ".json"),
         {
             "machine": info,
+            "world": args.world,
+            "tp": args.tp,
+            "pcp": args.world // args.tp,
             "rows": rows,
             "per_rank": per_rank,
             "reps": args.reps,
@@ -221,11 +255,11 @@ def report(per_rank: list, args: argparse.Namespace) -> None:
             "sweep": sweep_rows,
         },
     )
-    plot(rows, info, os.path.join(args.out, name + ".png"))
+    plot(rows, info, os.path.join(args.out, name + ".png"), layout_name(args.world, args.tp))
     print(f"wrote {os.path.join(args.out, name)}.json and .png", flush=True)
 
 
-def plot(rows: list, info: dict, path: str) -> None:
+def plot(rows: list, info: dict, path: str, label: str = "PCP2") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -240,7 +274,7 @@ def plot(rows: list, info: dict, path: str) -> None:
         ("local_insert", "local insert (floor)"),
     ):
         ax.plot(t, [r[f"{key}.graph"] for r in rows], marker="o", label=label)
-    ax.plot(t, [r["ce_peer_copy.eager"] for r in rows], marker="x", ls="--", label="copy-engine peer copy")
+    ax.plot(t, [r["ce_peer_copy.eager"] for r in rows], marker="x", ls="--", label="copy-engine peer copies")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens per rank")
@@ -250,10 +284,11 @@ def plot(rows: list, info: dict, path: str) -> None:
     bx.plot(t, [r["ce_peer_GBps"] for r in rows], marker="x", ls="--", label="copy engine")
     bx.set_xscale("log", base=2)
     bx.set_xlabel("tokens per rank")
-    bx.set_ylabel("GB/s to the peer")
+    bx.set_ylabel("GB/s to the PCP peers")
     bx.legend(fontsize=8)
     fig.suptitle(
-        f"PCP2 KV publication, {info['gpu_count']}× {info['gpus'][0]}, torch {info['torch']}, triton {info['triton']}",
+        f"{label} KV publication, {info['gpu_count']}× {info['gpus'][0]}, torch {info['torch']}, "
+        f"triton {info['triton']}",
         fontsize=10,
     )
     fig.tight_layout()
@@ -265,6 +300,8 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 32768])
     parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--world", type=int, default=2, help="GPUs (one process each)")
+    parser.add_argument("--tp", type=int, default=1, help="TP size; the PCP size is world / tp")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument(
         "--no-sweep",
@@ -273,9 +310,12 @@ def main() -> None:
         help="skip the writer-configuration sweep; use the writer's defaults",
     )
     args = parser.parse_args()
-    if torch.cuda.device_count() < 2:
-        sys.exit(f"benchmarks/pcp_kv.py needs 2 GPUs; this machine has {torch.cuda.device_count()}")
-    mp.spawn(worker, args=(2, args), nprocs=2, join=True)
+    n = torch.cuda.device_count()
+    if args.world < 2 or args.tp < 1 or args.world % args.tp or args.world // args.tp < 2:
+        sys.exit(f"--world {args.world} --tp {args.tp}: need world >= 2 divisible by tp, with world / tp >= 2")
+    if n < args.world:
+        sys.exit(f"benchmarks/pcp_kv.py --world {args.world} needs {args.world} GPUs; this machine has {n}")
+    mp.spawn(worker, args=(args.world, args), nprocs=args.world, join=True)
 
 
 if __name__ == "__main__":

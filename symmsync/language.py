@@ -327,9 +327,12 @@ def grid_fence(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.
             e = publish(); fence_or_trap(e)
 
     Why it is correct: each program's peer writes precede its release (acq_rel, system
-    scope) on the arrival counter; the last program acquires every earlier increment,
-    and its release store of the epoch is cumulative, so a member that observes the
-    epoch observes every program's writes. Graph-safe. Cost: one local atomic per
+    scope) on the arrival counter; the last program acquires every earlier increment;
+    the block barrier that hands the counter's value to its other threads orders that
+    acquire before each lane's release reduction in :func:`publish`, and release is
+    cumulative over that chain, so a member that observes its slot at ``e`` observes
+    every program's writes. (The Spin model in ``verify/`` covers single-program
+    fences, not this multi-program arrival.) Graph-safe. Cost: one local atomic per
     program, one publish and one wait in total. Returns the wait status (last
     program) or 0.
     """

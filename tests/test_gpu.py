@@ -232,17 +232,24 @@ def test_pcp2_byte_oracle_on_gpus_eagerly():
     test_pcp._assert_oracle(run(test_pcp.byte_oracle, WORLD, 1, 1000, 3, 5, "cuda", backend="cuda"), 3)
 
 
-def pcp_graph_replay(route, fused, replays):
-    world = dist.get_world_size()
+def pcp_graph_replay(route, fused, replays, tp=1):
+    """Capture one prefill step (every layer's write) once, replay it on fresh inputs, check every replica.
+
+    With ``tp`` > 1 the ranks form TP×PCP: each TP rank writes only inside its PCP subgroup, and every
+    subgroup gets a different prompt, so a byte that crossed subgroups would fail the oracle."""
     tokens, layers = 700, 2
     layout = pcp.CacheLayout(num_blocks=tokens // 64 + 2, num_layers=layers, base=128)
     buf = ss.SymmetricBuffer(layout.end + 128, backend="cuda")
-    view = buf.view(list(range(world)))
-    writer = pcp.DirectKVWriter(view, layout, route=route, fused=fused, timeout_s=30)
-    split = pcp.pcp_split(tokens, world)
-    me = buf.rank
+    view = ss.pcp_view(buf, tp=tp)
+    world = dist.get_world_size()
+    groups = [[k * tp + t for k in range(world // tp)] for t in range(tp)]
+    group = dist.new_subgroups_by_enumeration(groups)[0] if tp > 1 else None
+    writer = pcp.DirectKVWriter(view, layout, route=route, fused=fused, group=group, timeout_s=30)
+    split = pcp.pcp_split(tokens, view.size)
+    me = view.local_index
+    salt = 10_000 * view.ranks[0]  # one prompt per PCP subgroup
     static = [torch.zeros(split.tokens_per_rank, w, dtype=torch.bfloat16, device=buf.device) for w in (512, 64, 128)]
-    _, _, _, slots = test_pcp.prompt(0, tokens, layout.num_slots)
+    _, _, _, slots = test_pcp.prompt(salt, tokens, layout.num_slots)
     batch = writer.prepare(split.local_slots(slots, me).to(buf.device))
 
     def step():
@@ -252,7 +259,7 @@ def pcp_graph_replay(route, fused, replays):
     g = capture(step, warmup=1)
     ok = []
     for rep in range(replays):
-        kv, pe, ix, _ = test_pcp.prompt(100 + rep, tokens, layout.num_slots, special=True)
+        kv, pe, ix, _ = test_pcp.prompt(salt + 100 + rep, tokens, layout.num_slots, special=True)
         for dst, src in zip(static, (kv, pe, ix)):
             dst.copy_(split.local_rows(src, me))
         torch.cuda.synchronize()

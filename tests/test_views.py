@@ -18,14 +18,16 @@ def test_tp_pcp_order_is_pcp_major():
         ss.tp_pcp_ranks(4, tp=2, pcp=2)
 
 
-def tp_pcp_views():
-    buf = ss.SymmetricBuffer(4096, backend="host")
+def tp_pcp_views(backend="host"):
+    buf = ss.SymmetricBuffer(4096, backend=backend)
     pcp = ss.pcp_view(buf, tp=2)
     tp = ss.tp_view(buf, tp=2)
     world = buf.view(list(range(buf.world_size)))
     # Write rank-stamps through the PCP view into every member, read own after a barrier.
     for i in range(pcp.size):
         pcp.tensor(16 * pcp.local_index, (2,), torch.int32, index=i).fill_(10 * buf.rank + i)
+    if backend == "cuda":
+        torch.cuda.synchronize()
     dist.barrier()
     got = pcp.tensor(0, (pcp.size, 4), torch.int32)[:, 0].tolist()  # 16 bytes per member
     out = {
@@ -40,7 +42,10 @@ def tp_pcp_views():
 
 
 def test_tp2_pcp2_views_give_each_rank_its_subgroup_with_own_signal_regions():
-    results = run(tp_pcp_views, 4)
+    assert_tp_pcp_views(run(tp_pcp_views, 4))
+
+
+def assert_tp_pcp_views(results):
     for rank, res in enumerate(results):
         ranks, idx, ptrs, cell = res["pcp"]
         assert ranks == [rank % 2, rank % 2 + 2] and idx == rank // 2

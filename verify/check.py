@@ -1,0 +1,298 @@
+#!/usr/bin/env python3
+"""Model-check symmsync's fence protocol (verify/fence.pml) with Spin, every configuration.
+
+For each configuration: ``spin -a`` with its -D flags, gcc builds the verifier ``pan``, ``pan``
+searches the whole state space (no bitstate hashing, no partial search), and the output is
+parsed. Correct configurations must verify with 0 errors; each bug variant must produce the
+counterexample it is listed with. Prints a table; exits 1 when any result differs from what is
+expected, 2 when spin or gcc is missing.
+
+    python3 verify/check.py                 # every configuration
+    python3 verify/check.py fence-3r eq-2r  # some of them
+    python3 verify/check.py --list          # what each configuration is
+    python3 verify/check.py --trail eq-2r   # also print the counterexample's steps
+
+Standard library only; verify/README.md says what the model covers and what it proves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL = os.path.join(HERE, "fence.pml")
+
+#: Seconds one step (spin -a, gcc, pan) may take before the check counts as failed.
+STEP_TIMEOUT_S = 300
+#: pan's search depth bound; a search that reaches it is reported as incomplete (an error).
+MAX_DEPTH = 100_000
+#: pan's memory bound in MB.
+MEMLIM_MB = 4096
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    flags: tuple[str, ...]
+    expect: str  # "pass", or the kind of counterexample: deadlock, payload, arrival, timeout, final, cycle
+    what: str
+    cycles: bool = False  # search for cycles (-DNP, pan -l) instead of safety violations
+
+
+C = Config
+CONFIGS: tuple[Config, ...] = (
+    # ---- the protocol as coded: every one must verify --------------------------------------
+    C("fence-2r", ("VS=2", "F=6"), "pass", "2 ranks, 6 fences, fence(); no timeout: safety and no deadlock"),
+    C("fence-3r", ("VS=3", "F=6"), "pass", "3 ranks, 6 fences, fence(); no timeout: safety and no deadlock"),
+    C("split-2r", ("VS=2", "F=6", "SPLIT"), "pass", "2 ranks, 6 fences, arrive() then wait()"),
+    C("split-3r", ("VS=3", "F=6", "SPLIT"), "pass", "3 ranks, 6 fences, arrive() then wait()"),
+    C("crash-2r", ("VS=2", "F=6", "CRASH", "TMODE=1"), "pass", "2 ranks, 6 fences; any one rank may stop"),
+    C("crash-3r", ("VS=3", "F=6", "CRASH", "TMODE=1"), "pass", "3 ranks, 6 fences; any one rank may stop"),
+    C(
+        "ends-3r",
+        ("VS=3", "F=6", "CRASH", "TMODE=1"),
+        "pass",
+        "crash-3r searched for cycles: every run ends, nothing spins forever",
+        cycles=True,
+    ),
+    C(
+        "clock-3r",
+        ("VS=3", "F=6", "SPLIT", "CRASH", "TMODE=2"),
+        "pass",
+        "3 ranks, 6 split fences; waits may time out at any moment; any one rank may stop",
+    ),
+    C("channels-2r", ("VS=2", "NV=2", "F=4"), "pass", "2 ranks, 2 channels of one view interleaved, 4 fences each"),
+    C(
+        "channels-crash-2r",
+        ("VS=2", "NV=2", "F=3", "SPLIT", "CRASH", "TMODE=1"),
+        "pass",
+        "2 ranks, 2 channels, 3 split fences each; any one rank may stop",
+    ),
+    C("views-4r", ("VS=2", "NV=2", "F=4", "DISJOINT"), "pass", "4 ranks in 2 disjoint 2-rank views, 4 fences each"),
+    # ---- known bugs: each must produce its counterexample ----------------------------------
+    C("eq-2r", ("VS=2", "F=6", "BUG_EQ"), "deadlock", "wait compares slot == e"),
+    C("eq-3r", ("VS=3", "F=6", "BUG_EQ"), "deadlock", "wait compares slot == e"),
+    C("early-2r", ("VS=2", "F=6", "BUG_EARLY"), "payload", "publish before the payload stores"),
+    C("early-3r", ("VS=3", "F=6", "BUG_EARLY"), "payload", "publish before the payload stores"),
+    C("single-2r", ("VS=2", "F=6", "BUG_SINGLE"), "payload", "one payload buffer, no epoch parity"),
+    C("single-3r", ("VS=3", "F=6", "BUG_SINGLE"), "payload", "one payload buffer, no epoch parity"),
+    C("relaxed-2r", ("VS=2", "F=6", "BUG_RELAXED"), "payload", "publish without release"),
+    C("relaxed-3r", ("VS=3", "F=6", "BUG_RELAXED"), "payload", "publish without release"),
+    C("shared-2r", ("VS=2", "NV=2", "F=4", "BUG_SHARED"), "arrival", "two channels share one signal cell"),
+    C(
+        "open-3r",
+        ("VS=3", "F=6", "SPLIT", "CRASH", "TMODE=2", "BUG_OPEN"),
+        "arrival",
+        "a timed-out wait goes on (fails open)",
+    ),
+)
+del C
+
+
+@dataclass
+class Result:
+    config: Config
+    got: str = "error"  # pass, a counterexample kind, or error
+    errors: int | None = None
+    states: int | None = None
+    depth: int | None = None
+    seconds: float | None = None  # pan's search time
+    detail: str = ""
+    output: str = field(default="", repr=False)
+    workdir: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.got == self.config.expect
+
+
+def missing_tools() -> list[str]:
+    return [t for t in ("spin", "gcc") if shutil.which(t) is None]
+
+
+def classify(output: str) -> tuple[str, str]:
+    """The kind of the first error pan reports, and its line."""
+    for line in output.splitlines():
+        if line.startswith("pan:1:") or line.startswith("pan: non-progress cycle"):
+            if "invalid end state" in line:
+                return "deadlock", line
+            if "non-progress cycle" in line or "acceptance cycle" in line:
+                return "cycle", line
+            if "assertion violated" in line:
+                if "pay[" in line:
+                    return "payload", line
+                if "sent[" in line:
+                    return "arrival", line
+                if "dead[" in line or "gaveup[" in line:
+                    return "timeout", line
+                return "final", line
+            return "other", line
+    return "other", "pan reported an error it did not describe"
+
+
+def _int(pattern: str, text: str) -> int | None:
+    m = re.search(pattern, text)
+    return int(m.group(1)) if m else None
+
+
+def run_config(cfg: Config, keep: bool = False) -> Result:
+    """Build and run the verifier of one configuration; never raises for a failed check."""
+    res = Result(cfg)
+    work = tempfile.mkdtemp(prefix=f"symmsync-verify-{cfg.name}-")
+    res.workdir = work
+    shutil.copy(MODEL, work)  # spin -a and the trail (fence.pml.trail) live in the work directory
+    defines = [f"-D{f}" for f in cfg.flags]
+    ccflags = ["-DNP"] if cfg.cycles else ["-DSAFETY"]
+    steps = [
+        ["spin", "-a", *defines, "fence.pml"],
+        ["gcc", "-O2", "-w", *ccflags, "-DCOLLAPSE", f"-DMEMLIM={MEMLIM_MB}", "-o", "pan", "pan.c"],
+        ["./pan", f"-m{MAX_DEPTH}", *(["-l"] if cfg.cycles else [])],
+    ]
+    try:
+        for cmd in steps:
+            try:
+                p = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                res.detail = f"{cmd[0]} ran past {STEP_TIMEOUT_S} s"
+                return res
+            res.output += p.stdout + p.stderr
+            if p.returncode != 0 and cmd[0] != "./pan":
+                res.detail = f"{' '.join(cmd)} failed ({p.returncode}): {(p.stdout + p.stderr).strip()[-500:]}"
+                return res
+        out = res.output
+        res.errors = _int(r"errors: (\d+)", out)
+        res.states = _int(r"(\d+) states, stored", out)
+        res.depth = _int(r"depth reached (\d+)", out)
+        m = re.search(r"pan: elapsed time ([\d.e+-]+) seconds", out)
+        res.seconds = float(m.group(1)) if m else None
+        if res.errors is None:
+            res.detail = "no 'errors:' line in pan's output"
+        elif res.errors == 0:
+            incomplete = [s for s in ("max search depth too small", "out of memory") if s in out]
+            if incomplete:
+                res.detail = "search incomplete: " + ", ".join(incomplete)
+            else:
+                res.got = "pass"
+        else:
+            res.got, res.detail = classify(out)
+        return res
+    finally:
+        if not keep and res.ok:
+            shutil.rmtree(work, ignore_errors=True)
+            res.workdir = None
+
+
+def run_all(configs: list[Config], jobs: int, keep: bool = False) -> list[Result]:
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(lambda c: run_config(c, keep), configs))
+
+
+def trail(res: Result) -> str:
+    """The counterexample (spin -t), one line per step: step, process, model line."""
+    if res.workdir is None or not os.path.exists(os.path.join(res.workdir, "fence.pml.trail")):
+        return "(no trail)"
+    defines = [f"-D{f}" for f in res.config.flags]
+    p = subprocess.run(
+        ["spin", "-t", "-p", *defines, "fence.pml"],
+        cwd=res.workdir,
+        capture_output=True,
+        text=True,
+        timeout=STEP_TIMEOUT_S,
+    )
+    with open(MODEL) as f:
+        source = f.read().splitlines()
+    step = re.compile(r"^\s*(\d+):\s+proc\s+(\d+) \((\w+):\d+\) \S*fence\.pml:(\d+) \(state \d+\)\s*(.*)$")
+    out, last = [], None
+    for line in p.stdout.splitlines():
+        m = step.match(line)
+        if m is None:
+            if "violated" in line or "invalid end state" in line:
+                out.append(line.strip())
+            continue
+        n, pid, name, lineno, rest = m.groups()
+        if (n, pid) == last and "end state" not in rest:
+            continue
+        last = (n, pid)
+        text = source[int(lineno) - 1].strip() if 0 < int(lineno) <= len(source) else ""
+        mark = "  <valid end state>" if "end state" in rest else "  <where the trail ends>" if not rest else ""
+        out.append(f"{n:>5}  {name}[{pid}]  line {lineno}: {text}{mark}")
+    return "\n".join(out)
+
+
+def table(results: list[Result]) -> str:
+    head = ("model", "config", "expected", "got", "states", "depth", "seconds", "")
+    rows = [head]
+    for r in results:
+        rows.append(
+            (
+                r.config.name,
+                " ".join(r.config.flags) + (" (cycles)" if r.config.cycles else ""),
+                r.config.expect,
+                r.got,
+                "" if r.states is None else str(r.states),
+                "" if r.depth is None else str(r.depth),
+                "" if r.seconds is None else f"{r.seconds:.2f}",
+                "ok" if r.ok else "MISMATCH " + r.detail,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*", help="configurations to check (default: all)")
+    ap.add_argument("--list", action="store_true", help="list the configurations and exit")
+    ap.add_argument("--jobs", "-j", type=int, default=min(2, os.cpu_count() or 1), help="checks run at once")
+    ap.add_argument("--trail", action="store_true", help="print each counterexample's steps")
+    ap.add_argument("--keep", action="store_true", help="keep the work directories (pan.c, trails)")
+    args = ap.parse_args(argv)
+    if args.list:
+        for c in CONFIGS:
+            print(f"{c.name:18} expect {c.expect:9} -D{' -D'.join(c.flags)}  {c.what}")
+        return 0
+    by_name = {c.name: c for c in CONFIGS}
+    unknown = [n for n in args.names if n not in by_name]
+    if unknown:
+        print(f"unknown configuration(s): {', '.join(unknown)}; --list shows them", file=sys.stderr)
+        return 2
+    missing = missing_tools()
+    if missing:
+        print(
+            f"verify: {' and '.join(missing)} not found; run `make verify` (it installs spin) "
+            "or `apt-get install spin gcc`",
+            file=sys.stderr,
+        )
+        return 2
+    configs = [by_name[n] for n in args.names] if args.names else list(CONFIGS)
+    t0 = time.monotonic()
+    results = run_all(configs, args.jobs, keep=args.keep or args.trail)
+    print(table(results))
+    if args.trail:
+        for r in results:
+            if r.got not in ("pass", "error"):
+                print(f"\n--- {r.config.name}: {r.detail}\n{trail(r)}")
+    bad = [r for r in results if not r.ok]
+    print(
+        f"\n{len(results) - len(bad)} of {len(results)} as expected in {time.monotonic() - t0:.1f} s "
+        f"(spin: {subprocess.run(['spin', '-V'], capture_output=True, text=True).stdout.strip()})"
+    )
+    for r in bad:
+        print(f"MISMATCH {r.config.name}: expected {r.config.expect}, got {r.got}: {r.detail}", file=sys.stderr)
+        if r.workdir:
+            print(f"  work directory kept: {r.workdir}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
