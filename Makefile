@@ -33,6 +33,10 @@ $(VENV)/.bench: pyproject.toml $(VENV)/.base
 	$(PIP) install --quiet -e ".[bench,demo]"
 	touch $@
 
+$(VENV)/.docs: pyproject.toml $(VENV)/.base
+	$(PIP) install --quiet -e ".[docs,demo]"
+	touch $@
+
 ## demo: the main demo (PCP direct-KV publication, host backend unless GPUs are present)
 demo: $(VENV)/.base
 	$(PY) examples/pcp_kv.py
@@ -64,6 +68,12 @@ install-spin:
 	    echo "make: apt-get could not install spin" >&2; exit 1; }; }
 	@command -v gcc >/dev/null 2>&1 || { echo "make: gcc is missing; Spin's verifiers are C programs" >&2; exit 1; }
 
+## docs: the documentation site, built into site/ in strict mode (a broken link, include or reference fails it)
+# NO_MKDOCS_2_WARNING silences the theme's notice about its own end of life, which is not about these docs.
+.PHONY: docs
+docs: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 bench-fence: $(VENV)/.bench
 	$(PY) benchmarks/fence.py
 
@@ -78,4 +88,4 @@ lint: $(VENV)/.test
 	$(PY) -m ruff check symmsync tests examples benchmarks verify
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis site

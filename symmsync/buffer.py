@@ -16,6 +16,7 @@ so user offsets are the same on every rank and never touch a fence's slots.
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -57,8 +58,31 @@ class SignalLayout:
 
 def _gather(group: Any, obj: Any, world_size: int) -> list[Any]:
     out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, obj, group=group)
+    try:
+        dist.all_gather_object(out, obj, group=group)
+    except RuntimeError as e:  # gloo/NCCL: a peer died or left the collective
+        raise _lost_peer(group, e) from e
     return out
+
+
+def _barrier(group: Any) -> None:
+    try:
+        dist.barrier(group=group)
+    except RuntimeError as e:
+        raise _lost_peer(group, e) from e
+
+
+def _lost_peer(group: Any, e: Exception) -> BackendError:
+    return BackendError(
+        f"rank {dist.get_rank(group)}: an exchange with the other ranks of the group failed: a rank "
+        f"probably died or left the collective (check the other ranks' logs). torch.distributed: {e}"
+    )
+
+
+def _plain(v: Any) -> Any:
+    """``v`` if every rank can receive and compare it, else its repr (any junk argument
+    must reach the exchange, so that every rank raises instead of one)."""
+    return v if isinstance(v, (int, str)) else repr(v)
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:
@@ -111,11 +135,13 @@ class SymmetricBuffer:
             name, dev, problem = backend, None, str(e)
         if problem is None:
             problem = self._check_args(nbytes, max_views, channels)
+        if problem is None and not isinstance(backend_options, (dict, type(None))):
+            problem = f"backend_options must be a dict, got {backend_options!r}"
         info = {
             "nbytes": nbytes if isinstance(nbytes, int) else repr(nbytes),
-            "backend": name,
-            "max_views": max_views,
-            "channels": channels,
+            "backend": _plain(name),
+            "max_views": _plain(max_views),
+            "channels": _plain(channels),
             "problem": problem,
         }
         self._raise_on_bad_args(_gather(self._group, info, self._world))
@@ -172,14 +198,19 @@ class SymmetricBuffer:
         """
         self = cls.__new__(cls)
         self._join(group)
-        dev = torch.device(device) if device is not None else backends.default_device()
         problem = cls._check_args(nbytes, max_views, channels)
-        probe = SignalLayout(0, self._world, max_views, channels)
+        try:
+            dev = backends.as_device(device) if device is not None else backends.default_device()
+        except ConfigError as e:
+            dev, problem = torch.device("cpu"), problem or str(e)
+        probe = SignalLayout(0, self._world, max_views, channels) if problem is None else None
         if problem is None:
             try:
-                ptrs = [int(p) for p in ptrs]
-            except (TypeError, ValueError):
+                ptrs = [operator.index(p) for p in ptrs]
+            except TypeError:
                 problem = "ptrs must be a sequence of int addresses"
+        if problem is None and any(not 0 < p < 2**64 for p in ptrs):
+            problem = f"ptrs holds {[p for p in ptrs if not 0 < p < 2**64]}, which are not addresses"
         if problem is None and len(ptrs) != self._world:
             problem = f"ptrs holds {len(ptrs)} addresses for a group of {self._world} ranks"
         if problem is None and nbytes < probe.size + _LINE:
@@ -187,8 +218,8 @@ class SymmetricBuffer:
         info = {
             "nbytes": nbytes if isinstance(nbytes, int) else repr(nbytes),
             "backend": dev.type,
-            "max_views": max_views,
-            "channels": channels,
+            "max_views": _plain(max_views),
+            "channels": _plain(channels),
             "problem": problem,
         }
         self._raise_on_bad_args(_gather(self._group, info, self._world))
@@ -203,7 +234,7 @@ class SymmetricBuffer:
         self._own.tensor[base : base + self._signals.size].zero_()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        dist.barrier(group=self._group)  # no rank fences before every rank's cells are zero
+        _barrier(self._group)  # no rank fences before every rank's cells are zero
         self._finish()
         return self
 
@@ -255,6 +286,8 @@ class SymmetricBuffer:
             be = backends.create(name, dev, **options)
         except (BackendError, ConfigError) as e:
             problem = str(e)
+        except TypeError as e:  # an option the backend does not take
+            problem = f"bad backend_options {options!r}: {e}"
         problems = _gather(self._group, problem, self._world)
         bad = [r for r, p in enumerate(problems) if p]
         if bad:
@@ -272,20 +305,33 @@ class SymmetricBuffer:
             handle = self._backend.export_handle(self._own)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             problem = f"{type(e).__name__}: {e}"
-        handles = _gather(self._group, (handle, problem), self._world)
-        self._fail_if_any("allocate", [p for _, p in handles])
-
-        problem = None
+        handles: list = []
         try:
-            for r, (h, _) in enumerate(handles):
-                self._peers[r] = self._own if r == self._rank else self._backend.import_handle(h, r)
-        except Exception as e:  # noqa: BLE001
-            problem = f"{type(e).__name__}: {e}"
-        self._fail_if_any("map", _gather(self._group, problem, self._world))
-        # Every rank has mapped every segment: names and exported handles can go, and
-        # once the barrier passes they are gone on every rank (a crash leaks nothing).
-        self._backend.all_mapped(self._own)
-        dist.barrier(group=self._group)
+            handles = _gather(self._group, (handle, problem), self._world)
+            self._fail_if_any("allocate", [p for _, p in handles])
+
+            problem = None
+            try:
+                for r, (h, _) in enumerate(handles):
+                    self._peers[r] = self._own if r == self._rank else self._backend.import_handle(h, r)
+            except Exception as e:  # noqa: BLE001
+                problem = f"{type(e).__name__}: {e}"
+            self._fail_if_any("map", _gather(self._group, problem, self._world))
+            # Every rank has mapped every segment: names and exported handles can go, and
+            # once the barrier passes they are gone on every rank (a crash leaks nothing).
+            self._backend.all_mapped(self._own)
+            _barrier(self._group)
+        except BackendError:
+            # A peer died during the exchange (or a rank failed, and _fail_if_any released
+            # already): release, and drop the handles a dead peer can no longer drop itself.
+            SymmetricBuffer._release_all(self._backend, self._own, self._peers)
+            self._own = None
+            self._peers = [None] * self._world
+            self._closed = True
+            for h, _ in handles:
+                if h is not None:
+                    self._backend.abandon(h)
+            raise
 
     def _fail_if_any(self, what: str, problems: list[str | None]) -> None:
         bad = [r for r, p in enumerate(problems) if p]
@@ -387,7 +433,10 @@ class SymmetricBuffer:
             raise ConfigError(f"rank {self._rank}: tensor(rank={rank!r}) is not a rank of a world of {self._world}")
         if not isinstance(dtype, torch.dtype):
             raise BoundsError(f"rank {self._rank}: dtype must be a torch.dtype, got {dtype!r}")
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        try:
+            shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        except TypeError:
+            shape = (shape,)  # not a sequence: rejected below
         if any(not isinstance(s, int) or s < 0 for s in shape):
             raise BoundsError(f"rank {self._rank}: shape must hold non-negative ints, got {shape}")
         if not isinstance(offset, int) or offset < 0 or offset % ALIGN:

@@ -41,6 +41,9 @@ from .launch import Launcher
 #: still compiling its first kernel.
 DEFAULT_TIMEOUT_S = {"host": 120.0, "cuda": 60.0}
 
+#: Largest wait budget, in seconds (about 31 years; the kernel counts int64 nanoseconds).
+MAX_TIMEOUT_S = 1e9
+
 _FENCE, _ARRIVE, _WAIT = 0, 1, 2  # indices into Fence._launch, in this order
 
 
@@ -63,7 +66,8 @@ class Fence:
         view: the :class:`~symmsync.PeerView` whose members synchronize.
         channel: which of the view's channels (fences on different channels, or on
             different views, never touch each other's slots).
-        timeout_s: wait budget (default: :data:`DEFAULT_TIMEOUT_S` of the backend).
+        timeout_s: wait budget in seconds, in ``(0, MAX_TIMEOUT_S]`` (default:
+            :data:`DEFAULT_TIMEOUT_S` of the backend).
 
     Every member of the view must create its fence for the same channel and call
     the same sequence of ``fence`` / ``arrive`` / ``wait``.
@@ -77,8 +81,11 @@ class Fence:
         self.backend = buf.backend
         if timeout_s is None:
             timeout_s = DEFAULT_TIMEOUT_S[self.backend]
-        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ConfigError(f"rank {buf.rank}: timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not 0 < timeout_s <= MAX_TIMEOUT_S:
+            raise ConfigError(
+                f"rank {buf.rank}: timeout_s must be a positive number of seconds up to {MAX_TIMEOUT_S:g} "
+                f"(the budget is int64 nanoseconds on the device), got {timeout_s!r}"
+            )
         self.timeout_s = float(timeout_s)
         #: Byte offset of this fence's cell in every member's memory (kernel argument).
         self.cell = view.signal_offset(channel)

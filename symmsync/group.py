@@ -106,7 +106,7 @@ def _parse_request(ranks: Any, me: int, world: int) -> tuple[tuple[int, ...], st
         if isinstance(ranks, (str, bytes)) or any(isinstance(r, bool) or int(r) != r for r in ranks):
             raise TypeError
         req = tuple(int(r) for r in ranks)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return (), f"ranks must be a sequence of ints, got {ranks!r}"
     return req, _check_request(req, me, world)
 
@@ -150,6 +150,9 @@ def tp_pcp_ranks(rank: int, tp: int, pcp: int) -> tuple[list[int], list[int]]:
         ``(pcp_group, tp_group)``: the ranks of ``rank``'s PCP subgroup, ordered by
         PCP rank, and of its TP subgroup, ordered by TP rank.
     """
+    for name, v in (("rank", rank), ("tp", tp), ("pcp", pcp)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ConfigError(f"tp_pcp_ranks: {name} must be an int, got {v!r}")
     if tp <= 0 or pcp <= 0:
         raise ConfigError(f"tp and pcp must be positive, got tp={tp}, pcp={pcp}")
     if not 0 <= rank < tp * pcp:

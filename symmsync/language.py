@@ -62,7 +62,7 @@ from .backends import interpreter_active
 #: True when this process runs Triton kernels under the interpreter (host backend).
 INTERPRETED: bool = interpreter_active()
 
-#: Lanes per pass over the members of a view: one warp, one member per thread.
+#: Lanes per pass when polling the members of a view: one member per lane.
 LANES = tl.constexpr(32)
 #: Byte offset of the slots inside a cell (the epoch line comes first).
 SLOTS = tl.constexpr(128)
@@ -81,9 +81,9 @@ if INTERPRETED:
     def _clock_ns():
         return tl.full((), _time.monotonic_ns(), tl.int64)
 
-    def _release_add(ptrs, mask):
+    def _release_add(ptr, live):
         # Interpreter atomics on int64 are lock-free CPU atomics, honouring the order.
-        tl.atomic_add(ptrs, 1, mask=mask, sem="release", scope="sys")
+        tl.atomic_add(ptr, 1, mask=live, sem="release", scope="sys")
 
     def _load_acquire(ptrs):
         return tl.atomic_add(ptrs, 0, sem="acquire", scope="sys")
@@ -101,15 +101,19 @@ else:
         return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
     @triton.jit
-    def _release_add(ptrs, mask):
+    def _release_add(ptr, live):
         # A reduction, not an exchange or a store: atom.exch waits for a reply across
         # NVLink, and red.release.sys measured faster than st.release.sys on 2x H200
         # (benchmarks/fence.py: 1.95 against 2.38 us per fence in graph replay).
-        # Masked-off lanes do nothing.
+        # Exactly once per call: an inline-asm statement runs in every thread that holds
+        # its operands (for a scalar, every thread of the program), so only thread 0
+        # issues it; otherwise a program of W warps would add once per thread or warp and
+        # a slot would run ahead of its member's epoch. Nothing is sent when not ``live``.
         tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p red.release.sys.global.add.u64 [$1], 1; }\n\tmov.u32 $0, 0;",
+            "{ .reg .pred p, q; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 q, t, 0; "
+            "setp.ne.and.s32 p, $2, 0, q; @p red.release.sys.global.add.u64 [$1], 1; }\n\tmov.u32 $0, 0;",
             "=r,l,r",
-            [ptrs, tl.cast(mask, tl.int32)],
+            [ptr, tl.cast(live, tl.int32)],
             dtype=tl.int32,
             is_pure=False,
             pack=1,
@@ -185,25 +189,24 @@ def publish(ptrs, cell, me, SIZE: tl.constexpr):
 
     Pseudocode::
 
-        for p in 0..SIZE-1, p != me:             # one lane per member, concurrently
+        for p in 0..SIZE-1, p != me:             # thread 0 of the program, none awaited
             red_add_release_sys(&mem[p].cell.slot[me], 1)    # the slot counts publishes
         return ++mem[me].cell.epoch               # device-resident: graph replays advance it
 
     Contract: every write this rank made before the call (by this thread; by other
     threads of the block once they passed a ``tl.debug_barrier()``; by kernels earlier
     on the stream) is visible to a member that observes its slot >= ``e``. Call it from
-    one program per launch (the epoch is this rank's alone). Graph-safe.
-    Cost: one local load and store, SIZE-1 remote reductions in flight together, no reply
-    awaited, nothing sent to itself.
+    one program per launch (the epoch is this rank's alone), with any ``num_warps``:
+    each call adds exactly 1 to each peer's slot. Graph-safe.
+    Cost: one local load and store, SIZE-1 remote reductions issued back to back and in
+    flight together, no reply awaited, nothing sent to itself.
     """
     # The reductions go first: a release waits for this thread's earlier writes, and the
     # epoch store is one it need not wait for (a slot counts publishes, so the value
     # sent does not depend on the epoch).
-    for base in tl.static_range(0, SIZE, LANES):
-        idx = base + tl.arange(0, LANES)
-        live = (idx < SIZE) & (idx != me)
-        dst = tl.load(ptrs + tl.where(idx < SIZE, idx, me)) + cell + SLOTS
-        _release_add(dst.to(tl.pointer_type(tl.int64)) + me, live)
+    for p in tl.static_range(SIZE):
+        dst = (tl.load(ptrs + p) + cell + SLOTS).to(tl.pointer_type(tl.int64)) + me
+        _release_add(dst, p != me)
     return _advance_epoch(ptrs, cell, me)
 
 
@@ -329,8 +332,8 @@ def grid_fence(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.
     Why it is correct: each program's peer writes precede its release (acq_rel, system
     scope) on the arrival counter; the last program acquires every earlier increment;
     the block barrier that hands the counter's value to its other threads orders that
-    acquire before each lane's release reduction in :func:`publish`, and release is
-    cumulative over that chain, so a member that observes its slot at ``e`` observes
+    acquire before the release reductions of :func:`publish` (issued by thread 0), and
+    release is cumulative over that chain, so a member that observes its slot at ``e`` observes
     every program's writes. (The Spin model in ``verify/`` covers single-program
     fences, not this multi-program arrival.) Graph-safe. Cost: one local atomic per
     program, one publish and one wait in total. Returns the wait status (last

@@ -19,6 +19,8 @@ backend, ``TRITON_INTERPRET=1`` set before anything imports Triton. The first ra
 that raises stops the run: the others are killed and :class:`~symmsync.RankFailure`
 carries that rank's traceback. A run that outlives ``timeout_s`` is killed and
 names the ranks that never finished, so a deadlock fails fast instead of hanging.
+Fault tests name the ranks that are meant to die (``may_die``): those may exit
+without a result while the others run on and report.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -47,6 +50,19 @@ DEFAULT_TIMEOUT_S = 180.0
 _env_lock = threading.Lock()
 
 
+@dataclass(frozen=True)
+class Died:
+    """The entry :func:`run` returns for a rank of ``may_die`` that exited without a result.
+
+    Attributes:
+        rank: the rank.
+        exitcode: its process's exit code (negative: killed by that signal, e.g. -9).
+    """
+
+    rank: int
+    exitcode: int
+
+
 def run(
     fn: Callable[..., Any],
     world_size: int,
@@ -55,6 +71,7 @@ def run(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     env: dict[str, str] | None = None,
     dist_backend: str | None = None,
+    may_die: Collection[int] = (),
     **kwargs: Any,
 ) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results.
@@ -69,19 +86,30 @@ def run(
         env: extra environment variables for the ranks.
         dist_backend: torch.distributed backend (default: gloo for host, NCCL for cuda;
             gloo with cuda keeps collectives on the CPU, e.g. for tests that stop a GPU).
+        may_die: ranks that may exit without a result (fault tests: a rank that kills
+            itself). The run goes on while the other ranks work; such a rank's entry in
+            the result is a :class:`Died` with its exit code. A rank of ``may_die`` that
+            raises still stops the run, and so does any other rank that dies.
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]``.
 
     Raises:
-        RankFailure: a rank raised (its traceback is in the message), died, or the
-            run timed out (the message names the ranks that had not finished).
+        RankFailure: a rank raised (its traceback is in the message), died (and was
+            not in ``may_die``), or the run timed out (the message names the ranks
+            that had not finished).
+
+    When the run ends, any shared-memory segment of the run's name prefix still in
+    ``/dev/shm`` (a rank killed while it allocated had no chance to unlink it) is removed.
     """
     if backend not in ("host", "cuda"):
         raise ConfigError(f"testing.run: backend must be 'host' or 'cuda', got {backend!r}")
     dist_backend = dist_backend or ("gloo" if backend == "host" else "nccl")
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"testing.run: world_size must be a positive int, got {world_size!r}")
+    dying = set(may_die)
+    if not dying <= set(range(world_size)):
+        raise ConfigError(f"testing.run: may_die={sorted(dying)!r} names ranks outside 0..{world_size - 1}")
     ctx = mp.get_context("spawn")
     results: queue.Queue = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="symmsync-run-")
@@ -92,6 +120,7 @@ def run(
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }
+    prefix = child_env["SYMMSYNC_SHM_PREFIX"]  # env may set it
     procs = []
     deadline = time.monotonic() + timeout_s
     try:
@@ -125,15 +154,15 @@ def run(
                         os.environ.pop(k, None)
                     else:
                         os.environ[k] = v
-        return _collect(procs, results, world_size, deadline, timeout_s)
+        return _collect(procs, results, world_size, deadline, timeout_s, dying)
     except BaseException:
         _kill(procs)
-        _remove_segments(prefix)
         raise
     finally:
         for p in procs:
             p.join(timeout=10)
         _kill(procs)
+        _remove_segments(prefix)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -253,7 +282,9 @@ def _pool_main(tasks, results) -> None:  # pragma: no cover - runs in children
         results.put((rank, "ok", pickle.dumps(value)))
 
 
-def _collect(procs: list, results: queue.Queue, world_size: int, deadline: float, timeout_s: float) -> list[Any]:
+def _collect(
+    procs: list, results: queue.Queue, world_size: int, deadline: float, timeout_s: float, dying: set[int]
+) -> list[Any]:
     out: dict[int, Any] = {}
     exited_at: dict[int, float] = {}
     while len(out) < world_size:
@@ -273,6 +304,9 @@ def _collect(procs: list, results: queue.Queue, world_size: int, deadline: float
                 if r not in out and p.exitcode is not None:
                     # Give the queue's feeder a moment to deliver a result posted on exit.
                     if now - exited_at.setdefault(r, now) > 2.0:
+                        if r in dying:
+                            out[r] = Died(r, p.exitcode)
+                            continue
                         raise RankFailure(
                             f"testing.run: rank {r} exited with code {p.exitcode} without a result "
                             "(killed or crashed in native code?)",

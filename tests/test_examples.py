@@ -1,4 +1,10 @@
-"""The examples run as documented (the main demo with its defaults, and a TP×PCP run)."""
+"""The examples run as documented and print what their pages say they print.
+
+Every numbered example (``examples/NN_*.py``, the tutorials' code, found by a glob so
+that a new one cannot be forgotten) runs on the host backend here, and with
+``--backend cuda`` in the GPU suite; each must print the lines below. The main demo
+runs with its defaults and as TP×PCP.
+"""
 
 import os
 import subprocess
@@ -8,6 +14,33 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+NUMBERED = sorted(ROOT.glob("examples/[0-9][0-9]_*.py"))
+
+# What each numbered example prints on 2 ranks, on every backend. Each example checks
+# its own oracle too (an assertion on a rank fails the run), so these lines are only
+# printed when the data that arrived is right.
+EXPECTED = {
+    "01_buffer.py": [
+        "rank 0: my memory holds [0, 10]",
+        "rank 0: rank 1's memory holds [1, 11]",
+        "rank 1: my memory holds [1, 11]",
+        "rank 1: rank 0's memory holds [0, 10]",
+    ],
+    "02_fences.py": [
+        f"rank {r}: step {k}: saw [{100 * k}, {100 * k + 1}], epoch {2 * k}" for r in (0, 1) for k in (1, 2, 3)
+    ]
+    + [f"rank {r}: split phase: saw [400, 401], epoch 8, local 499545" for r in (0, 1)],
+    "03_kernel.py": ["5 rounds on 2 ranks: every block arrived; epochs [10, 10]"],
+    "04_pcp_writer.py": [f"rank {r}: 2 layers x 100 tokens of 2 ranks in every replica: OK" for r in (0, 1)],
+}
+HOST_ONLY = {
+    "01_buffer.py": [f"rank {r}: host backend, 1024 bytes on cpu" for r in (0, 1)],
+    "02_fences.py": ["CUDA graph part not run: it needs GPUs (python examples/02_fences.py --backend cuda)"],
+}
+CUDA_ONLY = {
+    "01_buffer.py": [f"rank {r}: cuda backend, 1024 bytes on cuda:{r}" for r in (0, 1)],
+    "02_fences.py": [f"rank {r}: CUDA graph: 100 replays, epoch +200, 0 wrong" for r in (0, 1)],
+}
 
 
 def _run(*args):
@@ -16,11 +49,29 @@ def _run(*args):
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_the_exchange_example_prints_every_peers_block():
-    proc = _run("examples/00_exchange.py")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "rank 0 sees the blocks of ranks 0..1 as [100, 101]" in proc.stdout
-    assert "rank 1 sees the blocks of ranks 0..1 as [100, 101]" in proc.stdout
+def _check_output(example: Path, backend: str, extra: dict) -> None:
+    assert example.name in EXPECTED, f"add the lines {example.name} prints to EXPECTED in {__file__}"
+    proc = _run(str(example.relative_to(ROOT)), "--backend", backend)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    printed = proc.stdout.splitlines()
+    missing = [line for line in EXPECTED[example.name] + extra.get(example.name, []) if line not in printed]
+    assert not missing, f"{example.name} did not print {missing}; it printed:\n{proc.stdout}"
+
+
+def test_the_tutorial_examples_are_numbered_in_teaching_order():
+    assert [p.name for p in NUMBERED] == sorted(EXPECTED), "every numbered example needs its lines in EXPECTED"
+    assert [p.name[:2] for p in NUMBERED] == [f"{i:02d}" for i in range(1, len(NUMBERED) + 1)]
+
+
+@pytest.mark.parametrize("example", NUMBERED, ids=lambda p: p.stem)
+def test_each_numbered_example_prints_its_expected_output_on_the_host_backend(example):
+    _check_output(example, "host", HOST_ONLY)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("example", NUMBERED, ids=lambda p: p.stem)
+def test_each_numbered_example_prints_its_expected_output_on_2_gpus(example):
+    _check_output(example, "cuda", CUDA_ONLY)
 
 
 @pytest.mark.parametrize(

@@ -288,3 +288,50 @@ def test_pcp2_byte_oracle_in_cuda_graph_replay(route, fused):
         assert ok == [True] * (2 * replays)
         if route == "direct":
             assert epoch == 2 * (replays + 1)  # one fence per layer, on the warm-up and every replay
+
+
+@triton.jit
+def publish_kernel(ptrs, cell, me, SIZE: tl.constexpr):
+    ssl.publish(ptrs, cell, me, SIZE)
+
+
+def slots_after_publishes(times):
+    """Publish ``times`` times from kernels of 1, 2, 4 and 8 warps (one channel each), and
+    run the fused writer for 3 layers; return (peer's slot, own epoch) pairs after each."""
+    layout = pcp.CacheLayout(num_blocks=4, num_layers=3, base=128)
+    buf = ss.SymmetricBuffer(layout.end + 128, backend="cuda", channels=5)
+    view = buf.view(list(range(buf.world_size)))
+    peer = 1 - view.local_index
+
+    def slot_of(cell):
+        return int(buf.local_memory()[cell + 128 + 8 * peer : cell + 136 + 8 * peer].view(torch.int64).item())
+
+    out = {}
+    for ch, warps in enumerate((1, 2, 4, 8)):
+        cell = view.signal_offset(ch)
+        for _ in range(times):
+            publish_kernel[(1,)](view.ptrs, cell, view.local_index, SIZE=view.size, num_warps=warps)
+        torch.cuda.synchronize()
+        dist.barrier()
+        epoch = int(buf.local_memory()[cell : cell + 8].view(torch.int64).item())
+        out[f"num_warps={warps}"] = (slot_of(cell), epoch)
+    writer = pcp.DirectKVWriter(view, layout, fused=True, channel=4, timeout_s=30)
+    split = pcp.pcp_split(200, 2)
+    slots = torch.randperm(layout.num_slots, generator=torch.Generator().manual_seed(0))[:200]
+    batch = writer.prepare(split.local_slots(slots, view.local_index).to(buf.device))
+    rows = [torch.zeros(split.tokens_per_rank, n, dtype=torch.bfloat16, device=buf.device) for n in (512, 64, 128)]
+    for layer in range(3):
+        writer.write(layer, *rows, batch)
+    writer.fence.synchronize()
+    dist.barrier()
+    out["fused writer, 3 layers"] = (slot_of(writer.fence.cell), writer.fence.epoch)
+    buf.close()
+    return out
+
+
+def test_one_publish_adds_exactly_one_to_each_peer_slot_whatever_num_warps():
+    # A slot ahead of its member's epoch would let later waits return before the data arrived.
+    for res in run(slots_after_publishes, WORLD, 5, backend="cuda"):
+        for what, (slot, epoch) in res.items():
+            want = 3 if what.startswith("fused") else 5
+            assert slot == epoch == want, (what, slot, epoch)

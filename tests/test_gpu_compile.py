@@ -91,6 +91,16 @@ def test_fence_publishes_with_release_reductions_and_waits_with_acquire_loads_on
     assert ptx["cubin"] > 0  # ptxas accepted it
 
 
+def test_publish_issues_each_reduction_once_from_thread_0(ptx):
+    # SIZE=8: eight table entries unrolled, each reduction guarded by %tid.x == 0 (and p != me),
+    # so a program of any num_warps adds exactly 1 per peer (the 4-warp tail included).
+    for name, size in (("fence", 8), ("tail", 4)):
+        reds = _lines(ptx[name], "red.release.sys.global.add.u64")
+        assert len(reds) == size, reds
+        for line in reds:  # the guard and the reduction are one asm statement
+            assert "mov.u32 t, %tid.x; setp.eq.u32 q, t, 0;" in line and "@p red.release" in line, line
+
+
 def test_split_phase_kernels_contain_only_their_half(ptx):
     assert _lines(ptx["arrive"], "red.release.sys") and not _lines(ptx["arrive"], "ld.acquire.sys")
     assert _lines(ptx["wait"], "ld.acquire.sys") and not _lines(ptx["wait"], "red.release.sys")

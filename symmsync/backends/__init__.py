@@ -72,6 +72,10 @@ class Backend(abc.ABC):
     def release(self, mem: Memory) -> None:
         """Unmap (peer) or free (own) memory. Called at most once per :class:`Memory`."""
 
+    def abandon(self, handle: Any) -> None:  # noqa: B027 - optional hook
+        """The exchange failed (a peer may have died): drop what ``handle`` names and only
+        its owner would otherwise drop. Called for every handle received, own included."""
+
 
 def default_device() -> torch.device:
     """The device a buffer uses when none is given: the current CUDA device, else CPU."""
@@ -80,11 +84,19 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def as_device(device: Any) -> torch.device:
+    """``torch.device(device)``, raising :class:`~symmsync.ConfigError` for what is not a device."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ConfigError(f"device {device!r} is not a torch device ({e}); pass e.g. 'cpu' or 'cuda:0'") from e
+
+
 def resolve(backend: str, device: torch.device | str | None) -> tuple[str, torch.device]:
     """Pick the backend name and device for a buffer, validating the pair."""
-    if backend not in ("auto",) + BACKENDS:
+    if not isinstance(backend, str) or backend not in ("auto",) + BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}: use one of 'auto', 'host', 'cuda'")
-    dev = torch.device(device) if device is not None else None
+    dev = as_device(device) if device is not None else None
     if backend == "auto":
         dev = dev if dev is not None else default_device()
         backend = "cuda" if dev.type == "cuda" else "host"

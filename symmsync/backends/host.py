@@ -71,7 +71,7 @@ class HostBackend(Backend):
         try:
             os.ftruncate(fd, nbytes)  # new pages read as zero
             mm = mmap.mmap(fd, nbytes)
-        except OSError as e:
+        except (OSError, OverflowError) as e:
             _unlink(name)
             raise BackendError(
                 f"rank {rank}: could not size or map {nbytes} bytes of shared memory ({e}); is /dev/shm large enough?"
@@ -102,6 +102,13 @@ class HostBackend(Backend):
 
     def all_mapped(self, mem: Memory) -> None:
         _unlink(mem.state["name"])
+
+    def abandon(self, handle: tuple[str, int]) -> None:
+        # A peer killed before it unlinked its name would leave the segment in /dev/shm.
+        try:
+            _posixshmem.shm_unlink(handle[0])
+        except OSError:
+            pass  # already unlinked by its owner or another rank
 
     def release(self, mem: Memory) -> None:
         name = mem.state.get("name")

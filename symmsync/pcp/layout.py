@@ -60,6 +60,10 @@ class IndexerKLayout:
     DIM = INDEXER_DIM  #: 128 fp8 values per token
     TOKEN_BYTES = INDEXER_DIM + 4  #: 132
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0:
+            raise ConfigError(f"IndexerKLayout: block_size must be a positive int, got {self.block_size!r}")
+
     @property
     def block_bytes(self) -> int:
         return self.block_size * self.TOKEN_BYTES
@@ -96,7 +100,7 @@ class CacheLayout:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"CacheLayout: {name} must be a positive int, got {v!r}")
-        if not isinstance(self.base, int) or self.base < 0 or self.base % _ALIGN:
+        if not isinstance(self.base, int) or isinstance(self.base, bool) or self.base < 0 or self.base % _ALIGN:
             raise ConfigError(f"CacheLayout: base must be a non-negative multiple of {_ALIGN}, got {self.base!r}")
 
     main = MainKVLayout()

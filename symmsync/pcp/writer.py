@@ -37,6 +37,10 @@ from .quant import bf16_to_f32, e4m3_bits, indexer_scale, mla_tile_scale
 ROUTES = ("direct", "allgather")
 
 
+def _power_of_two(v: Any, most: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 < v <= most and not v & (v - 1)
+
+
 def _exchange(group: Any, obj: Any, world_size: int) -> list[Any]:
     """Every rank's ``obj`` (torch.distributed only: this module uses symmsync's public API)."""
     out: list[Any] = [None] * world_size
@@ -171,7 +175,9 @@ class Batch:
 
     A runtime computes its slot mapping once per batch and reuses it for every layer,
     so the checks that need the values (range, duplicates) and the rank consensus
-    happen here, not per layer.
+    happen here, not per layer. :meth:`DirectKVWriter.write` takes only a batch that the
+    same writer's :meth:`~DirectKVWriter.prepare` returned, and trusts its slots: do not
+    modify them in place.
     """
 
     slots: torch.Tensor  #: int64 [rows] local slot mapping (-1: padding)
@@ -223,7 +229,9 @@ class DirectKVWriter:
         self.view, self.layout, self.route, self.fused, self.debug = view, layout, route, bool(fused), debug
         self.buffer = buf
         problem = None
-        if route not in ROUTES:
+        if not isinstance(layout, CacheLayout):
+            problem = f"layout must be a symmsync.pcp.CacheLayout, got {type(layout).__name__}"
+        elif not isinstance(route, str) or route not in ROUTES:
             problem = f"route must be one of {ROUTES}, got {route!r}"
         elif fused and route != "direct":
             problem = "fused=True needs route='direct' (the all-gather route has no fence to fuse)"
@@ -231,18 +239,37 @@ class DirectKVWriter:
             problem = f"the cache layout needs {layout.end} bytes but the buffer holds {buf.nbytes}"
         elif route == "allgather" and group is None and view.size != buf.world_size:
             problem = "the allgather route needs group=, the torch.distributed group of the view's ranks"
-        elif block_rows <= 0 or block_rows & (block_rows - 1):
-            problem = f"block_rows must be a power of two, got {block_rows}"
-        agreed = _exchange(buf.group, (route, bool(fused), problem), buf.world_size)
-        bad = [(r, p) for r, (_, _, p) in enumerate(agreed) if p]
+        elif not _power_of_two(block_rows, 1024):
+            problem = f"block_rows must be a power of two up to 1024, got {block_rows!r}"
+        elif not _power_of_two(num_warps, 32):
+            problem = f"num_warps must be a power of two up to 32, got {num_warps!r}"
+        elif not isinstance(programs_per_sm, int) or isinstance(programs_per_sm, bool) or programs_per_sm <= 0:
+            problem = f"programs_per_sm must be a positive int, got {programs_per_sm!r}"
+        fence = None
+        if problem is None and route == "direct":
+            try:  # a bad channel or timeout is agreed like the rest, so that every rank raises
+                fence = Fence(view, channel, timeout_s=timeout_s)
+            except ConfigError as e:
+                problem = str(e)
+        agree_channel = channel if route == "direct" else None  # checked by Fence: an int
+        mine = (route, bool(fused), layout, agree_channel) if problem is None else ("?", False, None, None)
+        agreed = _exchange(buf.group, (*mine, problem), buf.world_size)
+        bad = [(r, a[-1]) for r, a in enumerate(agreed) if a[-1]]
         if bad:
             raise ConfigError(f"DirectKVWriter: rank {bad[0][0]}: {bad[0][1]}")
-        if len({(r, f) for r, f, _ in agreed}) > 1:
-            per = ", ".join(f"rank {i}: {r}{' fused' if f else ''}" for i, (r, f, _) in enumerate(agreed))
+        if len({(r, f) for r, f, *_ in agreed}) > 1:
+            per = ", ".join(f"rank {i}: {r}{' fused' if f else ''}" for i, (r, f, *_) in enumerate(agreed))
             raise ConfigError(f"DirectKVWriter: every rank must take the same route ({per})")
+        for i, what in ((2, "layout"), (3, "channel")):
+            if len({agreed[r][i] for r in view.ranks}) > 1:
+                per = ", ".join(f"rank {r}: {agreed[r][i]!r}" for r in view.ranks)
+                raise ConfigError(
+                    f"DirectKVWriter: the members of the PCP group {list(view.ranks)} passed different "
+                    f"{what}s ({per}); every member must pass the same"
+                )
         self.group = group
         self.block_rows = block_rows
-        self.fence = Fence(view, channel, timeout_s=timeout_s) if route == "direct" else None
+        self.fence = fence
         if route == "direct":
             dst = view.ptrs
         else:
@@ -309,6 +336,7 @@ class DirectKVWriter:
         if self.debug:
             self._check_duplicates(every)
         batch = Batch(slots=slots, rows=rows)
+        batch._writer = self  # write() takes only batches this writer validated
         if self.route == "allgather":
             batch.gathered_slots = self._all_gather(slots)
         return batch
@@ -359,8 +387,11 @@ class DirectKVWriter:
             raise InputError(
                 f"rank {rank}: layer {layer!r} is out of range for a cache of {self.layout.num_layers} layers"
             )
-        if not isinstance(batch, Batch):
-            raise InputError(f"rank {rank}: pass the Batch returned by prepare()")
+        if not isinstance(batch, Batch) or getattr(batch, "_writer", None) is not self:
+            raise InputError(
+                f"rank {rank}: pass the Batch returned by this writer's prepare() (its slots were checked "
+                "against this writer's layout)"
+            )
         for name, t, width in (("kv_c", kv_c, _NOPE), ("k_pe", k_pe, _ROPE), ("indexer_k", indexer_k, _IDX)):
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"rank {rank}: {name} must be a tensor")
