@@ -142,7 +142,7 @@ proctype Member(byte v; byte i) {
             q = 0
         }
 #endif
-        /* publish(): one lane per other member, concurrently, in any order */
+        /* publish(): one reduction per other member (thread 0 issues them; they land in any order) */
 #if VS == 2
         LANE(1 - i);
 #else
