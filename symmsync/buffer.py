@@ -98,7 +98,10 @@ class SymmetricBuffer:
             initialized; every rank of it must construct the buffer.
         device: where the memory lives (default: the current CUDA device if there is
             one, else the CPU).
-        backend: ``"auto"`` (CUDA for CUDA devices, host otherwise), ``"host"`` or ``"cuda"``.
+        backend: ``"auto"`` (CUDA for CUDA devices, host otherwise; with no ``device``,
+            host when Triton's interpreter is active in this process, as in
+            ``symmsync.testing.run(backend="host")``, else the current CUDA device if
+            there is one), ``"host"`` or ``"cuda"``.
         max_views: peer views that can be created on this buffer (each owns a signal region).
         channels: fence channels per view.
         backend_options: passed to the backend (the CUDA backend takes ``handle_type``).

@@ -147,7 +147,7 @@ def test_no_segment_is_left_in_dev_shm():
 
 
 def backend_choice():
-    buf = ss.SymmetricBuffer(1024)  # auto: no CUDA device here, so host
+    buf = ss.SymmetricBuffer(1024)  # auto: the ranks run Triton's interpreter, so host (GPUs or not)
     name = buf.backend
     buf.close()
     with pytest.raises(ss.ConfigError) as e:
@@ -155,11 +155,21 @@ def backend_choice():
     return name, str(e.value)
 
 
-def test_auto_backend_picks_host_without_gpus_and_unknown_backends_raise():
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU: auto would pick CUDA")
+def test_auto_backend_picks_host_under_the_interpreter_and_unknown_backends_raise():
     for name, msg in run(backend_choice, 2):
         assert name == "host" and "nvshmem" in msg
+
+
+def test_auto_backend_picks_the_cuda_device_only_outside_the_interpreter(monkeypatch):
+    from symmsync import backends
+
+    monkeypatch.setattr(backends, "default_device", lambda: torch.device("cuda", 0))  # as if a GPU were present
+    monkeypatch.setattr(backends, "interpreter_active", lambda: True)
+    assert backends.resolve("auto", None) == ("host", torch.device("cpu"))
+    assert backends.resolve("auto", "cuda:1") == ("cuda", torch.device("cuda", 1))  # an explicit device wins
+    monkeypatch.setattr(backends, "interpreter_active", lambda: False)
+    assert backends.resolve("auto", None) == ("cuda", torch.device("cuda", 0))
+    assert backends.resolve("host", None) == ("host", torch.device("cpu"))
 
 
 def test_buffer_needs_an_initialized_process_group():

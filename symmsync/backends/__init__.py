@@ -98,7 +98,10 @@ def resolve(backend: str, device: torch.device | str | None) -> tuple[str, torch
         raise ConfigError(f"unknown backend {backend!r}: use one of 'auto', 'host', 'cuda'")
     dev = as_device(device) if device is not None else None
     if backend == "auto":
-        dev = dev if dev is not None else default_device()
+        if dev is None:
+            # Under Triton's interpreter (TRITON_INTERPRET=1, as testing.run(backend="host")
+            # sets) kernels run on the CPU: the host backend, even where GPUs exist.
+            dev = torch.device("cpu") if interpreter_active() else default_device()
         backend = "cuda" if dev.type == "cuda" else "host"
     elif dev is None:
         dev = torch.device("cpu") if backend == "host" else default_device()
