@@ -16,6 +16,7 @@ from importlib import metadata
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 def init_worker(rank: int, world: int, port: int) -> torch.device:
@@ -124,3 +125,27 @@ def write_json(path: str, payload: dict) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, sort_keys=True)
         f.write("\n")
+
+
+def add_layout_args(parser) -> None:
+    """``--world`` (GPUs, one process each) and ``--tp`` (the PCP size is world / tp)."""
+    parser.add_argument("--world", type=int, default=2, help="GPUs (one process each)")
+    parser.add_argument("--tp", type=int, default=1, help="TP size; the PCP views span world / tp ranks")
+
+
+def spawn(worker: Callable, args, script: str) -> None:
+    """Check ``--world``/``--tp`` against this machine, then run ``worker(rank, world, args)`` on every GPU."""
+    world, tp, n = args.world, args.tp, torch.cuda.device_count()
+    if world < 2 or tp < 1 or world % tp or world // tp < 2:
+        sys.exit(f"--world {world} --tp {tp}: need world >= 2 divisible by tp, with world / tp >= 2")
+    if n < world:
+        sys.exit(f"{script} --world {world} needs {world} GPUs; this machine has {n}")
+    mp.spawn(worker, args=(world, args), nprocs=world, join=True)
+
+
+def pcp_group(world: int, tp: int):
+    """This rank's PCP subgroup as a torch.distributed group (rank = pcp_rank·tp + tp_rank)."""
+    if tp == 1:
+        return dist.group.WORLD
+    groups = [[k * tp + t for k in range(world // tp)] for t in range(tp)]
+    return dist.new_subgroups_by_enumeration(groups)[0]

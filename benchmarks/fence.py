@@ -32,7 +32,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import triton
 import triton.language as tl
 
@@ -151,11 +150,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
     buf = ss.SymmetricBuffer(1 << 20, backend="cuda", channels=16)
     view = ss.pcp_view(buf, tp=args.tp)
-    if args.tp == 1:
-        group = dist.group.WORLD
-    else:
-        groups = [[k * args.tp + t for k in range(world // args.tp)] for t in range(args.tp)]
-        group = dist.new_subgroups_by_enumeration(groups)[0]
+    group = common.pcp_group(world, args.tp)
     fences = [ss.Fence(view, channel=c) for c in range(16)]
     it, reps = args.iters, args.reps
     R: dict[str, float] = {}
@@ -387,15 +382,8 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--iters", type=int, default=1000, help="fences per graph (eager: twice as many)")
     parser.add_argument("--reps", type=int, default=9)
-    parser.add_argument("--world", type=int, default=2, help="GPUs (one process each)")
-    parser.add_argument("--tp", type=int, default=1, help="TP size; each fence spans world / tp ranks")
-    args = parser.parse_args()
-    n = torch.cuda.device_count()
-    if args.world < 2 or args.tp < 1 or args.world % args.tp or args.world // args.tp < 2:
-        sys.exit(f"--world {args.world} --tp {args.tp}: need world >= 2 divisible by tp, with world / tp >= 2")
-    if n < args.world:
-        sys.exit(f"benchmarks/fence.py --world {args.world} needs {args.world} GPUs; this machine has {n}")
-    mp.spawn(worker, args=(args.world, args), nprocs=args.world, join=True)
+    common.add_layout_args(parser)
+    common.spawn(worker, parser.parse_args(), "benchmarks/fence.py")
 
 
 if __name__ == "__main__":

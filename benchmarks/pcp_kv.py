@@ -29,7 +29,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -45,7 +44,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
     layers = args.layers
     tp, p = args.tp, world // args.tp
-    group = _pcp_group(world, tp)
+    group = common.pcp_group(world, tp) if tp > 1 else None
     config = sweep(rank, world, args) if args.sweep else {}
     results = []
     for tokens in args.tokens:  # tokens per rank
@@ -109,14 +108,6 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         report(gathered, args)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _pcp_group(world: int, tp: int):
-    """The torch.distributed group of this rank's PCP subgroup (the all-gather route's group)."""
-    if tp == 1:
-        return None
-    groups = [[k * tp + t for k in range(world // tp)] for t in range(tp)]
-    return dist.new_subgroups_by_enumeration(groups)[0]
 
 
 def layout_name(world: int, tp: int) -> str:
@@ -300,8 +291,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 32768])
     parser.add_argument("--layers", type=int, default=LAYERS)
-    parser.add_argument("--world", type=int, default=2, help="GPUs (one process each)")
-    parser.add_argument("--tp", type=int, default=1, help="TP size; the PCP size is world / tp")
+    common.add_layout_args(parser)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument(
         "--no-sweep",
@@ -309,13 +299,7 @@ def main() -> None:
         action="store_false",
         help="skip the writer-configuration sweep; use the writer's defaults",
     )
-    args = parser.parse_args()
-    n = torch.cuda.device_count()
-    if args.world < 2 or args.tp < 1 or args.world % args.tp or args.world // args.tp < 2:
-        sys.exit(f"--world {args.world} --tp {args.tp}: need world >= 2 divisible by tp, with world / tp >= 2")
-    if n < args.world:
-        sys.exit(f"benchmarks/pcp_kv.py --world {args.world} needs {args.world} GPUs; this machine has {n}")
-    mp.spawn(worker, args=(args.world, args), nprocs=args.world, join=True)
+    common.spawn(worker, parser.parse_args(), "benchmarks/pcp_kv.py")
 
 
 if __name__ == "__main__":

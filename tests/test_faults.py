@@ -49,6 +49,16 @@ def _wait_for_segments(prefix: str, want, budget_s: float = 10.0) -> list[str]:
     return left
 
 
+def _fenced_payload(budget):
+    """A host buffer, the world view, a fence of ``budget`` s, this rank's index and the payload
+    (``[2, size]`` int64 per member, double-buffered by epoch parity) as tensors over every member."""
+    buf = ss.SymmetricBuffer(4096, backend="host")
+    view = buf.view(list(range(buf.world_size)))
+    fence = ss.Fence(view, timeout_s=budget)
+    peers = [view.tensor(0, (2, view.size), torch.int64, index=p) for p in range(view.size)]
+    return buf, view, fence, view.local_index, peers
+
+
 def _stamp_all(peers, me, e):
     # The payload oracle, written with torch through the mapped peer tensors:
     # slot [e % 2][me] of every member holds 1000 e + me.
@@ -64,11 +74,7 @@ def _wrong(mine, e):
 # ---------------------------------------------------------------------- a rank killed mid-run
 def killed_mid_run(victim, kill_at, n, budget):
     prefix = os.environ["SYMMSYNC_SHM_PREFIX"]
-    buf = ss.SymmetricBuffer(4096, backend="host")
-    view = buf.view(list(range(buf.world_size)))
-    fence = ss.Fence(view, timeout_s=budget)
-    me = view.local_index
-    peers = [view.tensor(0, (2, view.size), torch.int64, index=p) for p in range(view.size)]
+    buf, view, fence, me, peers = _fenced_payload(budget)
     wrong = 0
     for e in range(1, n + 1):
         if buf.rank == victim and e == kill_at:
@@ -174,11 +180,7 @@ def test_a_rank_killed_while_the_buffer_is_built(stage):
 # ---------------------------------------------------------------------- exit before close()
 def exits_before_close(leaver, at, how, budget):
     prefix = os.environ["SYMMSYNC_SHM_PREFIX"]
-    buf = ss.SymmetricBuffer(4096, backend="host")
-    view = buf.view(list(range(buf.world_size)))
-    fence = ss.Fence(view, timeout_s=budget)
-    me = view.local_index
-    peers = [view.tensor(0, (2, view.size), torch.int64, index=p) for p in range(view.size)]
+    buf, view, fence, me, peers = _fenced_payload(budget)
     for e in range(1, at + 1):
         _stamp_all(peers, me, e)
         fence.fence()
@@ -212,11 +214,7 @@ def test_a_rank_that_exits_before_close_leaves_nothing_and_hangs_nobody(how):
 
 # ---------------------------------------------------------------------- close() while the others fence
 def closes_while_others_fence(closer, at, budget):
-    buf = ss.SymmetricBuffer(4096, backend="host")
-    view = buf.view(list(range(buf.world_size)))
-    fence = ss.Fence(view, timeout_s=budget)
-    me = view.local_index
-    peers = [view.tensor(0, (2, view.size), torch.int64, index=p) for p in range(view.size)]
+    buf, view, fence, me, peers = _fenced_payload(budget)
     for e in range(1, at + 1):
         _stamp_all(peers, me, e)
         fence.fence()
@@ -310,11 +308,7 @@ def soak(n, seed, wait=True):
     """``n`` real fences with the payload oracle, written with torch through the mapped peer
     tensors (the interpreted stamp kernel would double the run time); seeded random delays
     before the payload writes and between them and the fence. ``wait=False``: arrive only."""
-    buf = ss.SymmetricBuffer(4096, backend="host")
-    view = buf.view(list(range(buf.world_size)))
-    fence = ss.Fence(view, timeout_s=60)
-    me = view.local_index
-    peers = [view.tensor(0, (2, view.size), torch.int64, index=p) for p in range(view.size)]
+    buf, view, fence, me, peers = _fenced_payload(60)
     rng = random.Random(seed * 1009 + buf.rank)
     wrong = delays = 0
     t0 = time.monotonic()

@@ -19,7 +19,7 @@ quantization itself is checked against torch in the tests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -183,6 +183,7 @@ class Batch:
     slots: torch.Tensor  #: int64 [rows] local slot mapping (-1: padding)
     rows: int
     gathered_slots: torch.Tensor | None = None  #: allgather route: every rank's slots, rank-major
+    writer: Any = field(default=None, repr=False, compare=False)  #: the writer whose prepare() made it
 
 
 class DirectKVWriter:
@@ -335,8 +336,7 @@ class DirectKVWriter:
             )
         if self.debug:
             self._check_duplicates(every)
-        batch = Batch(slots=slots, rows=rows)
-        batch._writer = self  # write() takes only batches this writer validated
+        batch = Batch(slots=slots, rows=rows, writer=self)  # write() takes only batches this writer validated
         if self.route == "allgather":
             batch.gathered_slots = self._all_gather(slots)
         return batch
@@ -387,7 +387,7 @@ class DirectKVWriter:
             raise InputError(
                 f"rank {rank}: layer {layer!r} is out of range for a cache of {self.layout.num_layers} layers"
             )
-        if not isinstance(batch, Batch) or getattr(batch, "_writer", None) is not self:
+        if not isinstance(batch, Batch) or batch.writer is not self:
             raise InputError(
                 f"rank {rank}: pass the Batch returned by this writer's prepare() (its slots were checked "
                 "against this writer's layout)"
