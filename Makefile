@@ -10,8 +10,14 @@ PIP := $(PY) -m pip
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
+# The cuda extra (cuda-python) where there is a GPU; a CPU machine needs none of it.
+comma := ,
+CUDA_EXTRA := $(if $(HAS_GPU),$(comma)cuda)
+# Where wheel-check builds the wheel and the fresh environment it installs it into.
+WHEEL_DIR ?= build/wheel
+WHEEL_VENV ?= build/wheel-venv
 
-.PHONY: demo test test-gpu bench-fence bench-pcp doctor lint clean
+.PHONY: demo test test-gpu bench-fence bench-pcp doctor lint clean wheel-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,19 +28,19 @@ $(VENV)/.torch: | $(PY)
 	touch $@
 
 $(VENV)/.base: pyproject.toml $(VENV)/.torch
-	$(PIP) install --quiet -e ".[demo]"
+	$(PIP) install --quiet -e ".[demo$(CUDA_EXTRA)]"
 	touch $@
 
 $(VENV)/.test: pyproject.toml $(VENV)/.base
-	$(PIP) install --quiet -e ".[test,demo]"
+	$(PIP) install --quiet -e ".[test,demo$(CUDA_EXTRA)]"
 	touch $@
 
 $(VENV)/.bench: pyproject.toml $(VENV)/.base
-	$(PIP) install --quiet -e ".[bench,demo]"
+	$(PIP) install --quiet -e ".[bench,demo$(CUDA_EXTRA)]"
 	touch $@
 
 $(VENV)/.docs: pyproject.toml $(VENV)/.base
-	$(PIP) install --quiet -e ".[docs,demo]"
+	$(PIP) install --quiet -e ".[docs,demo$(CUDA_EXTRA)]"
 	touch $@
 
 ## demo: the main demo (PCP direct-KV publication, host backend unless GPUs are present)
@@ -73,6 +79,26 @@ install-spin:
 .PHONY: docs
 docs: $(VENV)/.docs
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+## wheel-check: build the wheel, install it into a fresh environment after CPU torch, use it outside the tree
+# The wheel must bring no CUDA package along on a CPU machine, import from the installed copy,
+# and run a 2-rank torchrun job (host backend, Triton's interpreter turned on by import).
+wheel-check: | $(PY)
+	rm -rf $(WHEEL_DIR) $(WHEEL_VENV)
+	$(PIP) wheel --quiet --no-deps --wheel-dir $(WHEEL_DIR) .
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install --quiet "$(TORCH_CPU)"
+	$(WHEEL_VENV)/bin/python -m pip install --quiet $(WHEEL_DIR)/symmsync-*.whl
+	@if $(WHEEL_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(nvidia|cuda)'; then \
+	  echo "wheel-check: installing the wheel after CPU torch pulled the CUDA packages above" >&2; exit 1; fi
+	cp examples/torchrun_job.py $(WHEEL_VENV)/job.py
+	cd $(WHEEL_VENV) && env -u TRITON_INTERPRET -u PYTHONPATH bin/python -c \
+	  "import symmsync, symmsync.language, symmsync.pcp, sys; \
+	   assert 'site-packages' in symmsync.__file__, symmsync.__file__; \
+	   print('wheel-check: symmsync', symmsync.__version__, 'imports from', symmsync.__file__)"
+	cd $(WHEEL_VENV) && env -u TRITON_INTERPRET -u PYTHONPATH timeout 300 bin/python -m torch.distributed.run \
+	  --nproc-per-node 2 --master-addr 127.0.0.1 --master-port $$(bin/python -c \
+	  "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])") job.py
 
 bench-fence: $(VENV)/.bench
 	$(PY) benchmarks/fence.py

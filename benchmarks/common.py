@@ -52,6 +52,23 @@ def eager_us(fn: Callable[[], None], iters: int, reps: int, warmup: int = 50) ->
     return statistics.median(times)
 
 
+def host_us(fn: Callable[[], None], reps: int, warmup: int = 3) -> float:
+    """Median over ``reps`` of the host (CPU) time of one call, without waiting for the GPU.
+
+    Measures what an eager caller spends issuing the work; the GPU runs behind it
+    (the launch queue is far deeper than one call's launches)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync_all()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def graph_us(fn: Callable[[], None], iters: int, reps: int) -> float:
     """Median over ``reps`` of the time per call of a CUDA graph holding ``iters`` calls."""
     s = torch.cuda.Stream()

@@ -2,6 +2,7 @@
 
     python examples/01_buffer.py                  # host backend: 2 processes, no GPU needed
     python examples/01_buffer.py --backend cuda   # one GPU per rank (needs 2 GPUs)
+    torchrun --nproc-per-node 2 examples/01_buffer.py [--backend cuda]   # torchrun's processes are the ranks
 
 Every rank stores the value 10 * writer + owner into its own row of every rank's
 memory, fences, then reads its own memory and its right neighbour's.
@@ -9,11 +10,12 @@ memory, fences, then reads its own memory and its right neighbour's.
 
 # --8<-- [start:example]
 import argparse
+import os
 
 import torch
 
 import symmsync as ss
-from symmsync.testing import run
+from symmsync.testing import is_main_process, run
 
 
 def exchange(backend: str) -> list[str]:  # runs on every rank, with torch.distributed initialized
@@ -36,6 +38,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="symmsync tutorial 1: a buffer and a peer")
     parser.add_argument("--backend", choices=("host", "cuda"), default="host")
     args = parser.parse_args()
-    for lines in run(exchange, 2, args.backend, backend=args.backend):  # 2 ranks: 2 processes
-        print("\n".join(lines))
+    world = int(os.environ.get("WORLD_SIZE", 2))  # torchrun's ranks, else 2 processes that run() starts
+    results = run(exchange, world, args.backend, backend=args.backend)  # every rank's lines
+    if is_main_process():  # under torchrun every rank gets the results: print them once
+        for lines in results:
+            print("\n".join(lines))
 # --8<-- [end:example]

@@ -2,17 +2,19 @@
 
     python examples/02_fences.py                  # host backend: 2 processes, no GPU needed
     python examples/02_fences.py --backend cuda   # adds the CUDA-graph part (needs 2 GPUs)
+    torchrun --nproc-per-node 2 examples/02_fences.py [--backend cuda]   # torchrun's processes are the ranks
 
 Each step, every rank stores a step-stamped value into its own row of every rank's
 memory, fences, copies what arrived, and fences again before the rows are reused.
 """
 
 import argparse
+import os
 
 import torch
 
 import symmsync as ss
-from symmsync.testing import run
+from symmsync.testing import is_main_process, run
 
 N = 8  # int64 values per row
 
@@ -86,8 +88,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="symmsync tutorial 2: fences")
     parser.add_argument("--backend", choices=("host", "cuda"), default="host")
     args = parser.parse_args()
-    for lines in run(fences, 2, 3, 100, args.backend, backend=args.backend):
-        print("\n".join(lines))
-    if args.backend != "cuda":
-        print("CUDA graph part not run: it needs GPUs (python examples/02_fences.py --backend cuda)")
+    world = int(os.environ.get("WORLD_SIZE", 2))  # torchrun's ranks, else 2 processes that run() starts
+    results = run(fences, world, 3, 100, args.backend, backend=args.backend)
+    if is_main_process():  # print once, also under torchrun
+        for lines in results:
+            print("\n".join(lines))
+        if args.backend != "cuda":
+            print("CUDA graph part not run: it needs GPUs (python examples/02_fences.py --backend cuda)")
 # --8<-- [end:main]

@@ -2,6 +2,7 @@
 
     python examples/03_kernel.py                  # host backend: kernels run in Triton's interpreter
     python examples/03_kernel.py --backend cuda   # compiled for the GPUs (needs 2 GPUs)
+    torchrun --nproc-per-node 2 examples/03_kernel.py [--backend cuda]   # torchrun's processes are the ranks
 
 Every round, every rank's kernel writes a block of epoch-stamped values into every
 member's memory, publishes, and waits for every member; the host then checks what
@@ -10,6 +11,7 @@ arrived and fences once more before the blocks are reused.
 
 # --8<-- [start:imports]
 import argparse
+import os
 
 import torch
 import triton
@@ -17,7 +19,7 @@ import triton.language as tl
 
 import symmsync as ss
 import symmsync.language as ssl
-from symmsync.testing import run
+from symmsync.testing import is_main_process, run
 
 N = 64  # int64 values each rank sends to each member
 # --8<-- [end:imports]
@@ -64,7 +66,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="symmsync tutorial 3: a Triton kernel")
     parser.add_argument("--backend", choices=("host", "cuda"), default="host")
     args = parser.parse_args()
-    epochs = run(consumer, 2, 5, args.backend, backend=args.backend)
-    assert epochs == [10, 10], epochs  # 5 rounds, two fences each
-    print(f"5 rounds on 2 ranks: every block arrived; epochs {epochs}")
+    world = int(os.environ.get("WORLD_SIZE", 2))  # torchrun's ranks, else 2 processes that run() starts
+    epochs = run(consumer, world, 5, args.backend, backend=args.backend)
+    assert epochs == [10] * world, epochs  # 5 rounds, two fences each
+    if is_main_process():  # print once, also under torchrun
+        print(f"5 rounds on {world} ranks: every block arrived; epochs {epochs}")
 # --8<-- [end:main]

@@ -2,6 +2,8 @@
 
     python examples/04_pcp_writer.py                  # host backend: 2 processes, no GPU needed
     python examples/04_pcp_writer.py --backend cuda   # one GPU per rank (needs 2 GPUs)
+    python examples/04_pcp_writer.py --route allgather  # the baseline route: same bytes
+    torchrun --nproc-per-node 2 examples/04_pcp_writer.py  # torchrun's processes are the ranks
 
 Two ranks share one prompt (prefill context parallelism, PCP2). Each computes K/V
 for its own tokens only, and the writer stores their final cache bytes into both
@@ -10,13 +12,14 @@ checks it against the prompt.
 """
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
 
 import symmsync as ss
 from symmsync import pcp
-from symmsync.testing import run
+from symmsync.testing import is_main_process, run
 
 TOKENS, LAYERS = 100, 2
 
@@ -30,12 +33,13 @@ def prompt(layers: int, tokens: int, num_slots: int) -> tuple[torch.Tensor, ...]
 
 
 # --8<-- [start:runtime]
-def prefill(tp: int, backend: str) -> str:
-    # Once, at start-up: the layout, the buffer, the rank's PCP view, the writer.
+def prefill(tp: int, backend: str, route: str = "direct") -> str:
+    # Once, at start-up: the layout (default formats: power-of-two scales), the buffer,
+    # the rank's PCP view, the writer.
     layout = pcp.CacheLayout(num_blocks=TOKENS // 64 + 1, num_layers=LAYERS)
     buf = ss.SymmetricBuffer(layout.end, backend=backend)  # every rank's replica of every layer
     view = ss.pcp_view(buf, tp=tp)  # rank = pcp_rank * tp + tp_rank
-    writer = pcp.DirectKVWriter(view, layout, route="direct")  # + one fence per layer
+    writer = pcp.DirectKVWriter(view, layout, route=route)  # and its fence, on channel 0
     for layer in range(LAYERS):  # device memory is not zeroed: clear my replica, fence once
         layout.layer_backing(buf, layer).zero_()
     ss.Fence(view, channel=1).fence()  # channel 1: the writer's fence uses channel 0
@@ -49,11 +53,13 @@ def prefill(tp: int, backend: str) -> str:
     # Every layer: project K/V (here: take this rank's rows), write, then attention.
     for layer in range(LAYERS):
         rows = [split.local_rows(x[layer], me).to(buf.device) for x in (kv_c, k_pe, idx_k)]
-        writer.write(layer, *rows, batch)  # every replica now holds every rank's rows
+        writer.write(layer, *rows, batch)  # my replica now holds every rank's rows
         cache = layout.main_kv(buf, layer), layout.indexer_k(buf, layer)  # what attention reads
         check(layout, cache, kv_c[layer], k_pe[layer], idx_k[layer], slots)
-        for peer in view.ranks:  # and every replica holds the same bytes
-            assert torch.equal(layout.main_kv(buf, layer, peer).cpu(), cache[0].cpu())
+    writer.fence.fence()  # every member has written every layer (either route)
+    for layer in range(LAYERS):  # so every replica holds the same bytes
+        for peer in view.ranks:
+            assert torch.equal(layout.layer_backing(buf, layer, peer).cpu(), layout.layer_backing(buf, layer).cpu())
     writer.fence.fence()  # nobody closes while a member still reads its replica
     buf.close()
     return f"rank {dist.get_rank()}: {LAYERS} layers x {TOKENS} tokens of {view.size} ranks in every replica: OK"
@@ -89,6 +95,9 @@ def near(decoded: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="symmsync tutorial 4: the PCP direct-KV writer")
     parser.add_argument("--backend", choices=("host", "cuda"), default="host")
+    parser.add_argument("--route", choices=pcp.ROUTES, default="direct")
     args = parser.parse_args()
-    for line in run(prefill, 2, 1, args.backend, backend=args.backend):  # 2 ranks, TP1 x PCP2
-        print(line)
+    world = int(os.environ.get("WORLD_SIZE", 2))  # torchrun's ranks, else 2 processes that run() starts
+    lines = run(prefill, world, 1, args.backend, args.route, backend=args.backend)  # TP1 x PCP2
+    if is_main_process():  # print once, also under torchrun
+        print("\n".join(lines))

@@ -10,23 +10,33 @@ synchronization to use it safely.
 
 Kernels use the device primitives in :mod:`symmsync.language`; tests on machines
 without GPUs use :func:`symmsync.testing.run` and the host backend.
+
+On a machine where torch sees no CUDA device and ``TRITON_INTERPRET`` is not set,
+importing symmsync sets ``TRITON_INTERPRET=1`` (see
+:func:`symmsync.backends.enable_interpreter_without_gpu`), so a plain ``torchrun``
+job on CPUs runs symmsync's kernels in Triton's interpreter.
 """
 
-from .buffer import SymmetricBuffer
-from .errors import (
+from .backends import enable_interpreter_without_gpu as _enable_interpreter
+
+_enable_interpreter()  # before any symmsync kernel is defined (buffer -> group -> fence -> language)
+
+from .buffer import SymmetricBuffer  # noqa: E402
+from .errors import (  # noqa: E402
     BackendError,
     BoundsError,
     ClosedError,
     ConfigError,
     FenceTimeout,
     InputError,
+    PeerAborted,
     RankFailure,
     SizeMismatchError,
     SymmSyncError,
     ViewError,
 )
-from .fence import Fence
-from .group import TP_PCP_ORDER, PeerView, pcp_view, tp_pcp_ranks, tp_view
+from .fence import Fence  # noqa: E402
+from .group import TP_PCP_ORDER, PeerView, pcp_view, tp_pcp_ranks, tp_view  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -38,6 +48,7 @@ __all__ = [
     "Fence",
     "FenceTimeout",
     "InputError",
+    "PeerAborted",
     "PeerView",
     "RankFailure",
     "SizeMismatchError",

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import backends
-from .errors import BackendError, BoundsError, ClosedError, ConfigError, SizeMismatchError
+from .errors import CLOSED_REASON, BackendError, BoundsError, ClosedError, ConfigError, SizeMismatchError
 
 ALIGN = 16  #: every tensor view starts on a multiple of this many bytes
 _LINE = 128  #: signal cells are padded to cache lines so peers' writes never share one
@@ -169,6 +169,9 @@ class SymmetricBuffer:
         self._own: backends.Memory | None = None
         self._peers: list[backends.Memory | None] = [None] * self._world
         self._view_count = 0
+        # Every live PeerView created on it: close() aborts them. Weak, so that a buffer
+        # and its views form no reference cycle (which kept process groups alive at exit).
+        self._views: weakref.WeakSet = weakref.WeakSet()
 
     def _finish(self) -> None:
         self._ptrs = torch.tensor([m.ptr for m in self._peers], dtype=torch.int64, device=self._device)
@@ -312,6 +315,7 @@ class SymmetricBuffer:
         try:
             handles = _gather(self._group, (handle, problem), self._world)
             self._fail_if_any("allocate", [p for _, p in handles])
+            self._backend.exchanged(self._own, [h for h, _ in handles])  # who may map this rank's memory
 
             problem = None
             try:
@@ -472,13 +476,19 @@ class SymmetricBuffer:
 
     # ---------------------------------------------------------------- lifetime
     def close(self) -> None:
-        """Unmap peers and free this rank's memory. Idempotent; needs no other rank.
+        """Release this rank's memory and its peer mappings. Idempotent; needs no other rank.
 
-        Tensors obtained from :meth:`tensor` before closing keep their memory alive
-        (host backend) or must not be used afterwards (CUDA backend).
+        A tensor obtained from :meth:`tensor` (or :meth:`local_memory`) before closing
+        stays valid on both backends: it keeps the mapping it views alive, and that
+        mapping (this rank's memory, or a peer's as mapped here) is unmapped when the
+        last tensor over it is gone; with none left, at once. A peer's memory kept
+        this way shows what that peer last wrote, also after the peer closed. The
+        buffer itself raises :class:`~symmsync.ClosedError` once closed.
         """
         if self._closed:
             return
+        for view in list(self._views):  # peers still fencing with this rank fail at once, told "closed"
+            view._abort_quietly(CLOSED_REASON)
         self._closed = True
         self._finalizer.detach()
         SymmetricBuffer._release_all(self._backend, self._own, self._peers)

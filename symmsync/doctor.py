@@ -33,13 +33,21 @@ def _host_backend() -> tuple[bool, str]:
     return True, "POSIX shared memory + Triton interpreter (TRITON_INTERPRET=1)"
 
 
+def _interpreter_note() -> str:
+    from . import backends
+
+    if backends.INTERPRETER_AUTO:
+        return " (set by import symmsync: torch sees no CUDA device)"
+    return ""
+
+
 def _cuda_section(lines: list[str]) -> tuple[bool, str]:
     import torch
 
     try:
         from cuda.bindings import driver as drv
     except ImportError as e:
-        return False, f"cuda-python is not importable: {e}"
+        return False, f"cuda-python is not importable ({e}): pip install 'symmsync[cuda]'"
     try:
         res = drv.cuInit(0)
     except Exception as e:  # noqa: BLE001 - no driver library at all
@@ -104,7 +112,7 @@ def report() -> tuple[str, bool]:
         f"triton           {_version('triton')}",
         f"cuda-python      {_version('cuda-python')} (cuda-bindings {_version('cuda-bindings')})",
         f"numpy            {_version('numpy')}",
-        f"TRITON_INTERPRET {os.environ.get('TRITON_INTERPRET', '(unset)')}",
+        f"TRITON_INTERPRET {os.environ.get('TRITON_INTERPRET', '(unset)')}{_interpreter_note()}",
     ]
     host_ok, host_why = _host_backend()
     cuda_ok, cuda_why = _cuda_section(lines)

@@ -45,32 +45,69 @@ class BackendError(SymmSyncError):
 
 
 class FenceTimeout(SymmSyncError, TimeoutError):
-    """A fence's wait ran out of its time budget; nothing after it ran on stale data.
+    """A fence's wait failed: its time budget ran out, or a member gave up (see
+    :class:`PeerAborted`); nothing after it ran on stale data.
 
     Attributes:
-        rank: global rank that timed out.
+        rank: global rank whose wait failed.
         epoch: the epoch it was waiting for.
         late: ``{peer global rank: epoch that peer's slot held}`` for every peer that
-            had not arrived.
+            had not arrived and had not aborted: it never reached the fence (crashed,
+            hung, or took another path).
         channel: the fence channel.
+        aborted: ``{peer global rank: reason}`` for every peer that had not arrived and
+            had aborted instead (empty for a plain timeout). The reason ``"closed"``
+            means the peer closed its buffer.
     """
 
-    def __init__(self, message: str, *, rank: int, epoch: int, late: dict[int, int], channel: int):
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        epoch: int,
+        late: dict[int, int],
+        channel: int,
+        aborted: dict[int, str] | None = None,
+    ):
         super().__init__(message)
         self.rank = rank
         self.epoch = epoch
         self.late = dict(late)
         self.channel = channel
+        self.aborted = dict(aborted or {})
+
+    @property
+    def closed(self) -> list[int]:
+        """The peers among :attr:`aborted` that closed their buffer, in rank order."""
+        return sorted(r for r, why in self.aborted.items() if why == CLOSED_REASON)
 
     def __reduce__(self):
         return (
             _rebuild_fence_timeout,
-            (str(self), self.rank, self.epoch, self.late, self.channel),
+            (type(self), str(self), self.rank, self.epoch, self.late, self.channel, self.aborted),
         )
 
 
-def _rebuild_fence_timeout(message, rank, epoch, late, channel):
-    return FenceTimeout(message, rank=rank, epoch=epoch, late=late, channel=channel)
+class PeerAborted(FenceTimeout):
+    """A member of the view gave up before publishing the epoch this rank waited for.
+
+    Raised at once (within a poll of the wait, not after the time budget) when a peer
+    called :meth:`~symmsync.Fence.abort` or :meth:`~symmsync.PeerView.abort`, failed in a
+    symmsync operation, or closed its buffer. A subclass of :class:`FenceTimeout`, so
+    ``except FenceTimeout`` catches it too. :attr:`aborted` maps each such peer's global
+    rank to its reason (``"closed"`` for a peer that closed its buffer); a rank that
+    aborted a view itself raises it naming its own rank (with ``epoch`` -1) when it
+    fences on that view again.
+    """
+
+
+#: The reason a peer's abort carries when it came from ``SymmetricBuffer.close()``.
+CLOSED_REASON = "closed"
+
+
+def _rebuild_fence_timeout(cls, message, rank, epoch, late, channel, aborted=None):
+    return cls(message, rank=rank, epoch=epoch, late=late, channel=channel, aborted=aborted)
 
 
 class InputError(ConfigError):

@@ -17,6 +17,12 @@ the kernel writes the same record to pinned host memory and traps, so the stream
 never runs on stale data; :meth:`Fence.synchronize` (and :attr:`Fence.epoch`) turn
 the resulting CUDA error into the same :class:`~symmsync.FenceTimeout`.
 
+Failures reach every member at once: a rank that gives up (:meth:`Fence.abort`,
+:meth:`~symmsync.PeerView.abort`, a fence after its own fence error, ``close()``)
+sets an abort flag in its slot at every member (:func:`symmsync.language.mark_abort`),
+and a member waiting for an epoch that rank never published returns within a poll
+with :class:`~symmsync.PeerAborted`, naming the rank and its reason.
+
 Under torch.compile each operation is a compiler boundary: the graph ends before it
 and a new one starts after it, so every write before it is in memory when it runs
 and every read after it happens after it, whatever the compiler backend.
@@ -33,7 +39,7 @@ import triton
 import triton.language as tl
 
 from . import language as ssl
-from .errors import ClosedError, ConfigError, FenceTimeout
+from .errors import CLOSED_REASON, ClosedError, ConfigError, FenceTimeout, PeerAborted
 from .launch import Launcher
 
 #: Default wait budget in seconds, per backend. The host budget allows for the
@@ -57,6 +63,72 @@ def _fence_kernel(
         e = tl.load(ssl.epoch_ptr(ptrs, cell, me))
     if WAIT:
         ssl.fence_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
+
+
+@triton.jit
+def _abort_kernel(ptrs, cell, me, reason, SIZE: tl.constexpr):
+    ssl.mark_abort(ptrs, cell, me, reason, SIZE)
+
+
+def encode_reason(code: int, text: str) -> list[int]:
+    """The :data:`~symmsync.language.REASON_WORDS` int64 words of an abort reason.
+
+    ``text`` is cut to :data:`~symmsync.language.REASON_TEXT_BYTES` bytes of UTF-8, at a
+    character boundary.
+    """
+    raw = text.encode("utf-8", "replace")[: ssl.REASON_TEXT_BYTES]
+    raw = raw.decode("utf-8", "ignore").encode("utf-8")
+    padded = raw.ljust(ssl.REASON_TEXT_BYTES, b"\0")
+    words = [int.from_bytes(padded[i : i + 8], "little", signed=True) for i in range(0, len(padded), 8)]
+    return [code, len(raw), *words]
+
+
+def decode_reason(words: list[int]) -> str:
+    """The reason text of :func:`encode_reason`'s words (``"closed"`` for a closed buffer)."""
+    code, n = words[0], words[1]
+    if code == ssl.REASON_CLOSED:
+        return CLOSED_REASON
+    if code != ssl.REASON_ERROR or not 0 <= n <= ssl.REASON_TEXT_BYTES:
+        return f"(no reason recorded: code {code})"
+    raw = b"".join(w.to_bytes(8, "little", signed=True) for w in words[2 : ssl.REASON_WORDS])
+    return raw[:n].decode("utf-8", "replace") or "(no reason given)"
+
+
+def mark_abort(view: Any, code: int, text: str) -> None:
+    """Set this rank's abort flag in every channel's cell of ``view`` at every member.
+
+    Runs :func:`symmsync.language.mark_abort` once per channel. On GPUs it runs on a
+    stream of its own (the current stream may hold a fence that waits) and returns once
+    the flags are sent. Used by :meth:`symmsync.PeerView.abort`.
+    """
+    buf = view.buffer
+    cells = [view.signal_offset(c) for c in range(buf.signals.channels)]
+    args = (view.ptrs, view.local_index)
+    if buf.backend != "cuda":
+        reason = torch.tensor(encode_reason(code, text), dtype=torch.int64)
+        for cell in cells:
+            _abort_kernel[(1,)](args[0], cell, args[1], reason, SIZE=view.size, num_warps=1)
+        return
+    with torch.cuda.device(buf.device):
+        side = torch.cuda.Stream(buf.device)
+        with torch.cuda.stream(side):
+            reason = torch.tensor(encode_reason(code, text), dtype=torch.int64, device=buf.device)
+            for cell in cells:
+                _abort_kernel[(1,)](args[0], cell, args[1], reason, SIZE=view.size, num_warps=1)
+        side.synchronize()
+
+
+def _warm_abort(view: Any) -> None:
+    # Compile the marking kernel ahead (GPU), so an abort costs a launch, not a compile.
+    try:
+        with torch.cuda.device(view.buffer.device):
+            reason = torch.zeros(ssl.REASON_WORDS, dtype=torch.int64, device=view.buffer.device)
+            for c in range(view.buffer.signals.channels):
+                _abort_kernel.warmup(
+                    view.ptrs, view.signal_offset(c), view.local_index, reason, SIZE=view.size, num_warps=1, grid=(1,)
+                )
+    except Exception:  # noqa: BLE001 - an optimization only: the abort compiles when it runs
+        pass
 
 
 class Fence:
@@ -91,14 +163,18 @@ class Fence:
         self.cell = view.signal_offset(channel)
         #: Wait budget in ns (kernel argument).
         self.timeout_ns = int(self.timeout_s * 1e9)
-        n = ssl.RECORD_SLOTS + view.size
+        n = ssl.record_words(view.size)
         pin = self.backend == "cuda"
         self._record = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
         #: Address of the timeout record (kernel argument; pinned host memory on GPUs).
         self.record = self._record.data_ptr()
         local = buf.local_memory()
         self._epoch_word = local[self.cell : self.cell + 8].view(torch.int64)
-        self._failed: FenceTimeout | None = None
+        self._failed: FenceTimeout | None = view._abort_error(channel)
+        view._fences.add(self)
+        if self.backend == "cuda" and not view._warm:
+            view._warm = True
+            _warm_abort(view)
         self._side: torch.cuda.Stream | None = None
         self._buffer = buf
         self._host = self.backend == "host"
@@ -143,28 +219,65 @@ class Fence:
             yield
             self.wait()
             return
-        main = torch.cuda.current_stream(self.view.buffer.device)
+        dev = self._buffer.device
+        main = torch.cuda.current_stream(dev)
         if self._side is None:
-            self._side = torch.cuda.Stream(self.view.buffer.device)
-        self._side.wait_stream(main)
-        with torch.cuda.stream(self._side):
-            self.fence()
+            # Made once and reused: the fork and join cost two event records and two
+            # stream waits per call (a fresh Event per wait_stream and a stream context
+            # switch cost about 40 us of host time per eager call).
+            self._side = torch.cuda.Stream(dev)
+            self._side_raw = self._side.cuda_stream
+            self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
+        self._fork.record(main)
+        self._side.wait_event(self._fork)
+        bound = self._launch[_FENCE]
+        if bound.packed and not torch.compiler.is_compiling():
+            self._launch_now(_FENCE, self._side_raw)
+        else:  # the first launch compiles through Triton, which launches on the current stream
+            with torch.cuda.stream(self._side):
+                self.fence()
         yield
-        main.wait_stream(self._side)
+        self._join.record(self._side)
+        main.wait_event(self._join)
 
-    def _launch_now(self, kind: int) -> None:
+    def _launch_now(self, kind: int, stream: int | None = None) -> None:
         # The eager hot path: a few attribute reads and one cuLaunchKernel (benchmarks/fence.py).
         if self._failed is not None or self._buffer._closed:
-            self._check_usable()
-        self._launch[kind]()
+            self._check_usable(operation=True)
+        self._launch[kind](stream)
         if self._host:
             self.check()
 
-    def _check_usable(self) -> None:
+    def _check_usable(self, operation: bool = False) -> None:
         if self.view.buffer.closed:
             raise ClosedError(f"rank {self.view.rank}: Fence(channel={self.channel}) used after its buffer was closed")
         if self._failed is not None:
-            raise self._failed
+            err = self._failed
+            if operation and self.view.aborted is None:
+                # A fence after this rank's own fence error: tell the members first, then raise.
+                self.view._abort_quietly(f"rank {self.view.rank}: {type(err).__name__} on channel {self.channel}")
+            raise err
+
+    def check_usable(self) -> None:
+        """Raise if this fence cannot take part in another operation; cheap when it can.
+
+        Raises :class:`~symmsync.ClosedError` after its buffer was closed, and this rank's
+        earlier fence error after one (telling the view's members first, as an operation
+        would: see :meth:`abort`). For kernels that fence inside themselves (a fused
+        writer's tail) and so do not pass through :meth:`fence`.
+        """
+        if self._failed is not None or self._buffer._closed:
+            self._check_usable(operation=True)
+
+    def abort(self, reason: str) -> None:
+        """Give up on this fence's view: every member's wait returns at once with
+        :class:`~symmsync.PeerAborted` naming this rank and ``reason``.
+
+        The same as ``self.view.abort(reason)`` (every channel of the view is marked);
+        afterwards every fence of this rank on the view raises at once. Idempotent. Call it
+        when this rank raises inside an operation its peers take part in, before raising.
+        """
+        self.view.abort(reason)
 
     # ------------------------------------------------------------------ state
     @property
@@ -203,21 +316,51 @@ class Fence:
         self.check()
 
     def timeout_error(self) -> FenceTimeout | None:
-        """The :class:`~symmsync.FenceTimeout` described by this fence's record, if any."""
+        """The :class:`~symmsync.FenceTimeout` (or :class:`~symmsync.PeerAborted`) that this
+        fence's record describes, if a wait failed."""
         rec = self._record.tolist()
-        if rec[ssl.RECORD_FLAG] != ssl.TIMED_OUT.value:
+        if rec[ssl.RECORD_FLAG] not in (ssl.TIMED_OUT.value, ssl.ABORTED.value):
             return None
         epoch = rec[ssl.RECORD_EPOCH]
         size = rec[ssl.RECORD_SIZE]
         me = rec[ssl.RECORD_INDEX]
         slots = rec[ssl.RECORD_SLOTS : ssl.RECORD_SLOTS + size]
+        first = rec[ssl.RECORD_SLOTS + size]
+        words = rec[ssl.RECORD_SLOTS + size + 1 : ssl.RECORD_SLOTS + size + 1 + ssl.REASON_WORDS]
         ranks = self.view.ranks
-        late = {ranks[i]: slots[i] for i in range(size) if i != me and slots[i] < epoch}
-        who = ", ".join(f"rank {r} (its slot holds epoch {v})" for r, v in late.items())
+        mask = ssl.COUNT_MASK.value
+        late: dict[int, int] = {}
+        aborted: dict[int, str] = {}
+        counts: dict[int, int] = {}
+        for i in range(size):
+            count = slots[i] & mask
+            if i == me or count >= epoch:
+                continue  # arrived: its data is valid even if it aborted afterwards
+            counts[ranks[i]] = count
+            if slots[i] < 0:
+                aborted[ranks[i]] = decode_reason(words) if i == first else "(aborted too; its reason was not recorded)"
+            else:
+                late[ranks[i]] = count
+        where = f"rank {ranks[me]}: fence on view {list(ranks)} channel {self.channel}"
+        parts = []
+        for r, why in aborted.items():
+            if why == CLOSED_REASON:
+                parts.append(f"rank {r} closed its buffer (its slot holds epoch {counts[r]})")
+            else:
+                parts.append(f"rank {r} aborted (its slot holds epoch {counts[r]}): {why}")
+        if late:
+            who = ", ".join(f"rank {r} (its slot holds epoch {v})" for r, v in late.items())
+            parts.append(f"not arrived, neither closed nor aborted: {who}")
+        if aborted:
+            msg = (
+                f"{where} gave up waiting for epoch {epoch}: " + "; ".join(parts) + ". Those ranks stopped before "
+                "this fence (see their logs for the cause); nothing after it ran."
+            )
+            return PeerAborted(msg, rank=ranks[me], epoch=epoch, late=late, channel=self.channel, aborted=aborted)
         msg = (
-            f"rank {ranks[me]}: fence on view {list(ranks)} channel {self.channel} timed out after "
-            f"{self.timeout_s:g} s waiting for epoch {epoch}; not arrived: {who}. Those ranks never "
-            "reached this fence (crashed, hung, or took another path); nothing after it ran."
+            f"{where} timed out after {self.timeout_s:g} s waiting for epoch {epoch}; "
+            + ("; ".join(parts) or "no member was missing when the record was written")
+            + ". Those ranks never reached this fence (crashed, hung, or took another path); nothing after it ran."
         )
         return FenceTimeout(msg, rank=ranks[me], epoch=epoch, late=late, channel=self.channel)
 

@@ -13,12 +13,13 @@ asked for the same view, in the same order, before anything uses it.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .errors import ConfigError, ViewError
+from .errors import CLOSED_REASON, ConfigError, PeerAborted, ViewError
 
 #: The order of ranks in a TP×PCP layout: ``rank = pcp_rank * tp + tp_rank``.
 TP_PCP_ORDER = "rank = pcp_rank * tp + tp_rank"
@@ -33,6 +34,7 @@ class PeerView:
         size: number of members.
         local_index: this rank's index in :attr:`ranks`.
         region: index of the view's signal region in every member's allocation.
+        aborted: the reason this rank aborted the view with, or ``None``.
     """
 
     def __init__(self, buffer: Any, ranks: tuple[int, ...], region: int):
@@ -42,6 +44,10 @@ class PeerView:
         self.local_index = ranks.index(buffer.rank)
         self.region = region
         self._ptrs = buffer.ptrs[list(ranks)].contiguous()
+        self.aborted: str | None = None
+        self._fences: weakref.WeakSet = weakref.WeakSet()  # this rank's fences on the view
+        self._warm = False  # the abort kernel is compiled (GPU)
+        buffer._views.add(self)  # close() aborts every view of the buffer
 
     @classmethod
     def _create(cls, buffer: Any, ranks: Sequence[int], problem: str | None = None) -> PeerView:
@@ -85,6 +91,64 @@ class PeerView:
                 f"rank {self.rank}: channel {channel!r} is out of range; the buffer has {n} channels per view "
                 "(pass channels= to SymmetricBuffer for more)"
             )
+
+    # ------------------------------------------------------------------ failure
+    def abort(self, reason: str) -> None:
+        """Give up on this view: tell every member at once, then fail this rank's fences.
+
+        Marks an abort flag in this rank's slot of every channel's cell at every member
+        (:func:`symmsync.language.mark_abort`), after writing ``reason`` (UTF-8, cut to
+        96 bytes) into this rank's own cell. A member waiting for an epoch this rank has not
+        published returns within a poll with :class:`~symmsync.PeerAborted` naming this rank
+        and ``reason``; a member that already saw this rank's publish of the epoch it waits
+        for completes normally. Afterwards every :class:`~symmsync.Fence` of this rank on
+        the view raises :class:`~symmsync.PeerAborted` (naming this rank) at once.
+        Idempotent: only the first reason is sent; after ``close()`` (which aborted the view
+        with the reason ``"closed"``) it does nothing.
+
+        Args:
+            reason: why, in a few words (shown in the peers' errors).
+        """
+        if not isinstance(reason, str):
+            raise ConfigError(f"rank {self.rank}: PeerView.abort(reason) takes a str, got {reason!r}")
+        if self.aborted is not None:
+            return  # also after close(), which aborted the view with "closed"
+        self.buffer._check_open("PeerView.abort")
+        from .fence import mark_abort
+        from .language import REASON_CLOSED, REASON_ERROR
+
+        self.aborted = reason
+        self._fail_fences()
+        mark_abort(self, REASON_CLOSED if reason == CLOSED_REASON else REASON_ERROR, reason)
+
+    def _abort_quietly(self, reason: str) -> None:
+        # From an error path or close(): the flags are a courtesy to the members, and a
+        # failure to send them (a CUDA context a trap made unusable) must not mask the
+        # error being raised; the members then fall back to their timeout.
+        try:
+            self.abort(reason)
+        except Exception:  # noqa: BLE001
+            self.aborted = self.aborted or reason
+            self._fail_fences()
+
+    def _fail_fences(self) -> None:
+        for f in list(self._fences):
+            if f._failed is None:
+                f._failed = self._abort_error(f.channel)
+
+    def _abort_error(self, channel: int) -> PeerAborted | None:
+        """The error this rank's fences on the view raise once it aborted the view."""
+        if self.aborted is None:
+            return None
+        return PeerAborted(
+            f"rank {self.rank}: fence on view {list(self.ranks)} channel {channel} used after this rank "
+            f"aborted the view ({self.aborted}); its fences fail closed",
+            rank=self.rank,
+            epoch=-1,
+            late={},
+            channel=channel,
+            aborted={self.rank: self.aborted},
+        )
 
     # ------------------------------------------------------------------ host access
     def tensor(

@@ -25,7 +25,12 @@ Memory model (the contract, on both backends)::
                                                                     [acquire, system scope]
     epochs:      int64, only grow; compared with >=, never ==, so a member one fence ahead
                  is harmless and nothing ever needs a reset. A slot counts the publishes of
-                 its member, so it always equals that member's epoch.
+                 its member (bits 0..62), so it always equals that member's epoch.
+    abort:       mark_abort() writes a reason into this rank's own cell line, then sets the
+                 sign bit (ABORT_FLAG) of its slot at every other member [release, system
+                 scope]. wait(e) compares the COUNT (slot & COUNT_MASK) with e: a member whose
+                 count reached e arrived (its data is valid, flag or not); a member whose count
+                 is below e and whose flag is set aborted: wait returns 2 at once.
 
 A fence orders visibility; it does not stop a fast peer from overwriting memory a
 slow rank still reads: double-buffer reused payload (by epoch parity) or fence twice.
@@ -34,8 +39,10 @@ The layout of a cell (the same byte offset ``cell`` in every member's memory)::
 
     cell + 0     int64 epoch      this rank's epoch counter for the channel (device-resident)
     cell + 8     int64 arrivals   programs of the current launch that reached grid_fence()
+    cell + 16    int64 reason[14] this rank's abort reason: code, text length, 96 bytes of
+                                  UTF-8 text (written once, before its abort flags)
     cell + 128   int64 slot[n]    slot j: how many times member j published to this rank
-                                  (its epoch)
+                                  (its epoch, bits 0..62) | ABORT_FLAG once member j aborted
 
 Backends. The same source runs compiled on NVIDIA GPUs and under Triton's
 interpreter on the host backend; the instructions that differ are picked when this
@@ -46,6 +53,7 @@ operation         GPU (compiled)                     host (interpreter)
 ================  =================================  ===============================
 publish           ``red.release.sys.global.add``     ``atomic_add`` release (a real
                   (no reply round trip)              lock-free atomic across processes)
+abort flag        ``red.release.sys.global.or``      ``atomic_or`` release
 wait load         ``ld.acquire.sys.global.b64``      ``atomic_add(0)`` acquire
 clock             ``%globaltimer`` (ns)              ``time.monotonic_ns()``
 trap              ``trap`` (stream stops)            none: the host reads the status
@@ -67,10 +75,36 @@ LANES = tl.constexpr(32)
 #: Byte offset of the slots inside a cell (the epoch line comes first).
 SLOTS = tl.constexpr(128)
 
-#: ``record`` layout written by :func:`write_timeout_record` (int64 words).
+#: Byte offset of a rank's abort reason inside its own cell line.
+REASON = tl.constexpr(16)
+#: int64 words of an abort reason: code, text length in bytes, then the UTF-8 text.
+REASON_WORDS = 14
+#: Bytes of reason text a cell holds (the words after the code and the length).
+REASON_TEXT_BYTES = 8 * (REASON_WORDS - 2)
+#: Reason codes (word 0 of a reason): the member closed its buffer; it failed (any other cause).
+REASON_CLOSED, REASON_ERROR = 1, 2
+
+#: The abort flag of a slot: its sign bit. A slot that carries it is negative, so a plain
+#: ``slot >= e`` never takes an abort for an arrival; the count is ``slot & COUNT_MASK``.
+ABORT_FLAG = tl.constexpr(-(2**63))
+#: The bits of a slot that count publishes.
+COUNT_MASK = tl.constexpr(2**63 - 1)
+
+#: ``record`` layout written by :func:`write_timeout_record` (int64 words):
+#: ``[flag, epoch, index, SIZE, slot[0..SIZE-1], aborter, reason[REASON_WORDS]]``.
 RECORD_FLAG, RECORD_EPOCH, RECORD_INDEX, RECORD_SIZE, RECORD_SLOTS = 0, 1, 2, 3, 4
 #: The flag value that marks a record as a timeout ("SYMMTIME").
 TIMED_OUT = tl.constexpr(0x5359_4D4D_5449_4D45)
+#: The flag value that marks a record as an abort seen ("SYMMABRT").
+ABORTED = tl.constexpr(0x5359_4D4D_4142_5254)
+#: Wait statuses: every member arrived; the budget ran out; a member aborted.
+ARRIVED, TIMED_OUT_STATUS, ABORTED_STATUS = 0, 1, 2
+
+
+def record_words(size: int) -> int:
+    """int64 words of the record of a view of ``size`` members."""
+    return RECORD_SLOTS + size + 1 + REASON_WORDS
+
 
 if INTERPRETED:
     # Under the interpreter these helpers are plain Python called from interpreted
@@ -84,6 +118,9 @@ if INTERPRETED:
     def _release_add(ptr, live):
         # Interpreter atomics on int64 are lock-free CPU atomics, honouring the order.
         tl.atomic_add(ptr, 1, mask=live, sem="release", scope="sys")
+
+    def _release_or(ptr, value, live):
+        tl.atomic_or(ptr, value, mask=live, sem="release", scope="sys")
 
     def _load_acquire(ptrs):
         return tl.atomic_add(ptrs, 0, sem="acquire", scope="sys")
@@ -114,6 +151,20 @@ else:
             "setp.ne.and.s32 p, $2, 0, q; @p red.release.sys.global.add.u64 [$1], 1; }\n\tmov.u32 $0, 0;",
             "=r,l,r",
             [ptr, tl.cast(live, tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    @triton.jit
+    def _release_or(ptr, value, live):
+        # The abort flag: the same once-per-call reduction as _release_add (thread 0 only),
+        # an OR so that marking twice changes nothing and the count bits stay intact.
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p, q; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 q, t, 0; "
+            "setp.ne.and.s32 p, $3, 0, q; @p red.release.sys.global.or.b64 [$1], $2; }\n\tmov.u32 $0, 0;",
+            "=r,l,l,r",
+            [ptr, tl.cast(value, tl.int64), tl.cast(live, tl.int32)],
             dtype=tl.int32,
             is_pure=False,
             pack=1,
@@ -216,7 +267,11 @@ def pending(ptrs, cell, me, epoch, SIZE: tl.constexpr):
 
     Pseudocode::
 
-        return count(p != me and load_acquire_sys(&mem[me].cell.slot[p]) < epoch)
+        return count(p != me and (load_acquire_sys(&mem[me].cell.slot[p]) & COUNT_MASK) < epoch)
+
+    A member that published ``epoch`` and aborted afterwards counts as arrived: its
+    data is valid. One that aborted before it counts as pending here; :func:`wait`
+    tells the two apart.
     """
     slots = (tl.load(ptrs + me) + cell + SLOTS).to(tl.pointer_type(tl.int64))
     n = 0
@@ -224,55 +279,126 @@ def pending(ptrs, cell, me, epoch, SIZE: tl.constexpr):
         idx = base + tl.arange(0, LANES)
         live = (idx < SIZE) & (idx != me)
         v = _load_acquire(slots + tl.where(idx < SIZE, idx, me))
-        n += tl.sum(((v < epoch) & live).to(tl.int32), axis=0)
+        n += tl.sum((((v & COUNT_MASK) < epoch) & live).to(tl.int32), axis=0)
     return n
 
 
 @triton.jit
+def _poll(ptrs, cell, me, epoch, SIZE: tl.constexpr):
+    # One poll that also reads the abort flags: (members still on their way, members that
+    # aborted before publishing ``epoch``). Only the slow path of wait() runs it.
+    slots = (tl.load(ptrs + me) + cell + SLOTS).to(tl.pointer_type(tl.int64))
+    left = 0
+    aborted = 0
+    for base in tl.static_range(0, SIZE, LANES):
+        idx = base + tl.arange(0, LANES)
+        live = (idx < SIZE) & (idx != me)
+        v = _load_acquire(slots + tl.where(idx < SIZE, idx, me))
+        behind = ((v & COUNT_MASK) < epoch) & live
+        left += tl.sum((behind & (v >= 0)).to(tl.int32), axis=0)
+        aborted += tl.sum((behind & (v < 0)).to(tl.int32), axis=0)
+    return left, aborted
+
+
+@triton.jit
 def wait(ptrs, cell, me, epoch, timeout_ns, SIZE: tl.constexpr):
-    """Wait until every other member's slot for this rank holds >= ``epoch``; bounded.
+    """Wait until every other member's slot for this rank counts >= ``epoch``; bounded.
 
     Pseudocode::
 
-        while pending(epoch) > 0:                 # acquire loads at system scope
-            if clock_ns() - start > timeout_ns:   # (start: the clock at the first failed poll)
+        if pending(epoch) == 0: return 0          # the fast path: one poll, no clock
+        start = clock_ns()
+        loop:                                     # acquire loads at system scope
+            for each member p != me: v = slot[p]
+                arrived(p) = (v & COUNT_MASK) >= epoch
+                aborted(p) = not arrived(p) and v has ABORT_FLAG
+            if any aborted: return 2              # a member gave up: stop at once
+            if all arrived: return 0
+            if clock_ns() - start > timeout_ns:
                 return 1                          # timed out: do NOT read peer data
-        return 0
 
     Contract: after a 0, reads see every write the members made before they published
-    ``epoch`` (see :func:`publish`). After a 1, nothing is guaranteed: write a record
-    (:func:`write_timeout_record`) and :func:`trap`, or report the status to the host.
-    Graph-safe. Cost: one acquire load per member per poll; the first poll usually
-    succeeds when the members are in step.
+    ``epoch`` (see :func:`publish`), even if a member aborted after publishing it. After a
+    1 or a 2, nothing is guaranteed: write a record (:func:`write_timeout_record`) and
+    :func:`trap`, or report the status to the host. Graph-safe. Cost: one acquire load
+    per member per poll and a mask; the first poll usually succeeds when the members are
+    in step, and it reads no flag, clock or reason.
     """
     left = pending(ptrs, cell, me, epoch, SIZE)
-    if left > 0:  # the clock is read only when the first poll did not succeed
+    aborted = left * 0
+    if left > 0:  # the clock and the flags are read only when the first poll did not succeed
         start = _clock_ns()
         elapsed = start - start
-        while (left > 0) & (elapsed <= timeout_ns):
-            left = pending(ptrs, cell, me, epoch, SIZE)
+        while (left > 0) & (aborted == 0) & (elapsed <= timeout_ns):
+            left, aborted = _poll(ptrs, cell, me, epoch, SIZE)
             elapsed = _clock_ns() - start
-    return (left > 0).to(tl.int32)
+    return tl.where(aborted > 0, 2, (left > 0).to(tl.int32)).to(tl.int32)
 
 
 @triton.jit
 def write_timeout_record(record, ptrs, cell, me, epoch, SIZE: tl.constexpr):
-    """Write what a timed-out wait saw to ``record`` (int64 words), then a system fence.
+    """Write what a failed wait saw to ``record`` (int64 words), then a system fence.
 
-    Layout: ``[TIMED_OUT, epoch, me, SIZE, slot[0], ..., slot[SIZE-1]]``; the host turns
-    it into a :class:`~symmsync.FenceTimeout` that names the late members.
+    Layout: ``[flag, epoch, me, SIZE, slot[0], ..., slot[SIZE-1], aborter, reason[14]]``.
+    ``flag`` is :data:`ABORTED` when a member below ``epoch`` carries the abort flag (then
+    ``aborter`` is the first such member's index and ``reason`` the words of its own cell's
+    reason, read through the pointer table), else :data:`TIMED_OUT` (``aborter`` is -1).
+    Slots are raw: count and flag. The host turns the record into a
+    :class:`~symmsync.FenceTimeout` (or :class:`~symmsync.PeerAborted`) that names the
+    late or aborted members; on a GPU it is pinned host memory, read after the trap.
     """
     slots = (tl.load(ptrs + me) + cell + SLOTS).to(tl.pointer_type(tl.int64))
     rec = record.to(tl.pointer_type(tl.int64))
+    first = SIZE + (me * 0)
     for base in tl.static_range(0, SIZE, LANES):
         idx = base + tl.arange(0, LANES)
         v = _load_acquire(slots + tl.where(idx < SIZE, idx, me))
+        gone = (idx < SIZE) & (idx != me) & ((v & COUNT_MASK) < epoch) & (v < 0)
+        first = tl.minimum(first, tl.min(tl.where(gone, idx, SIZE), axis=0))
         tl.store(rec + 4 + idx, tl.where(idx == me, epoch, v), mask=idx < SIZE)
+    # The flag was seen by one thread's acquire load; the reason is read by others: the
+    # barrier and the fence order those reads after that load (cumulativity).
+    tl.debug_barrier()
+    _system_fence()
+    w = tl.arange(0, 16)
+    found = first < SIZE
+    src = (tl.load(ptrs + tl.where(found, first, me)) + cell + REASON).to(tl.pointer_type(tl.int64))
+    words = _load_acquire(src + tl.where(w < 14, w, 0))
+    tl.store(rec + 5 + SIZE + w, tl.where(found, words, 0), mask=w < 14)
+    tl.store(rec + 4 + SIZE, tl.where(found, first, -1))
     tl.store(rec + 1, epoch)
     tl.store(rec + 2, me)
     tl.store(rec + 3, SIZE)
-    tl.store(rec, TIMED_OUT)
+    tl.store(rec, tl.where(found, ABORTED, TIMED_OUT))
+    tl.debug_barrier()  # every warp's part of the record is written before any thread traps
     _system_fence()
+
+
+@triton.jit
+def mark_abort(ptrs, cell, me, reason, SIZE: tl.constexpr):
+    """Tell every other member that this rank gave up on the cell's channel.
+
+    Pseudocode::
+
+        mem[me].cell.reason[0..13] = reason[0..13]     # code, length, UTF-8 text
+        block_barrier()
+        for p in 0..SIZE-1, p != me:                   # thread 0
+            red_or_release_sys(&mem[p].cell.slot[me], ABORT_FLAG)
+
+    Contract: a member whose wait observes the flag also observes the reason. The count
+    bits are untouched, so a member that already saw this rank's publish of an epoch
+    still completes its wait for it; a member waiting for a later epoch returns 2 from
+    :func:`wait` within one poll. Idempotent (an OR). ``reason`` points at 14 int64
+    words (:data:`REASON_WORDS`). Run it from one program, on a stream that is not
+    blocked behind this rank's own waits. Cost: 14 local stores, SIZE-1 remote reductions.
+    """
+    own = (tl.load(ptrs + me) + cell + REASON).to(tl.pointer_type(tl.int64))
+    w = tl.arange(0, 16)
+    tl.store(own + w, tl.load(reason.to(tl.pointer_type(tl.int64)) + w, mask=w < 14), mask=w < 14)
+    tl.debug_barrier()
+    for p in tl.static_range(SIZE):
+        dst = (tl.load(ptrs + p) + cell + SLOTS).to(tl.pointer_type(tl.int64)) + me
+        _release_or(dst, ABORT_FLAG, p != me)
 
 
 @triton.jit
@@ -300,10 +426,13 @@ def fence(ptrs, cell, me, timeout_ns, SIZE: tl.constexpr):
 
 @triton.jit
 def fence_or_trap(ptrs, cell, me, epoch, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.constexpr):
-    """:func:`wait` for ``epoch``; on timeout write ``record`` and, if ``TRAP``, :func:`trap`.
+    """:func:`wait` for ``epoch``; on a timeout or an abort write ``record`` and, if
+    ``TRAP``, :func:`trap`.
 
-    Returns the wait status (0: arrived). With ``TRAP`` (the GPU default) a timed-out
-    kernel never returns, so nothing downstream on the stream runs on stale data.
+    Returns the wait status (0: arrived, 1: timed out, 2: a member aborted). With
+    ``TRAP`` (the GPU default) a failed kernel never returns, so nothing downstream on
+    the stream runs on stale data; the record is written before the trap, because the
+    CUDA context is unusable after it.
     """
     status = wait(ptrs, cell, me, epoch, timeout_ns, SIZE)
     if status != 0:

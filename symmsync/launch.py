@@ -91,7 +91,8 @@ class Launcher:
         constexprs: values of the kernel's ``tl.constexpr`` parameters.
 
     Call :meth:`__call__` with the runtime arguments in the kernel's parameter order
-    (constexpr parameters left out), or :meth:`bind` them once and call the result.
+    (constexpr parameters left out), or :meth:`bind` them once and call the result;
+    :meth:`BoundLaunch.update` changes a few of a bound launch's arguments in place.
     """
 
     def __init__(self, kernel: Any, grid: Sequence[int], num_warps: int = 1, **constexprs: Any):
@@ -117,19 +118,25 @@ class Launcher:
         """Launch with ``args`` (runtime parameters, in order)."""
         self.bind(*args)()
 
-    def bind(self, *args: Any) -> BoundLaunch:
-        """Pack ``args`` once; the returned object launches them with no per-call packing."""
+    def bind(self, *args: Any, grid: Sequence[int] | None = None) -> BoundLaunch:
+        """Pack ``args`` once; the returned object launches them with no per-call packing.
+
+        Args:
+            *args: the runtime arguments, in the kernel's parameter order.
+            grid: this launch's grid (default: the launcher's).
+        """
         if len(args) != len(self.names):
             raise BackendError(
                 f"{getattr(self.kernel, '__name__', 'kernel')}: expected {len(self.names)} runtime arguments "
                 f"({', '.join(self.names)}), got {len(args)}"
             )
-        return BoundLaunch(self, args)
+        grid = self.grid if grid is None else tuple(grid) + (1,) * (3 - len(grid))
+        return BoundLaunch(self, args, grid)
 
     # ------------------------------------------------------------------ internals
-    def _triton_launch(self, args: Sequence[Any]) -> Any:
+    def _triton_launch(self, args: Sequence[Any], grid: tuple | None = None) -> Any:
         kwargs = dict(zip(self.names, args))
-        return self.kernel[self.grid](**kwargs, **self.constexprs, num_warps=self.num_warps)
+        return self.kernel[grid or self.grid](**kwargs, **self.constexprs, num_warps=self.num_warps)
 
     def _packer(self, args: Sequence[Any]) -> _Packed | None:
         """The compiled kernel and packed parameters for these argument classes, if exact."""
@@ -148,14 +155,19 @@ class _Packed:
 
     def __init__(self, entry: _Compiled, args: Sequence[Any], names: Sequence[str]):
         values = dict(zip(names, args))
+        index = {name: i for i, name in enumerate(names)}
         self.keep: list[Any] = []
+        #: argument index -> its ctypes cell (arguments the compiled kernel dropped have none)
+        self.cells: dict[int, Any] = {}
         for name, ty in entry.signature:
             v = values[name]
             if ty.startswith("*"):
                 addr = v.data_ptr() if isinstance(v, torch.Tensor) else int(v)
-                self.keep.append(ctypes.c_uint64(addr))
+                cell = ctypes.c_uint64(addr)
             else:
-                self.keep.append(_CTYPES[ty](v))
+                cell = _CTYPES[ty](v)
+            self.keep.append(cell)
+            self.cells[index[name]] = cell
         self.keep.append(ctypes.c_uint64(0))  # global scratch (none needed: checked at compile)
         self.keep.append(ctypes.c_uint64(0))  # profile scratch
         self.array = (ctypes.c_void_p * len(self.keep))(*[ctypes.addressof(c) for c in self.keep])
@@ -206,22 +218,69 @@ class _NotExact(Exception):
 class BoundLaunch:
     """A launch whose arguments are packed: calling it costs one ``cuLaunchKernel``."""
 
-    __slots__ = ("launcher", "args", "_packed", "_streams", "_gx", "_gy", "_gz")
+    __slots__ = ("launcher", "args", "_packed", "_classes", "_streams", "_gx", "_gy", "_gz")
 
-    def __init__(self, launcher: Launcher, args: Sequence[Any]):
+    def __init__(self, launcher: Launcher, args: Sequence[Any], grid: Sequence[int] | None = None):
         self.launcher = launcher
         self.args = tuple(args)
         self._packed = launcher._packer(self.args)
+        self._classes = [_arg_class(a) for a in self.args]
         self._streams: dict[int, Any] = {}
-        self._gx, self._gy, self._gz = launcher.grid
+        self._gx, self._gy, self._gz = tuple(grid) if grid is not None else launcher.grid
 
-    def __call__(self) -> None:
+    @property
+    def packed(self) -> bool:
+        """True once calls go straight to ``cuLaunchKernel`` (compiled and packed)."""
+        return self._packed is not None
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """The grid this launch uses."""
+        return (self._gx, self._gy, self._gz)
+
+    def update(self, indices: Sequence[int], values: Sequence[Any]) -> None:
+        """Replace the arguments at ``indices`` (positions in the runtime parameter list).
+
+        When every new value has the class of the old one (the same dtype and 16-byte
+        alignment for a tensor; the same width, ``== 1`` and multiple-of-16 for an int),
+        only their packed ctypes cells change. Otherwise the launch is packed again
+        for the compiled variant those values select (or goes through Triton's launcher
+        once to compile it). The caller keeps tensors alive until the launch ran.
+        """
+        args = list(self.args)
+        for i, v in zip(indices, values):
+            args[i] = v
+        self.args = tuple(args)
+        packed = self._packed
+        classes = self._classes
+        if packed is None:  # not packed yet: the next call goes through Triton's launcher
+            for i, v in zip(indices, values):
+                classes[i] = _arg_class(v)
+            return
+        for i, v in zip(indices, values):
+            if _arg_class(v) != classes[i]:
+                self._classes = [_arg_class(a) for a in self.args]
+                self._packed = self.launcher._packer(self.args)
+                return
+        cells = packed.cells
+        for i, v in zip(indices, values):
+            cell = cells.get(i)
+            if cell is not None:
+                cell.value = v.data_ptr() if isinstance(v, torch.Tensor) else v
+
+    def __call__(self, stream: int | None = None) -> None:
+        """Launch on torch's current stream, or on the raw CUDA stream handle ``stream``.
+
+        ``stream`` is honoured on the fast path only: a launch that is not packed yet
+        (the first, through Triton's launcher) goes to the current stream, so callers
+        that pass it check :attr:`packed` first.
+        """
         packed = self._packed
         if packed is None:
             self._first_launch()
             return
         e = packed.entry
-        raw = current_stream(e.device_index)
+        raw = current_stream(e.device_index) if stream is None else stream
         stream = self._streams.get(raw)
         if stream is None:
             stream = self._streams[raw] = e.driver.CUstream(init_value=raw)
@@ -233,7 +292,7 @@ class BoundLaunch:
     def _first_launch(self) -> None:
         """Launch through Triton (compiling if needed) and, when exact, set up the fast path."""
         launcher = self.launcher
-        compiled = launcher._triton_launch(self.args)
+        compiled = launcher._triton_launch(self.args, self.grid)
         launcher.path = "triton"
         if launcher.interpreted or compiled is None:
             return

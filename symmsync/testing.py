@@ -21,10 +21,21 @@ carries that rank's traceback. A run that outlives ``timeout_s`` is killed and
 names the ranks that never finished, so a deadlock fails fast instead of hanging.
 Fault tests name the ranks that are meant to die (``may_die``): those may exit
 without a result while the others run on and report.
+
+Inside a ``torchrun`` job the ranks already exist: there :func:`run` starts no
+process, calls ``fn`` in this one (initializing torch.distributed from torchrun's
+environment first, where nothing did) and returns every rank's result, so the same
+script runs as ``python script.py`` and as ``torchrun --nproc-per-node N script.py``.
+Print from :func:`is_main_process` only, so that such a script prints once::
+
+    results = run(exchange, 2, 1024)
+    if is_main_process():
+        print(results)
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import glob
 import os
@@ -47,6 +58,9 @@ from .errors import ConfigError, RankFailure
 #: Default time budget of a whole run, in seconds.
 DEFAULT_TIMEOUT_S = 180.0
 
+#: The environment torchrun (torch.distributed.run) gives every process it starts.
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
 _env_lock = threading.Lock()
 
 
@@ -61,6 +75,23 @@ class Died:
 
     rank: int
     exitcode: int
+
+
+def under_torchrun() -> bool:
+    """True in a process that torchrun (``torch.distributed.run``) started as one of its ranks.
+
+    Read from the environment torchrun sets for every rank (:data:`TORCHRUN_ENV`).
+    """
+    return all(k in os.environ for k in TORCHRUN_ENV)
+
+
+def is_main_process() -> bool:
+    """True where a script should print its results: outside torchrun, or on torchrun's rank 0.
+
+    The processes :func:`run` spawns are not torchrun ranks; the script that called
+    :func:`run` prints what it returned.
+    """
+    return not under_torchrun() or os.environ["RANK"] == "0"
 
 
 def run(
@@ -98,9 +129,21 @@ def run(
         RankFailure: a rank raised (its traceback is in the message), died (and was
             not in ``may_die``), or the run timed out (the message names the ranks
             that had not finished).
+        ConfigError: a bad argument; under torchrun, also a job whose ``WORLD_SIZE``
+            is not ``world_size``, or ``may_die``.
 
     When the run ends, any shared-memory segment of the run's name prefix still in
     ``/dev/shm`` (a rank killed while it allocated had no chance to unlink it) is removed.
+
+    Under torchrun (:func:`under_torchrun`), this process is one of the ranks: ``fn``
+    runs here and the results of every rank come back on every rank (through
+    ``all_gather_object``). torch.distributed is initialized from torchrun's
+    environment if nothing initialized it (``dist_backend``, default gloo for host
+    and NCCL for cuda, where the CUDA device is set to ``LOCAL_RANK``) and stays
+    initialized for later calls. ``timeout_s`` bounds each collective; an exception
+    in ``fn`` propagates as is, and torchrun stops the other ranks. ``env`` is set in
+    this process for the call; a variable read at import (``TRITON_INTERPRET``) must
+    be set before Python starts instead.
     """
     if backend not in ("host", "cuda"):
         raise ConfigError(f"testing.run: backend must be 'host' or 'cuda', got {backend!r}")
@@ -110,6 +153,10 @@ def run(
     dying = set(may_die)
     if not dying <= set(range(world_size)):
         raise ConfigError(f"testing.run: may_die={sorted(dying)!r} names ranks outside 0..{world_size - 1}")
+    if under_torchrun():
+        if dying:
+            raise ConfigError("testing.run: may_die needs ranks that run() starts itself; not under torchrun")
+        return _run_in_job(fn, world_size, args, kwargs, backend, dist_backend, timeout_s, env or {})
     ctx = mp.get_context("spawn")
     results: queue.Queue = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="symmsync-run-")
@@ -166,6 +213,97 @@ def run(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _run_in_job(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple,
+    kwargs: dict,
+    backend: str,
+    dist_backend: str,
+    timeout_s: float,
+    env: dict[str, str],
+) -> list[Any]:
+    """:func:`run` inside a torchrun job: this process is rank ``RANK`` of ``WORLD_SIZE``."""
+    import torch
+    import torch.distributed as dist
+
+    rank, job_world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if job_world != world_size:
+        raise ConfigError(
+            f"testing.run: rank {rank}: asked for {world_size} ranks, but torchrun started {job_world} "
+            f"(WORLD_SIZE={job_world}); run with `torchrun --nproc-per-node {world_size}` or pass "
+            f"world_size={job_world}"
+        )
+    if backend == "host":
+        from .backends import kernels_interpreted
+
+        if not kernels_interpreted():
+            raise ConfigError(
+                f"testing.run: rank {rank}: backend='host' needs Triton's interpreter, which is off in this "
+                "process (a GPU is visible, or TRITON_INTERPRET=0): start the job as "
+                "`TRITON_INTERPRET=1 torchrun ...`, or use backend='cuda'"
+            )
+    if not dist.is_initialized():
+        extra = {}
+        if backend == "cuda":
+            local = int(os.environ["LOCAL_RANK"])
+            torch.cuda.set_device(local)
+            if dist_backend == "nccl":
+                extra["device_id"] = torch.device("cuda", local)
+        dist.init_process_group(
+            dist_backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s), **extra
+        )
+        atexit.register(_leave_job)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        value = fn(*args, **kwargs)
+    except BaseException:
+        _job_state["failed"] = True  # the peers may be stuck: leave without a last barrier
+        raise
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    out: list[Any] = [None] * job_world
+    dist.all_gather_object(out, value)
+    return out
+
+
+_job_state = {"failed": False}
+
+
+def _leave_job() -> None:
+    """At exit of a torchrun rank whose group run() created: meet every rank, then destroy it.
+
+    The barrier keeps a rank that finished first from tearing down its connections (rank 0
+    also the job's store) while a peer still uses them. Not after ``fn`` raised: its peers
+    may never come, and torchrun stops them anyway.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    # Buffers, views and fences that only a reference cycle keeps hold the group; collect
+    # them now, so that the group really goes here, not in the interpreter's teardown
+    # (where, in about one torchrun job in five, its teardown aborted the process with
+    # "terminate called without an active exception" after the job's work was done).
+    gc.collect()
+    if not _job_state["failed"]:
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - at exit, a peer already gone must not raise
+            pass
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
 class RankPool:
     """``world_size`` ranks kept alive across calls: :meth:`call` runs a function on all.
 
@@ -188,6 +326,8 @@ class RankPool:
         env: dict[str, str] | None = None,
         dist_backend: str | None = None,
     ):
+        if under_torchrun():
+            raise ConfigError("testing.RankPool starts its own ranks; inside a torchrun job call run() instead")
         self.world_size = world_size
         self.timeout_s = timeout_s
         ctx = mp.get_context("spawn")

@@ -226,3 +226,26 @@ def test_adopting_memory_a_runtime_mapped_gives_views_and_fences():
         assert adopted == owner == still == [1 - rank + 5] * 4
         assert 0 < nbytes < 1 << 16  # the signal cells live at the end of the adopted memory
         assert "1 addresses for a group of 2 ranks" in short
+
+
+def test_a_tensor_over_raw_memory_owns_it_until_its_last_view_is_gone():
+    # The CUDA backend's tensors own their mappings this way; the mechanism is torch's,
+    # the same on every device, so it is checked here on CPU memory.
+    import gc
+
+    from symmsync import backends
+
+    keep = torch.arange(64, dtype=torch.uint8)  # stands for a mapping: the pointer stays valid
+    released = []
+    t = backends.tensor_at(keep.data_ptr(), 64, torch.device("cpu"), on_last_use=lambda: released.append(1))
+    view = t[16:32].view(torch.int32)[1:]  # a slice of a view of a slice: the same storage
+    alias = view.view(3)
+    del t
+    gc.collect()
+    assert released == []
+    del view
+    gc.collect()
+    assert released == [] and alias.tolist() == torch.arange(20, 32, dtype=torch.uint8).view(torch.int32).tolist()
+    del alias
+    gc.collect()
+    assert released == [1]  # once, after the last one

@@ -72,3 +72,10 @@ def test_every_tutorial_page_includes_its_numbered_example():
     for page in sorted((ROOT / "docs" / "tutorials").glob("[0-9][0-9]-*.md")):
         number = page.name[:2]
         assert re.search(rf'--8<-- "examples/{number}_[a-z_]+\.py', page.read_text()), f"{page.name} shows no code"
+
+
+def test_the_built_site_links_pages_as_files_so_it_works_opened_from_disk():
+    # With directory URLs, a page is dir/index.html and links name dir/: opened from disk
+    # (file://), such a link shows the directory's listing instead of the page.
+    config = (ROOT / "mkdocs.yml").read_text()
+    assert re.search(r"^use_directory_urls: false$", config, re.M), "mkdocs.yml must set use_directory_urls: false"

@@ -3,7 +3,9 @@
 Every numbered example (``examples/NN_*.py``, the tutorials' code, found by a glob so
 that a new one cannot be forgotten) runs on the host backend here, and with
 ``--backend cuda`` in the GPU suite; each must print the lines below. The main demo
-runs with its defaults and as TP×PCP.
+runs with its defaults and as TP×PCP. tests/test_torchrun.py runs them under torchrun,
+and the plain torchrun program (``examples/torchrun_job.py``, not numbered: it is no
+tutorial step) that the landing page and the README show.
 """
 
 import os

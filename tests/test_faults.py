@@ -3,7 +3,8 @@
 * a rank killed in the middle of a run of fences: every other rank raises
   ``FenceTimeout`` naming it within the fence's budget, and ``/dev/shm`` is clean;
   a rank killed while the buffer is being built: the others raise ``BackendError``;
-* a rank that exits before ``close()``, and one that closes while the others fence;
+* a rank that exits before ``close()`` (the others time out: it never arrived), and one
+  that closes while the others fence (they raise ``PeerAborted`` saying "closed" at once);
 * 10 000 fences at world 4 with seeded random delays between payload writes and
   fences, checked by the payload oracle (and the same run without the wait, which the
   oracle must catch);
@@ -233,14 +234,15 @@ def closes_while_others_fence(closer, at, budget):
                 out[name] = "no error"
             except ss.SymmSyncError as e:
                 out[name] = (type(e).__name__, str(e))
-        # Stay alive until the peers have read this rank's memory (their timeout + margin).
-        time.sleep(budget + 2)
+        dist.barrier()  # closed: now the peers read this rank's memory ...
+        dist.barrier()  # ... while it is still alive
         return out
     t0 = time.monotonic()
     try:
         fence.fence()
     except ss.FenceTimeout as err:
         elapsed = time.monotonic() - t0
+        dist.barrier()  # the closer's close() has returned
         read_at = time.time()
         # The closer unmapped its own memory; this rank's mapping of it stays valid.
         seen = buf.tensor(0, (2, view.size), torch.int64, rank=closer).clone()
@@ -248,18 +250,24 @@ def closes_while_others_fence(closer, at, budget):
         mark.fill_(-1 - buf.rank)
         again = buf.tensor(256 + 16 * buf.rank, (1,), torch.int64, rank=closer).item()
         buf.close()
+        dist.barrier()
         return {
+            "type": type(err).__name__,
             "late": err.late,
+            "aborted": err.aborted,
+            "msg": str(err),
             "elapsed": elapsed,
             "read_at": read_at,
             "seen": seen[at % 2].tolist(),
             "again": again,
         }
+    dist.barrier()
+    dist.barrier()
     return "no timeout"
 
 
-def test_close_while_others_fence_times_them_out_and_crashes_nobody():
-    world, closer, at, budget = 3, 1, 4, 2.0
+def test_close_while_others_fence_fails_them_at_once_saying_closed_and_crashes_nobody():
+    world, closer, at, budget = 3, 1, 4, 60.0  # a missed abort would show as a minute
     results = run(closes_while_others_fence, world, closer, at, budget, timeout_s=120)
     c = results[closer]
     for name in ("fence", "arrive", "epoch", "tensor"):
@@ -267,7 +275,9 @@ def test_close_while_others_fence_times_them_out_and_crashes_nobody():
     for rank in (0, 2):
         r = results[rank]
         assert isinstance(r, dict), r
-        assert r["late"] == {closer: at} and budget <= r["elapsed"] < budget + 5, r
+        assert r["type"] == "PeerAborted" and r["elapsed"] < 1.0, r
+        assert r["aborted"] == {closer: "closed"} and r["late"] == {}, r
+        assert f"rank {closer} closed its buffer (its slot holds epoch {at})" in r["msg"], r["msg"]
         assert r["read_at"] > c["closed_at"]
         assert r["seen"] == [1000 * at + m for m in range(world)] and r["again"] == -1 - rank, r
 

@@ -1,9 +1,9 @@
 """The PCP direct-KV writer on the host backend: the byte oracle, properties, bad input.
 
 The byte oracle: after a layer's fence, every replica's cache is byte-identical to
-what the all-gather + insert route produces, and to a cache built with torch from
-the whole prompt (``symmsync.pcp.quant``'s references); guard bytes around the
-backing stay untouched.
+what the all-gather + insert route produces, and to a cache built with plain torch
+from the whole prompt and the format rules (tests/test_pcp_formats.py); guard bytes
+around the backing stay untouched.
 """
 
 import pytest
@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_pcp_formats import oracle_cache
 
 import symmsync as ss
 from symmsync import pcp
-from symmsync.pcp import quant
 from symmsync.testing import RankPool, run
 
 GUARD = 0xA5
@@ -62,20 +62,12 @@ def test_layout_offsets_of_every_field():
 
 # ---------------------------------------------------------------------- reference cache
 def reference_cache(layout, kv_c, k_pe, idx_k, slots):
-    """The cache bytes of a whole prompt, built with torch: [main KV] and [indexer K]."""
-    main = torch.zeros(layout.num_slots, 656, dtype=torch.uint8)
-    ind = torch.zeros(layout.num_blocks, layout.block_size * 132, dtype=torch.uint8)
-    tok = quant.ref_mla_token_bytes(kv_c, k_pe)
-    codes, scales = quant.ref_indexer_bytes(idx_k)
-    bs = layout.block_size
-    for t, s in enumerate(slots.tolist()):
-        if s < 0:
-            continue
-        main[s] = tok[t]
-        b, o = divmod(s, bs)
-        ind[b, o * 128 : (o + 1) * 128] = codes[t]
-        ind[b, bs * 128 + o * 4 : bs * 128 + o * 4 + 4] = scales[t : t + 1].view(torch.uint8)
-    return main.view(layout.num_blocks, bs, 656), ind
+    """The cache bytes of a whole prompt in the layout's formats: [main KV] and [indexer K].
+
+    Built with plain torch from the format rules (tests/test_pcp_formats.py), sharing no
+    code with the writer.
+    """
+    return oracle_cache(layout, kv_c, k_pe, idx_k, slots)
 
 
 def prompt(seed, tokens, num_slots, special=False):
@@ -284,3 +276,50 @@ def mixed_routes():
 def test_ranks_that_pick_different_routes_all_raise():
     for msg in run(mixed_routes, 2):
         assert msg and "same route" in msg and "rank 0: direct" in msg and "rank 1: allgather" in msg
+
+
+# ---------------------------------------------------------------------- a bad write reaches the peers
+def bad_write_on_one_rank(fused, bad_rank):
+    import time
+
+    layout = pcp.CacheLayout(num_blocks=2, num_layers=2, base=0)
+    buf = ss.SymmetricBuffer(layout.end, backend="host")
+    view = buf.view([0, 1])
+    writer = pcp.DirectKVWriter(view, layout, fused=fused, timeout_s=60)  # a missed abort shows as a minute
+    T = 8
+    batch = writer.prepare(torch.arange(T) + T * buf.rank)
+    kv = torch.zeros(T, 512, dtype=torch.bfloat16)
+    pe = torch.zeros(T, 64, dtype=torch.bfloat16)
+    ix = torch.zeros(T, 128, dtype=torch.bfloat16)
+    writer.write(0, kv, pe, ix, batch)  # one good layer on both ranks
+    t0 = time.monotonic()
+    try:
+        if buf.rank == bad_rank:
+            writer.write(1, kv.float(), pe, ix, batch)  # wrong dtype: raises before writing
+        else:
+            writer.write(1, kv, pe, ix, batch)  # waits in the fence (or the fused tail)
+    except ss.SymmSyncError as e:
+        out = {"type": type(e).__name__, "msg": str(e), "elapsed": time.monotonic() - t0}
+        out["aborted"] = getattr(e, "aborted", None)
+        # The writer refuses to go on after it: the fence stays failed (fail closed).
+        try:
+            writer.write(1, kv, pe, ix, batch)
+            out["again"] = "wrote"
+        except ss.SymmSyncError as e2:
+            out["again"] = type(e2).__name__
+        buf.close()
+        return out
+    buf.close()
+    return "no error"
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["fence", "fused"])
+def test_a_bad_write_on_one_rank_makes_every_peer_raise_naming_it_at_once(fused):
+    res = run(bad_write_on_one_rank, 2, fused, 1, timeout_s=120)
+    bad, peer = res[1], res[0]
+    assert bad["type"] == "InputError" and "bfloat16" in bad["msg"], bad
+    assert peer["type"] == "PeerAborted", peer
+    assert 1 in peer["aborted"] and "DirectKVWriter.write" in peer["aborted"][1] and "bfloat16" in peer["aborted"][1]
+    assert "rank 1" in peer["msg"]
+    assert peer["elapsed"] < 1.0, peer  # the fence budget is 60 s
+    assert peer["again"] == "PeerAborted"

@@ -70,12 +70,17 @@ def _bf16_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _scales_kernel(amax_ptr, mla_ptr, idx_ptr, n, BLOCK: tl.constexpr):
+def _scales_kernel(amax_ptr, mla_ptr, idx_ptr, mla2_ptr, idx32_ptr, recip_ptr, e8_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     amax = tl.load(amax_ptr + offs, mask=mask, other=0.0)
     tl.store(mla_ptr + offs, quant.mla_tile_scale(amax), mask=mask)
-    tl.store(idx_ptr + offs, quant.indexer_scale(amax), mask=mask)
+    si = quant.indexer_scale(amax)
+    tl.store(idx_ptr + offs, si, mask=mask)
+    tl.store(mla2_ptr + offs, quant.mla_tile_scale_pow2(amax), mask=mask)
+    tl.store(idx32_ptr + offs, quant.indexer_scale_fp32(amax), mask=mask)
+    tl.store(recip_ptr + offs, quant.pow2_recip(si), mask=mask)
+    tl.store(e8_ptr + offs, quant.e8m0_word(si), mask=mask)
 
 
 @triton.jit
@@ -131,14 +136,15 @@ def run_e4m3(x: torch.Tensor, truncate: bool = False) -> torch.Tensor:
     return out
 
 
-def run_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def run_scales(amax: torch.Tensor, every: bool = False):
     amax = amax.to(torch.float32).contiguous()
-    mla, idx = torch.empty_like(amax), torch.empty_like(amax)
+    mla, idx, mla2, idx32, recip = (torch.empty_like(amax) for _ in range(5))
+    e8 = torch.empty(amax.shape, dtype=torch.int32)
     n = amax.numel()
     if n:
         block = _block(n)
-        _scales_kernel[(triton.cdiv(n, block),)](amax, mla, idx, n, BLOCK=block)
-    return mla, idx
+        _scales_kernel[(triton.cdiv(n, block),)](amax, mla, idx, mla2, idx32, recip, e8, n, BLOCK=block)
+    return (mla, idx, mla2, idx32, recip, e8) if every else (mla, idx)
 
 
 def run_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, truncate: bool = False) -> torch.Tensor:
@@ -187,7 +193,9 @@ def check_e4m3(x: torch.Tensor, truncate: bool = False) -> None:
 
 
 def check_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, truncate: bool = False) -> None:
-    assert_bytes_equal(run_mla(kv_c, k_pe, truncate), quant.ref_mla_token_bytes(kv_c, k_pe), "fp8_ds_mla")
+    # The test kernel uses the legacy ("fp32") tile scale.
+    want = quant.ref_mla_token_bytes(kv_c, k_pe, scale="fp32")
+    assert_bytes_equal(run_mla(kv_c, k_pe, truncate), want, "fp8_ds_mla")
 
 
 def check_indexer(k: torch.Tensor) -> None:
@@ -350,10 +358,22 @@ def _expected_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check_scales(amax: torch.Tensor) -> None:
-    mla, idx = run_scales(amax)
+    mla, idx, mla2, idx32, recip, e8 = run_scales(amax, every=True)
     mla_ref, idx_ref = _expected_scales(amax)
     assert_bytes_equal(mla.view(torch.uint8), mla_ref.view(torch.uint8), "mla_tile_scale")
     assert_bytes_equal(idx.view(torch.uint8), idx_ref.view(torch.uint8), "indexer_scale")
+    # The current formats: pow2 main scale (floor on the quotient), plain fp32 indexer
+    # scale, the reciprocal of a power of two, and the mxfp8 field (E8M0 byte 4 times).
+    a = amax.numpy().astype(np.float32)
+    m2 = np.maximum(a / np.float32(448.0), np.float32(1e-4)).astype(np.float64)
+    mla2_ref = torch.from_numpy(np.exp2(np.ceil(np.log2(m2))).astype(np.float32))
+    idx32_ref = torch.from_numpy(np.maximum(a, np.float32(1e-4)) / np.float32(448.0))
+    assert_bytes_equal(mla2.view(torch.uint8), mla2_ref.view(torch.uint8), "mla_tile_scale_pow2")
+    assert_bytes_equal(idx32.view(torch.uint8), idx32_ref.view(torch.uint8), "indexer_scale_fp32")
+    recip_ref = (1.0 / idx_ref.double()).float()
+    assert_bytes_equal(recip.view(torch.uint8), recip_ref.view(torch.uint8), "pow2_recip")
+    ebyte = (torch.log2(idx_ref.double()).round().to(torch.int64) + 127).to(torch.uint8)
+    assert_bytes_equal(e8.view(torch.uint8), ebyte.repeat_interleave(4), "e8m0_word")
     # Properties of the indexer scale: a power of two, the smallest >= m.
     m = torch.maximum(amax, torch.tensor(1e-4)) / torch.full_like(amax, 448.0)
     assert torch.all((idx.view(torch.int32) & 0x7FFFFF) == 0)
@@ -448,7 +468,7 @@ def test_reference_by_hand():
     kv_c[0, 256:384] = 0.0
     kv_c[0, 384:] = -2.0
     k_pe = torch.full((1, 64), -1.5, dtype=torch.bfloat16)
-    got = quant.ref_mla_token_bytes(kv_c, k_pe)
+    got = quant.ref_mla_token_bytes(kv_c, k_pe, scale="fp32")
     assert got.shape == (1, 656)
     # 1 / (1/448 rounded) rounds back to 448; tile 1 has scale 1; tile 3 -> -448.
     assert got[0, :128].unique().tolist() == [0x7E]
@@ -478,13 +498,25 @@ def test_oracle_detects_truncating_rounding():
     with pytest.raises(AssertionError, match="fp8_ds_mla"):
         check_mla(kv_c, k_pe, truncate=True)
     # Truncation only ever lands one code below the right answer.
-    diff = quant.ref_mla_token_bytes(kv_c, k_pe).to(torch.int16) - run_mla(kv_c, k_pe, True).to(torch.int16)
+    diff = quant.ref_mla_token_bytes(kv_c, k_pe, scale="fp32").to(torch.int16) - run_mla(kv_c, k_pe, True).to(
+        torch.int16
+    )
     assert set(diff.unique().tolist()) == {0, 1}
 
 
 def test_device_functions_avoid_inexact_ops():
     """No `/` (approximate on GPU) and no float8 casts in the device functions."""
-    for fn in (quant.e4m3_bits, quant.bf16_to_f32, quant.mla_tile_scale, quant.indexer_scale):
+    for fn in (
+        quant.e4m3_bits,
+        quant.bf16_to_f32,
+        quant.mla_tile_scale,
+        quant.indexer_scale,
+        quant.mla_tile_scale_pow2,
+        quant.indexer_scale_fp32,
+        quant.pow2_ceil,
+        quant.pow2_recip,
+        quant.e8m0_word,
+    ):
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn.fn)))
         for node in ast.walk(tree):
             assert not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)), fn.fn.__name__

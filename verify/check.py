@@ -43,7 +43,7 @@ MEMLIM_MB = 4096
 class Config:
     name: str
     flags: tuple[str, ...]
-    expect: str  # "pass", or the kind of counterexample: deadlock, payload, arrival, timeout, final, cycle
+    expect: str  # "pass", or the kind of counterexample: deadlock, payload, arrival, abort, timeout, final, cycle
     what: str
     cycles: bool = False  # search for cycles (-DNP, pan -l) instead of safety violations
 
@@ -78,6 +78,21 @@ CONFIGS: tuple[Config, ...] = (
         "2 ranks, 2 channels, 3 split fences each; any one rank may stop",
     ),
     C("views-4r", ("VS=2", "NV=2", "F=4", "DISJOINT"), "pass", "4 ranks in 2 disjoint 2-rank views, 4 fences each"),
+    C("abort-2r", ("VS=2", "F=4", "ABORT"), "pass", "2 ranks, 4 fences; any one rank may abort at any point"),
+    C("abort-3r", ("VS=3", "F=4", "ABORT"), "pass", "3 ranks, 4 fences; any one rank may abort at any point"),
+    C("abort-split-3r", ("VS=3", "F=4", "SPLIT", "ABORT"), "pass", "3 ranks, 4 split fences; one may abort"),
+    C(
+        "abort-channels-2r",
+        ("VS=2", "NV=2", "F=3", "ABORT"),
+        "pass",
+        "2 ranks, 2 channels, 3 fences each; an abort marks both channels",
+    ),
+    C(
+        "abort-views-4r",
+        ("VS=2", "NV=2", "F=3", "DISJOINT", "ABORT"),
+        "pass",
+        "4 ranks in 2 disjoint views, 3 fences each; an abort marks only its own view",
+    ),
     # ---- known bugs: each must produce its counterexample ----------------------------------
     C("eq-2r", ("VS=2", "F=6", "BUG_EQ"), "deadlock", "wait compares slot == e"),
     C("eq-3r", ("VS=3", "F=6", "BUG_EQ"), "deadlock", "wait compares slot == e"),
@@ -94,6 +109,15 @@ CONFIGS: tuple[Config, ...] = (
         "arrival",
         "a timed-out wait goes on (fails open)",
     ),
+    C("flag-2r", ("VS=2", "F=4", "ABORT", "BUG_FLAG"), "arrival", "the abort flag counts as an arrival"),
+    C("flag-3r", ("VS=3", "F=4", "ABORT", "BUG_FLAG"), "arrival", "the abort flag counts as an arrival"),
+    C(
+        "unmasked-2r",
+        ("VS=2", "F=4", "ABORT", "BUG_UNMASKED"),
+        "abort",
+        "a flagged slot is an abort whatever its count (a completed fence fails)",
+    ),
+    C("nomark-2r", ("VS=2", "F=4", "ABORT", "BUG_NOMARK"), "deadlock", "an abort that sets no flags: peers hang"),
 )
 del C
 
@@ -128,6 +152,8 @@ def classify(output: str) -> tuple[str, str]:
             if "non-progress cycle" in line or "acceptance cycle" in line:
                 return "cycle", line
             if "assertion violated" in line:
+                if "aflag[" in line:
+                    return "abort", line
                 if "pay[" in line:
                     return "payload", line
                 if "sent[" in line:

@@ -17,6 +17,11 @@
  *   TMODE=1        wait may time out only when no process can move (Spin's `timeout`)
  *   TMODE=2        wait may time out at any moment (an arbitrary clock): safety only
  *   CRASH          one rank (any, or none) may stop for good at any point
+ *   ABORT          one rank (any, or none) aborts at any point, even in the middle of its own
+ *                  publish (PeerView.abort / Fence.abort / close(): mark_abort sets its flag in
+ *                  every member's slot of every channel of the view, one release-OR at a time);
+ *                  its host launches nothing more, what it already launched runs on, and after
+ *                  the marking it may stop for good at any point (its process ends)
  * Bug variants (each must yield a counterexample):
  *   BUG_EQ         wait compares slot == e instead of slot >= e
  *   BUG_EARLY      publish before the payload stores
@@ -24,6 +29,11 @@
  *   BUG_RELAXED    publish without release: earlier stores stay in flight
  *   BUG_SHARED     all channels share one signal cell
  *   BUG_OPEN       a timed-out wait goes on as if it had succeeded (fails open)
+ *   BUG_FLAG       the abort flag counts as an arrival (a flag bit inside the compared value,
+ *                  e.g. bit 62, with an unmasked slot >= e)
+ *   BUG_UNMASKED   a flagged slot is an abort whatever its count (no mask): a member that
+ *                  published the epoch and then closed fails a fence that had completed
+ *   BUG_NOMARK     an abort that only stops the rank, with no flags: its peers wait forever
  */
 
 #ifndef VS
@@ -57,9 +67,22 @@
 #endif
 
 #ifdef BUG_EQ
-#define REACHED(x, e) ((x) == (e))
+#define COUNTED(x, e) ((x) == (e))
 #else
-#define REACHED(x, e) ((x) >= (e))  /* pending(): v < epoch counts as not arrived */
+#define COUNTED(x, e) ((x) >= (e))  /* pending(): (v & COUNT_MASK) < epoch counts as not arrived */
+#endif
+/* REACHED(c, g, j, e): one acquire load of slot j of cell c in rank g's memory (count and flag
+ * are one int64 word, so one guard reads both at once) says member j arrived at epoch e;
+ * GONE(...) says it aborted before e: wait() returns 2. */
+#if defined(BUG_FLAG)
+#define REACHED(c, g, j, e) (COUNTED(SLOT(c, g, j), e) || AFLAG(c, g, j))
+#define GONE(c, g, j, e) 0
+#elif defined(BUG_UNMASKED)
+#define REACHED(c, g, j, e) (COUNTED(SLOT(c, g, j), e) && !AFLAG(c, g, j))
+#define GONE(c, g, j, e) (AFLAG(c, g, j))
+#else
+#define REACHED(c, g, j, e) (COUNTED(SLOT(c, g, j), e))
+#define GONE(c, g, j, e) (!COUNTED(SLOT(c, g, j), e) && AFLAG(c, g, j))
 #endif
 
 #ifdef BUG_SINGLE
@@ -72,6 +95,9 @@
 /* cell c in rank g's memory: slot[j] counts how many times member j published to g */
 byte slot[NCELL * NG * VS];
 #define SLOT(c, g, j) slot[((c) * NG + (g)) * VS + (j)]
+/* cell c in rank g's memory: the abort flag of slot j (the sign bit of the same int64 word) */
+bit aflag[NCELL * NG * VS];
+#define AFLAG(c, g, j) aflag[((c) * NG + (g)) * VS + (j)]
 /* cell c in rank g's memory: the epoch word, g's own counter */
 byte ep[NCELL * NG];
 #define EPOCH(c, g) ep[(c) * NG + (g)]
@@ -86,22 +112,29 @@ byte pend[NV * VS * VS * 2];
 /* how many of member j's publishes on view v have sent their lane to member p */
 byte sent[NV * VS * VS];
 #define SENT(v, j, p) sent[((v) * VS + (j)) * VS + (p)]
-bit dead[NG];                 /* the rank stopped (CRASH) */
+bit dead[NG];                 /* the rank stopped (CRASH; ABORT: its process ended) */
+bit aborting[NG];             /* the rank's host aborted (ABORT): it launches no more fences */
 bit gaveup[NV * VS];          /* the member's wait timed out; it never goes on */
 #define STOPPED(v, j) (dead[G(v, j)] || gaveup[(v) * VS + (j)])
 
 /* every other member's slot of cell c in rank g's memory has reached e (one poll of pending()) */
 #if VS == 2
-#define ALL_REACHED(c, g, i, e) REACHED(SLOT(c, g, 1 - (i)), e)
+#define ALL_REACHED(c, g, i, e) REACHED(c, g, 1 - (i), e)
+#define ANY_GONE(c, g, i, e) GONE(c, g, 1 - (i), e)
 #define MISSING_STOPPED(v, c, g, i, e) (SLOT(c, g, 1 - (i)) < (e) && STOPPED(v, 1 - (i)))
 #define ALL_SENT(v, i, k) (SENT(v, 1 - (i), i) >= (k))
+/* an aborted wait is justified: a member whose flag it saw had not delivered its k-th publish */
+#define ABORT_JUSTIFIED(v, c, g, i, k) (AFLAG(c, g, 1 - (i)) && SENT(v, 1 - (i), i) < (k))
 #else
-#define ALL_REACHED(c, g, i, e) \
-    (REACHED(SLOT(c, g, ((i) + 1) % 3), e) && REACHED(SLOT(c, g, ((i) + 2) % 3), e))
+#define ALL_REACHED(c, g, i, e) (REACHED(c, g, ((i) + 1) % 3, e) && REACHED(c, g, ((i) + 2) % 3, e))
+#define ANY_GONE(c, g, i, e) (GONE(c, g, ((i) + 1) % 3, e) || GONE(c, g, ((i) + 2) % 3, e))
 #define MISSING_STOPPED(v, c, g, i, e) \
     ((SLOT(c, g, ((i) + 1) % 3) < (e) && STOPPED(v, ((i) + 1) % 3)) || \
      (SLOT(c, g, ((i) + 2) % 3) < (e) && STOPPED(v, ((i) + 2) % 3)))
 #define ALL_SENT(v, i, k) (SENT(v, ((i) + 1) % 3, i) >= (k) && SENT(v, ((i) + 2) % 3, i) >= (k))
+#define ABORT_JUSTIFIED(v, c, g, i, k) \
+    ((AFLAG(c, g, ((i) + 1) % 3) && SENT(v, ((i) + 1) % 3, i) < (k)) || \
+     (AFLAG(c, g, ((i) + 2) % 3) && SENT(v, ((i) + 2) % 3, i) < (k)))
 #endif
 
 /* publish(), one lane: red.release.sys.add(&mem[p].cell.slot[me], 1). The release first makes
@@ -125,11 +158,16 @@ proctype Member(byte v; byte i) {
     byte k = 0;   /* the user's fence counter (tests/test_fence.py: the loop's e) */
     byte e = 0;   /* the epoch the wait targets */
     byte q = 0;
-#ifdef CRASH
+#if defined(CRASH) || defined(ABORT)
     {
 #endif
     do
+#ifdef ABORT
+    :: k < F && aborting[g] -> goto stop   /* its host aborted: the next fence raises at once */
+    :: k < F && !aborting[g] ->
+#else
     :: k < F ->
+#endif
         k++;
 #ifndef BUG_EARLY
         /* payload: stamp k into half BUF(k), slot i, of every member's payload (stamp_kernel);
@@ -169,6 +207,14 @@ proctype Member(byte v; byte i) {
         /* wait(e): bounded poll of pending(e) */
         if
         :: ALL_REACHED(c, g, i, e) -> skip
+#ifdef ABORT
+        :: atomic { ANY_GONE(c, g, i, e) ->
+               /* wait() returned 2: the flag it saw belongs to a member whose k-th publish had not
+                * reached this member (a member that published it and aborted later never fails it) */
+               assert(ABORT_JUSTIFIED(v, c, g, i, k));
+               gaveup[v * VS + i] = 1 };
+           goto stop
+#endif
 #if TMODE == 1
         :: atomic { timeout ->
                /* fires only when nothing can move: some member this wait lacks has stopped */
@@ -202,7 +248,7 @@ proctype Member(byte v; byte i) {
 #ifndef BUG_SHARED
     assert(EPOCH(c, g) == F);
 #endif
-#ifdef CRASH
+#if defined(CRASH) || defined(ABORT)
     } unless { dead[g] };
 #endif
 stop:
@@ -230,6 +276,42 @@ proctype Crasher() {
 }
 #endif
 
+#ifdef ABORT
+#ifdef DISJOINT
+#define IN_VIEW(v, r) ((r) / VS == (v))
+#define INDEX(v, r) ((r) % VS)
+#else
+#define IN_VIEW(v, r) 1
+#define INDEX(v, r) (r)
+#endif
+/* At most one rank aborts (or none does), at any moment: its host stops launching, then
+ * mark_abort() sets its flag at every other member of every channel/view it belongs to, one
+ * release-OR at a time in any order, while the kernels it already launched run on. Once every
+ * flag is out, its process may end at any point (dead: its kernels stop where they are). */
+#define MARK(v, p) \
+    :: atomic { (v) < NV && (p) < VS && IN_VIEW(v, r) && (p) != INDEX(v, r) && \
+                !AFLAG(CELL(v), G(v, p), INDEX(v, r)) -> AFLAG(CELL(v), G(v, p), INDEX(v, r)) = 1 }
+proctype Aborter() {
+    byte r;
+    select (r : 0 .. NG);   /* r == NG: nobody aborts */
+    if
+    :: r < NG ->
+        aborting[r] = 1;
+#ifndef BUG_NOMARK
+        do   /* one flag per step, in any order, until every one is out */
+        MARK(0, 0) MARK(0, 1) MARK(0, 2) MARK(1, 0) MARK(1, 1) MARK(1, 2)
+        :: else -> break
+        od;
+#endif
+        if
+        :: dead[r] = 1
+        :: skip
+        fi
+    :: else -> skip
+    fi
+}
+#endif
+
 init {
     byte v, i, p;
     atomic {
@@ -243,6 +325,9 @@ init {
         }
 #ifdef CRASH
         run Crasher();
+#endif
+#ifdef ABORT
+        run Aborter();
 #endif
     }
 }

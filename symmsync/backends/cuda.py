@@ -16,15 +16,28 @@ Handle types (the ``handle_type`` option):
     ``cuda_ipc``: legacy ``cuIpcGetMemHandle`` on ``cuMemAlloc`` memory, for drivers
         or containers where shareable handles are unavailable; one host only.
 
-Peer memory becomes a torch tensor on *this* rank's device without a copy.
+Peer memory becomes a torch tensor on *this* rank's device without a copy. The
+tensors own their mappings: every mapping, own or peer, is unmapped when the last
+tensor over it is gone, so a tensor kept past :meth:`SymmetricBuffer.close` stays
+valid instead of pointing at unmapped memory.
+
+The descriptor server (``posix_fd``) answers only the group's ranks: each rank's
+handle carries its process id, and a connection is served only when the kernel's
+credentials of the connecting process (``SO_PEERCRED``) show this user and the
+process id of a rank that has not been served yet. docs/guarantees.md says what
+that protects against on a shared host.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import secrets
 import socket
+import struct
 import threading
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -42,7 +55,10 @@ def _driver():
         try:
             from cuda import cuda as driver  # type: ignore[no-redef]
         except ImportError as e:
-            raise BackendError(f"the cuda backend needs cuda-python (pip install cuda-python): {e}") from e
+            raise BackendError(
+                "the cuda backend needs cuda-python, which is not installed: pip install 'symmsync[cuda]' "
+                f"(or pip install cuda-python) ({e})"
+            ) from e
     return driver
 
 
@@ -59,50 +75,179 @@ def check(result: Any, what: str) -> Any:
     return result[1] if len(result) == 2 else result[1:]
 
 
-class _FdServer:
-    """Hands one file descriptor to every peer that connects, until closed."""
+log = logging.getLogger("symmsync")
 
-    def __init__(self, fd: int):
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a connected Unix socket,
+    as the kernel recorded them at connect time (``SO_PEERCRED``)."""
+    return _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+
+
+class _FdServer:
+    """Hands one file descriptor to each of the group's other ranks, once, then closes.
+
+    Listens on an abstract Unix socket (its name travels through the group). The
+    process ids it may serve are the peers' (:meth:`expect`, from the same exchange
+    that carried the socket's name); a connection that arrives before them waits for
+    them. Every connection is checked with ``SO_PEERCRED``: the same effective user
+    as this process and an expected process id not served yet get the descriptor;
+    anything else gets nothing and is logged (logger ``"symmsync"``). Once every
+    expected peer has its descriptor the socket closes.
+    """
+
+    def __init__(self, fd: int, owner: int = -1, wait_s: float = 60.0):
         self.fd = fd
+        self.owner = owner
+        self.wait_s = wait_s
         self.address = f"\0symmsync-{os.getpid()}-{secrets.token_hex(8)}"
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(self.address)
         self.sock.listen(64)
+        self._expected: set[int] | None = None
+        self._served: set[int] = set()
+        self._known = threading.Event()
+        self._closed = False
         self.thread = threading.Thread(target=self._serve, daemon=True, name="symmsync-fd-server")
         self.thread.start()
 
+    def expect(self, pids: Collection[int]) -> None:
+        """The process ids of the ranks that will connect (this process's excluded)."""
+        self._expected = set(pids) - {os.getpid()}
+        self._known.set()
+
+    @property
+    def served(self) -> frozenset[int]:
+        """Process ids that received the descriptor."""
+        return frozenset(self._served)
+
     def _serve(self) -> None:
         while True:
+            if self._expected is not None and self._served >= self._expected:
+                self._close_socket()  # every peer has its handle: nobody else may connect
+                return
             try:
                 conn, _ = self.sock.accept()
             except OSError:
                 return  # closed
             with conn:
                 try:
+                    pid, uid, _gid = peer_credentials(conn)
+                except OSError as e:
+                    log.warning("rank %d: memory handle server: no credentials for a connection: %s", self.owner, e)
+                    continue
+                if not self._known.wait(self.wait_s):
+                    log.warning(
+                        "rank %d: memory handle server: the ranks' process ids never arrived; refused pid %d",
+                        self.owner,
+                        pid,
+                    )
+                    continue
+                if self._closed:
+                    return
+                refusal = self._refusal(pid, uid)
+                if refusal:
+                    log.warning(
+                        "rank %d: memory handle server refused pid %d (uid %d): %s", self.owner, pid, uid, refusal
+                    )
+                    continue
+                try:
                     socket.send_fds(conn, [b"f"], [self.fd])
-                except OSError:
-                    pass
+                except OSError as e:
+                    log.warning("rank %d: could not send the memory handle to pid %d: %s", self.owner, pid, e)
+                    continue
+                self._served.add(pid)
 
-    def close(self) -> None:
+    def _refusal(self, pid: int, uid: int) -> str | None:
+        assert self._expected is not None
+        if uid != os.geteuid():
+            return f"another user (this job runs as uid {os.geteuid()})"
+        if pid in self._served:
+            return "that rank already received its handle"
+        if pid not in self._expected:
+            return f"not a rank of this group (ranks' pids: {sorted(self._expected)})"
+        return None
+
+    def _close_socket(self) -> None:
+        self._closed = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self.sock.close()
-        self.thread.join(timeout=5)
+
+    def close(self) -> None:
+        self._close_socket()
+        self._known.set()  # a connection waiting for the pids gives up now
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout=5)
 
 
-def _receive_fd(address: str, owner: int) -> int:
+def _receive_fd(address: str, owner: int, owner_pid: int | None = None) -> int:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(60)
         try:
             s.connect(address)
+            pid, uid, _ = peer_credentials(s)
+            if uid != os.geteuid() or (owner_pid is not None and pid != owner_pid):
+                raise BackendError(
+                    f"the socket named in rank {owner}'s handle belongs to pid {pid} (uid {uid}), not to rank "
+                    f"{owner} (pid {owner_pid}, uid {os.geteuid()}): refusing it"
+                )
             _, fds, _, _ = socket.recv_fds(s, 1, 1)
         except OSError as e:
             raise BackendError(f"could not receive rank {owner}'s memory handle over a Unix socket: {e}") from e
     if not fds:
-        raise BackendError(f"rank {owner} sent no file descriptor")
+        raise BackendError(
+            f"rank {owner} sent no memory handle (its server refused this process: see the 'symmsync' log on rank "
+            f"{owner})"
+        )
     return fds[0]
+
+
+#: Releases whose last tensor died while a CUDA graph was being captured (synchronizing
+#: then would break the capture): done by the backend's next allocate or release.
+_deferred: list[functools.partial] = []
+
+
+def _flush_deferred() -> None:
+    while _deferred and not torch.cuda.is_current_stream_capturing():
+        _deferred.pop()()
+
+
+def _unmap_when_unused(drv: Any, device: torch.device, ptr: int, state: dict) -> None:
+    """Unmap (and, for own memory, free) one mapping: runs once, after its last tensor is gone."""
+    kind = state.get("kind")
+    if kind in (None, "released"):
+        return
+    try:
+        capturing = torch.cuda.is_current_stream_capturing()
+    except RuntimeError:
+        capturing = False
+    if capturing:
+        _deferred.append(functools.partial(_unmap_when_unused, drv, device, ptr, state))
+        return
+    state["kind"] = "released"
+    try:
+        torch.cuda.synchronize(device)  # no kernel may still touch the mapping
+    except RuntimeError:
+        pass  # a trapped kernel: the context is gone, unmapping below still tidies up
+    try:
+        if kind == "vmm-own":
+            drv.cuMemUnmap(ptr, state["size"])
+            drv.cuMemAddressFree(ptr, state["size"])
+            drv.cuMemRelease(state["handle"])
+        elif kind == "vmm-peer":
+            drv.cuMemUnmap(ptr, state["size"])
+            drv.cuMemAddressFree(ptr, state["size"])
+        elif kind == "ipc-own":
+            drv.cuMemFree(ptr)
+        elif kind == "ipc-peer":
+            drv.cuIpcCloseMemHandle(ptr)
+    except Exception as e:  # noqa: BLE001 - runs from a finalizer: report, never raise
+        log.warning("could not release %s memory at 0x%x: %s", kind, ptr, e)
 
 
 class CudaBackend(Backend):
@@ -179,8 +324,18 @@ class CudaBackend(Backend):
         self.drv.cuMemUnmap(ptr, size)
         self.drv.cuMemAddressFree(ptr, size)
 
+    def _tensor(self, ptr: int, nbytes: int, state: dict) -> torch.Tensor:
+        """The mapping's tensor; it owns the mapping (released after its last view is gone).
+
+        The finalizer holds the driver, the address and the state, never the tensor or
+        its Memory (that would keep the tensor alive forever).
+        """
+        release = functools.partial(_unmap_when_unused, self.drv, self.device, ptr, state)
+        return tensor_at(ptr, nbytes, self.device, on_last_use=release)
+
     # ------------------------------------------------------------------ interface
     def allocate(self, nbytes: int, rank: int) -> Memory:
+        _flush_deferred()
         drv = self.drv
         if self.handle_type == "cuda_ipc":
             ptr = int(check(drv.cuMemAlloc(nbytes), "cuMemAlloc"))
@@ -197,7 +352,7 @@ class CudaBackend(Backend):
             state = {"kind": "vmm-own", "handle": handle, "size": size}
         check(drv.cuMemsetD8(ptr, 0, size), "cuMemsetD8")
         check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
-        return Memory(ptr=ptr, nbytes=nbytes, tensor=tensor_at(ptr, nbytes, self.device), owner=rank, state=state)
+        return Memory(ptr=ptr, nbytes=nbytes, tensor=self._tensor(ptr, nbytes, state), owner=rank, state=state)
 
     def export_handle(self, mem: Memory) -> Any:
         drv = self.drv
@@ -212,8 +367,13 @@ class CudaBackend(Backend):
         if self.handle_type == "fabric":
             return ("fabric", bytes(shareable.data), st["size"], mem.nbytes)
         st["fd"] = int(shareable)
-        st["server"] = _FdServer(st["fd"])
-        return ("posix_fd", st["server"].address, st["size"], mem.nbytes)
+        st["server"] = _FdServer(st["fd"], owner=mem.owner)
+        return ("posix_fd", st["server"].address, st["size"], mem.nbytes, os.getpid())
+
+    def exchanged(self, mem: Memory, handles: list[Any]) -> None:
+        server = mem.state.get("server")
+        if server is not None:
+            server.expect(h[4] for h in handles if h is not None and h[0] == "posix_fd")
 
     def import_handle(self, handle: Any, owner: int) -> Memory:
         drv = self.drv
@@ -228,16 +388,11 @@ class CudaBackend(Backend):
                 )
             )
             nbytes = handle[2]
-            return Memory(
-                ptr=ptr,
-                nbytes=nbytes,
-                tensor=tensor_at(ptr, nbytes, self.device),
-                owner=owner,
-                state={"kind": "ipc-peer"},
-            )
+            state = {"kind": "ipc-peer"}
+            return Memory(ptr=ptr, nbytes=nbytes, tensor=self._tensor(ptr, nbytes, state), owner=owner, state=state)
         size, nbytes = handle[2], handle[3]
         if kind == "posix_fd":
-            fd = _receive_fd(handle[1], owner)
+            fd = _receive_fd(handle[1], owner, handle[4])
             try:
                 phys = check(
                     drv.cuMemImportFromShareableHandle(fd, self.cu_handle_type),
@@ -256,13 +411,8 @@ class CudaBackend(Backend):
             ptr = self._map(phys, size)
         finally:
             drv.cuMemRelease(phys)  # the mapping holds the memory from here on
-        return Memory(
-            ptr=ptr,
-            nbytes=nbytes,
-            tensor=tensor_at(ptr, nbytes, self.device),
-            owner=owner,
-            state={"kind": "vmm-peer", "size": size},
-        )
+        state = {"kind": "vmm-peer", "size": size}
+        return Memory(ptr=ptr, nbytes=nbytes, tensor=self._tensor(ptr, nbytes, state), owner=owner, state=state)
 
     def all_mapped(self, mem: Memory) -> None:
         st = mem.state
@@ -274,22 +424,11 @@ class CudaBackend(Backend):
             os.close(fd)
 
     def release(self, mem: Memory) -> None:
-        drv = self.drv
+        """Close the handle server and drop symmsync's tensor over ``mem``.
+
+        The mapping itself goes with the last tensor over it (:meth:`_tensor`): at once
+        when nobody else holds one, else when the user's last tensor is gone.
+        """
         self.all_mapped(mem)
-        st = mem.state
         mem.tensor = None  # type: ignore[assignment]
-        try:
-            torch.cuda.synchronize(self.device)  # no kernel may still touch the mapping
-        except RuntimeError:
-            pass  # a trapped kernel: the context is gone, unmapping below still tidies up
-        kind = st.get("kind")
-        if kind == "vmm-own":
-            self._unmap(mem.ptr, st["size"])
-            drv.cuMemRelease(st["handle"])
-        elif kind == "vmm-peer":
-            self._unmap(mem.ptr, st["size"])
-        elif kind == "ipc-own":
-            drv.cuMemFree(mem.ptr)
-        elif kind == "ipc-peer":
-            drv.cuIpcCloseMemHandle(mem.ptr)
-        st["kind"] = "released"
+        _flush_deferred()

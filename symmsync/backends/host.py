@@ -114,12 +114,10 @@ class HostBackend(Backend):
         name = mem.state.get("name")
         if name:
             _unlink(name)
-        mm = mem.state.pop("mmap", None)
+        # Drop symmsync's references and never call mmap.close(): torch.frombuffer keeps
+        # a reference to the mmap object but no buffer export, so close() would unmap
+        # pages that a tensor the user still holds points to (a segfault on its next
+        # access). Unreferenced, the mmap object unmaps when its last tensor is gone:
+        # at once when there is none.
+        mem.state.pop("mmap", None)
         mem.tensor = None  # type: ignore[assignment]
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                # A tensor the user still holds views this memory; the mapping goes
-                # away with the last such tensor, so it can never dangle.
-                pass

@@ -5,7 +5,7 @@ primitives in :mod:`symmsync.language`)::
 
     from symmsync import pcp
 
-    layout = pcp.CacheLayout(num_blocks, num_layers)
+    layout = pcp.CacheLayout(num_blocks, num_layers)  # main_scale="pow2", indexer_scale="ue8m0"
     writer = pcp.DirectKVWriter(ss.pcp_view(buf, tp), layout)
     batch = writer.prepare(local_slot_mapping)        # once per batch
     for layer in range(num_layers):
@@ -13,6 +13,7 @@ primitives in :mod:`symmsync.language`)::
 """
 
 from .layout import CacheLayout, IndexerKLayout, MainKVLayout
+from .quant import INDEXER_SCALES, MAIN_SCALES
 from .split import PCPSplit, pcp_split
 from .writer import ROUTES, Batch, DirectKVWriter
 
@@ -20,7 +21,9 @@ __all__ = [
     "Batch",
     "CacheLayout",
     "DirectKVWriter",
+    "INDEXER_SCALES",
     "IndexerKLayout",
+    "MAIN_SCALES",
     "MainKVLayout",
     "PCPSplit",
     "ROUTES",

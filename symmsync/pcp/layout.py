@@ -6,13 +6,29 @@ padding and is never written.
 Main KV, "fp8_ds_mla", 656 bytes per token, at ``slot * 656`` in the layer's main region::
 
     [0, 512)     512 kv_c values, float8_e4m3fn, in 4 tiles of 128
-    [512, 528)   4 fp32 tile scales (amax / 448, floored at the smallest normal fp32)
+    [512, 528)   4 fp32 tile scales, one per tile (``main_scale`` picks the rule)
     [528, 656)   64 k_pe values, bf16, unquantized
 
 Indexer K, 132 bytes per token, laid out per block in the layer's indexer region::
 
     block * (block_size * 132) + offset * 128                      128 fp8 values
-    block * (block_size * 132) + block_size * 128 + offset * 4     fp32 scale (a power of two)
+    block * (block_size * 132) + block_size * 128 + offset * 4     4-byte scale field
+
+Scale formats (``CacheLayout(main_scale=..., indexer_scale=...)``); ``amax`` is the
+largest ``|x|`` of a tile (main KV) or token (indexer), divisions are IEEE fp32, and
+codes are ``e4m3fn(x / s)`` rounded to nearest even, saturating at +-448:
+
+``main_scale="pow2"`` (default; vLLM >= 0.33, FlashMLA; exact for the SM90 reader,
+which turns scales into bf16, and the SM100 reader, which turns them into E8M0)
+    ``s`` = the smallest power of two >= ``max(amax / 448, 1e-4)``.
+``main_scale="fp32"`` (vLLM <= 0.11)
+    ``s = max(amax / 448, FLT_MIN)``.
+``indexer_scale="ue8m0"`` (default; DeepSeek-V3.2)
+    ``s`` = the smallest power of two >= ``max(amax, 1e-4) / 448``, stored as fp32.
+``indexer_scale="fp32"`` (vLLM 0.33)
+    ``s = max(amax, 1e-4) / 448``, stored as fp32.
+``indexer_scale="mxfp8"`` (vLLM 0.33)
+    ``s`` as for ``"ue8m0"``; the field holds its biased exponent byte (E8M0) 4 times.
 
 One layer's backing is its main region then its indexer region, each padded to
 128 bytes; layers follow each other from ``base`` in the symmetric buffer.
@@ -25,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from .quant import INDEXER_DIM, MLA_NOPE_DIM, MLA_ROPE_DIM, MLA_TILE, MLA_TOKEN_BYTES
+from .quant import INDEXER_DIM, INDEXER_SCALES, MAIN_SCALES, MLA_NOPE_DIM, MLA_ROPE_DIM, MLA_TILE, MLA_TOKEN_BYTES
 
 _ALIGN = 128
 
@@ -88,12 +104,22 @@ class CacheLayout:
         num_layers: layers packed one after another.
         block_size: tokens per block (64 for DeepSeek-V3.2).
         base: byte offset of layer 0 in the buffer's user region (a multiple of 128).
+        main_scale: main-KV tile-scale format, ``"pow2"`` (vLLM >= 0.33, FlashMLA) or
+            ``"fp32"`` (vLLM <= 0.11); see the module docstring for the rules.
+        indexer_scale: indexer-K scale format, ``"ue8m0"`` (DeepSeek-V3.2),
+            ``"fp32"`` or ``"mxfp8"`` (vLLM 0.33).
+
+    Raises:
+        ConfigError: a size is not a positive int, ``base`` is misaligned, or a
+            format is not one of :data:`MAIN_SCALES` / :data:`INDEXER_SCALES`.
     """
 
     num_blocks: int
     num_layers: int = 1
     block_size: int = 64
     base: int = 0
+    main_scale: str = "pow2"
+    indexer_scale: str = "ue8m0"
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "num_layers", "block_size"):
@@ -102,6 +128,10 @@ class CacheLayout:
                 raise ConfigError(f"CacheLayout: {name} must be a positive int, got {v!r}")
         if not isinstance(self.base, int) or isinstance(self.base, bool) or self.base < 0 or self.base % _ALIGN:
             raise ConfigError(f"CacheLayout: base must be a non-negative multiple of {_ALIGN}, got {self.base!r}")
+        if self.main_scale not in MAIN_SCALES:
+            raise ConfigError(f"CacheLayout: main_scale must be one of {MAIN_SCALES}, got {self.main_scale!r}")
+        if self.indexer_scale not in INDEXER_SCALES:
+            raise ConfigError(f"CacheLayout: indexer_scale must be one of {INDEXER_SCALES}, got {self.indexer_scale!r}")
 
     main = MainKVLayout()
 

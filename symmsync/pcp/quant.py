@@ -1,7 +1,8 @@
 """Bit-exact fp8 (e4m3fn) quantization primitives for KV-cache writers.
 
 This module provides Triton device functions and pure-torch references for
-the two fp8 layouts used by DeepSeek-V3.2 sparse MLA KV caches. The Triton
+the two fp8 layouts used by DeepSeek-V3.2 sparse MLA KV caches, in each of
+their scale formats. The Triton
 functions give byte-identical results when compiled for NVIDIA GPUs and when
 run by Triton's CPU interpreter (``TRITON_INTERPRET=1``); the torch
 references define the expected bytes.
@@ -12,25 +13,32 @@ Main KV, "fp8_ds_mla", 656 bytes per token, built from ``kv_c[t]`` (512
 bf16 values) and ``k_pe[t]`` (64 bf16 values):
 
 * bytes ``[0, 512)``: the 512 ``kv_c`` values as float8_e4m3fn bit
-  patterns, in 4 tiles of 128 values. Value ``x`` of tile ``j`` is stored as
+  patterns, in 4 tiles of 128. Value ``x`` of tile ``j`` is stored as
   ``q = e4m3fn(x / s_j)``: ``x`` is converted to fp32 (exact), divided by
-  ``s_j`` with IEEE round-to-nearest fp32 division, then rounded to e4m3fn
-  with round-to-nearest-even.
-* bytes ``[512, 528)``: the 4 tile scales ``s_j`` as little-endian fp32,
-  ``s_j = max(amax_j / 448, FLT_MIN)``, where ``amax_j`` is the largest
-  ``|x|`` of the tile in fp32, the division is IEEE round-to-nearest and
-  ``FLT_MIN = 2**-126`` is the smallest normal fp32.
+  ``s_j`` (the IEEE round-to-nearest fp32 quotient), then rounded to e4m3fn
+  with round-to-nearest-even, saturating at +-448.
+* bytes ``[512, 528)``: the 4 tile scales ``s_j`` as little-endian fp32.
+  ``amax_j`` is the largest ``|x|`` of the tile in fp32 and ``amax_j / 448``
+  an IEEE round-to-nearest division. ``"pow2"`` (:data:`MAIN_SCALES`, vLLM
+  >= 0.33, FlashMLA): ``s_j`` = the smallest power of two
+  ``>= max(amax_j / 448, 1e-4)``. ``"fp32"`` (vLLM <= 0.11):
+  ``s_j = max(amax_j / 448, FLT_MIN)``, ``FLT_MIN = 2**-126``.
 * bytes ``[528, 656)``: the 64 ``k_pe`` values as bf16, copied bit for bit.
 
-Indexer K, 128 values per token from ``indexer_k[t]`` (bf16), one fp32 scale
+Indexer K, 128 values per token from ``indexer_k[t]`` (bf16), one scale
 per token: ``m = max(amax, 1e-4) / 448`` (fp32, IEEE round-to-nearest
-division; ``1e-4`` is the fp32 value nearest to it, bits ``0x38D1B717``),
-``s`` = the smallest power of two that is ``>= m`` (``s = m`` when ``m`` is
-already a power of two), and ``q = e4m3fn(x / s)``. The quotient is still
-computed as an IEEE round-to-nearest division; because ``s`` is a power of
-two it is exact unless it falls in the fp32 subnormal range, where it is
-correctly rounded (and far below the smallest e4m3 subnormal, so it
-becomes a signed zero in fp8 either way).
+division; ``1e-4`` is the fp32 value nearest to it, bits ``0x38D1B717``).
+``"ue8m0"``: ``s`` = the smallest power of two that is ``>= m`` (``s = m``
+when ``m`` is already a power of two), stored as fp32; ``"fp32"``: ``s = m``;
+``"mxfp8"``: ``s`` as ``"ue8m0"``, its 4-byte field holding the biased
+exponent byte of ``s`` four times (:func:`e8m0_word`). Codes are
+``q = e4m3fn(x / s)``.
+
+With a power-of-two scale the kernels multiply by its reciprocal
+(:func:`pow2_recip`, exact) instead of dividing: ``x * (1 / s)`` and the IEEE
+quotient ``x / s`` are both the correctly rounded value of the same real
+number, so they are equal for every fp32 ``x``, also where the result is an
+fp32 subnormal (no instruction here flushes subnormals).
 
 Conversion to e4m3fn (:func:`e4m3_bits`)
 ----------------------------------------
@@ -47,12 +55,16 @@ saturating above 464; the callers here never reach that range (their
 
 Why the results are exact on both backends
 ------------------------------------------
+* :func:`to_e4m3` is picked when this module is imported: compiled, it is the
+  hardware conversion ``x.to(tl.float8e4nv)`` (``cvt.rn.satfinite.e4m3x2.f32``
+  on sm_89 and later), which the GPU suite proves equal to :func:`e4m3_bits`
+  for all 2**32 fp32 bit patterns but NaNs (a NaN gives a NaN code, its sign
+  not compared); interpreted, it is :func:`e4m3_bits`.
 * :func:`e4m3_bits` uses only 32-bit integer operations (bitcast, and/or,
   shifts by amounts clamped to ``[21, 25]``, adds that cannot overflow,
   compares, ``tl.where``), which have a single defined result on the GPU and
-  in numpy. It deliberately avoids ``x.to(tl.float8e4nv)``, whose
-  interpreter implementation (checked in triton 3.6 and 3.9) disagrees with
-  the GPU and torch: halfway cases round away from zero (1.3125 -> 1.375),
+  in numpy. The interpreter's ``x.to(tl.float8e4nv)`` (checked in triton 3.6
+  and 3.9) disagrees with the GPU and torch: halfway cases round away from zero (1.3125 -> 1.375),
   the carry is lost when rounding crosses a power of two (31.29 -> 16),
   values in (2**-10, 2**-9) and fp32 subnormals round the wrong way, and
   out-of-range inputs give odd codes (464 -> NaN, inf -> 256).
@@ -69,7 +81,8 @@ Why the results are exact on both backends
   masking the fp32 bits, are exact. :func:`mla_tile_scale` does not depend on
   whether subnormals are flushed: ``amax / 448`` is below ``FLT_MIN``
   whenever it or ``amax`` is subnormal, so the floor applies either way.
-  :func:`indexer_scale` never meets subnormals (``m >= 1e-4 / 448``).
+  :func:`mla_tile_scale_pow2`, :func:`indexer_scale` and
+  :func:`indexer_scale_fp32` apply floors far above the subnormals.
 * Constants (``448.0``, ``FLT_MIN``, ``1e-4``) are fp32 values converted
   from Python floats by round-to-nearest on both backends; ``448`` and
   ``FLT_MIN`` are exact.
@@ -80,7 +93,8 @@ Why the results are exact on both backends
 
 A caller loads bf16 ``x``, widens it with ``bf16_to_f32``, computes ``amax``
 as ``tl.max(tl.abs(x), axis=...)`` (exact), and quantizes with
-``e4m3_bits(tl.math.div_rn(x, s))``. ``tl.math.div_rn`` broadcasts its
+``to_e4m3(tl.math.div_rn(x, s))`` (or ``to_e4m3(x * pow2_recip(s))`` for a
+power-of-two ``s``). ``tl.math.div_rn`` broadcasts its
 operands like the arithmetic operators do. Inputs are expected to be
 finite: an inf or NaN in a tile makes its scale inf or NaN, and NaNs made by
 arithmetic carry backend-dependent sign bits (x86 gives negative NaNs, NVIDIA
@@ -92,6 +106,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ..language import INTERPRETED
 
 __all__ = [
     "FP8_E4M3_MAX",
@@ -105,7 +121,16 @@ __all__ = [
     "e4m3_bits",
     "bf16_to_f32",
     "mla_tile_scale",
+    "mla_tile_scale_pow2",
     "indexer_scale",
+    "indexer_scale_fp32",
+    "pow2_ceil",
+    "e8m0_word",
+    "pow2_recip",
+    "to_e4m3",
+    "MAIN_SCALES",
+    "MAIN_SCALE_FLOOR",
+    "INDEXER_SCALES",
     "ref_e4m3_bits",
     "ref_mla_token_bytes",
     "ref_indexer_bytes",
@@ -119,6 +144,15 @@ FLT_MIN = 1.1754943508222875e-38
 
 INDEXER_AMAX_FLOOR = 1e-4
 """Floor applied to the indexer ``amax`` (rounded to fp32, bits 0x38D1B717)."""
+
+MAIN_SCALE_FLOOR = 1e-4
+"""Floor applied to the main-KV quotient ``amax / 448`` of the ``"pow2"`` format (fp32)."""
+
+MAIN_SCALES = ("pow2", "fp32")
+"""Main-KV tile-scale formats: ``"pow2"`` (vLLM >= 0.33, FlashMLA), ``"fp32"`` (vLLM <= 0.11)."""
+
+INDEXER_SCALES = ("ue8m0", "fp32", "mxfp8")
+"""Indexer-K scale formats (vLLM 0.33): power of two as fp32, plain fp32, or 4 E8M0 bytes."""
 
 MLA_TILE = 128
 MLA_NOPE_DIM = 512
@@ -223,6 +257,104 @@ def indexer_scale(amax):
     return ((b + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def pow2_ceil(m):
+    """The smallest power of two ``>= m``, for positive normal fp32 ``m`` (exact, on the bits).
+
+    Adding ``0x7FFFFF`` to the bits carries into the exponent iff a mantissa bit
+    is set; masking then keeps the exponent. ``m`` must be below ``2**127``.
+
+    Args:
+        m: fp32 tensor of positive normal values.
+
+    Returns:
+        fp32 tensor of powers of two.
+    """
+    b = m.to(tl.int32, bitcast=True)
+    return ((b + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pow2_recip(s):
+    """``1 / s`` for powers of two ``s`` in ``[2**-126, 2**126]`` (exact, on the bits).
+
+    With a power-of-two scale, ``x * pow2_recip(s)`` equals the IEEE quotient
+    ``x / s`` for every fp32 ``x``: both are the correctly rounded value of the same
+    real number (also when it lands in the fp32 subnormal range).
+
+    Args:
+        s: fp32 tensor of powers of two.
+
+    Returns:
+        fp32 tensor of their reciprocals.
+    """
+    return (0x7F000000 - s.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mla_tile_scale_pow2(amax):
+    """Power-of-two main-KV tile scale: the smallest ``2**k >= max(amax / 448, 1e-4)``.
+
+    The floor applies to the quotient (an IEEE round-to-nearest division), the
+    rule of vLLM >= 0.33 and FlashMLA. The scale lies in ``[2**-13, 2**120]``.
+
+    Args:
+        amax: fp32 tensor, the largest ``|x|`` of each tile (non-negative, finite).
+
+    Returns:
+        fp32 tensor of power-of-two scales.
+    """
+    return pow2_ceil(tl.maximum(tl.math.div_rn(amax, 448.0), 1e-4))
+
+
+@triton.jit
+def indexer_scale_fp32(amax):
+    """Plain fp32 indexer scale ``max(amax, 1e-4) / 448`` (IEEE division, not rounded up).
+
+    Args:
+        amax: fp32 tensor, the largest ``|x|`` of each token (non-negative).
+
+    Returns:
+        fp32 tensor of scales.
+    """
+    return tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0)
+
+
+@triton.jit
+def e8m0_word(s):
+    """The 4-byte mxfp8 scale field of power-of-two scales: the E8M0 byte four times.
+
+    The E8M0 byte of ``2**k`` is its biased fp32 exponent ``k + 127``.
+
+    Args:
+        s: fp32 tensor of positive normal powers of two.
+
+    Returns:
+        int32 tensor; its little-endian bytes are the exponent byte, four times.
+    """
+    e = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    # e * 0x01010101 may exceed 2**31 (e >= 128): compute the word in 64 bits, then
+    # keep its low 32 (the two's-complement int32 of the same bytes).
+    w = e.to(tl.int64) * 0x01010101
+    return (w - ((w >> 31) << 32)).to(tl.int32)
+
+
+if INTERPRETED:
+    # The interpreter's float8 cast is wrong (see the module docstring): keep the
+    # integer emulation, which is exact everywhere.
+    to_e4m3 = e4m3_bits
+else:
+
+    @triton.jit
+    def to_e4m3(x):
+        """fp32 -> e4m3fn bit patterns with the hardware conversion (``cvt.rn.satfinite``).
+
+        Equal to :func:`e4m3_bits` for every non-NaN fp32 input (the GPU suite checks
+        all 2**32 bit patterns); a NaN input gives a NaN code.
+        """
+        return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
 def ref_e4m3_bits(x: torch.Tensor) -> torch.Tensor:
     """Reference fp32 -> float8_e4m3fn bit patterns via torch's cast.
 
@@ -235,12 +367,13 @@ def ref_e4m3_bits(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
-def ref_mla_token_bytes(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+def ref_mla_token_bytes(kv_c: torch.Tensor, k_pe: torch.Tensor, scale: str = "pow2") -> torch.Tensor:
     """Reference fp8_ds_mla bytes, 656 per token.
 
     Args:
         kv_c: bf16 tensor ``[T, 512]``.
         k_pe: bf16 tensor ``[T, 64]``.
+        scale: the tile-scale format, ``"pow2"`` or ``"fp32"`` (:data:`MAIN_SCALES`).
 
     Returns:
         uint8 tensor ``[T, 656]``: 512 fp8 codes, 4 fp32 tile scales
@@ -252,43 +385,57 @@ def ref_mla_token_bytes(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"kv_c must be [T, {MLA_NOPE_DIM}], got {tuple(kv_c.shape)}")
     if k_pe.shape != (kv_c.shape[0], MLA_ROPE_DIM):
         raise ValueError(f"k_pe must be [T, {MLA_ROPE_DIM}], got {tuple(k_pe.shape)}")
+    if scale not in MAIN_SCALES:
+        raise ValueError(f"scale must be one of {MAIN_SCALES}, got {scale!r}")
     t = kv_c.shape[0]
     x = kv_c.cpu().to(torch.float32).reshape(t, MLA_NOPE_DIM // MLA_TILE, MLA_TILE)
     amax = x.abs().amax(dim=-1, keepdim=True)
     # Divide by a tensor (not a Python scalar) so torch performs a true IEEE
     # division rather than any multiply-by-reciprocal shortcut.
-    scale = torch.clamp_min(amax / torch.full_like(amax, FP8_E4M3_MAX), FLT_MIN)
-    q = ref_e4m3_bits(x / scale).reshape(t, MLA_NOPE_DIM)
-    scale_bytes = _le_bytes(scale.reshape(t, MLA_NOPE_DIM // MLA_TILE).contiguous())
+    q448 = amax / torch.full_like(amax, FP8_E4M3_MAX)
+    if scale == "fp32":
+        s = torch.clamp_min(q448, FLT_MIN)
+    else:
+        s = _ref_pow2_ceil(torch.maximum(q448, torch.tensor(MAIN_SCALE_FLOOR, dtype=torch.float32)))
+    q = ref_e4m3_bits(x / s).reshape(t, MLA_NOPE_DIM)
+    scale_bytes = _le_bytes(s.reshape(t, MLA_NOPE_DIM // MLA_TILE).contiguous())
     pe_bytes = _le_bytes(k_pe.cpu().contiguous())
     return torch.cat([q, scale_bytes, pe_bytes], dim=1)
 
 
-def ref_indexer_bytes(indexer_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _ref_pow2_ceil(m: torch.Tensor) -> torch.Tensor:
+    # m = mant * 2**e with mant in [0.5, 1): m is a power of two iff mant is
+    # 0.5, otherwise the next power of two up is 2**e. Exact.
+    mant, e = torch.frexp(m)
+    return torch.where(mant == 0.5, m, torch.ldexp(torch.ones_like(m), e))
+
+
+def ref_indexer_bytes(indexer_k: torch.Tensor, scale: str = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
     """Reference indexer-K quantization.
 
     Args:
         indexer_k: bf16 tensor ``[T, 128]``.
+        scale: the scale format (:data:`INDEXER_SCALES`); ``"mxfp8"`` has the
+            scale of ``"ue8m0"``, only its stored field differs.
 
     Returns:
         ``(codes, scales)``: uint8 ``[T, 128]`` fp8 bit patterns and fp32
-        ``[T]`` power-of-two scales.
+        ``[T]`` scales.
     """
     if indexer_k.dtype != torch.bfloat16:
         raise TypeError("indexer_k must be bfloat16")
     if indexer_k.dim() != 2 or indexer_k.shape[1] != INDEXER_DIM:
         raise ValueError(f"indexer_k must be [T, {INDEXER_DIM}], got {tuple(indexer_k.shape)}")
+    if scale not in INDEXER_SCALES:
+        raise ValueError(f"scale must be one of {INDEXER_SCALES}, got {scale!r}")
     t = indexer_k.shape[0]
     x = indexer_k.cpu().to(torch.float32)
     amax = x.abs().amax(dim=-1, keepdim=True)
     floor = torch.tensor(INDEXER_AMAX_FLOOR, dtype=torch.float32)
     m = torch.maximum(amax, floor) / torch.full_like(amax, FP8_E4M3_MAX)
-    # m = mant * 2**e with mant in [0.5, 1): m is a power of two iff mant is
-    # 0.5, otherwise the next power of two up is 2**e. Exact.
-    mant, e = torch.frexp(m)
-    scale = torch.where(mant == 0.5, m, torch.ldexp(torch.ones_like(m), e))
-    codes = ref_e4m3_bits(x / scale)
-    return codes, scale.reshape(t)
+    s = m if scale == "fp32" else _ref_pow2_ceil(m)
+    codes = ref_e4m3_bits(x / s)
+    return codes, s.reshape(t)
 
 
 def _le_bytes(t: torch.Tensor) -> torch.Tensor:

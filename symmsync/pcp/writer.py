@@ -13,8 +13,15 @@ Two routes, chosen explicitly and agreed by every rank (never a silent mix):
     the gathered rows. It is the byte oracle of the direct route and the explicit
     fallback where peers cannot be mapped (for example across hosts without NVLink).
 
-Both routes run the same kernel, so their bytes can be compared exactly; the
-quantization itself is checked against torch in the tests.
+Both routes run the same kernel, so their bytes can be compared exactly; the tests
+also check every cache format (``CacheLayout(main_scale=..., indexer_scale=...)``,
+picked at compile time) against references written in plain torch from the format
+rules.
+
+Eager cost: :meth:`DirectKVWriter.prepare` does every check that needs the slot
+values; the first :meth:`~DirectKVWriter.write` of a batch packs the kernel launch
+(:meth:`symmsync.launch.Launcher.bind`) and later layers only update the input
+addresses and the layer's offsets in it (:meth:`symmsync.launch.BoundLaunch.update`).
 """
 
 from __future__ import annotations
@@ -32,7 +39,16 @@ from ..errors import ClosedError, ConfigError, InputError
 from ..fence import Fence
 from ..launch import Launcher
 from .layout import CacheLayout
-from .quant import bf16_to_f32, e4m3_bits, indexer_scale, mla_tile_scale
+from .quant import (
+    bf16_to_f32,
+    e8m0_word,
+    indexer_scale,
+    indexer_scale_fp32,
+    mla_tile_scale,
+    mla_tile_scale_pow2,
+    pow2_recip,
+    to_e4m3,
+)
 
 ROUTES = ("direct", "allgather")
 
@@ -70,37 +86,63 @@ def _pack(codes, SHIFT: tl.constexpr):
 
 @triton.jit
 def _write_indexer_and_rope(
-    idx_k, k_pe, ix_stride, pe_stride, rows, live, dst, main_row, idx_val, idx_scale, NDST: tl.constexpr
+    idx_k,
+    k_pe,
+    ix_stride,
+    pe_stride,
+    rows,
+    live,
+    dst,
+    main_row,
+    idx_val,
+    idx_scale,
+    NDST: tl.constexpr,
+    IDX_SCALE: tl.constexpr,
 ):
     w32 = tl.arange(0, 32)
     c4 = w32[:, None] * 4 + tl.arange(0, 4)[None, :]  # [32, 4]: byte k of word w is value 4w + k
     c2 = w32[:, None] * 2 + tl.arange(0, 2)[None, :]  # [32, 2]: half k of word w is value 2w + k
     m3 = live[:, None, None]
     m2 = live[:, None]
-    # Indexer K: one power-of-two scale per token.
+    # Indexer K: one scale per token (IDX_SCALE: 0 "ue8m0", 1 "fp32", 2 "mxfp8").
     xi = bf16_to_f32(tl.load(idx_k + rows[:, None, None] * ix_stride + c4[None, :, :], mask=m3, other=0))
-    si = indexer_scale(tl.max(tl.max(tl.abs(xi), axis=2), axis=1))
-    qi = _pack(e4m3_bits(tl.math.div_rn(xi, si[:, None, None])), 8)
-    pe = _pack(tl.load(k_pe + rows[:, None, None] * pe_stride + c2[None, :, :], mask=m3, other=0), 16)
+    ai = tl.max(tl.max(tl.abs(xi), axis=2), axis=1)
+    if IDX_SCALE == 1:
+        si = indexer_scale_fp32(ai)
+        qi = _pack(to_e4m3(tl.math.div_rn(xi, si[:, None, None])), 8)
+    else:
+        si = indexer_scale(ai)  # a power of two: the product below is the exact quotient
+        qi = _pack(to_e4m3(xi * pow2_recip(si)[:, None, None]), 8)
+    # RoPE values are copied as bits: bitcast, never a value conversion (the rows may be bf16).
+    pe_bits = tl.load(k_pe + rows[:, None, None] * pe_stride + c2[None, :, :], mask=m3, other=0)
+    pe = _pack(pe_bits.to(tl.int16, bitcast=True), 16)
     for d in tl.static_range(NDST):
         # Typed base pointers with offsets in elements keep the alignment Triton can prove
         # (every offset here is a multiple of 16 bytes), so the word stores vectorize.
         words = tl.multiple_of(tl.load(dst + d).to(tl.pointer_type(tl.int32)), 16)
         floats = tl.multiple_of(tl.load(dst + d).to(tl.pointer_type(tl.float32)), 16)
         tl.store(words + (idx_val // 4)[:, None] + w32[None, :], qi, mask=m2)
-        tl.store(floats + idx_scale // 4, si, mask=live)
+        if IDX_SCALE == 2:
+            tl.store(words + idx_scale // 4, e8m0_word(si), mask=live)
+        else:
+            tl.store(floats + idx_scale // 4, si, mask=live)
         tl.store(words + ((main_row + 528) // 4)[:, None] + w32[None, :], pe, mask=m2)
 
 
 @triton.jit
-def _write_main_tile(kv_c, kv_stride, j, rows, live, dst, main_row, NDST: tl.constexpr):
+def _write_main_tile(kv_c, kv_stride, j, rows, live, dst, main_row, NDST: tl.constexpr, MAIN_POW2: tl.constexpr):
     # Main KV tile j: 128 values and their scale.
     w32 = tl.arange(0, 32)
     c4 = w32[:, None] * 4 + tl.arange(0, 4)[None, :]
     m3 = live[:, None, None]
     x = bf16_to_f32(tl.load(kv_c + rows[:, None, None] * kv_stride + j * 128 + c4[None, :, :], mask=m3, other=0))
-    s = mla_tile_scale(tl.max(tl.max(tl.abs(x), axis=2), axis=1))
-    q = _pack(e4m3_bits(tl.math.div_rn(x, s[:, None, None])), 8)
+    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
+    if MAIN_POW2:
+        s = mla_tile_scale_pow2(amax)  # a power of two: the product is the exact quotient
+        q = _pack(to_e4m3(x * pow2_recip(s)[:, None, None]), 8)
+    else:
+        s = mla_tile_scale(amax)
+        q = _pack(to_e4m3(tl.math.div_rn(x, s[:, None, None])), 8)
     for d in tl.static_range(NDST):
         words = tl.multiple_of(tl.load(dst + d).to(tl.pointer_type(tl.int32)), 16)
         floats = tl.multiple_of(tl.load(dst + d).to(tl.pointer_type(tl.float32)), 16)
@@ -131,15 +173,28 @@ def _quantize_write_kernel(
     SPLIT: tl.constexpr,
     FUSED: tl.constexpr,
     TRAP: tl.constexpr,
+    MAIN_POW2: tl.constexpr,
+    IDX_SCALE: tl.constexpr,
+    SPREAD: tl.constexpr,
 ):
     # A persistent grid: each program takes work items (a block of rows, and with SPLIT
     # one of its five pieces: main-KV tiles 0-3, then indexer K + RoPE) until none are left.
+    # With SPREAD an item also names one destination: the programs writing to peers and
+    # those writing locally run side by side (each quantizes its rows itself).
     PIECES: tl.constexpr = 5 if SPLIT else 1
-    n_items = tl.cdiv(n_rows, BLOCK_T) * PIECES
+    NWAYS: tl.constexpr = NDST if SPREAD else 1
+    NOUT: tl.constexpr = 1 if SPREAD else NDST  # destinations each item stores to
+    n_items = tl.cdiv(n_rows, BLOCK_T) * PIECES * NWAYS
     item = tl.program_id(0)
     step = tl.num_programs(0)
     while item < n_items:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
-        rows = (item // PIECES) * BLOCK_T + tl.arange(0, BLOCK_T)
+        if SPREAD:
+            out = dst + item % NWAYS
+            work = item // NWAYS
+        else:
+            out = dst
+            work = item
+        rows = (work // PIECES) * BLOCK_T + tl.arange(0, BLOCK_T)
         in_range = rows < n_rows
         slot = tl.load(slots + rows, mask=in_range, other=-1)
         live = in_range & (slot >= 0)
@@ -150,19 +205,19 @@ def _quantize_write_kernel(
         idx_val = idx_off + block * (BLOCK_SIZE * 132) + off * 128
         idx_scale = idx_off + block * (BLOCK_SIZE * 132) + BLOCK_SIZE * 128 + off * 4
         if SPLIT:
-            piece = item % PIECES
+            piece = work % PIECES
             if piece < 4:
-                _write_main_tile(kv_c, kv_stride, piece, rows, live, dst, main_row, NDST)
+                _write_main_tile(kv_c, kv_stride, piece, rows, live, out, main_row, NOUT, MAIN_POW2)
             else:
                 _write_indexer_and_rope(
-                    idx_k, k_pe, ix_stride, pe_stride, rows, live, dst, main_row, idx_val, idx_scale, NDST
+                    idx_k, k_pe, ix_stride, pe_stride, rows, live, out, main_row, idx_val, idx_scale, NOUT, IDX_SCALE
                 )
         else:
             _write_indexer_and_rope(
-                idx_k, k_pe, ix_stride, pe_stride, rows, live, dst, main_row, idx_val, idx_scale, NDST
+                idx_k, k_pe, ix_stride, pe_stride, rows, live, out, main_row, idx_val, idx_scale, NOUT, IDX_SCALE
             )
             for j in tl.static_range(4):
-                _write_main_tile(kv_c, kv_stride, j, rows, live, dst, main_row, NDST)
+                _write_main_tile(kv_c, kv_stride, j, rows, live, out, main_row, NOUT, MAIN_POW2)
         item += step
 
     if FUSED:
@@ -184,6 +239,12 @@ class Batch:
     rows: int
     gathered_slots: torch.Tensor | None = None  #: allgather route: every rank's slots, rank-major
     writer: Any = field(default=None, repr=False, compare=False)  #: the writer whose prepare() made it
+    # Made once per batch and reused by every layer's write(): the packed launch, and the
+    # all-gather route's staging tensors.
+    _bound: Any = field(default=None, repr=False, compare=False)
+    _grid: tuple = field(default=(1, 1, 1), repr=False, compare=False)
+    _packed: Any = field(default=None, repr=False, compare=False)
+    _gathered: Any = field(default=None, repr=False, compare=False)
 
 
 class DirectKVWriter:
@@ -203,11 +264,19 @@ class DirectKVWriter:
         block_rows: rows per work item of the kernel (a power of two).
         num_warps: warps per program.
         split: give each of a row block's five pieces (four main-KV tiles; indexer K
-            with RoPE) its own work item. The defaults are the fastest configuration of
-            the sweep in benchmarks/pcp_kv.py on 2x H200 (all were within 4%).
+            with RoPE) its own work item.
+        spread: give each destination replica its own work items (each quantizes its
+            rows itself), so that programs storing to peers and programs storing locally
+            run side by side instead of one after the other in every program.
         programs_per_sm: size of the persistent grid on GPUs, per multiprocessor.
 
-    Construction is collective over the buffer's group (every rank agrees on the route).
+    The defaults (16 rows, 4 warps, no split, no spread) are as fast as any
+    configuration of the sweep in benchmarks/pcp_kv.py on 2x H200: at 32k tokens per
+    rank all took 115-126 µs per layer, bound by the stores to the peer.
+
+    Construction is collective over the buffer's group: every rank agrees on the route,
+    and the members of a PCP group on the layout (formats included) and the channel.
+    The writer's :attr:`fence` is a :class:`~symmsync.Fence` on both routes.
     """
 
     def __init__(
@@ -225,6 +294,7 @@ class DirectKVWriter:
         num_warps: int = 4,
         split: bool = False,
         programs_per_sm: int = 4,
+        spread: bool = False,
     ):
         buf = view.buffer
         self.view, self.layout, self.route, self.fused, self.debug = view, layout, route, bool(fused), debug
@@ -247,13 +317,12 @@ class DirectKVWriter:
         elif not isinstance(programs_per_sm, int) or isinstance(programs_per_sm, bool) or programs_per_sm <= 0:
             problem = f"programs_per_sm must be a positive int, got {programs_per_sm!r}"
         fence = None
-        if problem is None and route == "direct":
+        if problem is None:
             try:  # a bad channel or timeout is agreed like the rest, so that every rank raises
                 fence = Fence(view, channel, timeout_s=timeout_s)
             except ConfigError as e:
                 problem = str(e)
-        agree_channel = channel if route == "direct" else None  # checked by Fence: an int
-        mine = (route, bool(fused), layout, agree_channel) if problem is None else ("?", False, None, None)
+        mine = (route, bool(fused), layout, channel) if problem is None else ("?", False, None, None)
         agreed = _exchange(buf.group, (*mine, problem), buf.world_size)
         bad = [(r, a[-1]) for r, a in enumerate(agreed) if a[-1]]
         if bad:
@@ -270,6 +339,9 @@ class DirectKVWriter:
                 )
         self.group = group
         self.block_rows = block_rows
+        #: The fence of the writer's channel on its view. The direct route fences with it
+        #: after every layer; the all-gather route does not need it (NCCL orders the
+        #: gather) but it is there on both routes, to order other peer traffic.
         self.fence = fence
         if route == "direct":
             dst = view.ptrs
@@ -277,7 +349,7 @@ class DirectKVWriter:
             dst = buf.ptrs[buf.rank : buf.rank + 1].contiguous()
         self._dst = dst
         self._trap = buf.backend == "cuda"
-        self._pieces = 5 if split else 1
+        self._pieces = (5 if split else 1) * (dst.numel() if spread else 1)
         if buf.backend == "cuda":
             sms = torch.cuda.get_device_properties(buf.device).multi_processor_count
             self._max_programs = max(1, sms * programs_per_sm)
@@ -293,7 +365,14 @@ class DirectKVWriter:
             SPLIT=bool(split),
             FUSED=self.fused,
             TRAP=self._trap,
+            MAIN_POW2=layout.main_scale == "pow2",
+            IDX_SCALE=("ue8m0", "fp32", "mxfp8").index(layout.indexer_scale),
+            SPREAD=bool(spread),
         )
+        self._host = buf.backend == "host"
+        self._device_index = buf.device.index if buf.backend == "cuda" else -1
+        # Per-layer region offsets, computed once.
+        self._offsets = [(layout.main_offset(i), layout.indexer_offset(i)) for i in range(layout.num_layers)]
 
     # ------------------------------------------------------------------ per batch
     def prepare(self, slot_mapping: torch.Tensor) -> Batch:
@@ -337,9 +416,23 @@ class DirectKVWriter:
         if self.debug:
             self._check_duplicates(every)
         batch = Batch(slots=slots, rows=rows, writer=self)  # write() takes only batches this writer validated
+        launched_rows = rows
         if self.route == "allgather":
             batch.gathered_slots = self._all_gather(slots)
+            launched_rows = rows * self.view.size
+            width = _NOPE + _ROPE + _IDX
+            packed = torch.empty((rows, width), dtype=torch.int16, device=buf.device)
+            gathered = torch.empty((launched_rows, width), dtype=torch.int16, device=buf.device)
+            fields = (slice(0, _NOPE), slice(_NOPE, _NOPE + _ROPE), slice(_NOPE + _ROPE, width))
+            batch._packed = (packed, *[packed[:, f] for f in fields])
+            batch._gathered = (gathered, *[gathered[:, f] for f in fields])
+        batch._grid = self._grid_for(launched_rows)
         return batch
+
+    def _grid_for(self, rows: int) -> tuple[int, int, int]:
+        """The persistent grid for ``rows`` rows: one program at least (the fused tail must run)."""
+        items = triton.cdiv(rows, self.block_rows) * self._pieces
+        return (max(1, min(items, self._max_programs)), 1, 1)
 
     def _check_duplicates(self, every: list) -> None:
         # Every rank checks its own PCP group from the mappings all ranks sent.
@@ -360,26 +453,59 @@ class DirectKVWriter:
         """Quantize this rank's rows of ``layer`` and make them visible in every replica.
 
         Direct route: one writer launch into every member's replica plus one fence (or
-        the fused tail). Allgather route: an all-gather of the inputs, then a local
-        insert. On return (in stream order), every replica of the PCP group holds the
-        layer's bytes of every member's rows.
+        the fused tail); on return (in stream order), every replica of the PCP group
+        holds the layer's bytes of every member's rows. Allgather route: an all-gather
+        of the inputs, then an insert into this rank's replica; on return this rank's
+        replica holds every member's rows (each member fills its own replica: read a
+        peer's replica only after a fence, e.g. ``writer.fence.fence()``).
+
+        The launch is packed once per batch (at the batch's first write); each layer
+        only changes the input addresses and the layer's offsets in it.
 
         Raises:
             InputError: wrong layer, dtype, shape, device, or non-contiguous input;
                 raised before any byte is written.
         """
-        self._check_inputs(layer, kv_c, k_pe, indexer_k, batch)
+        rows = batch.rows if type(batch) is Batch else -1
+        if not (
+            rows >= 0
+            and type(layer) is int
+            and 0 <= layer < self.layout.num_layers
+            and batch.writer is self
+            and self._input_ok(kv_c, rows, _NOPE)
+            and self._input_ok(k_pe, rows, _ROPE)
+            and self._input_ok(indexer_k, rows, _IDX)
+        ):
+            try:
+                self._check_inputs(layer, kv_c, k_pe, indexer_k, batch)  # raises, naming the problem
+            except InputError as e:
+                # The members may already wait in this layer's fence: tell them at once
+                # (they raise PeerAborted naming this rank and the reason) instead of
+                # letting them wait out their budget. Nothing was written.
+                self.fence.abort(f"DirectKVWriter.write: {e}")
+                raise
         if self.route == "allgather":
             self._insert_gathered(layer, kv_c, k_pe, indexer_k, batch)
             return
-        self._launch(
-            layer, kv_c, k_pe, indexer_k, kv_c.stride(0), k_pe.stride(0), indexer_k.stride(0), batch.slots, batch.rows
-        )
+        if self.fused:  # the tail fences inside the kernel: refuse here what Fence.fence() would
+            self.fence.check_usable()
+        if self._host:  # the interpreter reads bf16 rows as int16 bits
+            kv_c, k_pe, indexer_k = kv_c.view(torch.int16), k_pe.view(torch.int16), indexer_k.view(torch.int16)
+        self._launch(layer, kv_c, k_pe, indexer_k, _NOPE, _ROPE, _IDX, batch.slots, rows, batch)
         if self.fused:
-            if self.buffer.backend == "host":
+            if self._host:
                 self.fence.check()
         else:
             self.fence.fence()
+
+    def _input_ok(self, t: Any, rows: int, width: int) -> bool:
+        return (
+            type(t) is torch.Tensor
+            and t.dtype is torch.bfloat16
+            and t.shape == (rows, width)
+            and t.get_device() == self._device_index
+            and t.is_contiguous()
+        )
 
     def _check_inputs(self, layer, kv_c, k_pe, indexer_k, batch) -> None:
         rank = self.buffer.rank
@@ -406,32 +532,40 @@ class DirectKVWriter:
                 raise InputError(f"rank {rank}: {name} is on {t.device}, the cache on {self.buffer.device}")
             if not t.is_contiguous():
                 raise InputError(f"rank {rank}: {name} must be contiguous (call .contiguous())")
+        raise InputError(f"rank {rank}: write() was given an input it cannot take")  # pragma: no cover
 
-    def _launch(self, layer, kv_c, k_pe, idx_k, kv_stride, pe_stride, ix_stride, slots, rows) -> None:
+    # Positions of the arguments that change from layer to layer in the kernel's list.
+    _PER_LAYER = (0, 1, 2, 9, 10)
+
+    def _launch(self, layer, kv_c, k_pe, idx_k, kv_stride, pe_stride, ix_stride, slots, rows, batch) -> None:
         if self.buffer.closed:
             raise ClosedError(f"rank {self.buffer.rank}: DirectKVWriter.write used after its buffer was closed")
-        f = self.fence
-        cell, me, timeout_ns, record = (f.cell, self.view.local_index, f.timeout_ns, f.record) if f else (0, 0, 0, 0)
-        items = triton.cdiv(rows, self.block_rows) * self._pieces
-        grid = max(1, min(items, self._max_programs))  # one program at least: the fused tail must run
-        self._launcher.grid = (grid, 1, 1)
-        self._launcher(
-            kv_c.view(torch.int16),
-            k_pe.view(torch.int16),
-            idx_k.view(torch.int16),
-            kv_stride,
-            pe_stride,
-            ix_stride,
-            slots,
-            rows,
-            self._dst,
-            self.layout.main_offset(layer),
-            self.layout.indexer_offset(layer),
-            cell,
-            me,
-            timeout_ns,
-            record,
-        )
+        main_off, idx_off = self._offsets[layer]
+        bound = batch._bound
+        if bound is None:
+            f = self.fence
+            cell, me, timeout_ns, record = (f.cell, self.view.local_index, f.timeout_ns, f.record)
+            bound = batch._bound = self._launcher.bind(
+                kv_c,
+                k_pe,
+                idx_k,
+                kv_stride,
+                pe_stride,
+                ix_stride,
+                slots,
+                rows,
+                self._dst,
+                main_off,
+                idx_off,
+                cell,
+                me,
+                timeout_ns,
+                record,
+                grid=batch._grid,
+            )
+        else:
+            bound.update(self._PER_LAYER, (kv_c, k_pe, idx_k, main_off, idx_off))
+        bound()
 
     # ------------------------------------------------------------------ baseline
     def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -440,21 +574,15 @@ class DirectKVWriter:
         return out
 
     def _insert_gathered(self, layer, kv_c, k_pe, indexer_k, batch) -> None:
-        rows = batch.rows
-        packed = torch.cat([kv_c.view(torch.int16), k_pe.view(torch.int16), indexer_k.view(torch.int16)], dim=1)
-        gathered = self._all_gather(packed.view(torch.uint8)).view(torch.int16)  # bytes travel on every backend
-        width = gathered.shape[1]
-        self._launch(
-            layer,
-            gathered[:, :_NOPE].view(torch.bfloat16),
-            gathered[:, _NOPE : _NOPE + _ROPE].view(torch.bfloat16),
-            gathered[:, _NOPE + _ROPE :].view(torch.bfloat16),
-            width,
-            width,
-            width,
-            batch.gathered_slots,
-            rows * self.view.size,
-        )
+        packed, p_kv, p_pe, p_ix = batch._packed
+        gathered, g_kv, g_pe, g_ix = batch._gathered
+        p_kv.copy_(kv_c.view(torch.int16))
+        p_pe.copy_(k_pe.view(torch.int16))
+        p_ix.copy_(indexer_k.view(torch.int16))
+        # Bytes travel on every backend (gloo has no int16 all-gather).
+        _all_gather_single(gathered.view(torch.uint8), packed.view(torch.uint8), group=self.group)
+        width = _NOPE + _ROPE + _IDX
+        self._launch(layer, g_kv, g_pe, g_ix, width, width, width, batch.gathered_slots, gathered.shape[0], batch)
 
     def bytes_per_layer(self, rows: int) -> dict[str, int]:
         """What one layer moves per rank: cache bytes written, and bytes sent to peers."""

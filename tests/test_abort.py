@@ -1,0 +1,301 @@
+"""Failures reach every member at once (issue 17, item 5), on the host backend.
+
+A rank that gives up marks an abort flag in its slot at every member; a member
+waiting for an epoch that rank never published raises ``PeerAborted`` naming it and
+its reason within a poll, long before the fence's budget (60 s here, so a miss is
+obvious). ``FenceTimeout`` tells a peer that closed from one that never arrived, and a
+clean close after the last fence never fails a fence that already completed.
+
+Oracles: the elapsed time against the budget, the error's type and fields, and the raw
+slot words read with torch (``test_an_abort_is_never_taken_for_an_arrival`` shows that
+a compare that ignored the flag would take an aborted member for an arrived one).
+"""
+
+import pickle
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+import symmsync as ss
+import symmsync.language as ssl
+from symmsync.testing import run
+
+BUDGET_S = 60.0  # the fence budget: an abort that is missed shows up as a minute
+FAST_S = 1.0  # an abort must reach every waiting member within this
+
+
+def _setup(channels=1, budget=BUDGET_S):
+    buf = ss.SymmetricBuffer(4096, backend="host", channels=channels)
+    view = buf.view(list(range(buf.world_size)))
+    fence = ss.Fence(view, timeout_s=budget)
+    return buf, view, fence
+
+
+def _raw_slots(buf, fence, view):
+    """This rank's slot words of the fence's cell, read with torch (count | flag)."""
+    local = buf.local_memory()
+    start = fence.cell + 128
+    return local[start : start + 8 * view.size].view(torch.int64).tolist()
+
+
+def _describe(err):
+    return {
+        "type": type(err).__name__,
+        "msg": str(err),
+        "rank": err.rank,
+        "epoch": err.epoch,
+        "late": err.late,
+        "aborted": err.aborted,
+        "closed": err.closed,
+        "is_timeout": isinstance(err, ss.FenceTimeout),
+        "pickled": type(pickle.loads(pickle.dumps(err))).__name__,
+    }
+
+
+def _wait_for_abort(fence):
+    t0 = time.monotonic()
+    try:
+        fence.fence()
+    except ss.FenceTimeout as err:
+        out = _describe(err)
+        out["elapsed"] = time.monotonic() - t0
+        return out
+    return "no error"
+
+
+# ---------------------------------------------------------------------- an explicit abort
+def one_rank_aborts(aborter, reason, rounds):
+    buf, view, fence = _setup()
+    for _ in range(rounds):
+        fence.fence()
+    if buf.rank == aborter:
+        try:
+            raise ValueError("bad input on this rank")
+        except ValueError:
+            fence.abort(reason)  # what an operation does before it raises
+        out = {}
+        try:
+            fence.fence()  # the aborting rank's own fences fail closed
+        except ss.PeerAborted as err:
+            out["own"] = _describe(err)
+        dist.barrier()  # stay mapped until the peers have read the reason
+        buf.close()
+        return out
+    out = _wait_for_abort(fence)
+    out["slots"] = _raw_slots(buf, fence, view)
+    dist.barrier()
+    buf.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_that_aborts_makes_every_waiting_peer_raise_naming_it_at_once(world):
+    aborter, reason, rounds = world - 1, "bad input: kv_c has 3 rows, the batch 4", 3
+    results = run(one_rank_aborts, world, aborter, reason, rounds, timeout_s=120)
+    own = results[aborter]["own"]
+    assert own["type"] == "PeerAborted" and own["aborted"] == {aborter: reason}, own
+    for rank in range(world):
+        if rank == aborter:
+            continue
+        r = results[rank]
+        assert isinstance(r, dict) and r["type"] == "PeerAborted", r
+        assert r["elapsed"] < FAST_S, r["elapsed"]
+        assert r["is_timeout"] and r["pickled"] == "PeerAborted"
+        assert r["rank"] == rank and r["epoch"] == rounds + 1
+        assert r["aborted"] == {aborter: reason} and r["late"] == {} and r["closed"] == []
+        assert f"rank {aborter} aborted" in r["msg"] and reason in r["msg"], r["msg"]
+        # The flag is the sign bit of the aborter's slot; the count stays what it published.
+        raw = r["slots"][aborter]
+        assert raw < 0 and raw & (2**63 - 1) == rounds, raw
+
+
+def long_reason(aborter):
+    buf, view, fence = _setup()
+    fence.fence()
+    reason = "é" * 80  # 160 bytes of UTF-8: cut at a character boundary
+    if buf.rank == aborter:
+        fence.abort(reason)
+        fence.abort("a second reason is ignored")
+        dist.barrier()
+        buf.close()
+        return reason
+    out = _wait_for_abort(fence)
+    dist.barrier()
+    buf.close()
+    return out
+
+
+def test_a_long_reason_arrives_cut_at_a_character_and_a_second_abort_changes_nothing():
+    results = run(long_reason, 2, 1, timeout_s=120)
+    got = results[0]["aborted"][1]
+    assert got == "é" * (ssl.REASON_TEXT_BYTES // 2)
+
+
+# ---------------------------------------------------------------------- a fence after its own error
+def fences_again_after_its_own_error(failer):
+    buf, view, fence = _setup()
+    fence.fence()
+    if buf.rank == failer:
+        fence._failed = ss.FenceTimeout("planted: this rank's fence failed", rank=failer, epoch=1, late={}, channel=0)
+        try:
+            fence.fence()  # raises the planted error, after marking the view aborted
+        except ss.FenceTimeout as err:
+            planted = str(err)
+        dist.barrier()
+        buf.close()
+        return planted
+    out = _wait_for_abort(fence)
+    dist.barrier()
+    buf.close()
+    return out
+
+
+def test_a_fence_after_the_ranks_own_error_aborts_the_view_before_raising():
+    results = run(fences_again_after_its_own_error, 2, 0, timeout_s=120)
+    assert results[0] == "planted: this rank's fence failed"
+    r = results[1]
+    assert r["type"] == "PeerAborted" and r["elapsed"] < FAST_S, r
+    assert list(r["aborted"]) == [0] and "FenceTimeout on channel 0" in r["aborted"][0], r
+
+
+# ---------------------------------------------------------------------- closed vs never arrived
+def one_rank_closes(closer, channels):
+    buf, view, fence = _setup(channels)
+    fences = [fence] + [ss.Fence(view, channel=c, timeout_s=BUDGET_S) for c in range(1, channels)]
+    fence.fence()
+    if buf.rank == closer:
+        buf.close()
+        return "closed"
+    return [_wait_for_abort(f) for f in fences]  # every channel of the view was marked
+
+
+def test_a_peer_that_closed_is_reported_as_closed_on_every_channel_at_once():
+    results = run(one_rank_closes, 3, 2, 2, timeout_s=120)
+    for rank in (0, 1):
+        for r in results[rank]:
+            assert r["type"] == "PeerAborted" and r["elapsed"] < FAST_S, r
+            assert r["aborted"] == {2: "closed"} and r["closed"] == [2] and r["late"] == {}, r
+            assert "rank 2 closed its buffer" in r["msg"], r["msg"]
+
+
+def one_rank_never_arrives(absent, budget):
+    buf, view, fence = _setup(budget=budget)
+    fence.fence()
+    if buf.rank == absent:
+        dist.barrier()  # alive and open, but never at the second fence
+        buf.close()
+        return None
+    out = _wait_for_abort(fence)
+    dist.barrier()
+    buf.close()
+    return out
+
+
+def test_a_peer_that_never_arrived_is_a_timeout_that_says_not_arrived_not_closed():
+    budget = 1.5
+    r = run(one_rank_never_arrives, 2, 1, budget, timeout_s=120)[0]
+    assert r["type"] == "FenceTimeout" and r["elapsed"] >= budget, r
+    assert r["late"] == {1: 1} and r["aborted"] == {} and r["closed"] == [], r
+    assert "not arrived, neither closed nor aborted: rank 1" in r["msg"] and "closed its buffer" not in r["msg"]
+
+
+# ---------------------------------------------------------------------- a clean close
+def clean_close_after_the_last_fence(closer, fences):
+    buf, view, fence = _setup()
+    payload = [view.tensor(0, (1,), torch.int64, index=p) for p in range(view.size)]
+    for e in range(1, fences + 1):
+        if buf.rank == closer:
+            for p in payload:  # the closer's stamp into every member, before its publish
+                p[0] = e
+        if buf.rank == closer and e == fences:
+            fence.arrive()  # its last publish is out ...
+            buf.close()  # ... and it closes before the others' waits have seen it
+            return "closed"
+        if buf.rank != closer and e == fences:
+            time.sleep(0.3)  # the closer publishes and closes meanwhile
+        fence.fence()
+    seen = payload[view.local_index].item()
+    slots = _raw_slots(buf, fence, view)
+    buf.close()
+    return {"seen": seen, "slot": slots[closer]}
+
+
+def test_a_clean_close_after_the_last_fence_never_fails_a_fence_that_completed():
+    fences = 3
+    r = run(clean_close_after_the_last_fence, 2, 0, fences, timeout_s=120)[1]
+    # The closer's slot carries the flag and the full count: the masked count completed it.
+    assert r["slot"] < 0 and r["slot"] & (2**63 - 1) == fences, r
+    assert r["seen"] == fences, r
+
+
+# ---------------------------------------------------------------------- the flag is never an arrival
+@triton.jit
+def _raw_ge_kernel(slots, epoch, out, SIZE: tl.constexpr):
+    # The compare a wait without the abort mask would make, on the raw words.
+    idx = tl.arange(0, SIZE)
+    v = tl.load(slots + idx)
+    tl.store(out + idx, (v >= epoch).to(tl.int32))
+
+
+def test_an_abort_is_never_taken_for_an_arrival():
+    """The oracle bites: a flag in a non-sign bit (bit 62, as a naive design would put it)
+    makes an unmasked ``slot >= e`` report an aborted member as arrived; the sign bit
+    that symmsync uses does not, and ``wait`` masks before it compares."""
+    count, epoch = 4, 5  # the member published 4 fences, then aborted; the waiter needs 5
+    words = torch.tensor([count | (1 << 62), count | -(2**63)], dtype=torch.int64)
+    out = torch.zeros(2, dtype=torch.int32)
+    _raw_ge_kernel[(1,)](words, epoch, out, SIZE=2)
+    assert out.tolist() == [1, 0]  # bit 62: taken for an arrival; the sign bit: not
+    assert ssl.ABORT_FLAG.value == -(2**63) and (words[1].item() & ssl.COUNT_MASK.value) == count
+
+
+# ---------------------------------------------------------------------- grid_fence (fused tails)
+@triton.jit
+def _tail_kernel(ptrs, cell, me, timeout_ns, record, status, SIZE: tl.constexpr):
+    s = ssl.grid_fence(ptrs, cell, me, timeout_ns, record, SIZE, False)
+    tl.atomic_max(status, s)
+
+
+def tail_sees_abort(aborter):
+    buf, view, fence = _setup()
+    fence.fence()
+    if buf.rank == aborter:
+        fence.abort("writer: bad input")
+        dist.barrier()
+        buf.close()
+        return None
+    status = torch.zeros(1, dtype=torch.int32)
+    t0 = time.monotonic()
+    _tail_kernel[(2,)](view.ptrs, fence.cell, view.local_index, fence.timeout_ns, fence.record, status, SIZE=view.size)
+    elapsed = time.monotonic() - t0
+    err = fence.timeout_error()  # what DirectKVWriter's fused path raises through Fence.check()
+    dist.barrier()
+    buf.close()
+    return {"status": status.item(), "elapsed": elapsed, "err": _describe(err)}
+
+
+def test_a_grid_fence_tail_sees_an_abort_at_once():
+    r = run(tail_sees_abort, 2, 1, timeout_s=120)[0]
+    assert r["status"] == 2 and r["elapsed"] < FAST_S, r
+    assert r["err"]["type"] == "PeerAborted" and r["err"]["aborted"] == {1: "writer: bad input"}, r
+
+
+# ---------------------------------------------------------------------- abort's argument
+def abort_checks_its_argument():
+    buf, view, fence = _setup()
+    try:
+        view.abort(42)
+    except ss.ConfigError as e:
+        msg = str(e)
+    buf.close()
+    fence.abort("after close")  # close() aborted the view already: nothing more to send
+    return msg, view.aborted
+
+
+def test_abort_takes_a_string_and_is_a_no_op_after_close():
+    msg, aborted = run(abort_checks_its_argument, 1, timeout_s=60)[0]
+    assert "takes a str" in msg and aborted == "closed"

@@ -1,0 +1,287 @@
+"""Every cache format of the PCP writer, against references written from the format rules.
+
+The references below are plain torch, written from the rules in docs/pcp.md ("Cache
+formats") and share no code with ``symmsync.pcp.quant``. ``amax`` is the largest
+``|x|`` of a main-KV tile (128 values) or of an indexer-K token (128 values), every
+division is an IEEE fp32 division, and a code is ``e4m3fn(x / s)`` rounded to nearest
+even and saturating at +-448:
+
+* main ``"pow2"``: ``s`` = the smallest power of two >= ``max(amax / 448, 1e-4)``;
+* main ``"fp32"``: ``s = max(amax / 448, 2**-126)``;
+* indexer ``"ue8m0"``: ``s`` = the smallest power of two >= ``max(amax, 1e-4) / 448``;
+* indexer ``"fp32"``: ``s = max(amax, 1e-4) / 448``;
+* indexer ``"mxfp8"``: ``s`` as ``"ue8m0"``; the 4-byte field holds ``log2(s) + 127``
+  four times.
+
+The writer runs on the host backend (2 ranks, Triton's interpreter) for every
+combination of formats; the GPU suite (tests/test_gpu_pcp_formats.py) runs the same
+checks on GPUs. Every replica, its padding and its untouched slots are compared
+byte for byte; the all-gather route is a second oracle.
+"""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import symmsync as ss
+from symmsync import pcp
+from symmsync.testing import run
+
+FORMATS = list(itertools.product(("pow2", "fp32"), ("ue8m0", "fp32", "mxfp8")))
+GUARD = 0x5A
+F32_1E4 = torch.tensor(1e-4, dtype=torch.float32)  # the fp32 value nearest to 1e-4
+FLT_MIN = torch.tensor(2.0**-126, dtype=torch.float32)
+F448 = torch.tensor(448.0, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------- the references
+def e4m3(y: torch.Tensor) -> torch.Tensor:
+    """fp32 -> e4m3fn bits, nearest even, saturating at +-448 (finite ``y``).
+
+    Clamping first is the saturation: every ``|y|`` in (448, 464] rounds to 448 (464 is
+    the tie between 448 and the NaN code above it, and 448's mantissa is even), and
+    larger values saturate; below 448 torch's cast rounds to nearest even.
+    """
+    return y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def pow2_at_least(m: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= each positive fp32 ``m`` (log2 in float64 is exact
+    for powers of two and far from an integer otherwise)."""
+    return torch.exp2(torch.ceil(torch.log2(m.double()))).float()
+
+
+def main_ref(kv_c: torch.Tensor, k_pe: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``[T, 656]`` main-KV bytes: 512 codes, 4 fp32 tile scales, 64 bf16 values."""
+    t = kv_c.shape[0]
+    x = kv_c.float().reshape(t, 4, 128)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    q = amax / F448
+    s = pow2_at_least(torch.maximum(q, F32_1E4)) if fmt == "pow2" else torch.maximum(q, FLT_MIN)
+    codes = e4m3(x / s).reshape(t, 512)
+    scales = s.reshape(t, 4).contiguous().view(torch.uint8)
+    return torch.cat([codes, scales, k_pe.contiguous().view(torch.uint8)], dim=1)
+
+
+def indexer_ref(indexer_k: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([T, 128] codes, [T, 4] scale field)`` of the indexer K."""
+    x = indexer_k.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    m = torch.maximum(amax, F32_1E4) / F448
+    s = m if fmt == "fp32" else pow2_at_least(m)
+    codes = e4m3(x / s)
+    if fmt == "mxfp8":
+        biased = (torch.log2(s.double()).round().to(torch.int64) + 127).to(torch.uint8)
+        field = biased.reshape(-1, 1).repeat(1, 4)
+    else:
+        field = s.reshape(-1, 1).contiguous().view(torch.uint8)
+    return codes, field
+
+
+def oracle_backing(layout, kv_c, k_pe, indexer_k, slots) -> torch.Tensor:
+    """One layer's whole backing (both regions and their padding) for a prompt."""
+    bs = layout.block_size
+    main = torch.zeros(layout.main_bytes, dtype=torch.uint8)
+    ind = torch.zeros(layout.indexer_bytes, dtype=torch.uint8)
+    tok = main_ref(kv_c, k_pe, layout.main_scale)
+    codes, field = indexer_ref(indexer_k, layout.indexer_scale)
+    for t, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        main[s * 656 : (s + 1) * 656] = tok[t]
+        b, o = divmod(s, bs)
+        blk = b * bs * 132
+        ind[blk + o * 128 : blk + (o + 1) * 128] = codes[t]
+        ind[blk + bs * 128 + o * 4 : blk + bs * 128 + o * 4 + 4] = field[t]
+    return torch.cat([main, ind])
+
+
+def oracle_cache(layout, kv_c, k_pe, indexer_k, slots) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(main [blocks, block_size, 656], indexer [blocks, block_size * 132])`` of a prompt."""
+    back = oracle_backing(layout, kv_c, k_pe, indexer_k, slots)
+    n = layout.num_slots * 656
+    main = back[:n].view(layout.num_blocks, layout.block_size, 656)
+    ib = layout.block_size * 132
+    ind = back[layout.main_bytes : layout.main_bytes + layout.num_blocks * ib].view(layout.num_blocks, ib)
+    return main, ind
+
+
+# ---------------------------------------------------------------------- the inputs
+def _bf16_bits(bits) -> torch.Tensor:
+    b = torch.as_tensor(bits, dtype=torch.int64)
+    return torch.where(b >= 0x8000, b - 0x10000, b).to(torch.int16).view(torch.bfloat16)
+
+
+def _above_448_amax() -> float:
+    """A bf16 amax whose fp32 scale ``fl(amax / 448)`` makes ``amax / s`` exceed 448."""
+    a = _bf16_bits(torch.arange(0x3F80, 0x4000)).float()  # every bf16 in [1, 2)
+    s = a / F448
+    hit = (a / s) > 448.0
+    assert hit.any()
+    return float(a[hit][0])
+
+
+def special_prompt(tokens: int, seed: int = 0):
+    """``(kv_c, k_pe, indexer_k)`` bf16 rows: the edge cases first, then ordinary rows."""
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(tokens, 4, 128, generator=g) * torch.exp(torch.randn(tokens, 4, 1, generator=g) * 3)
+    ix = torch.randn(tokens, 128, generator=g) * torch.exp(torch.randn(tokens, 1, generator=g) * 3)
+    sign = torch.where(torch.rand(tokens, 512, generator=g) < 0.5, 0x8000, 0)
+    rows = {}
+    rows["zero"] = (torch.zeros(4, 128), torch.zeros(128))
+    # Below every floor: main amax < 448 * 2**-126 and indexer amax < 1e-4.
+    rows["below_floors"] = (torch.randn(4, 128, generator=g) * 2e-38, torch.randn(128, generator=g) * 1e-5)
+    sub = _bf16_bits(torch.randint(1, 0x80, (512,), generator=g) | sign[0]).float()
+    rows["bf16_subnormal"] = (sub.reshape(4, 128), sub[:128])
+    signed_zero = torch.tensor([0.0, -0.0] * 64)
+    rows["signed_zero"] = (
+        torch.stack([-torch.zeros(128), signed_zero, torch.cat([torch.tensor([1.0]), -torch.zeros(127)]), signed_zero]),
+        -torch.zeros(128),
+    )
+    # Exact ties after the division: with amax = 448 * 2**k every scale is 2**k (all formats),
+    # and these values sit halfway between two e4m3 codes.
+    ties = torch.tensor([448.0, 1.0625, -1.1875, 17.0, 19.0, 272.0, -304.0, 1.5 * 2.0**-9, 2.5 * 2.0**-9, -448.0])
+    tie_tile = torch.cat([ties, ties.new_zeros(128 - ties.numel())])
+    rows["ties"] = (torch.stack([tie_tile * 2.0 ** (10 * j - 15) for j in range(4)]), tie_tile * 2.0**-3)
+    a = _above_448_amax()
+    rows["x_over_s_448"] = (
+        torch.stack([torch.full((128,), a), torch.full((128,), -a), tie_tile, torch.full((128,), 448.0)]),
+        torch.full((128,), 448.0),
+    )
+    big = torch.tensor([3.3895e38, -3.0e38, 1.0e30, -1.0] * 32)
+    rows["large"] = (torch.stack([big, -big, big * 1e-10, big.flip(0)]), big)
+    for i, v in enumerate(rows.values()):
+        if i < tokens:
+            kv[i], ix[i] = v
+    pe = _bf16_bits(torch.randint(0, 1 << 16, (tokens, 64), generator=g))  # any bits, NaNs too: copied
+    return kv.reshape(tokens, 512).to(torch.bfloat16), pe, ix.to(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------- the references by hand
+def test_references_follow_the_rules_by_hand():
+    assert e4m3(torch.tensor([448.0, 464.0, 465.0, 1e30, -464.0, 1.0625, 17.0, -0.0])).tolist() == [
+        0x7E,
+        0x7E,
+        0x7E,
+        0x7E,
+        0xFE,
+        0x38,  # the tie 1.0625 goes to the even 1.0
+        0x58,  # 17 goes to the even 16
+        0x80,
+    ]
+    kv = torch.ones(1, 512, dtype=torch.bfloat16)
+    kv[0, 128:256] = 0.0
+    pe = torch.zeros(1, 64, dtype=torch.bfloat16)
+    pow2 = main_ref(kv, pe, "pow2")
+    # amax 1: 1/448 -> scale 2**-8, 1 / 2**-8 = 256 (code 0x78); zero tile: floor 1e-4 -> 2**-13.
+    assert pow2[0, 512:528].view(torch.float32).tolist() == [2.0**-8, 2.0**-13, 2.0**-8, 2.0**-8]
+    assert set(pow2[0, :128].tolist()) == {0x78} and set(pow2[0, 128:256].tolist()) == {0}
+    legacy = main_ref(kv, pe, "fp32")
+    assert legacy[0, 512:528].view(torch.float32).tolist()[:2] == [float(torch.tensor(1.0) / F448), 2.0**-126]
+    assert set(legacy[0, :128].tolist()) == {0x7E}
+    ix = torch.full((1, 128), 3.0, dtype=torch.bfloat16)
+    c, f = indexer_ref(ix, "ue8m0")
+    assert f.view(torch.float32).item() == 2.0**-7 and set(c[0].tolist()) == {0x7C}  # 3 / 2**-7 = 384
+    c, f = indexer_ref(ix, "mxfp8")
+    assert f[0].tolist() == [120] * 4  # 2**-7: biased exponent 127 - 7
+    c, f = indexer_ref(ix, "fp32")
+    assert f.view(torch.float32).item() == float(torch.tensor(3.0) / F448) and set(c[0].tolist()) == {0x7E}
+    c, f = indexer_ref(torch.zeros(1, 128, dtype=torch.bfloat16), "ue8m0")
+    assert f.view(torch.float32).item() == 2.0**-22  # the floor applies to amax: 1e-4 / 448 -> 2**-22
+
+
+def test_the_formats_give_different_bytes_on_ordinary_data():
+    kv, pe, ix = special_prompt(32, seed=3)
+    a, b = main_ref(kv[10:], pe[10:], "pow2"), main_ref(kv[10:], pe[10:], "fp32")
+    assert (a[:, :512] != b[:, :512]).float().mean() > 0.3  # the oracle tells the formats apart
+    assert (indexer_ref(ix, "ue8m0")[0] != indexer_ref(ix, "fp32")[0]).any()
+    assert not torch.equal(indexer_ref(ix, "ue8m0")[1], indexer_ref(ix, "mxfp8")[1])
+
+
+@pytest.mark.parametrize(
+    "kw", [{"main_scale": "e8m0"}, {"indexer_scale": "pow2"}, {"main_scale": None}, {"indexer_scale": 0}]
+)
+def test_unknown_formats_raise_config_error(kw):
+    with pytest.raises(ss.ConfigError, match="must be one of"):
+        pcp.CacheLayout(num_blocks=1, **kw)
+
+
+def test_layout_defaults_are_the_current_formats():
+    lay = pcp.CacheLayout(num_blocks=1)
+    assert (lay.main_scale, lay.indexer_scale) == ("pow2", "ue8m0")
+
+
+# ---------------------------------------------------------------------- the writer, every format
+ROUTES = ("direct", "direct-spread", "allgather")
+
+
+def formats_oracle(tokens: int, block_size: int, backend: str = "host", routes=ROUTES):
+    """Every format on every route into one buffer; each rank checks its own replica."""
+    world = dist.get_world_size()
+    nb = -(-tokens // block_size) + 2  # more slots than tokens: untouched slots stay zero
+    lay0 = pcp.CacheLayout(num_blocks=nb, num_layers=1, block_size=block_size)
+    span = lay0.nbytes + 256
+    combos = [(f, r) for f in FORMATS for r in routes]
+    layouts = [
+        pcp.CacheLayout(nb, 1, block_size, base=128 + i * span, main_scale=m, indexer_scale=x)
+        for i, ((m, x), _) in enumerate(combos)
+    ]
+    buf = ss.SymmetricBuffer(layouts[-1].end + 128, backend=backend, channels=2)
+    buf.tensor(0, (buf.nbytes,), torch.uint8).fill_(GUARD)
+    for lay in layouts:
+        lay.layer_backing(buf, 0).zero_()
+    view = buf.view(list(range(world)))
+    kv, pe, ix = special_prompt(tokens)
+    g = torch.Generator().manual_seed(7)
+    slots = torch.randperm(lay0.num_slots, generator=g)[:tokens]
+    slots[torch.rand(tokens, generator=g) < 0.15] = -1  # padding inside the prompt
+    split = pcp.pcp_split(tokens, world)
+    me = view.local_index
+    local = [split.local_rows(t, me).contiguous().to(buf.device) for t in (kv, pe, ix)]
+    fences = []
+    for lay, (_, name) in zip(layouts, combos):
+        route, _, option = name.partition("-")  # "direct-spread": one work item per destination
+        writer = pcp.DirectKVWriter(view, lay, route=route, timeout_s=60, spread=option == "spread")
+        batch = writer.prepare(split.local_slots(slots, me).to(buf.device))
+        writer.write(0, *local, batch)
+        writer.fence.fence()  # a real fence on both routes
+        fences.append(type(writer.fence).__name__)
+    if backend == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    result = {"fences": fences}
+    for lay, (fmt, route) in zip(layouts, combos):
+        want = oracle_backing(lay, kv, pe, ix, slots)
+        got = lay.layer_backing(buf, 0).cpu()
+        bad = (got != want).nonzero()
+        result[(fmt, route)] = (int(bad.shape[0]), bad[:3].reshape(-1).tolist())
+    mem = buf.tensor(0, (buf.nbytes,), torch.uint8).cpu()
+    mask = torch.ones(buf.nbytes, dtype=torch.bool)
+    for lay in layouts:
+        mask[lay.base : lay.end] = False
+    result["guards_untouched"] = bool((mem[mask] == GUARD).all())
+    # Writers of one PCP group must agree on the layout, formats included.
+    theirs = pcp.CacheLayout(nb, 1, block_size, main_scale="pow2" if buf.rank == 0 else "fp32")
+    try:
+        pcp.DirectKVWriter(view, theirs)
+        result["mismatch"] = None
+    except ss.ConfigError as e:
+        result["mismatch"] = str(e)
+    buf.close()
+    return result
+
+
+def assert_formats_oracle(results, routes=ROUTES):
+    for r in results:
+        assert r["guards_untouched"]
+        assert r["fences"] == ["Fence"] * (len(FORMATS) * len(routes))
+        for fmt in FORMATS:
+            for route in routes:
+                assert r[(fmt, route)] == (0, []), (fmt, route, r[(fmt, route)])
+        assert r["mismatch"] and "different layouts" in r["mismatch"], r["mismatch"]
+
+
+def test_every_format_every_route_matches_its_rule_byte_for_byte():
+    assert_formats_oracle(run(formats_oracle, 2, 24, 8, timeout_s=300))
