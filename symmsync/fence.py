@@ -31,6 +31,7 @@ and every read after it happens after it, whatever the compiler backend.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,8 +40,8 @@ import triton
 import triton.language as tl
 
 from . import language as ssl
-from .errors import CLOSED_REASON, ClosedError, ConfigError, FenceTimeout, PeerAborted
-from .launch import Launcher
+from .errors import CLOSED_REASON, BackendError, ClosedError, ConfigError, FenceTimeout, PeerAborted
+from .launch import Launcher, current_stream
 
 #: Default wait budget in seconds, per backend. The host budget allows for the
 #: Triton interpreter on a loaded CI machine; the GPU budget for a peer that is
@@ -175,7 +176,7 @@ class Fence:
         if self.backend == "cuda" and not view._warm:
             view._warm = True
             _warm_abort(view)
-        self._side: torch.cuda.Stream | None = None
+        self._side: _ForkJoin | None = None
         self._buffer = buf
         self._host = self.backend == "host"
         trap = self.backend == "cuda"
@@ -219,26 +220,17 @@ class Fence:
             yield
             self.wait()
             return
-        dev = self._buffer.device
-        main = torch.cuda.current_stream(dev)
         if self._side is None:
-            # Made once and reused: the fork and join cost two event records and two
-            # stream waits per call (a fresh Event per wait_stream and a stream context
-            # switch cost about 40 us of host time per eager call).
-            self._side = torch.cuda.Stream(dev)
-            self._side_raw = self._side.cuda_stream
-            self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
-        self._fork.record(main)
-        self._side.wait_event(self._fork)
-        bound = self._launch[_FENCE]
-        if bound.packed and not torch.compiler.is_compiling():
-            self._launch_now(_FENCE, self._side_raw)
+            self._side = _ForkJoin(self._buffer.device)
+        side = self._side
+        main = side.fork()
+        if self._launch[_FENCE].packed and not torch.compiler.is_compiling():
+            self._launch_now(_FENCE, side.raw)
         else:  # the first launch compiles through Triton, which launches on the current stream
-            with torch.cuda.stream(self._side):
+            with torch.cuda.stream(side.stream):
                 self.fence()
         yield
-        self._join.record(self._side)
-        main.wait_event(self._join)
+        side.join(main)
 
     def _launch_now(self, kind: int, stream: int | None = None) -> None:
         # The eager hot path: a few attribute reads and one cuLaunchKernel (benchmarks/fence.py).
@@ -366,6 +358,74 @@ class Fence:
 
     def __repr__(self) -> str:
         return f"Fence(view={list(self.view.ranks)}, channel={self.channel}, backend={self.backend})"
+
+
+class _ForkJoin:
+    """A side stream that forks from the current stream and joins it again (GPU).
+
+    Two events made once and reused, recorded and waited on through the driver: eager,
+    a fork or a join costs two driver calls, where ``Stream.wait_stream`` makes a fresh
+    event each time and a stream context switch queries and sets the current stream
+    (about 40 us of host time per :meth:`Fence.overlap`). In a CUDA graph capture the
+    record and the wait become the graph's fork and join edges, as torch's would.
+    """
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device)
+        self.raw = self.stream.cuda_stream
+        self.index = device.index
+        try:
+            from cuda.bindings import driver
+        except ImportError:  # cuda-python missing: torch's events do the same, slower
+            driver = None
+        self.drv = driver
+        if driver is None:
+            self.fork_event, self.join_event = torch.cuda.Event(), torch.cuda.Event()
+            return
+        flags = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        events = []
+        for _ in range(2):
+            err, ev = driver.cuEventCreate(flags)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise BackendError(f"Fence.overlap: cuEventCreate failed: {err}")
+            events.append(ev)
+            weakref.finalize(self, driver.cuEventDestroy, ev)
+        self.fork_event, self.join_event = events
+        self._streams: dict[int, Any] = {self.raw: driver.CUstream(init_value=self.raw)}
+
+    def _cu(self, raw: int) -> Any:
+        s = self._streams.get(raw)
+        if s is None:
+            s = self._streams[raw] = self.drv.CUstream(init_value=raw)
+        return s
+
+    def fork(self) -> int:
+        """Make the side stream wait for the current stream's work so far; return that stream."""
+        main = current_stream(self.index)
+        drv = self.drv
+        if drv is None:
+            cur = torch.cuda.current_stream(self.index)
+            self.fork_event.record(cur)
+            self.stream.wait_event(self.fork_event)
+            return main
+        self._check(drv.cuEventRecord(self.fork_event, self._cu(main)), "cuEventRecord")
+        self._check(drv.cuStreamWaitEvent(self._cu(self.raw), self.fork_event, 0), "cuStreamWaitEvent")
+        return main
+
+    def join(self, main: int) -> None:
+        """Make stream ``main`` wait for the side stream's work so far."""
+        drv = self.drv
+        if drv is None:
+            self.join_event.record(self.stream)
+            torch.cuda.ExternalStream(main, device=torch.device("cuda", self.index)).wait_event(self.join_event)
+            return
+        self._check(drv.cuEventRecord(self.join_event, self._cu(self.raw)), "cuEventRecord")
+        self._check(drv.cuStreamWaitEvent(self._cu(main), self.join_event, 0), "cuStreamWaitEvent")
+
+    def _check(self, result: Any, what: str) -> None:
+        err = result[0] if isinstance(result, tuple) else result
+        if err != self.drv.CUresult.CUDA_SUCCESS:
+            raise BackendError(f"Fence.overlap: {what} failed: {err}")
 
 
 # torch.compile: a fence is a compiler boundary. Dynamo ends the graph before the call

@@ -222,6 +222,7 @@ def bad_inputs():
         "rows": lambda: writer.write(0, kv[:4].contiguous(), pe[:4].contiguous(), ix[:4].contiguous(), batch),
         "noncontiguous": lambda: writer.write(0, torch.zeros(512, T, dtype=torch.bfloat16).t(), pe, ix, batch),
         "batch": lambda: writer.write(0, kv, pe, ix, ok_slots),
+        "meta": lambda: writer.write(0, kv.to("meta"), pe, ix, batch),  # a tensor without memory
     }
     for name, fn in cases.items():
         try:
@@ -247,7 +248,8 @@ def bad_inputs():
 
 def test_bad_input_raises_before_any_byte_is_written():
     for errors, collective, untouched in run(bad_inputs, 2):
-        assert set(errors) == {"layer", "dtype", "shape", "rows", "noncontiguous", "batch"}, errors
+        assert set(errors) == {"layer", "dtype", "shape", "rows", "noncontiguous", "batch", "meta"}, errors
+        assert "meta" in errors["meta"]
         assert "layer 2 is out of range" in errors["layer"]
         assert "bfloat16" in errors["dtype"] and "contiguous" in errors["noncontiguous"]
         assert "(8, 512)" in errors["shape"]

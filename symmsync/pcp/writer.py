@@ -503,7 +503,8 @@ class DirectKVWriter:
             type(t) is torch.Tensor
             and t.dtype is torch.bfloat16
             and t.shape == (rows, width)
-            and t.get_device() == self._device_index
+            and t.get_device() == self._device_index  # -1 for CPU, and for meta tensors too:
+            and (t.is_cuda or t.is_cpu)  # so a tensor without memory never reaches a launch
             and t.is_contiguous()
         )
 
