@@ -36,6 +36,7 @@ Print from :func:`is_main_process` only, so that such a script prints once::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import glob
 import os
@@ -47,7 +48,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,36 +172,27 @@ def run(
     procs = []
     deadline = time.monotonic() + timeout_s
     try:
-        with _env_lock:  # spawn copies os.environ at start; set it for the children only
-            saved = {k: os.environ.get(k) for k in child_env}
-            os.environ.update(child_env)
-            try:
-                for rank in range(world_size):
-                    p = ctx.Process(
-                        target=_rank_main,
-                        args=(
-                            fn,
-                            rank,
-                            world_size,
-                            backend,
-                            dist_backend,
-                            os.path.join(tmp, "store"),
-                            timeout_s,
-                            results,
-                            args,
-                            kwargs,
-                        ),
-                        name=f"symmsync-rank{rank}",
-                        daemon=True,
-                    )
-                    p.start()
-                    procs.append(p)
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+        with _env_lock, _environ(child_env):  # spawn copies os.environ at start: for the children only
+            for rank in range(world_size):
+                p = ctx.Process(
+                    target=_rank_main,
+                    args=(
+                        fn,
+                        rank,
+                        world_size,
+                        backend,
+                        dist_backend,
+                        os.path.join(tmp, "store"),
+                        timeout_s,
+                        results,
+                        args,
+                        kwargs,
+                    ),
+                    name=f"symmsync-rank{rank}",
+                    daemon=True,
+                )
+                p.start()
+                procs.append(p)
         return _collect(procs, results, world_size, deadline, timeout_s, dying)
     except BaseException:
         _kill(procs)
@@ -254,25 +246,33 @@ def _run_in_job(
             dist_backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s), **extra
         )
         atexit.register(_leave_job)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     try:
-        value = fn(*args, **kwargs)
+        with _environ(env):
+            value = fn(*args, **kwargs)
     except BaseException:
         _job_state["failed"] = True  # the peers may be stuck: leave without a last barrier
         raise
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     out: list[Any] = [None] * job_world
     dist.all_gather_object(out, value)
     return out
 
 
 _job_state = {"failed": False}
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` updated with ``env`` inside the block, restored after it."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _leave_job() -> None:
