@@ -76,18 +76,34 @@ def test_each_numbered_example_prints_its_expected_output_on_2_gpus(example):
     _check_output(example, "cuda", CUDA_ONLY)
 
 
+def test_the_writer_tutorial_is_correct_on_the_allgather_route_too():
+    proc = _run("examples/04_pcp_writer.py", "--backend", "host", "--route", "allgather")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    missing = [line for line in EXPECTED["04_pcp_writer.py"] if line not in proc.stdout.splitlines()]
+    assert not missing, proc.stdout
+
+
 @pytest.mark.parametrize(
-    "args", [[], ["--tp", "2", "--pcp", "2", "--tokens", "96", "--layers", "2"]], ids=["defaults", "tp2xpcp2"]
+    "args",
+    [
+        [],
+        ["--tp", "2", "--pcp", "2", "--tokens", "96", "--layers", "2"],
+        ["--format", "legacy", "--tokens", "96", "--layers", "2"],
+        ["--format", "pow2,mxfp8", "--tokens", "96", "--layers", "2"],
+    ],
+    ids=["defaults", "tp2xpcp2", "legacy", "mxfp8"],
 )
 def test_the_pcp_demo_checks_the_byte_oracle_and_prints_its_table(args):
     proc = _run("examples/pcp_kv.py", "--backend", "host", *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "byte oracle" in proc.stdout and ": OK" in proc.stdout
     assert "direct ms/layer" in proc.stdout and "speedup" in proc.stdout
+    fmt = dict(zip(args[::2], args[1::2])).get("--format", "current")
+    assert f"cache format {({'current': 'pow2,ue8m0', 'legacy': 'fp32,fp32'}).get(fmt, fmt)}" in proc.stdout
 
 
 def test_the_demo_explains_its_options():
     proc = _run("examples/pcp_kv.py", "--help")
     assert proc.returncode == 0
-    for opt in ("--pcp", "--tp", "--tokens", "--layers", "--backend"):
+    for opt in ("--pcp", "--tp", "--tokens", "--layers", "--backend", "--format"):
         assert opt in proc.stdout
