@@ -395,6 +395,7 @@ class SymmetricBuffer:
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` ran (or a failed construction released everything)."""
         return self._closed
 
     @property
@@ -484,6 +485,11 @@ class SymmetricBuffer:
         last tensor over it is gone; with none left, at once. A peer's memory kept
         this way shows what that peer last wrote, also after the peer closed. The
         buffer itself raises :class:`~symmsync.ClosedError` once closed.
+
+        Every view of the buffer is aborted first, with the reason "closed": members
+        still waiting in a fence on one of them raise :class:`~symmsync.PeerAborted`
+        at once instead of waiting out their budget; a fence they already completed
+        is not affected.
         """
         if self._closed:
             return

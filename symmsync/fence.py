@@ -160,15 +160,15 @@ class Fence:
                 f"(the budget is int64 nanoseconds on the device), got {timeout_s!r}"
             )
         self.timeout_s = float(timeout_s)
-        #: Byte offset of this fence's cell in every member's memory (kernel argument).
         self.cell = view.signal_offset(channel)
-        #: Wait budget in ns (kernel argument).
+        """Byte offset of this fence's cell in every member's memory (kernel argument)."""
         self.timeout_ns = int(self.timeout_s * 1e9)
+        """Wait budget in ns (kernel argument)."""
         n = ssl.record_words(view.size)
         pin = self.backend == "cuda"
         self._record = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
-        #: Address of the timeout record (kernel argument; pinned host memory on GPUs).
         self.record = self._record.data_ptr()
+        """Address of the timeout record (kernel argument; pinned host memory on GPUs)."""
         local = buf.local_memory()
         self._epoch_word = local[self.cell : self.cell + 8].view(torch.int64)
         self._failed: FenceTimeout | None = view._abort_error(channel)
@@ -366,7 +366,8 @@ class _ForkJoin:
     Two events made once and reused, recorded and waited on through the driver: eager,
     a fork or a join costs two driver calls, where ``Stream.wait_stream`` makes a fresh
     event each time and a stream context switch queries and sets the current stream
-    (about 40 us of host time per :meth:`Fence.overlap`). In a CUDA graph capture the
+    (together about 40 us of host time per :meth:`Fence.overlap` before this class). In a
+    CUDA graph capture the
     record and the wait become the graph's fork and join edges, as torch's would.
     """
 

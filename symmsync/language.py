@@ -67,8 +67,8 @@ import triton.language as tl
 
 from .backends import interpreter_active
 
-#: True when this process runs Triton kernels under the interpreter (host backend).
 INTERPRETED: bool = interpreter_active()
+"""True when this process runs Triton kernels under the interpreter (host backend)."""
 
 #: Lanes per pass when polling the members of a view: one member per lane.
 LANES = tl.constexpr(32)

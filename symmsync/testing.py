@@ -56,11 +56,11 @@ import torch.multiprocessing as mp
 
 from .errors import ConfigError, RankFailure
 
-#: Default time budget of a whole run, in seconds.
 DEFAULT_TIMEOUT_S = 180.0
+"""Default time budget of a whole :func:`run`, in seconds."""
 
-#: The environment torchrun (torch.distributed.run) gives every process it starts.
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+"""The environment torchrun (torch.distributed.run) gives every process it starts."""
 
 _env_lock = threading.Lock()
 

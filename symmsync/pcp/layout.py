@@ -70,7 +70,11 @@ class MainKVLayout:
 
 @dataclass(frozen=True)
 class IndexerKLayout:
-    """Indexer K: 128 fp8 values and one fp32 scale per token, grouped per block."""
+    """Indexer K: 128 fp8 values and one 4-byte scale field per token, grouped per block.
+
+    The field holds an fp32 scale, or for ``indexer_scale="mxfp8"`` the scale's E8M0
+    byte four times.
+    """
 
     block_size: int = 64
     DIM = INDEXER_DIM  #: 128 fp8 values per token
@@ -90,7 +94,7 @@ class IndexerKLayout:
         return block * self.block_bytes + off * self.DIM
 
     def scale_offset(self, slot: int) -> int:
-        """Byte offset of a slot's fp32 scale from the start of the indexer region."""
+        """Byte offset of a slot's 4-byte scale field from the start of the indexer region."""
         block, off = divmod(slot, self.block_size)
         return block * self.block_bytes + self.block_size * self.DIM + off * 4
 

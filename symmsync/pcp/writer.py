@@ -464,7 +464,10 @@ class DirectKVWriter:
 
         Raises:
             InputError: wrong layer, dtype, shape, device, or non-contiguous input;
-                raised before any byte is written.
+                raised before any byte is written, after aborting the writer's view
+                (:meth:`symmsync.Fence.abort`): the other members raise
+                :class:`~symmsync.PeerAborted` naming this rank at once, and this
+                writer's fences fail from then on.
         """
         rows = batch.rows if type(batch) is Batch else -1
         if not (
