@@ -5,8 +5,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# Where there is no NVIDIA GPU, take torch's CPU build (on this project's CI machines it lies on
-# disk); with a GPU, pip's default torch (a CUDA build) is what the range in pyproject.toml takes.
+# Where there is no NVIDIA GPU, install TORCH_CPU first: pip arguments that pick torch's CPU build.
+# The default names a version whose CPU build lies on disk on this project's CI machines; on PyPI
+# proper that name is a CUDA build, so elsewhere pass PyTorch's CPU index, e.g.
+#   make demo TORCH_CPU="torch --index-url https://download.pytorch.org/whl/cpu"
+# With a GPU, pip's default torch (a CUDA build) is what the range in pyproject.toml takes.
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
@@ -24,7 +27,7 @@ $(PY):
 	$(PIP) install --quiet --upgrade pip
 
 $(VENV)/.torch: | $(PY)
-	$(if $(HAS_GPU),,$(PIP) install --quiet "$(TORCH_CPU)")
+	$(if $(HAS_GPU),,$(PIP) install --quiet $(TORCH_CPU))
 	touch $@
 
 $(VENV)/.base: pyproject.toml $(VENV)/.torch
@@ -87,7 +90,7 @@ wheel-check: | $(PY)
 	rm -rf $(WHEEL_DIR) $(WHEEL_VENV)
 	$(PIP) wheel --quiet --no-deps --wheel-dir $(WHEEL_DIR) .
 	$(PYTHON) -m venv $(WHEEL_VENV)
-	$(WHEEL_VENV)/bin/python -m pip install --quiet "$(TORCH_CPU)"
+	$(WHEEL_VENV)/bin/python -m pip install --quiet $(TORCH_CPU)
 	$(WHEEL_VENV)/bin/python -m pip install --quiet $(WHEEL_DIR)/symmsync-*.whl
 	@if $(WHEEL_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(nvidia|cuda)'; then \
 	  echo "wheel-check: installing the wheel after CPU torch pulled the CUDA packages above" >&2; exit 1; fi

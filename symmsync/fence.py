@@ -74,11 +74,13 @@ def _abort_kernel(ptrs, cell, me, reason, SIZE: tl.constexpr):
 def encode_reason(code: int, text: str) -> list[int]:
     """The :data:`~symmsync.language.REASON_WORDS` int64 words of an abort reason.
 
-    ``text`` is cut to :data:`~symmsync.language.REASON_TEXT_BYTES` bytes of UTF-8, at a
-    character boundary.
+    ``text`` is kept to :data:`~symmsync.language.REASON_TEXT_BYTES` bytes of UTF-8: a
+    longer one is cut at a character boundary and ends in "…", so a reader sees it was cut.
     """
-    raw = text.encode("utf-8", "replace")[: ssl.REASON_TEXT_BYTES]
-    raw = raw.decode("utf-8", "ignore").encode("utf-8")
+    raw = text.encode("utf-8", "replace")
+    if len(raw) > ssl.REASON_TEXT_BYTES:
+        ellipsis = "…".encode()
+        raw = raw[: ssl.REASON_TEXT_BYTES - len(ellipsis)].decode("utf-8", "ignore").encode("utf-8") + ellipsis
     padded = raw.ljust(ssl.REASON_TEXT_BYTES, b"\0")
     words = [int.from_bytes(padded[i : i + 8], "little", signed=True) for i in range(0, len(padded), 8)]
     return [code, len(raw), *words]

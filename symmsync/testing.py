@@ -158,6 +158,12 @@ def run(
         if dying:
             raise ConfigError("testing.run: may_die needs ranks that run() starts itself; not under torchrun")
         return _run_in_job(fn, world_size, args, kwargs, backend, dist_backend, timeout_s, env or {})
+    name = getattr(fn, "__qualname__", "")
+    if "<locals>" in name or "<lambda>" in name:
+        raise ConfigError(
+            f"testing.run: fn {name!r} is a lambda or is defined inside a function; each rank is a new "
+            "process that imports fn by name, so define it at module level"
+        )
     ctx = mp.get_context("spawn")
     results: queue.Queue = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="symmsync-run-")
@@ -449,7 +455,8 @@ def _collect(
                             continue
                         raise RankFailure(
                             f"testing.run: rank {r} exited with code {p.exitcode} without a result "
-                            "(killed or crashed in native code?)",
+                            '(killed or crashed in native code? If its stderr shows "Can\'t get attribute", '
+                            "define fn at module level, outside `if __name__ == '__main__':`)",
                             rank=r,
                         ) from None
             continue

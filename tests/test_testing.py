@@ -82,3 +82,12 @@ def test_a_rank_pool_runs_many_calls_and_stops_at_the_first_failure():
             pool.call(square, 1)
     finally:
         pool.close()
+
+
+def test_a_function_defined_inside_another_is_refused_up_front_with_what_to_do():
+    def local_fn():
+        return 1
+
+    for fn in (local_fn, lambda: 1):
+        with pytest.raises(ss.ConfigError, match="define it at module level"):
+            run(fn, 2)

@@ -467,7 +467,9 @@ class DirectKVWriter:
                 raised before any byte is written, after aborting the writer's view
                 (:meth:`symmsync.Fence.abort`): the other members raise
                 :class:`~symmsync.PeerAborted` naming this rank at once, and this
-                writer's fences fail from then on.
+                writer's fences fail from then on. (On the all-gather route the
+                others wait in torch.distributed's all-gather, which an abort does
+                not reach: torch.distributed's failure handling applies there.)
         """
         rows = batch.rows if type(batch) is Batch else -1
         if not (
