@@ -106,7 +106,9 @@ def test_a_rank_that_aborts_makes_every_waiting_peer_raise_naming_it_at_once(wor
         assert r["elapsed"] < FAST_S, r["elapsed"]
         assert r["is_timeout"] and r["pickled"] == "PeerAborted"
         assert r["rank"] == rank and r["epoch"] == rounds + 1
-        assert r["aborted"] == {aborter: reason} and r["late"] == {} and r["closed"] == []
+        assert r["aborted"] == {aborter: reason} and r["closed"] == []
+        # Another survivor may still be on its way to this fence (late), never the aborter.
+        assert set(r["late"]) <= set(range(world)) - {aborter, rank}, r["late"]
         assert f"rank {aborter} aborted" in r["msg"] and reason in r["msg"], r["msg"]
         # The flag is the sign bit of the aborter's slot; the count stays what it published.
         raw = r["slots"][aborter]
@@ -179,7 +181,10 @@ def test_a_peer_that_closed_is_reported_as_closed_on_every_channel_at_once():
     for rank in (0, 1):
         for r in results[rank]:
             assert r["type"] == "PeerAborted" and r["elapsed"] < FAST_S, r
-            assert r["aborted"] == {2: "closed"} and r["closed"] == [2] and r["late"] == {}, r
+            assert r["aborted"] == {2: "closed"} and r["closed"] == [2], r
+            # The closed rank is never "late"; the other survivor may be, if the abort was
+            # seen before that rank reached the same fence (it is on its way, not gone).
+            assert 2 not in r["late"] and set(r["late"]) <= {0, 1} - {rank}, r
             assert "rank 2 closed its buffer" in r["msg"], r["msg"]
 
 

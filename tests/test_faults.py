@@ -276,7 +276,9 @@ def test_close_while_others_fence_fails_them_at_once_saying_closed_and_crashes_n
         r = results[rank]
         assert isinstance(r, dict), r
         assert r["type"] == "PeerAborted" and r["elapsed"] < 1.0, r
-        assert r["aborted"] == {closer: "closed"} and r["late"] == {}, r
+        assert r["aborted"] == {closer: "closed"}, r
+        assert set(r["late"]) <= {0, 2} - {rank}, r  # the other survivor may be on its way; the closer never
+
         assert f"rank {closer} closed its buffer (its slot holds epoch {at})" in r["msg"], r["msg"]
         assert r["read_at"] > c["closed_at"]
         assert r["seen"] == [1000 * at + m for m in range(world)] and r["again"] == -1 - rank, r
