@@ -12,7 +12,7 @@ context unusable, so these runs keep their collectives on gloo.
 import time
 
 import pytest
-import torch
+import test_gpu
 import torch.distributed as dist
 
 import symmsync as ss
@@ -74,9 +74,14 @@ def eager_abort(how, reason):
         dist.barrier()  # until the peer has its error
         buf.close()
         return out
+    return _wait_for_abort(buf, fence, fence.fence)
+
+
+def _wait_for_abort(buf, fence, step):
+    """The waiting rank: ``step`` fences on the view; describe the error it raises."""
     t0 = time.monotonic()
     try:
-        fence.fence()
+        step()
         fence.synchronize()  # the trap surfaces here
         out = "no error"
     except ss.FenceTimeout as err:
@@ -109,24 +114,9 @@ def test_an_abort_makes_the_waiting_gpu_peer_raise_naming_the_rank_and_reason_at
         assert r["closed"] == [1] and "rank 1 closed its buffer" in r["msg"], r
 
 
-def _capture(step, warmup=3):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    dist.barrier()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    return g
-
-
 def graph_abort(replays, reason):
     buf, view, fence = _setup()
-    g = _capture(fence.fence)
+    g = test_gpu.capture(fence.fence)  # 3 eager warm-up fences, then the capture
     for _ in range(replays):
         g.replay()
     fence.synchronize()
@@ -136,16 +126,7 @@ def graph_abort(replays, reason):
         dist.barrier()
         buf.close()
         return out
-    t0 = time.monotonic()
-    try:
-        g.replay()  # the captured fence waits for rank 1's next epoch
-        fence.synchronize()
-        out = "no error"
-    except ss.FenceTimeout as err:
-        out = _describe(err, t0)
-    dist.barrier()
-    buf.close()
-    return out
+    return _wait_for_abort(buf, fence, g.replay)  # the captured fence waits for rank 1's next epoch
 
 
 def test_an_abort_reaches_a_peer_replaying_a_cuda_graph_at_once():
