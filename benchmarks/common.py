@@ -37,8 +37,12 @@ def sync_all() -> None:
     torch.cuda.synchronize()
 
 
-def eager_us(fn: Callable[[], None], iters: int, reps: int, warmup: int = 50) -> float:
-    """Median over ``reps`` of the wall time per call of ``iters`` back-to-back calls."""
+def eager_us(fn: Callable[[], None], iters: int, reps: int, warmup: int = 50, host_only: bool = False) -> float:
+    """Median over ``reps`` of the wall time per call of ``iters`` back-to-back calls.
+
+    With ``host_only`` the clock stops when the calls return, without waiting for the
+    GPU: what an eager caller spends issuing the work, with the GPU running behind it
+    (the launch queue is far deeper than one call's launches)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -47,25 +51,10 @@ def eager_us(fn: Callable[[], None], iters: int, reps: int, warmup: int = 50) ->
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
-        torch.cuda.synchronize()
+        if not host_only:
+            torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) / iters * 1e6)
-    return statistics.median(times)
-
-
-def host_us(fn: Callable[[], None], reps: int, warmup: int = 3) -> float:
-    """Median over ``reps`` of the host (CPU) time of one call, without waiting for the GPU.
-
-    Measures what an eager caller spends issuing the work; the GPU runs behind it
-    (the launch queue is far deeper than one call's launches)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        sync_all()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # host_only: the GPU catches up outside the clock
     return statistics.median(times)
 
 

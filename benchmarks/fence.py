@@ -35,6 +35,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+import symmsync.language as ssl
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
@@ -50,10 +52,10 @@ def empty_kernel(x):
 
 @triton.jit
 def spin_kernel(ns):
-    start = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    start = ssl.clock_ns()
     now = start
     while now - start < ns:
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        now = ssl.clock_ns()
 
 
 @triton.jit
@@ -120,17 +122,17 @@ def variant_fence(ptrs, cell, me, PUB: tl.constexpr, POLL: tl.constexpr):
     No time budget (measurement only).
     """
     peer = 1 - me
-    ep = (tl.load(ptrs + me) + cell).to(tl.pointer_type(tl.int64))
+    ep = ssl.epoch_ptr(ptrs, cell, me)
     e = tl.load(ep) + 1
     tl.store(ep, e)
-    dst = (tl.load(ptrs + peer) + cell + 128).to(tl.pointer_type(tl.int64)) + me
+    dst = ssl.peer_ptr(ptrs, peer, cell + ssl.SLOTS, tl.int64) + me
     if PUB == 0:
         _st_release(dst, e)
     elif PUB == 1:
         _red_release(dst, e - e + 1)
     else:
         _fence_then_relaxed(dst, e)
-    mine = (tl.load(ptrs + me) + cell + 128).to(tl.pointer_type(tl.int64)) + peer
+    mine = ssl.peer_ptr(ptrs, me, cell + ssl.SLOTS, tl.int64) + peer
     if POLL == 0:
         v = _ld_acquire(mine)
         while v < e:
@@ -172,9 +174,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
     # The same kernels through Triton's launcher (what a plain Triton fence costs).
     def triton_launch(f, arrive, wait):
-        args_ = (view.ptrs, f.cell, view.local_index, f.timeout_ns, f.record)
         kw = dict(SIZE=view.size, ARRIVE=arrive, WAIT=wait, TRAP=True, num_warps=1)
-        return lambda: fence_mod._fence_kernel[(1,)](*args_, **kw)
+        return lambda: fence_mod._fence_kernel[(1,)](*f.kernel_args, **kw)
 
     tl_fence = triton_launch(fences[2], True, True)
     both("triton_launcher_fence", tl_fence)
@@ -211,7 +212,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     def variant(f, arrive, wait):
         return Launcher(
             fence_mod._fence_kernel, (1,), num_warps=1, SIZE=view.size, ARRIVE=arrive, WAIT=wait, TRAP=True
-        ).bind(view.ptrs, f.cell, view.local_index, f.timeout_ns, f.record)
+        ).bind(*f.kernel_args)
 
     R["breakdown_arrive_only.graph"] = common.graph_us(variant(fences[4], True, False), iters=it, reps=reps)
     R["breakdown_wait_satisfied.graph"] = common.graph_us(variant(fences[5], False, True), iters=it, reps=reps)

@@ -37,7 +37,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 LAYERS = 61
-TOKEN_BYTES = 656 + 132
 
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> None:
@@ -47,6 +46,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
     layers = args.layers
     tp, p = args.tp, world // args.tp
+    widths = (pcp.MainKVLayout.NOPE_DIM, pcp.MainKVLayout.ROPE_DIM, pcp.IndexerKLayout.DIM)  # 512, 64, 128
+    token_bytes = pcp.MainKVLayout.TOKEN_BYTES + pcp.IndexerKLayout.TOKEN_BYTES  # 656 + 132
     group = common.pcp_group(world, tp) if tp > 1 else None
     config = sweep(rank, world, args) if args.sweep else {}
     results = []
@@ -59,9 +60,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         split = pcp.pcp_split(total, p)
         slots = split.local_slots(torch.arange(total), me).to(dev)
         g = torch.Generator(device=dev).manual_seed(rank)
-        inputs = [
-            torch.randn(split.tokens_per_rank, w, device=dev, generator=g).to(torch.bfloat16) for w in (512, 64, 128)
-        ]
+        inputs = [torch.randn(split.tokens_per_rank, w, device=dev, generator=g).to(torch.bfloat16) for w in widths]
         row = {"tokens_per_rank": tokens, "layers": layers}
         writers = {
             "direct": pcp.DirectKVWriter(view, layout, route="direct", channel=0, **config),
@@ -77,7 +76,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
             row[f"{name}.eager"] = common.eager_us(prefill, iters=1, reps=args.reps, warmup=2) / layers
             row[f"{name}.graph"] = common.graph_us(prefill, iters=1, reps=args.reps) / layers
-            row[f"{name}.host"] = common.host_us(prefill, reps=args.reps) / layers
+            row[f"{name}.host"] = common.eager_us(prefill, iters=1, reps=args.reps, warmup=3, host_only=True) / layers
         if tokens == max(args.tokens):  # the legacy format (vLLM <= 0.11), once
             legacy = pcp.CacheLayout(layout.num_blocks, layers, main_scale="fp32", indexer_scale="fp32")
             w = pcp.DirectKVWriter(view, legacy, route="direct", channel=2, **config)
@@ -98,11 +97,11 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
         def local_insert():
             for layer in range(layers):
-                local._launch(layer, *inputs, 512, 64, 128, lbatch.slots, lbatch.rows, lbatch)  # noqa: B023
+                local._launch(layer, *inputs, *widths, lbatch.slots, lbatch.rows, lbatch)  # noqa: B023
 
         row["local_insert.eager"] = common.eager_us(local_insert, iters=1, reps=args.reps, warmup=2) / layers
         row["local_insert.graph"] = common.graph_us(local_insert, iters=1, reps=args.reps) / layers
-        nbytes = split.tokens_per_rank * TOKEN_BYTES
+        nbytes = split.tokens_per_rank * token_bytes
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
         peers = [view.tensor(0, (nbytes,), torch.uint8, index=i) for i in range(p) if i != me]
 

@@ -79,7 +79,7 @@ def fences(steps: int, replays: int, backend: str) -> list[str]:
             lines.append(f"rank {buf.rank}: step {int(counter)}: saw {seen.tolist()}, epoch {fence.epoch}")
         local = split_phase(buf, fence, counter, seen)
         lines.append(f"rank {buf.rank}: split phase: saw {seen.tolist()}, epoch {fence.epoch}, local {local}")
-        if buf.backend == "cuda":
+        if buf.capabilities.streams:  # CUDA streams, so CUDA graphs
             lines += graph_replays(buf, fence, counter, seen, replays)
         return lines
 

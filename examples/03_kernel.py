@@ -35,7 +35,7 @@ def exchange_kernel(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, N: t
         tl.store(dst + me * N + tl.arange(0, N), values)
     tl.debug_barrier()  # every thread's stores before the release
     e = ssl.publish(ptrs, cell, me, SIZE)  # release, system scope
-    ssl.fence_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, False)  # bounded acquire wait
+    ssl.wait_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, False)  # bounded acquire wait
     # --8<-- [end:kernel]
 
 
@@ -45,8 +45,9 @@ def consumer(rounds: int, backend: str) -> int:
     view = buf.view(list(range(buf.world_size)))
     fence = ss.Fence(view, timeout_s=60)
     for _ in range(rounds):
-        args = (view.ptrs, fence.cell, view.local_index, fence.timeout_ns, fence.record)
-        exchange_kernel[(1,)](*args, SIZE=view.size, N=N)  # one program: one publish per round
+        # fence.kernel_args: (view.signal_ptrs, fence.cell, view.local_index, fence.timeout_ns, fence.record);
+        # view.signal_ptrs is view.ptrs here: the kernel addresses payload and cells through one table
+        exchange_kernel[(1,)](*fence.kernel_args, SIZE=view.size, N=N)  # one program: one publish per round
         fence.synchronize()  # raises FenceTimeout if the kernel's wait ran out
         got = buf.tensor(0, (view.size, N), torch.int64).cpu()  # my memory, written by every member
         e = fence.epoch

@@ -69,8 +69,8 @@ def publish_prefill(tp: int, tokens: int, layers: int, backend: str, seed: int, 
         for k, v in prompt.items()
     }
     batches = {name: w.prepare(split.local_slots(slot_mapping, me).to(buf.device)) for name, w in writers.items()}
-    cuda = buf.device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    streams = buf.capabilities.streams  # GPUs: asynchronous launches, CUDA graphs
+    sync = torch.cuda.synchronize if streams else (lambda: None)
 
     def prefill(name: str) -> None:  # a whole prefill: every layer, issued back to back
         w, b = writers[name], batches[name]
@@ -88,9 +88,9 @@ def publish_prefill(tp: int, tokens: int, layers: int, backend: str, seed: int, 
             out.append((time.perf_counter() - t0) / layers)
         return statistics.median(out)
 
-    reps = 5 if cuda else 1
+    reps = 5 if streams else 1
     times = {f"{name}.eager": timed(lambda n=name: prefill(n), reps) for name in writers}
-    if cuda:  # the same prefill captured once, then replayed
+    if streams:  # the same prefill captured once, then replayed
         for name in writers:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())

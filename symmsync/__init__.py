@@ -13,11 +13,11 @@ without GPUs use :func:`symmsync.testing.run` and the host backend.
 
 On a machine where torch sees no CUDA device and ``TRITON_INTERPRET`` is not set,
 importing symmsync sets ``TRITON_INTERPRET=1`` (see
-:func:`symmsync.backends.enable_interpreter_without_gpu`), so a plain ``torchrun``
+:func:`symmsync.mode.enable_interpreter_without_gpu`), so a plain ``torchrun``
 job on CPUs runs symmsync's kernels in Triton's interpreter.
 """
 
-from .backends import enable_interpreter_without_gpu as _enable_interpreter
+from .mode import enable_interpreter_without_gpu as _enable_interpreter
 
 _enable_interpreter()  # before any symmsync kernel is defined (buffer -> group -> fence -> language)
 

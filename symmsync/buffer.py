@@ -10,7 +10,12 @@ Each rank's allocation is laid out as::
     [0, nbytes)                  the user region: what tensor() and kernels address
     [signal_base, + signal_size) signal cells of the peer views' fences (see group.py)
 
-so user offsets are the same on every rank and never touch a fence's slots.
+so user offsets are the same on every rank and never touch a fence's slots. A
+growable buffer (``max_nbytes``) reserves address space for ``max_nbytes`` and keeps
+its cells after that reservation's user part, so growing never moves them. Memory a
+runtime registers (:meth:`SymmetricBuffer.register`) holds only the runtime's bytes:
+the cells then live in a small allocation of symmsync's own, addressed through
+:attr:`SymmetricBuffer.signal_ptrs`.
 """
 
 from __future__ import annotations
@@ -25,68 +30,49 @@ import torch
 import torch.distributed as dist
 
 from . import backends
+from .cells import LINE, SignalLayout, round_up
+from .checks import check_index, int_problem, is_int, positive_int_problem, require
+from .collective import barrier, gather, plain, raise_first, ranks_text, same
 from .errors import CLOSED_REASON, BackendError, BoundsError, ClosedError, ConfigError, SizeMismatchError
+from .group import PeerView, create_view
 
 ALIGN = 16  #: every tensor view starts on a multiple of this many bytes
-_LINE = 128  #: signal cells are padded to cache lines so peers' writes never share one
+
+__all__ = ["ALIGN", "SignalLayout", "SymmetricBuffer"]
 
 
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
+def _problem_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
-class SignalLayout:
-    """Where the signal cells of each (view region, channel) live in every rank's allocation.
+class _Shared:
+    """One backend's memory of every rank, as mapped on this rank: its own, and each peer's."""
 
-    A cell starts with a 128-byte line holding this rank's int64 epoch counter and
-    the grid-arrival counter of the channel, followed by one int64 slot per rank of
-    the world (padded to a whole line), where peers store the epochs they publish.
-    :mod:`symmsync.language` documents the same layout from the kernel side.
-    """
+    def __init__(self, backend: backends.Backend, world: int):
+        self.backend = backend
+        self.own: backends.Memory | None = None
+        self.peers: list[backends.Memory | None] = [None] * world
+        self.local_state: Any = None  #: what export_local kept (registered memory)
 
-    def __init__(self, base: int, world_size: int, max_views: int, channels: int):
-        self.base = base
-        self.max_views = max_views
-        self.channels = channels
-        self.cell_bytes = _LINE + _round_up(world_size * 8, _LINE)
-        self.size = max_views * channels * self.cell_bytes
-
-    def cell(self, region: int, channel: int) -> int:
-        """Byte offset of the cell, from the start of each rank's allocation."""
-        return self.base + (region * self.channels + channel) * self.cell_bytes
-
-
-def _gather(group: Any, obj: Any, world_size: int) -> list[Any]:
-    out: list[Any] = [None] * world_size
-    try:
-        dist.all_gather_object(out, obj, group=group)
-    except RuntimeError as e:  # gloo/NCCL: a peer died or left the collective
-        raise _lost_peer(group, e) from e
-    return out
+    def release(self) -> None:
+        """Unmap the peers, release (or, registered, only forget) this rank's memory. Idempotent."""
+        be, own = self.backend, self.own
+        for i, m in enumerate(self.peers):
+            if m is not None and m is not own:
+                self.peers[i] = None
+                be.release(m)
+        self.peers = [None] * len(self.peers)
+        if own is not None and own.tensor is not None:
+            be.release(own)
+        self.own = None
+        if self.local_state is not None:
+            state, self.local_state = self.local_state, None
+            be.forget_local(state)
 
 
-def _barrier(group: Any) -> None:
-    try:
-        dist.barrier(group=group)
-    except RuntimeError as e:
-        raise _lost_peer(group, e) from e
-
-
-def _lost_peer(group: Any, e: Exception) -> BackendError:
-    return BackendError(
-        f"rank {dist.get_rank(group)}: an exchange with the other ranks of the group failed: a rank "
-        f"probably died or left the collective (check the other ranks' logs). torch.distributed: {e}"
-    )
-
-
-def _plain(v: Any) -> Any:
-    """``v`` if every rank can receive and compare it, else its repr (any junk argument
-    must reach the exchange, so that every rank raises instead of one)."""
-    return v if isinstance(v, (int, str)) else repr(v)
-
-
-def _ranks_text(ranks: Sequence[int]) -> str:
-    return "rank " + str(ranks[0]) if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+def _release(shared: list[_Shared]) -> None:
+    for s in shared:
+        s.release()
 
 
 class SymmetricBuffer:
@@ -104,6 +90,9 @@ class SymmetricBuffer:
             there is one), ``"host"`` or ``"cuda"``.
         max_views: peer views that can be created on this buffer (each owns a signal region).
         channels: fence channels per view.
+        max_nbytes: make the buffer growable up to this many bytes (:meth:`grow`):
+            address space for it is reserved on every rank, for this rank's memory and
+            for every peer's, so addresses never move. Default: not growable.
         backend_options: passed to the backend (the CUDA backend takes ``handle_type``).
 
     Raises:
@@ -121,12 +110,13 @@ class SymmetricBuffer:
     def __init__(
         self,
         nbytes: int,
-        group: Any = None,
+        group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         backend: str = "auto",
         *,
         max_views: int = 16,
         channels: int = 4,
+        max_nbytes: int | None = None,
         backend_options: dict[str, Any] | None = None,
     ):
         self._join(group)
@@ -137,26 +127,36 @@ class SymmetricBuffer:
         except ConfigError as e:
             name, dev, problem = backend, None, str(e)
         if problem is None:
-            problem = self._check_args(nbytes, max_views, channels)
+            problem = self._check_args(nbytes, max_views, channels, max_nbytes)
         if problem is None and not isinstance(backend_options, (dict, type(None))):
             problem = f"backend_options must be a dict, got {backend_options!r}"
         info = {
-            "nbytes": nbytes if isinstance(nbytes, int) else repr(nbytes),
-            "backend": _plain(name),
-            "max_views": _plain(max_views),
-            "channels": _plain(channels),
-            "problem": problem,
+            "nbytes": plain(nbytes),
+            "max_nbytes": plain(max_nbytes),
+            "backend": plain(name),
+            "max_views": plain(max_views),
+            "channels": plain(channels),
         }
-        self._raise_on_bad_args(_gather(self._group, info, self._world))
+        self._raise_on_bad_args(gather(self._group, (info, problem)))
 
         self._nbytes = nbytes
+        self._max_nbytes = max_nbytes
         self._device = dev
-        self._signals = SignalLayout(_round_up(nbytes, _LINE), self._world, max_views, channels)
-        self._backend = self._create_backend(name, dev, backend_options or {})
-        self._map_all(self._signals.base + self._signals.size)
+        be = self._create_backend(name, dev, backend_options or {})
+        self._data = _Shared(be, self._world)
+        if max_nbytes is None:
+            self._signals = SignalLayout(round_up(nbytes, LINE), self._world, max_views, channels)
+            self._map_all(self._data, self._signals.base + self._signals.size)
+        else:
+            g = be.granularity
+            self._signals = SignalLayout(round_up(max_nbytes, g), self._world, max_views, channels)
+            total = self._signals.base + round_up(self._signals.size, g)
+            self._reserve_all(self._data, total)
+            self._share_chunks([(self._signals.base, total - self._signals.base), (0, round_up(nbytes, g))])
+            self._committed = round_up(nbytes, g)
         self._finish()
 
-    def _join(self, group: Any) -> None:
+    def _join(self, group: dist.ProcessGroup | None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError(
                 "SymmetricBuffer is a collective: call torch.distributed.init_process_group first "
@@ -166,16 +166,25 @@ class SymmetricBuffer:
         self._rank = dist.get_rank(self._group)
         self._world = dist.get_world_size(self._group)
         self._closed = False
-        self._own: backends.Memory | None = None
-        self._peers: list[backends.Memory | None] = [None] * self._world
-        self._view_count = 0
+        self._max_nbytes: int | None = None
+        self._committed = 0
+        self._registered = False
+        self._local_end = 0  # registered memory: where the pieces peers mapped end, from the base
+        self._data: _Shared | None = None
+        self._cells: _Shared | None = None  # signal cells apart from the data (registered memory)
         # Every live PeerView created on it: close() aborts them. Weak, so that a buffer
         # and its views form no reference cycle (which kept process groups alive at exit).
-        self._views: weakref.WeakSet = weakref.WeakSet()
+        self._views: weakref.WeakSet[PeerView] = weakref.WeakSet()
 
     def _finish(self) -> None:
-        self._ptrs = torch.tensor([m.ptr for m in self._peers], dtype=torch.int64, device=self._device)
-        self._finalizer = weakref.finalize(self, SymmetricBuffer._release_all, self._backend, self._own, self._peers)
+        self._ptrs = torch.tensor([m.ptr for m in self._data.peers], dtype=torch.int64, device=self._device)
+        if self._cells is None:
+            self._signal_ptrs = self._ptrs
+        else:
+            cells = [m.ptr for m in self._cells.peers]
+            self._signal_ptrs = torch.tensor(cells, dtype=torch.int64, device=self._device)
+        shared = [s for s in (self._data, self._cells) if s is not None]
+        self._finalizer = weakref.finalize(self, _release, shared)
 
     # ---------------------------------------------------------------- adoption
     @classmethod
@@ -183,9 +192,10 @@ class SymmetricBuffer:
         cls,
         ptrs: Sequence[int],
         nbytes: int,
-        group: Any = None,
+        group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         *,
+        signals: str = "separate",
         max_views: int = 16,
         channels: int = 4,
     ) -> SymmetricBuffer:
@@ -197,18 +207,24 @@ class SymmetricBuffer:
             nbytes: size of each rank's memory (the same on every rank).
             group: the process group of those ranks (default: the world group).
             device: where the memory is (default: the current CUDA device, else CPU).
+            signals: where symmsync keeps its fence signal cells. ``"separate"``
+                (default): in a small allocation of its own, so every adopted byte stays
+                the runtime's (:attr:`nbytes` is ``nbytes``; kernels address the cells
+                through :attr:`signal_ptrs`). ``"tail"``: in the last bytes of the
+                adopted memory, zeroed here on every rank (:attr:`nbytes` is what is
+                left before them; :attr:`signal_ptrs` is :attr:`ptrs`).
 
-        symmsync keeps its fence signal cells in the last bytes of that memory (zeroed
-        here, on every rank); :attr:`nbytes` is what is left before them. The runtime
-        keeps ownership: :meth:`close` releases nothing.
+        The runtime keeps ownership: :meth:`close` releases nothing it adopted.
         """
         self = cls.__new__(cls)
         self._join(group)
-        problem = cls._check_args(nbytes, max_views, channels)
+        problem = cls._check_args(nbytes, max_views, channels, None)
         try:
             dev = backends.as_device(device) if device is not None else backends.default_device()
         except ConfigError as e:
             dev, problem = torch.device("cpu"), problem or str(e)
+        if problem is None and signals not in ("separate", "tail"):
+            problem = f"signals must be 'separate' or 'tail', got {signals!r}"
         probe = SignalLayout(0, self._world, max_views, channels) if problem is None else None
         if problem is None:
             try:
@@ -219,71 +235,200 @@ class SymmetricBuffer:
             problem = f"ptrs holds {[p for p in ptrs if not 0 < p < 2**64]}, which are not addresses"
         if problem is None and len(ptrs) != self._world:
             problem = f"ptrs holds {len(ptrs)} addresses for a group of {self._world} ranks"
-        if problem is None and nbytes < probe.size + _LINE:
+        if problem is None and signals == "tail" and nbytes < probe.size + LINE:
             problem = f"{nbytes} bytes cannot hold symmsync's {probe.size} bytes of signal cells; adopt a larger region"
         info = {
-            "nbytes": nbytes if isinstance(nbytes, int) else repr(nbytes),
+            "nbytes": plain(nbytes),
             "backend": dev.type,
-            "max_views": _plain(max_views),
-            "channels": _plain(channels),
-            "problem": problem,
+            "signals": plain(signals),
+            "max_views": plain(max_views),
+            "channels": plain(channels),
         }
-        self._raise_on_bad_args(_gather(self._group, info, self._world))
-        base = (nbytes - probe.size) // _LINE * _LINE
-        self._nbytes = base
+        self._raise_on_bad_args(gather(self._group, (info, problem)))
         self._device = dev
-        self._signals = SignalLayout(base, self._world, max_views, channels)
-        self._backend = backends.adopted(dev)
+        adopted = backends.adopted(dev)
+        self._data = _Shared(adopted, self._world)
         for r, p in enumerate(ptrs):
-            self._peers[r] = self._backend.import_handle((p, nbytes), r)
-        self._own = self._peers[self._rank]
-        self._own.tensor[base : base + self._signals.size].zero_()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        _barrier(self._group)  # no rank fences before every rank's cells are zero
+            self._data.peers[r] = adopted.import_handle((p, nbytes), r)
+        self._data.own = self._data.peers[self._rank]
+        if signals == "tail":
+            base = (nbytes - probe.size) // LINE * LINE
+            self._nbytes = base
+            self._signals = SignalLayout(base, self._world, max_views, channels)
+            self._data.own.tensor[base : base + self._signals.size].zero_()
+            if adopted.capabilities.streams:
+                torch.cuda.synchronize(dev)
+            barrier(self._group)  # no rank fences before every rank's cells are zero
+        else:
+            self._nbytes = nbytes
+            self._separate_cells(backends.name_for(dev), dev, max_views, channels)
         self._finish()
         return self
 
     @classmethod
-    def from_torch(cls, handle: Any, group: Any = None, **kwargs: Any) -> SymmetricBuffer:
+    def from_torch(cls, handle: Any, group: dist.ProcessGroup | None = None, **kwargs: Any) -> SymmetricBuffer:
         """Adopt a ``torch.distributed._symmetric_memory`` rendezvous handle (collective).
 
         Uses the handle's buffer (``buffer_ptrs``, ``buffer_size``); torch's own signal
-        pads stay torch's. See :meth:`from_peer_addresses` for what symmsync reserves.
+        pads stay torch's. See :meth:`from_peer_addresses` for where symmsync keeps its cells.
         """
         device = torch.device("cuda", torch.cuda.current_device())
         return cls.from_peer_addresses(list(handle.buffer_ptrs), int(handle.buffer_size), group, device, **kwargs)
 
+    @classmethod
+    def register(
+        cls,
+        local: torch.Tensor | int,
+        nbytes: int | None = None,
+        group: dist.ProcessGroup | None = None,
+        *,
+        max_nbytes: int | None = None,
+        device: torch.device | str | None = None,
+        max_views: int = 16,
+        channels: int = 4,
+        backend_options: dict[str, Any] | None = None,
+    ) -> SymmetricBuffer:
+        """Make memory a runtime owns symmetric: map every peer's (collective).
+
+        Args:
+            local: this rank's memory, made by the runtime's own allocator: a tensor
+                (its bytes from ``local.data_ptr()``), or an int address with ``nbytes``.
+            nbytes: bytes to register (default: the tensor's); the same on every rank.
+            group: the process group (default: the world group).
+            max_nbytes: the most the runtime's memory may grow to (default:
+                ``nbytes``): peers reserve address space for it, and :meth:`grow`
+                maps what the owner committed since.
+            device: where ``local`` is, for an int address (default: the current CUDA
+                device, else the CPU).
+            backend_options: passed to the backend (CUDA: ``handle_type``).
+
+        Offsets (:meth:`tensor`, the pointer table) count from ``local``, so a runtime
+        finds its tensors at the offsets it already knows; :meth:`offset_of` gives them.
+        symmsync writes none of the runtime's bytes: its signal cells live in a small
+        allocation of its own (:attr:`signal_ptrs`). The runtime keeps ownership:
+        :meth:`close` unmaps the peers' memory here and releases nothing the runtime
+        owns; close on every rank (and synchronize) before the runtime frees it
+        (docs/runtime-memory.md says why and what happens otherwise).
+
+        Memory that can be registered: CUDA, memory of the driver's virtual-memory
+        management (a runtime's ``cuMemCreate`` chunks, torch with
+        ``expandable_segments:True``), shared through its POSIX file-descriptor handles,
+        and plain device allocations (torch's default caching allocator), shared through
+        CUDA IPC (these cannot grow). Host: memory mapped from a POSIX shared-memory
+        object that peers can open by name.
+
+        Raises:
+            BackendError: on every rank, when any rank's memory cannot be shared or mapped.
+            ConfigError, SizeMismatchError: on every rank, for bad or differing arguments.
+        """
+        self = cls.__new__(cls)
+        self._join(group)
+        me = self._rank
+        ptr, dev, problem = cls._local_memory(local, nbytes, device)
+        if nbytes is None and isinstance(local, torch.Tensor):
+            nbytes = local.numel() * local.element_size()
+        max_nbytes = nbytes if max_nbytes is None else max_nbytes
+        problem = problem or cls._check_args(nbytes, max_views, channels, max_nbytes)
+        if problem is None and not isinstance(backend_options, (dict, type(None))):
+            problem = f"backend_options must be a dict, got {backend_options!r}"
+        kind = dev.type if dev is not None else "?"
+        info = {
+            "nbytes": plain(nbytes),
+            "max_nbytes": plain(max_nbytes),
+            "backend": kind,
+            "max_views": plain(max_views),
+            "channels": plain(channels),
+        }
+        self._raise_on_bad_args(gather(self._group, (info, problem)), call="SymmetricBuffer.register")
+        self._device = dev
+        self._nbytes = nbytes
+        self._max_nbytes = max_nbytes
+        self._registered = True
+        name = backends.name_for(dev)
+        be = self._create_backend(name, dev, backend_options or {})
+        self._separate_cells(name, dev, max_views, channels, backend_options)
+        self._data = _Shared(be, self._world)
+        own = backends.Memory(ptr=ptr, nbytes=max_nbytes, tensor=backends.tensor_at(ptr, max_nbytes, dev), owner=me)
+        own.state = {}
+        self._data.own = own
+        self._data.peers[me] = own
+        try:
+            self._share_local(0, nbytes)
+        except BackendError:
+            self._cells.release()
+            self._closed = True
+            raise
+        self._committed = nbytes
+        self._finish()
+        return self
+
+    @staticmethod
+    def _local_memory(local: Any, nbytes: Any, device: Any) -> tuple[int, torch.device | None, str | None]:
+        """(address, device, problem) of the memory passed to :meth:`register`."""
+        if isinstance(local, torch.Tensor):
+            if not local.is_contiguous():
+                return 0, None, "local must be a contiguous tensor (its bytes from data_ptr() on)"
+            if not (local.is_cuda or local.is_cpu):
+                return 0, None, f"local is on {local.device}, which has no memory to register"
+            if nbytes is not None and is_int(nbytes) and nbytes > local.numel() * local.element_size():
+                return (
+                    0,
+                    None,
+                    f"nbytes={nbytes} is more than the tensor's {local.numel() * local.element_size()} bytes",
+                )
+            return local.data_ptr(), local.device, None
+        if not is_int(local) or not 0 < local < 2**64:
+            return 0, None, f"local must be a tensor or an int address, got {local!r}"
+        if nbytes is None:
+            return 0, None, "an address needs nbytes"
+        try:
+            dev = backends.as_device(device) if device is not None else backends.default_device()
+        except ConfigError as e:
+            return 0, None, str(e)
+        return local, dev, None
+
+    def _separate_cells(
+        self,
+        name: str,
+        dev: torch.device,
+        max_views: int,
+        channels: int,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        """Signal cells in a small allocation of symmsync's own, every peer's mapped."""
+        self._signals = SignalLayout(0, self._world, max_views, channels)
+        be = self._create_backend(name, dev, dict(options or {}))
+        self._cells = _Shared(be, self._world)
+        self._map_all(self._cells, self._signals.size)
+
     # ---------------------------------------------------------------- construction
     @staticmethod
-    def _check_args(nbytes: Any, max_views: Any, channels: Any) -> str | None:
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool):
-            return f"nbytes must be an int, got {type(nbytes).__name__}"
-        if nbytes <= 0:
-            return f"nbytes must be positive, got {nbytes}"
-        for label, v in (("max_views", max_views), ("channels", channels)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                return f"{label} must be a positive int, got {v!r}"
-        return None
+    def _check_args(nbytes: Any, max_views: Any, channels: Any, max_nbytes: Any) -> str | None:
+        problem = (
+            positive_int_problem("nbytes", nbytes)
+            or positive_int_problem("max_views", max_views)
+            or positive_int_problem("channels", channels)
+        )
+        if problem is None and max_nbytes is not None:
+            problem = int_problem("max_nbytes", max_nbytes, minimum=nbytes)
+        return problem
 
-    def _raise_on_bad_args(self, infos: list[dict]) -> None:
-        bad = [(r, i["problem"]) for r, i in enumerate(infos) if i["problem"]]
-        if bad:
-            r, msg = bad[0]
-            others = f" (and {_ranks_text([b[0] for b in bad[1:]])})" if len(bad) > 1 else ""
-            raise ConfigError(f"SymmetricBuffer: rank {r}{others}: {msg}")
-        for key in ("backend", "max_views", "channels"):
-            vals = {i[key] for i in infos}
-            if len(vals) > 1:
-                per = ", ".join(f"rank {r}: {i[key]!r}" for r, i in enumerate(infos))
-                raise ConfigError(f"SymmetricBuffer: {key} differs across ranks ({per}); pass the same on every rank")
-        sizes = [i["nbytes"] for i in infos]
-        if len(set(sizes)) > 1:
-            per = ", ".join(f"rank {r}: {s}" for r, s in enumerate(sizes))
-            raise SizeMismatchError(
-                f"SymmetricBuffer: every rank must allocate the same size, got {per}; "
-                "compute nbytes from values that agree across ranks"
-            )
+    def _raise_on_bad_args(self, everyone: list[tuple[dict, str | None]], call: str = "SymmetricBuffer") -> None:
+        """Raise on every rank if any rank had a problem or the ranks disagree."""
+        raise_first([p for _, p in everyone], call=call)
+        infos = [i for i, _ in everyone]
+        for key in ("backend", "signals", "max_views", "channels"):
+            if key in infos[0]:
+                same([i[key] for i in infos], key, call=call)
+        for key in ("nbytes", "max_nbytes"):
+            if key in infos[0]:
+                same(
+                    [i[key] for i in infos],
+                    key,
+                    call=call,
+                    error=SizeMismatchError,
+                    hint="every rank must map the same size: compute it from values that agree across ranks",
+                )
 
     def _create_backend(self, name: str, dev: torch.device, options: dict[str, Any]) -> backends.Backend:
         problem = None
@@ -294,73 +439,243 @@ class SymmetricBuffer:
             problem = str(e)
         except TypeError as e:  # an option the backend does not take
             problem = f"bad backend_options {options!r}: {e}"
-        problems = _gather(self._group, problem, self._world)
+        problems = gather(self._group, problem)
         bad = [r for r, p in enumerate(problems) if p]
         if bad:
             raise BackendError(
-                f"SymmetricBuffer: backend {name!r} unavailable on {_ranks_text(bad)}: {problems[bad[0]]}"
+                f"SymmetricBuffer: backend {name!r} unavailable on {ranks_text(bad)}: {problems[bad[0]]}"
             )
         assert be is not None
         return be
 
-    def _map_all(self, total: int) -> None:
+    def _map_all(self, shared: _Shared, total: int) -> None:
         """Allocate, exchange handles, map every peer: all or nothing on every rank."""
+        be = shared.backend
         handle = problem = None
         try:
-            self._own = self._backend.allocate(total, self._rank)
-            handle = self._backend.export_handle(self._own)
+            shared.own = be.allocate(total, self._rank)
+            handle = be.export_handle(shared.own)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
-            problem = f"{type(e).__name__}: {e}"
+            problem = _problem_text(e)
         handles: list = []
         try:
-            handles = _gather(self._group, (handle, problem), self._world)
-            self._fail_if_any("allocate", [p for _, p in handles])
-            self._backend.exchanged(self._own, [h for h, _ in handles])  # who may map this rank's memory
+            handles = gather(self._group, (handle, problem))
+            self._fail_if_any("allocate", [p for _, p in handles], shared)
+            be.exchanged(shared.own, [h for h, _ in handles])  # who may map this rank's memory
 
             problem = None
             try:
                 for r, (h, _) in enumerate(handles):
-                    self._peers[r] = self._own if r == self._rank else self._backend.import_handle(h, r)
+                    shared.peers[r] = shared.own if r == self._rank else be.import_handle(h, r)
             except Exception as e:  # noqa: BLE001
-                problem = f"{type(e).__name__}: {e}"
-            self._fail_if_any("map", _gather(self._group, problem, self._world))
+                problem = _problem_text(e)
+            self._fail_if_any("map", gather(self._group, problem), shared)
             # Every rank has mapped every segment: names and exported handles can go, and
             # once the barrier passes they are gone on every rank (a crash leaks nothing).
-            self._backend.all_mapped(self._own)
-            _barrier(self._group)
+            be.all_mapped(shared.own)
+            barrier(self._group)
         except BackendError:
             # A peer died during the exchange (or a rank failed, and _fail_if_any released
             # already): release, and drop the handles a dead peer can no longer drop itself.
-            SymmetricBuffer._release_all(self._backend, self._own, self._peers)
-            self._own = None
-            self._peers = [None] * self._world
+            shared.release()
             self._closed = True
             for h, _ in handles:
                 if h is not None:
-                    self._backend.abandon(h)
+                    be.abandon(h)
             raise
 
-    def _fail_if_any(self, what: str, problems: list[str | None]) -> None:
+    def _fail_if_any(self, what: str, problems: list[str | None], shared: _Shared) -> None:
         bad = [r for r, p in enumerate(problems) if p]
         if not bad:
             return
-        SymmetricBuffer._release_all(self._backend, self._own, self._peers)
-        self._own = None
-        self._peers = [None] * self._world
+        shared.release()
         self._closed = True
         raise BackendError(
-            f"SymmetricBuffer: could not {what} on {_ranks_text(bad)}: {problems[bad[0]]}; "
+            f"SymmetricBuffer: could not {what} on {ranks_text(bad)}: {problems[bad[0]]}; "
             "every rank released what it had mapped"
         )
 
-    @staticmethod
-    def _release_all(backend: backends.Backend, own: backends.Memory | None, peers: list) -> None:
-        for i, m in enumerate(peers):
-            if m is not None and m is not own:
-                peers[i] = None
-                backend.release(m)
-        if own is not None and own.tensor is not None:
-            backend.release(own)
+    # ---------------------------------------------------------------- growable memory
+    def _reserve_all(self, shared: _Shared, total: int) -> None:
+        """Reserve address space for this rank's memory and every peer's (all or nothing)."""
+        be = shared.backend
+        problem = None
+        try:
+            for r in range(self._world):
+                shared.peers[r] = be.reserve(total, r)
+            shared.own = shared.peers[self._rank]
+        except Exception as e:  # noqa: BLE001
+            problem = _problem_text(e)
+        self._fail_if_any("reserve address space", gather(self._group, problem), shared)
+
+    def _share_chunks(self, pieces: list[tuple[int, int]]) -> None:
+        """Commit ``(offset, nbytes)`` pieces of this rank's reservation and map every
+        peer's at the same offsets: all or nothing on every rank.
+
+        At construction a failure releases everything; in :meth:`grow` it unmaps only
+        what this call mapped, and the buffer keeps its size.
+        """
+        data, be = self._data, self._data.backend
+        growing = not self._closed and self._committed > 0
+        new: list[tuple[backends.Memory, backends.Chunk]] = []
+        handles: list = []
+        problem = None
+        try:
+            for off, n in pieces:
+                c = be.commit(data.own, off, n)
+                new.append((data.own, c))
+                handles.append((off, c.handle))
+        except Exception as e:  # noqa: BLE001
+            problem = _problem_text(e)
+        everyone: list = []
+        try:
+            everyone = gather(self._group, (handles, problem))
+            self._fail_chunks("commit memory", [p for _, p in everyone], new, growing)
+            own_chunks = [c for _, c in new]
+            for c in own_chunks:
+                be.chunk_exchanged(c, [h for h, _ in everyone])
+            problem = None
+            try:
+                for r, (hs, _) in enumerate(everyone):
+                    if r != self._rank:
+                        for off, h in hs:
+                            new.append((data.peers[r], be.map_chunk(data.peers[r], off, h)))
+            except Exception as e:  # noqa: BLE001
+                problem = _problem_text(e)
+            self._fail_chunks("map", gather(self._group, problem), new, growing)
+            for c in own_chunks:
+                be.chunk_all_mapped(c)
+            barrier(self._group)
+        except BackendError:
+            self._undo(new, growing)
+            for hs, _ in everyone:
+                for _, h in hs or ():
+                    be.abandon(h)
+            raise
+
+    def _fail_chunks(self, what: str, problems: list[str | None], new: list, growing: bool) -> None:
+        bad = [r for r, p in enumerate(problems) if p]
+        if not bad:
+            return
+        self._undo(new, growing)
+        kept = f"the buffer keeps its {self._nbytes} bytes" if growing else "every rank released what it had mapped"
+        raise BackendError(f"SymmetricBuffer: could not {what} on {ranks_text(bad)}: {problems[bad[0]]}; {kept}")
+
+    def _undo(self, new: list, growing: bool) -> None:
+        if not growing:
+            self._data.release()
+            if self._cells is not None:
+                self._cells.release()
+            self._closed = True
+            return
+        be = self._data.backend
+        for mem, c in reversed(new):
+            try:
+                be.unmap_chunk(mem, c)
+            except Exception:  # noqa: BLE001 - best effort: the error being raised says more
+                pass
+        new.clear()
+
+    def _share_local(self, start: int, end: int) -> None:
+        """Export this rank's registered memory in ``[0, end)`` (pieces wholly below
+        ``start`` were exported before), map every peer's: all or nothing."""
+        data, be = self._data, self._data.backend
+        handles = problem = None
+        try:
+            handles, state = be.export_local(data.own.ptr, end, self._rank, known=self._local_end)
+            data.local_state = state
+        except Exception as e:  # noqa: BLE001
+            problem = _problem_text(e)
+        everyone: list = []
+        new: list = []
+        try:
+            everyone = gather(self._group, (handles, problem))
+            self._fail_local("share", [p for _, p in everyone], start, new)
+            be.local_exchanged(data.local_state, [h for h, _ in everyone])
+            problem = None
+            try:
+                for r, (hs, _) in enumerate(everyone):
+                    if r == self._rank:
+                        continue
+                    if start == 0:
+                        data.peers[r] = be.import_local(hs, r, self._max_nbytes)
+                    else:
+                        new += [(data.peers[r], c) for c in be.extend_local(data.peers[r], hs)]
+            except Exception as e:  # noqa: BLE001
+                problem = _problem_text(e)
+            self._fail_local("map", gather(self._group, problem), start, new)
+            self._local_end = data.local_state["end"]
+            barrier(self._group)  # every peer mapped: what only served the exchange can go
+            be.forget_local(data.local_state)
+            data.local_state = None
+        except BackendError:
+            self._undo_local(start, new)
+            raise
+
+    def _fail_local(self, what: str, problems: list[str | None], start: int, new: list) -> None:
+        bad = [r for r, p in enumerate(problems) if p]
+        if not bad:
+            return
+        self._undo_local(start, new)
+        kept = f"the buffer keeps its {self._nbytes} bytes" if start else "nothing stays mapped"
+        raise BackendError(
+            f"SymmetricBuffer.register: could not {what} the registered memory of {ranks_text(bad)}: "
+            f"{problems[bad[0]]}; {kept}"
+        )
+
+    def _undo_local(self, start: int, new: list) -> None:
+        be = self._data.backend
+        if start == 0:
+            self._data.release()
+            self._closed = True
+            return
+        for mem, c in reversed(new):
+            try:
+                be.unmap_chunk(mem, c)
+            except Exception:  # noqa: BLE001
+                pass
+        new.clear()
+        if self._data.local_state is not None:
+            be.forget_local(self._data.local_state)
+            self._data.local_state = None
+
+    def grow(self, nbytes: int) -> None:
+        """Grow the user region to ``nbytes`` on every rank (collective).
+
+        Commits the new memory (or, for registered memory, takes what the runtime
+        committed since) and maps every peer's inside the address space reserved at
+        construction. :attr:`ptrs`, and every tensor, view, fence and writer made
+        earlier stay valid; a CUDA graph captured before the grow replays unchanged.
+        Growing to the current size does nothing; shrinking is refused.
+
+        Raises (on every rank):
+            BoundsError: ``nbytes`` is past ``max_nbytes``, or below the current size.
+            SizeMismatchError: ranks asked for different sizes.
+            BackendError: a rank could not commit or map; every rank then unmaps what
+                this grow mapped, and the buffer keeps its size.
+        """
+        self._check_open("grow")
+        call = "SymmetricBuffer.grow"
+        problem = int_problem("nbytes", nbytes, minimum=1)
+        bounds = None
+        if problem is None and self._max_nbytes is None:
+            problem = "the buffer is not growable: create it with max_nbytes="
+        elif problem is None and not self._nbytes <= nbytes <= self._max_nbytes:
+            bounds = f"nbytes={nbytes} is outside [{self._nbytes}, {self._max_nbytes}] (the size now, max_nbytes)"
+        everyone = gather(self._group, (plain(nbytes), problem, bounds))
+        raise_first([p for _, p, _ in everyone], call=call)
+        raise_first([b for _, _, b in everyone], call=call, error=BoundsError)
+        same([n for n, _, _ in everyone], "nbytes", call=call, error=SizeMismatchError)
+        if self._registered:
+            if nbytes > self._committed:
+                self._share_local(self._committed, nbytes)
+                self._committed = nbytes
+        else:
+            end = round_up(nbytes, self._data.backend.granularity)
+            if end > self._committed:
+                self._share_chunks([(self._committed, end - self._committed)])
+                self._committed = end
+        self._nbytes = nbytes
 
     # ---------------------------------------------------------------- properties
     @property
@@ -375,8 +690,18 @@ class SymmetricBuffer:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the user region on each rank."""
+        """Bytes of the user region on each rank (what :meth:`grow` changes)."""
         return self._nbytes
+
+    @property
+    def max_nbytes(self) -> int | None:
+        """The most :meth:`grow` can reach, or ``None`` for a buffer that cannot grow."""
+        return self._max_nbytes
+
+    @property
+    def registered(self) -> bool:
+        """True for memory a runtime owns (:meth:`register`)."""
+        return self._registered
 
     @property
     def device(self) -> torch.device:
@@ -386,10 +711,15 @@ class SymmetricBuffer:
     @property
     def backend(self) -> str:
         """Name of the memory backend in use: ``"host"`` or ``"cuda"``."""
-        return self._backend.name
+        return self._data.backend.name
 
     @property
-    def group(self) -> Any:
+    def capabilities(self) -> backends.Capabilities:
+        """What kernels over this memory do (traps, streams, ...): ask this, never :attr:`backend`."""
+        return (self._cells or self._data).backend.capabilities
+
+    @property
+    def group(self) -> dist.ProcessGroup:
         """The torch.distributed group the buffer was allocated over."""
         return self._group
 
@@ -405,9 +735,25 @@ class SymmetricBuffer:
         return self._ptrs
 
     @property
+    def signal_ptrs(self) -> torch.Tensor:
+        """int64 tensor ``[world_size]``: the base each rank's signal cells are offset from.
+
+        :attr:`ptrs` itself (the same tensor) for memory symmsync allocated, or adopted
+        with ``signals="tail"``; the bases of symmsync's own cell allocations for
+        registered memory and ``signals="separate"``.
+        """
+        self._check_open("signal_ptrs")
+        return self._signal_ptrs
+
+    @property
     def signals(self) -> SignalLayout:
-        """Where fences' signal cells live (used by :mod:`symmsync.group`)."""
+        """Where fences' signal cells live, as offsets from :attr:`signal_ptrs`."""
         return self._signals
+
+    @property
+    def views(self) -> tuple[PeerView, ...]:
+        """This rank's live views of the buffer (what :meth:`close` aborts)."""
+        return tuple(self._views)
 
     # ---------------------------------------------------------------- access
     def _check_open(self, what: str) -> None:
@@ -415,9 +761,43 @@ class SymmetricBuffer:
             raise ClosedError(f"rank {self._rank}: SymmetricBuffer.{what} used after close()")
 
     def local_memory(self) -> torch.Tensor:
-        """``uint8`` tensor over this rank's whole allocation, signal cells included."""
+        """``uint8`` tensor over this rank's user region (:attr:`nbytes` bytes), and for
+        memory symmsync allocated without ``max_nbytes``, its signal cells after it."""
         self._check_open("local_memory")
-        return self._own.tensor
+        t = self._data.own.tensor
+        return t if self._max_nbytes is None and not self._registered else t[: self._nbytes]
+
+    def signal_memory(self) -> torch.Tensor:
+        """``uint8`` tensor from this rank's :attr:`signal_ptrs` base: cell ``c`` is at ``[c, c + cell_bytes)``."""
+        self._check_open("signal_memory")
+        return (self._cells or self._data).own.tensor
+
+    def offset_of(self, t: torch.Tensor) -> int:
+        """Byte offset of ``t``'s first element from this rank's base address.
+
+        ``t`` may reach into address space reserved for growth (``max_nbytes``), as a
+        runtime's tensors over a growable cache do; only :attr:`nbytes` of it can be
+        used until :meth:`grow` maps more.
+
+        Raises:
+            BoundsError: ``t`` does not lie inside this rank's (reserved) user region.
+        """
+        self._check_open("offset_of")
+        call = "SymmetricBuffer.offset_of"
+        if not isinstance(t, torch.Tensor):
+            require(f"expected a tensor, got {type(t).__name__}", rank=self._rank, call=call)
+        base, room = self._data.own.ptr, self._max_nbytes or self._nbytes
+        off = t.data_ptr() - base
+        span = 0 if t.numel() == 0 else (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+        if t.device != self._device or off < 0 or off + span > room:
+            require(
+                f"the tensor at {t.data_ptr():#x} ({span} bytes on {t.device}) is not inside this rank's "
+                f"{room} bytes at {base:#x} on {self._device}",
+                rank=self._rank,
+                call=call,
+                error=BoundsError,
+            )
+        return off
 
     def tensor(
         self, offset: int, shape: Sequence[int] | int, dtype: torch.dtype, rank: int | None = None
@@ -431,49 +811,49 @@ class SymmetricBuffer:
             rank: whose memory to view, as a rank of the buffer's group.
 
         Raises:
-            BoundsError: the view would leave the user region or is misaligned.
-            ConfigError: ``rank`` is not a rank of the group.
+            BoundsError: the view would leave the user region or is misaligned, or
+                ``rank`` is not a rank of the group.
+            ConfigError: an argument of the wrong type.
             ClosedError: the buffer is closed.
         """
         self._check_open("tensor")
-        rank = self._rank if rank is None else rank
-        if not isinstance(rank, int) or not 0 <= rank < self._world:
-            raise ConfigError(f"rank {self._rank}: tensor(rank={rank!r}) is not a rank of a world of {self._world}")
+        call = "SymmetricBuffer.tensor"
+        me = self._rank
+        rank = me if rank is None else check_index("rank", rank, self._world, "the group", rank=me, call=call)
         if not isinstance(dtype, torch.dtype):
-            raise BoundsError(f"rank {self._rank}: dtype must be a torch.dtype, got {dtype!r}")
+            require(f"dtype must be a torch.dtype, got {dtype!r}", rank=me, call=call)
         try:
             shape = (shape,) if isinstance(shape, int) else tuple(shape)
         except TypeError:
             shape = (shape,)  # not a sequence: rejected below
-        if any(not isinstance(s, int) or s < 0 for s in shape):
-            raise BoundsError(f"rank {self._rank}: shape must hold non-negative ints, got {shape}")
-        if not isinstance(offset, int) or offset < 0 or offset % ALIGN:
-            raise BoundsError(f"rank {self._rank}: offset {offset!r} must be a non-negative multiple of {ALIGN} bytes")
+        if any(not is_int(s) or s < 0 for s in shape):
+            require(f"shape must hold non-negative ints, got {shape}", rank=me, call=call)
+        require(int_problem("offset", offset, minimum=0), rank=me, call=call)
+        require(int_problem("offset", offset, multiple_of=ALIGN), rank=me, call=call, error=BoundsError)
         size = math.prod(shape) * dtype.itemsize
         if offset + size > self._nbytes:
-            raise BoundsError(
-                f"rank {self._rank}: a {tuple(shape)} {dtype} view at offset {offset} needs bytes "
-                f"[{offset}, {offset + size}) but the buffer holds {self._nbytes}"
+            require(
+                f"a {tuple(shape)} {dtype} view at offset {offset} needs bytes [{offset}, {offset + size}) "
+                f"but the buffer holds {self._nbytes}",
+                rank=me,
+                call=call,
+                error=BoundsError,
             )
-        return self._peers[rank].tensor[offset : offset + size].view(dtype).view(shape)
+        return self._data.peers[rank].tensor[offset : offset + size].view(dtype).view(shape)
 
     # ---------------------------------------------------------------- views
-    def view(self, ranks: Sequence[int]):
+    def view(self, ranks: Sequence[int]) -> PeerView:
         """This rank's :class:`~symmsync.PeerView` over ``ranks`` (which must include it).
 
         A collective over the buffer's group: every rank calls it, each with the rank
         list of its own subgroup, in the same order on every member. Subgroups may be
-        disjoint (TP×PCP) or nested; each view gets its own signal region.
+        disjoint (TP×PCP) or nested; each view gets its own signal region. The same as
+        :func:`symmsync.group.create_view`, where views are made.
         """
-        from .group import PeerView
-
         self._check_open("view")
-        return PeerView._create(self, ranks)
-
-    def _next_region(self) -> int:
-        region = self._view_count
-        self._view_count += 1
-        return region
+        view = create_view(self, ranks)
+        self._views.add(view)  # close() aborts every view of the buffer
+        return view
 
     # ---------------------------------------------------------------- lifetime
     def close(self) -> None:
@@ -490,6 +870,9 @@ class SymmetricBuffer:
         still waiting in a fence on one of them raise :class:`~symmsync.PeerAborted`
         at once instead of waiting out their budget; a fence they already completed
         is not affected.
+
+        Registered memory: the peers' mappings go (with their last tensors, as above);
+        the runtime's own memory is never released.
         """
         if self._closed:
             return
@@ -497,9 +880,7 @@ class SymmetricBuffer:
             view._abort_quietly(CLOSED_REASON)
         self._closed = True
         self._finalizer.detach()
-        SymmetricBuffer._release_all(self._backend, self._own, self._peers)
-        self._own = None
-        self._peers = [None] * self._world
+        _release([s for s in (self._data, self._cells) if s is not None])
 
     def __enter__(self) -> SymmetricBuffer:
         return self
@@ -509,7 +890,10 @@ class SymmetricBuffer:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self._nbytes} bytes"
+        if self._max_nbytes is not None and not self._closed:
+            state += f" of {self._max_nbytes}"
+        kind = ", registered" if self._registered else ""
         return (
-            f"SymmetricBuffer(rank={self._rank}/{self._world}, {state}, backend={self._backend.name}, "
+            f"SymmetricBuffer(rank={self._rank}/{self._world}, {state}, backend={self.backend}{kind}, "
             f"device={self._device})"
         )

@@ -34,9 +34,9 @@ def _host_backend() -> tuple[bool, str]:
 
 
 def _interpreter_note() -> str:
-    from . import backends
+    from . import mode
 
-    if backends.INTERPRETER_AUTO:
+    if mode.INTERPRETER_AUTO:
         return " (set by import symmsync: torch sees no CUDA device)"
     return ""
 

@@ -1,9 +1,19 @@
 """The exceptions symmsync raises.
 
 Every error the library raises on purpose is a :class:`SymmSyncError`. Collective
-entry points (buffer allocation, peer views) check their arguments on every rank
-after one exchange, so a bad argument on one rank raises the same error on all of
-them instead of leaving the others waiting in a collective.
+entry points (buffer allocation, peer views, the PCP writer) check their arguments on
+every rank after one exchange (:mod:`symmsync.collective`), so a bad argument on one
+rank raises the same error on all of them instead of leaving the others waiting in a
+collective. Messages name the rank and the call.
+
+One class per kind of mistake (:mod:`symmsync.checks` words them):
+
+* a value of the wrong type, or outside what the argument allows: :class:`ConfigError`;
+* an index or byte range outside what exists (a rank, a view member, a channel, a
+  layer, bytes past a region, a misaligned offset): :class:`BoundsError`;
+* ranks that disagree: :class:`SizeMismatchError` (sizes), :class:`ViewError` (views),
+  else :class:`ConfigError` naming what differs;
+* a consumer kernel's tensor inputs: :class:`InputError`.
 """
 
 from __future__ import annotations
@@ -25,7 +35,8 @@ class SizeMismatchError(ConfigError):
 
 
 class BoundsError(ConfigError):
-    """A view would leave the buffer or break its 16-byte alignment."""
+    """An index or byte range outside what exists: a rank, a view member, a channel, a
+    layer, a tensor view past the buffer's user region or off its 16-byte alignment."""
 
 
 class ViewError(ConfigError):

@@ -15,7 +15,9 @@ Every wait is bounded by ``timeout_s`` and fails closed. On the host backend the
 host reads the kernel's record and raises :class:`~symmsync.FenceTimeout`. On a GPU
 the kernel writes the same record to pinned host memory and traps, so the stream
 never runs on stale data; :meth:`Fence.synchronize` (and :attr:`Fence.epoch`) turn
-the resulting CUDA error into the same :class:`~symmsync.FenceTimeout`.
+the resulting CUDA error into the same :class:`~symmsync.FenceTimeout`. Which of the
+two happens, and the default budget, are the buffer's
+:attr:`~symmsync.SymmetricBuffer.capabilities`, never its backend's name.
 
 Failures reach every member at once: a rank that gives up (:meth:`Fence.abort`,
 :meth:`~symmsync.PeerView.abort`, a fence after its own fence error, ``close()``)
@@ -39,14 +41,12 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cells
 from . import language as ssl
-from .errors import CLOSED_REASON, BackendError, ClosedError, ConfigError, FenceTimeout, PeerAborted
-from .launch import Launcher, current_stream
-
-#: Default wait budget in seconds, per backend. The host budget allows for the
-#: Triton interpreter on a loaded CI machine; the GPU budget for a peer that is
-#: still compiling its first kernel.
-DEFAULT_TIMEOUT_S = {"host": 120.0, "cuda": 60.0}
+from .checks import require
+from .errors import CLOSED_REASON, BackendError, ClosedError, FenceTimeout, PeerAborted
+from .group import PeerView, warm_abort
+from .launch import Launcher, cu_stream, current_stream
 
 #: Largest wait budget, in seconds (about 31 years; the kernel counts int64 nanoseconds).
 MAX_TIMEOUT_S = 1e9
@@ -63,75 +63,7 @@ def _fence_kernel(
     else:
         e = tl.load(ssl.epoch_ptr(ptrs, cell, me))
     if WAIT:
-        ssl.fence_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
-
-
-@triton.jit
-def _abort_kernel(ptrs, cell, me, reason, SIZE: tl.constexpr):
-    ssl.mark_abort(ptrs, cell, me, reason, SIZE)
-
-
-def encode_reason(code: int, text: str) -> list[int]:
-    """The :data:`~symmsync.language.REASON_WORDS` int64 words of an abort reason.
-
-    ``text`` is kept to :data:`~symmsync.language.REASON_TEXT_BYTES` bytes of UTF-8: a
-    longer one is cut at a character boundary and ends in "…", so a reader sees it was cut.
-    """
-    raw = text.encode("utf-8", "replace")
-    if len(raw) > ssl.REASON_TEXT_BYTES:
-        ellipsis = "…".encode()
-        raw = raw[: ssl.REASON_TEXT_BYTES - len(ellipsis)].decode("utf-8", "ignore").encode("utf-8") + ellipsis
-    padded = raw.ljust(ssl.REASON_TEXT_BYTES, b"\0")
-    words = [int.from_bytes(padded[i : i + 8], "little", signed=True) for i in range(0, len(padded), 8)]
-    return [code, len(raw), *words]
-
-
-def decode_reason(words: list[int]) -> str:
-    """The reason text of :func:`encode_reason`'s words (``"closed"`` for a closed buffer)."""
-    code, n = words[0], words[1]
-    if code == ssl.REASON_CLOSED:
-        return CLOSED_REASON
-    if code != ssl.REASON_ERROR or not 0 <= n <= ssl.REASON_TEXT_BYTES:
-        return f"(no reason recorded: code {code})"
-    raw = b"".join(w.to_bytes(8, "little", signed=True) for w in words[2 : ssl.REASON_WORDS])
-    return raw[:n].decode("utf-8", "replace") or "(no reason given)"
-
-
-def mark_abort(view: Any, code: int, text: str) -> None:
-    """Set this rank's abort flag in every channel's cell of ``view`` at every member.
-
-    Runs :func:`symmsync.language.mark_abort` once per channel. On GPUs it runs on a
-    stream of its own (the current stream may hold a fence that waits) and returns once
-    the flags are sent. Used by :meth:`symmsync.PeerView.abort`.
-    """
-    buf = view.buffer
-    cells = [view.signal_offset(c) for c in range(buf.signals.channels)]
-    args = (view.ptrs, view.local_index)
-    if buf.backend != "cuda":
-        reason = torch.tensor(encode_reason(code, text), dtype=torch.int64)
-        for cell in cells:
-            _abort_kernel[(1,)](args[0], cell, args[1], reason, SIZE=view.size, num_warps=1)
-        return
-    with torch.cuda.device(buf.device):
-        side = torch.cuda.Stream(buf.device)
-        with torch.cuda.stream(side):
-            reason = torch.tensor(encode_reason(code, text), dtype=torch.int64, device=buf.device)
-            for cell in cells:
-                _abort_kernel[(1,)](args[0], cell, args[1], reason, SIZE=view.size, num_warps=1)
-        side.synchronize()
-
-
-def _warm_abort(view: Any) -> None:
-    # Compile the marking kernel ahead (GPU), so an abort costs a launch, not a compile.
-    try:
-        with torch.cuda.device(view.buffer.device):
-            reason = torch.zeros(ssl.REASON_WORDS, dtype=torch.int64, device=view.buffer.device)
-            for c in range(view.buffer.signals.channels):
-                _abort_kernel.warmup(
-                    view.ptrs, view.signal_offset(c), view.local_index, reason, SIZE=view.size, num_warps=1, grid=(1,)
-                )
-    except Exception:  # noqa: BLE001 - an optimization only: the abort compiles when it runs
-        pass
+        ssl.wait_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
 
 
 class Fence:
@@ -141,52 +73,72 @@ class Fence:
         view: the :class:`~symmsync.PeerView` whose members synchronize.
         channel: which of the view's channels (fences on different channels, or on
             different views, never touch each other's slots).
-        timeout_s: wait budget in seconds, in ``(0, MAX_TIMEOUT_S]`` (default:
-            :data:`DEFAULT_TIMEOUT_S` of the backend).
+        timeout_s: wait budget in seconds, in ``(0, MAX_TIMEOUT_S]`` (default: the
+            ``default_timeout_s`` of the buffer's
+            :attr:`~symmsync.SymmetricBuffer.capabilities`: 120 s on the host backend,
+            which allows for the Triton interpreter on a loaded machine, 60 s on GPUs,
+            which allows for a peer still compiling its first kernel).
 
     Every member of the view must create its fence for the same channel and call
     the same sequence of ``fence`` / ``arrive`` / ``wait``.
     """
 
-    def __init__(self, view: Any, channel: int = 0, *, timeout_s: float | None = None):
+    def __init__(self, view: PeerView, channel: int = 0, *, timeout_s: float | None = None):
         view._check_channel(channel)
         buf = view.buffer
+        caps = buf.capabilities
         self.view = view
         self.channel = channel
         self.backend = buf.backend
+        """The buffer's backend name (shown in the repr)."""
         if timeout_s is None:
-            timeout_s = DEFAULT_TIMEOUT_S[self.backend]
+            timeout_s = caps.default_timeout_s
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not 0 < timeout_s <= MAX_TIMEOUT_S:
-            raise ConfigError(
-                f"rank {buf.rank}: timeout_s must be a positive number of seconds up to {MAX_TIMEOUT_S:g} "
-                f"(the budget is int64 nanoseconds on the device), got {timeout_s!r}"
+            require(
+                f"timeout_s must be a positive number of seconds up to {MAX_TIMEOUT_S:g} "
+                f"(the budget is int64 nanoseconds on the device), got {timeout_s!r}",
+                rank=buf.rank,
+                call="Fence",
             )
         self.timeout_s = float(timeout_s)
         self.cell = view.signal_offset(channel)
         """Byte offset of this fence's cell in every member's memory (kernel argument)."""
         self.timeout_ns = int(self.timeout_s * 1e9)
         """Wait budget in ns (kernel argument)."""
-        n = ssl.record_words(view.size)
-        pin = self.backend == "cuda"
-        self._record = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        self._record = torch.zeros(cells.record_words(view.size), dtype=torch.int64, pin_memory=caps.pinned_record)
         self.record = self._record.data_ptr()
         """Address of the timeout record (kernel argument; pinned host memory on GPUs)."""
-        local = buf.local_memory()
-        self._epoch_word = local[self.cell : self.cell + 8].view(torch.int64)
+        self._kernel_args = (view.signal_ptrs, self.cell, view.local_index, self.timeout_ns, self.record)
+        epoch = self.cell + cells.EPOCH
+        self._epoch_word = buf.signal_memory()[epoch : epoch + 8].view(torch.int64)
         self._failed: FenceTimeout | None = view._abort_error(channel)
         view._fences.add(self)
-        if self.backend == "cuda" and not view._warm:
+        if caps.traps and not view._warm:  # compiled kernels: the abort kernel too, ahead
             view._warm = True
-            _warm_abort(view)
+            warm_abort(view)
         self._side: _ForkJoin | None = None
         self._buffer = buf
-        self._host = self.backend == "host"
-        trap = self.backend == "cuda"
-        args = (view.ptrs, self.cell, view.local_index, self.timeout_ns, self.record)
+        self._streams = caps.streams
+        self._host_checks = caps.host_checks_status
         self._launch = []
         for _kind, (arrive, wait) in ((_FENCE, (True, True)), (_ARRIVE, (True, False)), (_WAIT, (False, True))):
-            launcher = Launcher(_fence_kernel, (1,), num_warps=1, SIZE=view.size, ARRIVE=arrive, WAIT=wait, TRAP=trap)
-            self._launch.append(launcher.bind(*args))
+            launcher = Launcher(
+                _fence_kernel, (1,), num_warps=1, SIZE=view.size, ARRIVE=arrive, WAIT=wait, TRAP=caps.traps
+            )
+            self._launch.append(launcher.bind(*self._kernel_args))
+
+    @property
+    def kernel_args(self) -> tuple[torch.Tensor, int, int, int, int]:
+        """What a kernel takes to fence on this channel: ``(ptrs, cell, me, timeout_ns, record)``.
+
+        ``view.signal_ptrs`` (``view.ptrs`` for memory symmsync allocated), :attr:`cell`,
+        ``view.local_index``, :attr:`timeout_ns` and :attr:`record`, in the order of
+        :func:`symmsync.language.grid_fence` and :func:`symmsync.language.wait_or_trap`
+        (``SIZE`` is ``view.size``)::
+
+            my_kernel[grid](*fence.kernel_args, ..., SIZE=view.size)
+        """
+        return self._kernel_args
 
     # ------------------------------------------------------------------ operations
     def fence(self) -> None:
@@ -217,7 +169,7 @@ class Fence:
         (in a CUDA graph: a fork and a join). Use it when the body does not read peer
         data. On the host backend it is ``arrive()`` before the body, ``wait()`` after.
         """
-        if self.backend != "cuda":
+        if not self._streams:
             self.arrive()
             yield
             self.wait()
@@ -239,7 +191,7 @@ class Fence:
         if self._failed is not None or self._buffer._closed:
             self._check_usable(operation=True)
         self._launch[kind](stream)
-        if self._host:
+        if self._host_checks:
             self.check()
 
     def _check_usable(self, operation: bool = False) -> None:
@@ -278,7 +230,7 @@ class Fence:
     def epoch(self) -> int:
         """This rank's device epoch: the number of arrivals on this channel so far."""
         self._check_usable()
-        if self.backend == "cuda":
+        if self._streams:
             self.synchronize()
         return int(self._epoch_word.item())
 
@@ -296,7 +248,7 @@ class Fence:
 
     def synchronize(self) -> None:
         """Wait for the device; turn a trapped fence timeout into :class:`~symmsync.FenceTimeout`."""
-        if self.backend != "cuda":
+        if not self._streams:
             self.check()
             return
         try:
@@ -312,27 +264,25 @@ class Fence:
     def timeout_error(self) -> FenceTimeout | None:
         """The :class:`~symmsync.FenceTimeout` (or :class:`~symmsync.PeerAborted`) that this
         fence's record describes, if a wait failed."""
-        rec = self._record.tolist()
-        if rec[ssl.RECORD_FLAG] not in (ssl.TIMED_OUT.value, ssl.ABORTED.value):
+        rec = cells.read_record(self._record.tolist())
+        if rec is None:
             return None
-        epoch = rec[ssl.RECORD_EPOCH]
-        size = rec[ssl.RECORD_SIZE]
-        me = rec[ssl.RECORD_INDEX]
-        slots = rec[ssl.RECORD_SLOTS : ssl.RECORD_SLOTS + size]
-        first = rec[ssl.RECORD_SLOTS + size]
-        words = rec[ssl.RECORD_SLOTS + size + 1 : ssl.RECORD_SLOTS + size + 1 + ssl.REASON_WORDS]
+        epoch, me = rec.epoch, rec.index
         ranks = self.view.ranks
-        mask = ssl.COUNT_MASK.value
         late: dict[int, int] = {}
         aborted: dict[int, str] = {}
         counts: dict[int, int] = {}
-        for i in range(size):
-            count = slots[i] & mask
+        for i, slot in enumerate(rec.slots):
+            count = slot & cells.COUNT_MASK
             if i == me or count >= epoch:
                 continue  # arrived: its data is valid even if it aborted afterwards
             counts[ranks[i]] = count
-            if slots[i] < 0:
-                aborted[ranks[i]] = decode_reason(words) if i == first else "(aborted too; its reason was not recorded)"
+            if slot < 0:  # the abort flag
+                aborted[ranks[i]] = (
+                    cells.decode_reason(rec.reason, closed=CLOSED_REASON)
+                    if i == rec.aborter
+                    else "(aborted too; its reason was not recorded)"
+                )
             else:
                 late[ranks[i]] = count
         where = f"rank {ranks[me]}: fence on view {list(ranks)} channel {self.channel}"
@@ -369,8 +319,8 @@ class _ForkJoin:
     a fork or a join costs two driver calls, where ``Stream.wait_stream`` makes a fresh
     event each time and a stream context switch queries and sets the current stream
     (together about 40 us of host time per :meth:`Fence.overlap` before this class). In a
-    CUDA graph capture the
-    record and the wait become the graph's fork and join edges, as torch's would.
+    CUDA graph capture the record and the wait become the graph's fork and join edges,
+    as torch's would. Streams are named to the driver through :func:`symmsync.launch.cu_stream`.
     """
 
     def __init__(self, device: torch.device):
@@ -394,13 +344,6 @@ class _ForkJoin:
             events.append(ev)
             weakref.finalize(self, driver.cuEventDestroy, ev)
         self.fork_event, self.join_event = events
-        self._streams: dict[int, Any] = {self.raw: driver.CUstream(init_value=self.raw)}
-
-    def _cu(self, raw: int) -> Any:
-        s = self._streams.get(raw)
-        if s is None:
-            s = self._streams[raw] = self.drv.CUstream(init_value=raw)
-        return s
 
     def fork(self) -> int:
         """Make the side stream wait for the current stream's work so far; return that stream."""
@@ -411,8 +354,8 @@ class _ForkJoin:
             self.fork_event.record(cur)
             self.stream.wait_event(self.fork_event)
             return main
-        self._check(drv.cuEventRecord(self.fork_event, self._cu(main)), "cuEventRecord")
-        self._check(drv.cuStreamWaitEvent(self._cu(self.raw), self.fork_event, 0), "cuStreamWaitEvent")
+        self._check(drv.cuEventRecord(self.fork_event, cu_stream(main)), "cuEventRecord")
+        self._check(drv.cuStreamWaitEvent(cu_stream(self.raw), self.fork_event, 0), "cuStreamWaitEvent")
         return main
 
     def join(self, main: int) -> None:
@@ -422,8 +365,8 @@ class _ForkJoin:
             self.join_event.record(self.stream)
             torch.cuda.ExternalStream(main, device=torch.device("cuda", self.index)).wait_event(self.join_event)
             return
-        self._check(drv.cuEventRecord(self.join_event, self._cu(self.raw)), "cuEventRecord")
-        self._check(drv.cuStreamWaitEvent(self._cu(main), self.join_event, 0), "cuStreamWaitEvent")
+        self._check(drv.cuEventRecord(self.join_event, cu_stream(self.raw)), "cuEventRecord")
+        self._check(drv.cuStreamWaitEvent(cu_stream(main), self.join_event, 0), "cuStreamWaitEvent")
 
     def _check(self, result: Any, what: str) -> None:
         err = result[0] if isinstance(result, tuple) else result

@@ -15,11 +15,21 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import triton
+import triton.language as tl
 
-from .errors import CLOSED_REASON, ConfigError, PeerAborted, ViewError
+from . import cells
+from . import language as ssl
+from .checks import check_index, is_int, require
+from .collective import gather, raise_first
+from .errors import CLOSED_REASON, ClosedError, ConfigError, PeerAborted, ViewError
+
+if TYPE_CHECKING:  # the buffer imports this module to create its views; fences import it too
+    from .buffer import SymmetricBuffer
+    from .fence import Fence
 
 #: The order of ranks in a TP×PCP layout: ``rank = pcp_rank * tp + tp_rank``.
 TP_PCP_ORDER = "rank = pcp_rank * tp + tp_rank"
@@ -37,35 +47,18 @@ class PeerView:
         aborted: the reason this rank aborted the view with, or ``None``.
     """
 
-    def __init__(self, buffer: Any, ranks: tuple[int, ...], region: int):
+    def __init__(self, buffer: SymmetricBuffer, ranks: tuple[int, ...], region: int):
         self.buffer = buffer
         self.ranks = ranks
         self.size = len(ranks)
         self.local_index = ranks.index(buffer.rank)
         self.region = region
         self._ptrs = buffer.ptrs[list(ranks)].contiguous()
+        cells = buffer.signal_ptrs
+        self._signal_ptrs = self._ptrs if cells is buffer.ptrs else cells[list(ranks)].contiguous()
         self.aborted: str | None = None
-        self._fences: weakref.WeakSet = weakref.WeakSet()  # this rank's fences on the view
+        self._fences: weakref.WeakSet[Fence] = weakref.WeakSet()  # this rank's fences on the view
         self._warm = False  # the abort kernel is compiled (GPU)
-        buffer._views.add(self)  # close() aborts every view of the buffer
-
-    @classmethod
-    def _create(cls, buffer: Any, ranks: Sequence[int], problem: str | None = None) -> PeerView:
-        from .buffer import _gather
-
-        me, world = buffer.rank, buffer.world_size
-        req: tuple[int, ...] = ()
-        if problem is None:
-            req, problem = _parse_request(ranks, me, world)
-        requests = _gather(buffer.group, (req, problem), world)
-        _raise_on_bad_requests(requests)
-        region = buffer._next_region()
-        if region >= buffer.signals.max_views:
-            raise ViewError(
-                f"rank {me}: the buffer has signal regions for {buffer.signals.max_views} views and all are "
-                "taken; create views once at set-up, or pass a larger max_views to SymmetricBuffer"
-            )
-        return cls(buffer, req, region)
 
     # ------------------------------------------------------------------ kernel inputs
     @property
@@ -76,20 +69,40 @@ class PeerView:
     @property
     def ptrs(self) -> torch.Tensor:
         """int64 tensor ``[size]`` of the members' base addresses, on the buffer's device."""
-        self.buffer._check_open("PeerView.ptrs")
+        self._check_open("ptrs")
         return self._ptrs
 
+    @property
+    def signal_ptrs(self) -> torch.Tensor:
+        """int64 tensor ``[size]``: the bases the signal cells are offset from, in view order.
+
+        Signal primitives (:mod:`symmsync.language`) take this table with
+        :meth:`signal_offset`. It is :attr:`ptrs` itself (the same tensor) for memory
+        symmsync allocated; registered memory keeps its cells apart from the runtime's
+        bytes, so there the two tables differ.
+        """
+        self._check_open("signal_ptrs")
+        return self._signal_ptrs
+
+    def _check_open(self, what: str) -> None:
+        if self.buffer.closed:
+            raise ClosedError(f"rank {self.rank}: PeerView.{what} used after its buffer was closed")
+
     def signal_offset(self, channel: int) -> int:
-        """Byte offset (from each member's base address) of this view's cell for ``channel``."""
+        """Byte offset (from each member's :attr:`signal_ptrs` base) of this view's cell for ``channel``."""
         self._check_channel(channel)
         return self.buffer.signals.cell(self.region, channel)
 
     def _check_channel(self, channel: int) -> None:
         n = self.buffer.signals.channels
-        if not isinstance(channel, int) or isinstance(channel, bool) or not 0 <= channel < n:
-            raise ConfigError(
-                f"rank {self.rank}: channel {channel!r} is out of range; the buffer has {n} channels per view "
-                "(pass channels= to SymmetricBuffer for more)"
+        if not is_int(channel) or not 0 <= channel < n:
+            check_index(
+                "channel",
+                channel,
+                n,
+                "each view (pass channels= to SymmetricBuffer for more)",
+                rank=self.rank,
+                call="Fence",
             )
 
     # ------------------------------------------------------------------ failure
@@ -110,16 +123,14 @@ class PeerView:
             reason: why, in a few words (shown in the peers' errors).
         """
         if not isinstance(reason, str):
-            raise ConfigError(f"rank {self.rank}: PeerView.abort(reason) takes a str, got {reason!r}")
+            require(f"reason must be a str, got {reason!r}", rank=self.rank, call="PeerView.abort")
         if self.aborted is not None:
             return  # also after close(), which aborted the view with "closed"
-        self.buffer._check_open("PeerView.abort")
-        from .fence import mark_abort
-        from .language import REASON_CLOSED, REASON_ERROR
+        self._check_open("abort")
 
         self.aborted = reason
         self._fail_fences()
-        mark_abort(self, REASON_CLOSED if reason == CLOSED_REASON else REASON_ERROR, reason)
+        mark_abort(self, cells.REASON_CLOSED if reason == CLOSED_REASON else cells.REASON_ERROR, reason)
 
     def _abort_quietly(self, reason: str) -> None:
         # From an error path or close(): the flags are a courtesy to the members, and a
@@ -157,8 +168,7 @@ class PeerView:
         """:meth:`SymmetricBuffer.tensor` of member ``index`` (default: this rank)."""
         if index is None:
             index = self.local_index
-        if not isinstance(index, int) or not 0 <= index < self.size:
-            raise ConfigError(f"rank {self.rank}: member index {index!r} is out of range for a view of {self.size}")
+        check_index("index", index, self.size, "the view's members", rank=self.rank, call="PeerView.tensor")
         return self.buffer.tensor(offset, shape, dtype, rank=self.ranks[index])
 
     def __repr__(self) -> str:
@@ -189,12 +199,77 @@ def _check_request(req: tuple[int, ...], me: int, world: int) -> str | None:
     return None
 
 
+@triton.jit
+def _abort_kernel(ptrs, cell, me, reason, SIZE: tl.constexpr):
+    ssl.mark_abort(ptrs, cell, me, reason, SIZE)
+
+
+def mark_abort(view: PeerView, code: int, text: str) -> None:
+    """Set this rank's abort flag in every channel's cell of ``view`` at every member.
+
+    Runs :func:`symmsync.language.mark_abort` once per channel. Where launches are
+    asynchronous (GPUs) it runs on a stream of its own (the current stream may hold a
+    fence that waits) and returns once the flags are sent. Used by
+    :meth:`PeerView.abort`.
+    """
+    buf = view.buffer
+    offsets = [view.signal_offset(c) for c in range(buf.signals.channels)]
+    ptrs, me = view.signal_ptrs, view.local_index
+    words = cells.encode_reason(code, text)
+    if not buf.capabilities.streams:
+        reason = torch.tensor(words, dtype=torch.int64)
+        for cell in offsets:
+            _abort_kernel[(1,)](ptrs, cell, me, reason, SIZE=view.size, num_warps=1)
+        return
+    with torch.cuda.device(buf.device):
+        side = torch.cuda.Stream(buf.device)
+        with torch.cuda.stream(side):
+            reason = torch.tensor(words, dtype=torch.int64, device=buf.device)
+            for cell in offsets:
+                _abort_kernel[(1,)](ptrs, cell, me, reason, SIZE=view.size, num_warps=1)
+        side.synchronize()
+
+
+def warm_abort(view: PeerView) -> None:
+    # Compile the marking kernel ahead (GPU), so an abort costs a launch, not a compile.
+    try:
+        with torch.cuda.device(view.buffer.device):
+            reason = torch.zeros(cells.REASON_WORDS, dtype=torch.int64, device=view.buffer.device)
+            for c in range(view.buffer.signals.channels):
+                _abort_kernel.warmup(
+                    view.signal_ptrs,
+                    view.signal_offset(c),
+                    view.local_index,
+                    reason,
+                    SIZE=view.size,
+                    num_warps=1,
+                    grid=(1,),
+                )
+    except Exception:  # noqa: BLE001 - an optimization only: the abort compiles when it runs
+        pass
+
+
+def create_view(buffer: SymmetricBuffer, ranks: Sequence[int], problem: str | None = None) -> PeerView:
+    """This rank's view of ``ranks`` (collective over the buffer's group): the one place
+    views are made. :meth:`SymmetricBuffer.view` calls it (and tracks the view for
+    ``close()``); ``problem``, when given, is raised on every rank."""
+    me, world = buffer.rank, buffer.world_size
+    req: tuple[int, ...] = ()
+    if problem is None:
+        req, problem = _parse_request(ranks, me, world)
+    requests = gather(buffer.group, (req, problem))
+    _raise_on_bad_requests(requests)
+    region = buffer.signals.take_region()
+    if region is None:
+        raise ViewError(
+            f"rank {me}: view: the buffer has signal regions for {buffer.signals.max_views} views and all are "
+            "taken; create views once at set-up, or pass a larger max_views to SymmetricBuffer"
+        )
+    return PeerView(buffer, req, region)
+
+
 def _raise_on_bad_requests(requests: list[tuple[tuple[int, ...], str | None]]) -> None:
-    bad = [(r, p) for r, (_, p) in enumerate(requests) if p]
-    if bad:
-        r, p = bad[0]
-        more = f" (also ranks {[b[0] for b in bad[1:]]})" if len(bad) > 1 else ""
-        raise ViewError(f"view: rank {r}{more}: {p}")
+    raise_first([p for _, p in requests], call="view", error=ViewError)
     for r, (req, _) in enumerate(requests):
         for m in req:
             if requests[m][0] != req:
@@ -215,7 +290,7 @@ def tp_pcp_ranks(rank: int, tp: int, pcp: int) -> tuple[list[int], list[int]]:
         PCP rank, and of its TP subgroup, ordered by TP rank.
     """
     for name, v in (("rank", rank), ("tp", tp), ("pcp", pcp)):
-        if not isinstance(v, int) or isinstance(v, bool):
+        if not is_int(v):
             raise ConfigError(f"tp_pcp_ranks: {name} must be an int, got {v!r}")
     if tp <= 0 or pcp <= 0:
         raise ConfigError(f"tp and pcp must be positive, got tp={tp}, pcp={pcp}")
@@ -225,7 +300,7 @@ def tp_pcp_ranks(rank: int, tp: int, pcp: int) -> tuple[list[int], list[int]]:
     return [k * tp + tp_rank for k in range(pcp)], [pcp_rank * tp + t for t in range(tp)]
 
 
-def pcp_view(buffer: Any, tp: int = 1) -> PeerView:
+def pcp_view(buffer: SymmetricBuffer, tp: int = 1) -> PeerView:
     """This rank's PCP subgroup view in a TP×PCP layout (collective over the buffer's group).
 
     With ``world = tp * pcp`` ranks numbered ``rank = pcp_rank * tp + tp_rank``, the
@@ -235,16 +310,17 @@ def pcp_view(buffer: Any, tp: int = 1) -> PeerView:
     return _layout_view(buffer, tp, pcp=True)
 
 
-def tp_view(buffer: Any, tp: int) -> PeerView:
+def tp_view(buffer: SymmetricBuffer, tp: int) -> PeerView:
     """This rank's TP subgroup view in a TP×PCP layout (collective; see :func:`pcp_view`)."""
     return _layout_view(buffer, tp, pcp=False)
 
 
-def _layout_view(buffer: Any, tp: Any, pcp: bool) -> PeerView:
-    buffer._check_open("view")
+def _layout_view(buffer: SymmetricBuffer, tp: Any, pcp: bool) -> PeerView:
+    if buffer.closed:
+        raise ClosedError(f"rank {buffer.rank}: {'pcp' if pcp else 'tp'}_view used after the buffer was closed")
     world = buffer.world_size
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp <= 0 or world % tp:
+    if not is_int(tp) or tp <= 0 or world % tp:
         # Still enter the exchange, so that every rank raises instead of some waiting.
-        return PeerView._create(buffer, (), problem=f"tp={tp!r} must be a positive divisor of the world size {world}")
+        return create_view(buffer, (), problem=f"tp={tp!r} must be a positive divisor of the world size {world}")
     pcp_group, tp_group = tp_pcp_ranks(buffer.rank, tp, world // tp)
     return buffer.view(pcp_group if pcp else tp_group)

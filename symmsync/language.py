@@ -14,6 +14,15 @@ signal cell (``view.signal_offset(channel)``), this rank's index in the view
         e = ssl.publish(ptrs, cell, me, SIZE)
         status = ssl.wait(ptrs, cell, me, e, timeout_ns, SIZE)
 
+A :class:`~symmsync.Fence` hands a kernel its arguments at once:
+``fence.kernel_args`` is ``(ptrs, cell, me, timeout_ns, record)``.
+
+The signal primitives (publish, wait, and everything built on them) take the table the
+cells are offset from, ``view.signal_ptrs``. For memory symmsync allocated that is the
+same tensor as ``view.ptrs``, so one table serves the payload and the signals, as above;
+a runtime's registered memory keeps its cells apart, and then a kernel takes both
+tables (``fence.kernel_args`` carries the signal table).
+
 Memory model (the contract, on both backends)::
 
     e = publish(): advances this rank's epoch to e and releases it to every member: every
@@ -35,29 +44,37 @@ Memory model (the contract, on both backends)::
 A fence orders visibility; it does not stop a fast peer from overwriting memory a
 slow rank still reads: double-buffer reused payload (by epoch parity) or fence twice.
 
-The layout of a cell (the same byte offset ``cell`` in every member's memory)::
+The layout of a cell (the same byte offset ``cell`` in every member's memory; the
+offsets are defined in ``symmsync.cells`` and exported here as constants)::
 
-    cell + 0     int64 epoch      this rank's epoch counter for the channel (device-resident)
-    cell + 8     int64 arrivals   programs of the current launch that reached grid_fence()
-    cell + 16    int64 reason[14] this rank's abort reason: code, text length, 96 bytes of
-                                  UTF-8 text (written once, before its abort flags)
-    cell + 128   int64 slot[n]    slot j: how many times member j published to this rank
-                                  (its epoch, bits 0..62) | ABORT_FLAG once member j aborted
+    cell + EPOCH      int64 epoch      this rank's epoch counter for the channel (device-resident)
+    cell + ARRIVALS   int64 arrivals   programs of the current launch that reached grid_fence()
+    cell + REASON     int64 reason[REASON_WORDS]
+                                       this rank's abort reason: code, text length, then
+                                       REASON_TEXT_BYTES of UTF-8 text (written once, before
+                                       its abort flags)
+    cell + SLOTS      int64 slot[n]    slot j: how many times member j published to this rank
+                                       (its epoch, bits 0..62) | ABORT_FLAG once member j aborted
 
 Backends. The same source runs compiled on NVIDIA GPUs and under Triton's
-interpreter on the host backend; the instructions that differ are picked when this
-module is imported (``INTERPRETED``), never at run time:
+interpreter on the host backend. The few primitives whose instructions differ live
+in one module per backend (``symmsync._prims_compiled``, ``symmsync._prims_interpreted``,
+the same names in both); this module imports one of them once, when it is imported
+(``INTERPRETED``, from :func:`symmsync.mode.kernels_interpreted`), never at run time:
 
-================  =================================  ===============================
-operation         GPU (compiled)                     host (interpreter)
-================  =================================  ===============================
-publish           ``red.release.sys.global.add``     ``atomic_add`` release (a real
-                  (no reply round trip)              lock-free atomic across processes)
-abort flag        ``red.release.sys.global.or``      ``atomic_or`` release
-wait load         ``ld.acquire.sys.global.b64``      ``atomic_add(0)`` acquire
-clock             ``%globaltimer`` (ns)              ``time.monotonic_ns()``
-trap              ``trap`` (stream stops)            none: the host reads the status
-================  =================================  ===============================
+================  ======================  ==================================  ===============================
+operation         primitive               GPU (compiled)                      host (interpreter)
+================  ======================  ==================================  ===============================
+publish           ``release_add``         ``red.release.sys.global.add``      ``atomic_add`` release (a real
+                                          (no reply round trip)               lock-free atomic across processes)
+abort flag        ``release_or``          ``red.release.sys.global.or``       ``atomic_or`` release
+wait load         ``load_acquire``        ``ld.acquire.sys.global.b64``       ``atomic_add(0)`` acquire
+clock             ``clock_ns``            ``%globaltimer`` (ns)               ``time.monotonic_ns()``
+record barrier    ``memory_barrier_sys``  ``fence.sc.sys``                    none
+trap              ``trap``                ``trap`` (stream stops)             none: the host reads the status
+================  ======================  ==================================  ===============================
+
+:func:`clock_ns` and :func:`trap` are public here too.
 """
 
 from __future__ import annotations
@@ -65,130 +82,70 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .backends import interpreter_active
+from . import cells
+from .mode import kernels_interpreted
 
-INTERPRETED: bool = interpreter_active()
+INTERPRETED: bool = kernels_interpreted()
 """True when this process runs Triton kernels under the interpreter (host backend)."""
+
+if INTERPRETED:
+    from . import _prims_interpreted as _prims
+else:
+    from . import _prims_compiled as _prims
 
 #: Lanes per pass when polling the members of a view: one member per lane.
 LANES = tl.constexpr(32)
-#: Byte offset of the slots inside a cell (the epoch line comes first).
-SLOTS = tl.constexpr(128)
 
-#: Byte offset of a rank's abort reason inside its own cell line.
-REASON = tl.constexpr(16)
+#: Byte offsets inside a cell: this rank's epoch, its arrival counter (grid_fence), its
+#: abort reason, and the slots (the epoch line comes first).
+EPOCH = tl.constexpr(cells.EPOCH)
+ARRIVALS = tl.constexpr(cells.ARRIVALS)
+REASON = tl.constexpr(cells.REASON)
+SLOTS = tl.constexpr(cells.SLOTS)
+
 #: int64 words of an abort reason: code, text length in bytes, then the UTF-8 text.
-REASON_WORDS = 14
+REASON_WORDS: int = cells.REASON_WORDS
 #: Bytes of reason text a cell holds (the words after the code and the length).
-REASON_TEXT_BYTES = 8 * (REASON_WORDS - 2)
+REASON_TEXT_BYTES: int = cells.REASON_TEXT_BYTES
 #: Reason codes (word 0 of a reason): the member closed its buffer; it failed (any other cause).
-REASON_CLOSED, REASON_ERROR = 1, 2
+REASON_CLOSED: int = cells.REASON_CLOSED
+REASON_ERROR: int = cells.REASON_ERROR
 
 #: The abort flag of a slot: its sign bit. A slot that carries it is negative, so a plain
 #: ``slot >= e`` never takes an abort for an arrival; the count is ``slot & COUNT_MASK``.
-ABORT_FLAG = tl.constexpr(-(2**63))
+ABORT_FLAG = tl.constexpr(cells.ABORT_FLAG)
 #: The bits of a slot that count publishes.
-COUNT_MASK = tl.constexpr(2**63 - 1)
+COUNT_MASK = tl.constexpr(cells.COUNT_MASK)
 
-#: ``record`` layout written by :func:`write_timeout_record` (int64 words):
-#: ``[flag, epoch, index, SIZE, slot[0..SIZE-1], aborter, reason[REASON_WORDS]]``.
-RECORD_FLAG, RECORD_EPOCH, RECORD_INDEX, RECORD_SIZE, RECORD_SLOTS = 0, 1, 2, 3, 4
 #: The flag value that marks a record as a timeout ("SYMMTIME").
-TIMED_OUT = tl.constexpr(0x5359_4D4D_5449_4D45)
+TIMED_OUT = tl.constexpr(cells.TIMED_OUT)
 #: The flag value that marks a record as an abort seen ("SYMMABRT").
-ABORTED = tl.constexpr(0x5359_4D4D_4142_5254)
+ABORTED = tl.constexpr(cells.ABORTED)
 #: Wait statuses: every member arrived; the budget ran out; a member aborted.
 ARRIVED, TIMED_OUT_STATUS, ABORTED_STATUS = 0, 1, 2
 
-
-def record_words(size: int) -> int:
-    """int64 words of the record of a view of ``size`` members."""
-    return RECORD_SLOTS + size + 1 + REASON_WORDS
-
-
-if INTERPRETED:
-    # Under the interpreter these helpers are plain Python called from interpreted
-    # kernels (Triton's language is already patched by the caller): every nested
-    # @triton.jit call would re-patch it, which costs more than the fence itself.
-    import time as _time
-
-    def _clock_ns():
-        return tl.full((), _time.monotonic_ns(), tl.int64)
-
-    def _release_add(ptr, live):
-        # Interpreter atomics on int64 are lock-free CPU atomics, honouring the order.
-        tl.atomic_add(ptr, 1, mask=live, sem="release", scope="sys")
-
-    def _release_or(ptr, value, live):
-        tl.atomic_or(ptr, value, mask=live, sem="release", scope="sys")
-
-    def _load_acquire(ptrs):
-        return tl.atomic_add(ptrs, 0, sem="acquire", scope="sys")
-
-    def _system_fence():
-        pass
-
-    def _trap():
-        pass
-
-else:
-
-    @triton.jit
-    def _clock_ns():
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-
-    @triton.jit
-    def _release_add(ptr, live):
-        # A reduction, not an exchange or a store: atom.exch waits for a reply across
-        # NVLink, and red.release.sys measured faster than st.release.sys on 2x H200
-        # (benchmarks/fence.py: 1.95 against 2.38 us per fence in graph replay).
-        # Exactly once per call: an inline-asm statement runs in every thread that holds
-        # its operands (for a scalar, every thread of the program), so only thread 0
-        # issues it; otherwise a program of W warps would add once per thread or warp and
-        # a slot would run ahead of its member's epoch. Nothing is sent when not ``live``.
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p, q; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 q, t, 0; "
-            "setp.ne.and.s32 p, $2, 0, q; @p red.release.sys.global.add.u64 [$1], 1; }\n\tmov.u32 $0, 0;",
-            "=r,l,r",
-            [ptr, tl.cast(live, tl.int32)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-    @triton.jit
-    def _release_or(ptr, value, live):
-        # The abort flag: the same once-per-call reduction as _release_add (thread 0 only),
-        # an OR so that marking twice changes nothing and the count bits stay intact.
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p, q; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 q, t, 0; "
-            "setp.ne.and.s32 p, $3, 0, q; @p red.release.sys.global.or.b64 [$1], $2; }\n\tmov.u32 $0, 0;",
-            "=r,l,l,r",
-            [ptr, tl.cast(value, tl.int64), tl.cast(live, tl.int32)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-    @triton.jit
-    def _load_acquire(ptrs):
-        return tl.inline_asm_elementwise(
-            "ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptrs], dtype=tl.int64, is_pure=False, pack=1
-        )
-
-    @triton.jit
-    def _system_fence():
-        tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _trap():
-        tl.inline_asm_elementwise("trap;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+# The kernels' view of the same facts (compile-time constants). A record is
+# [flag, epoch, index, size, slot[size], aborter, reason[REASON_WORDS]]: the aborter's and
+# the reason's word indices are a fixed start plus the view size.
+_REASON_WORDS = tl.constexpr(cells.REASON_WORDS)
+_REASON_LANES = tl.constexpr(triton.next_power_of_2(cells.REASON_WORDS))  # a block covering a reason
+_RECORD_FLAG = tl.constexpr(cells.RECORD_FLAG)
+_RECORD_EPOCH = tl.constexpr(cells.RECORD_EPOCH)
+_RECORD_INDEX = tl.constexpr(cells.RECORD_INDEX)
+_RECORD_SIZE = tl.constexpr(cells.RECORD_SIZE)
+_RECORD_SLOTS = tl.constexpr(cells.RECORD_SLOTS)
+_RECORD_ABORTER = tl.constexpr(cells.record_aborter(0))  # + SIZE
+_RECORD_REASON = tl.constexpr(cells.record_reason(0))  # + SIZE
+assert all(
+    cells.record_aborter(n) - n == cells.record_aborter(0) and cells.record_reason(n) - n == cells.record_reason(0)
+    for n in (1, 8, 64)
+), "the kernels place the aborter and the reason at a fixed start plus the view size"
 
 
 @triton.jit
 def epoch_ptr(ptrs, cell, me):
     """Pointer to this rank's int64 epoch counter of the cell (in its own memory)."""
-    return (tl.load(ptrs + me) + cell).to(tl.pointer_type(tl.int64))
+    return (tl.load(ptrs + me) + cell + EPOCH).to(tl.pointer_type(tl.int64))
 
 
 @triton.jit
@@ -257,7 +214,7 @@ def publish(ptrs, cell, me, SIZE: tl.constexpr):
     # sent does not depend on the epoch).
     for p in tl.static_range(SIZE):
         dst = (tl.load(ptrs + p) + cell + SLOTS).to(tl.pointer_type(tl.int64)) + me
-        _release_add(dst, p != me)
+        _prims.release_add(dst, p != me)
     return _advance_epoch(ptrs, cell, me)
 
 
@@ -278,7 +235,7 @@ def pending(ptrs, cell, me, epoch, SIZE: tl.constexpr):
     for base in tl.static_range(0, SIZE, LANES):
         idx = base + tl.arange(0, LANES)
         live = (idx < SIZE) & (idx != me)
-        v = _load_acquire(slots + tl.where(idx < SIZE, idx, me))
+        v = _prims.load_acquire(slots + tl.where(idx < SIZE, idx, me))
         n += tl.sum((((v & COUNT_MASK) < epoch) & live).to(tl.int32), axis=0)
     return n
 
@@ -293,7 +250,7 @@ def _poll(ptrs, cell, me, epoch, SIZE: tl.constexpr):
     for base in tl.static_range(0, SIZE, LANES):
         idx = base + tl.arange(0, LANES)
         live = (idx < SIZE) & (idx != me)
-        v = _load_acquire(slots + tl.where(idx < SIZE, idx, me))
+        v = _prims.load_acquire(slots + tl.where(idx < SIZE, idx, me))
         behind = ((v & COUNT_MASK) < epoch) & live
         left += tl.sum((behind & (v >= 0)).to(tl.int32), axis=0)
         aborted += tl.sum((behind & (v < 0)).to(tl.int32), axis=0)
@@ -327,11 +284,11 @@ def wait(ptrs, cell, me, epoch, timeout_ns, SIZE: tl.constexpr):
     left = pending(ptrs, cell, me, epoch, SIZE)
     aborted = left * 0
     if left > 0:  # the clock and the flags are read only when the first poll did not succeed
-        start = _clock_ns()
+        start = _prims.clock_ns()
         elapsed = start - start
         while (left > 0) & (aborted == 0) & (elapsed <= timeout_ns):
             left, aborted = _poll(ptrs, cell, me, epoch, SIZE)
-            elapsed = _clock_ns() - start
+            elapsed = _prims.clock_ns() - start
     return tl.where(aborted > 0, 2, (left > 0).to(tl.int32)).to(tl.int32)
 
 
@@ -339,7 +296,8 @@ def wait(ptrs, cell, me, epoch, timeout_ns, SIZE: tl.constexpr):
 def write_timeout_record(record, ptrs, cell, me, epoch, SIZE: tl.constexpr):
     """Write what a failed wait saw to ``record`` (int64 words), then a system fence.
 
-    Layout: ``[flag, epoch, me, SIZE, slot[0], ..., slot[SIZE-1], aborter, reason[14]]``.
+    Layout (``symmsync.cells``): ``[flag, epoch, me, SIZE, slot[0], ..., slot[SIZE-1], aborter,
+    reason[REASON_WORDS]]``.
     ``flag`` is :data:`ABORTED` when a member below ``epoch`` carries the abort flag (then
     ``aborter`` is the first such member's index and ``reason`` the words of its own cell's
     reason, read through the pointer table), else :data:`TIMED_OUT` (``aborter`` is -1).
@@ -352,26 +310,26 @@ def write_timeout_record(record, ptrs, cell, me, epoch, SIZE: tl.constexpr):
     first = SIZE + (me * 0)
     for base in tl.static_range(0, SIZE, LANES):
         idx = base + tl.arange(0, LANES)
-        v = _load_acquire(slots + tl.where(idx < SIZE, idx, me))
+        v = _prims.load_acquire(slots + tl.where(idx < SIZE, idx, me))
         gone = (idx < SIZE) & (idx != me) & ((v & COUNT_MASK) < epoch) & (v < 0)
         first = tl.minimum(first, tl.min(tl.where(gone, idx, SIZE), axis=0))
-        tl.store(rec + 4 + idx, tl.where(idx == me, epoch, v), mask=idx < SIZE)
+        tl.store(rec + _RECORD_SLOTS + idx, tl.where(idx == me, epoch, v), mask=idx < SIZE)
     # The flag was seen by one thread's acquire load; the reason is read by others: the
     # barrier and the fence order those reads after that load (cumulativity).
     tl.debug_barrier()
-    _system_fence()
-    w = tl.arange(0, 16)
+    _prims.memory_barrier_sys()
+    w = tl.arange(0, _REASON_LANES)
     found = first < SIZE
     src = (tl.load(ptrs + tl.where(found, first, me)) + cell + REASON).to(tl.pointer_type(tl.int64))
-    words = _load_acquire(src + tl.where(w < 14, w, 0))
-    tl.store(rec + 5 + SIZE + w, tl.where(found, words, 0), mask=w < 14)
-    tl.store(rec + 4 + SIZE, tl.where(found, first, -1))
-    tl.store(rec + 1, epoch)
-    tl.store(rec + 2, me)
-    tl.store(rec + 3, SIZE)
-    tl.store(rec, tl.where(found, ABORTED, TIMED_OUT))
+    words = _prims.load_acquire(src + tl.where(w < _REASON_WORDS, w, 0))
+    tl.store(rec + _RECORD_REASON + SIZE + w, tl.where(found, words, 0), mask=w < _REASON_WORDS)
+    tl.store(rec + _RECORD_ABORTER + SIZE, tl.where(found, first, -1))
+    tl.store(rec + _RECORD_EPOCH, epoch)
+    tl.store(rec + _RECORD_INDEX, me)
+    tl.store(rec + _RECORD_SIZE, SIZE)
+    tl.store(rec + _RECORD_FLAG, tl.where(found, ABORTED, TIMED_OUT))
     tl.debug_barrier()  # every warp's part of the record is written before any thread traps
-    _system_fence()
+    _prims.memory_barrier_sys()
 
 
 @triton.jit
@@ -380,7 +338,7 @@ def mark_abort(ptrs, cell, me, reason, SIZE: tl.constexpr):
 
     Pseudocode::
 
-        mem[me].cell.reason[0..13] = reason[0..13]     # code, length, UTF-8 text
+        mem[me].cell.reason[:REASON_WORDS] = reason[:REASON_WORDS]   # code, length, UTF-8 text
         block_barrier()
         for p in 0..SIZE-1, p != me:                   # thread 0
             red_or_release_sys(&mem[p].cell.slot[me], ABORT_FLAG)
@@ -388,28 +346,41 @@ def mark_abort(ptrs, cell, me, reason, SIZE: tl.constexpr):
     Contract: a member whose wait observes the flag also observes the reason. The count
     bits are untouched, so a member that already saw this rank's publish of an epoch
     still completes its wait for it; a member waiting for a later epoch returns 2 from
-    :func:`wait` within one poll. Idempotent (an OR). ``reason`` points at 14 int64
-    words (:data:`REASON_WORDS`). Run it from one program, on a stream that is not
-    blocked behind this rank's own waits. Cost: 14 local stores, SIZE-1 remote reductions.
+    :func:`wait` within one poll. Idempotent (an OR). ``reason`` points at
+    :data:`REASON_WORDS` int64 words. Run it from one program, on a stream that is not
+    blocked behind this rank's own waits. Cost: REASON_WORDS local stores, SIZE-1 remote
+    reductions.
     """
     own = (tl.load(ptrs + me) + cell + REASON).to(tl.pointer_type(tl.int64))
-    w = tl.arange(0, 16)
-    tl.store(own + w, tl.load(reason.to(tl.pointer_type(tl.int64)) + w, mask=w < 14), mask=w < 14)
+    w = tl.arange(0, _REASON_LANES)
+    src = reason.to(tl.pointer_type(tl.int64))
+    tl.store(own + w, tl.load(src + w, mask=w < _REASON_WORDS), mask=w < _REASON_WORDS)
     tl.debug_barrier()
     for p in tl.static_range(SIZE):
         dst = (tl.load(ptrs + p) + cell + SLOTS).to(tl.pointer_type(tl.int64)) + me
-        _release_or(dst, ABORT_FLAG, p != me)
+        _prims.release_or(dst, ABORT_FLAG, p != me)
 
 
 @triton.jit
 def trap():
     """Stop the kernel and the stream (GPU); the host sees a CUDA error. No-op on the host
     backend, where the wait's status reaches the host instead."""
-    _trap()
+    _prims.trap()
 
 
 @triton.jit
-def fence(ptrs, cell, me, timeout_ns, SIZE: tl.constexpr):
+def clock_ns():
+    """Nanoseconds from a monotonic clock, as an int64 scalar: the clock of :func:`wait`'s budget.
+
+    GPU: the global timer (``%globaltimer``), the same on every SM of a device;
+    interpreter: ``time.monotonic_ns()``. Use differences, not absolute values. Cost: one
+    register read (GPU). Graph-safe.
+    """
+    return _prims.clock_ns()
+
+
+@triton.jit
+def publish_and_wait(ptrs, cell, me, timeout_ns, SIZE: tl.constexpr):
     """:func:`publish` then :func:`wait` for the new epoch; returns the wait status.
 
     Pseudocode::
@@ -425,7 +396,7 @@ def fence(ptrs, cell, me, timeout_ns, SIZE: tl.constexpr):
 
 
 @triton.jit
-def fence_or_trap(ptrs, cell, me, epoch, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.constexpr):
+def wait_or_trap(ptrs, cell, me, epoch, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.constexpr):
     """:func:`wait` for ``epoch``; on a timeout or an abort write ``record`` and, if
     ``TRAP``, :func:`trap`.
 
@@ -456,7 +427,7 @@ def grid_fence(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.
         n = atomic_add_acq_rel_sys(&mem[me].cell.arrivals, 1)
         if n == num_programs - 1:                          # last one in
             mem[me].cell.arrivals = 0                      # ready for the next launch
-            e = publish(); fence_or_trap(e)
+            e = publish(); wait_or_trap(e)
 
     Why it is correct: each program's peer writes precede its release (acq_rel, system
     scope) on the arrival counter; the last program acquires every earlier increment;
@@ -469,12 +440,12 @@ def grid_fence(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.
     program) or 0.
     """
     tl.debug_barrier()
-    counter = (tl.load(ptrs + me) + cell + 8).to(tl.pointer_type(tl.int64))
+    counter = (tl.load(ptrs + me) + cell + ARRIVALS).to(tl.pointer_type(tl.int64))
     nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     n = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys")
     status = (n * 0).to(tl.int32)
     if n == nprog - 1:
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
         e = publish(ptrs, cell, me, SIZE)
-        status = fence_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
+        status = wait_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
     return status

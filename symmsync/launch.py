@@ -1,5 +1,11 @@
 """The launch path of every symmsync kernel: compile once, pack arguments once, launch.
 
+Public API, for consumers that launch their own kernels (:mod:`symmsync.pcp` does):
+:class:`Launcher` (one kernel with fixed compile-time constants and grid),
+:class:`BoundLaunch` (its arguments packed once: a call is one launch),
+:func:`current_stream` and :func:`cu_stream` (raw CUDA stream handles and their
+cuda-python objects).
+
 Triton's own launcher binds and specializes every argument in Python on every call
 (about 12 µs per launch on an H200 host). A fence runs once per layer, so symmsync
 keeps the compiled kernel, packs the kernel parameters into a ctypes array, and
@@ -27,6 +33,7 @@ from typing import Any
 import torch
 
 from .errors import BackendError
+from .mode import kernels_interpreted
 
 _CTYPES = {
     "i1": ctypes.c_int8,
@@ -81,6 +88,24 @@ def current_stream(device_index: int) -> int:
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
+#: raw stream handle -> its cuda-python ``CUstream`` (see :func:`cu_stream`)
+_cu_streams: dict[int, Any] = {}
+
+
+def cu_stream(raw: int) -> Any:
+    """The cuda-python ``CUstream`` for the raw CUDA stream handle ``raw``.
+
+    Made once per handle and kept in one table for the process, so a launch or an event
+    call on a stream costs no object construction. Needs cuda-python (``symmsync[cuda]``).
+    """
+    stream = _cu_streams.get(raw)
+    if stream is None:
+        from cuda.bindings import driver
+
+        stream = _cu_streams[raw] = driver.CUstream(init_value=raw)
+    return stream
+
+
 class Launcher:
     """Launch one Triton kernel with fixed compile-time constants and grid.
 
@@ -93,13 +118,13 @@ class Launcher:
     Call :meth:`__call__` with the runtime arguments in the kernel's parameter order
     (constexpr parameters left out), or :meth:`bind` them once and call the result;
     :meth:`BoundLaunch.update` changes a few of a bound launch's arguments in place.
+    The grid is fixed at construction; a launch with another grid passes its own
+    (``bind(..., grid=)``, ``launcher(..., grid=)``).
     """
 
     def __init__(self, kernel: Any, grid: Sequence[int], num_warps: int = 1, **constexprs: Any):
-        from .language import INTERPRETED
-
         self.kernel = kernel
-        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self._grid = _grid3(grid)
         self.num_warps = num_warps
         self.constexprs = constexprs
         self.names, const_names = _runtime_params(kernel)
@@ -108,15 +133,23 @@ class Launcher:
             raise BackendError(
                 f"Launcher({getattr(kernel, '__name__', kernel)}): constexprs {sorted(missing)} not given"
             )
-        self.interpreted = INTERPRETED
+        self.interpreted = kernels_interpreted()
         self.path = "none"  #: "cuda-python" or "triton": how the last launch went
         self.fallback_reason = "not launched yet"
         self._compiled: dict[tuple, Any] = {}
 
     # ------------------------------------------------------------------ public
-    def __call__(self, *args: Any) -> None:
-        """Launch with ``args`` (runtime parameters, in order)."""
-        self.bind(*args)()
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """The default grid of this launcher's launches (fixed at construction)."""
+        return self._grid
+
+    def __call__(self, *args: Any, grid: Sequence[int] | None = None) -> None:
+        """Launch with ``args`` (runtime parameters, in order), on ``grid`` (default: the launcher's).
+
+        Packs the arguments for this one call: for repeated launches, :meth:`bind` once.
+        """
+        self.bind(*args, grid=grid)()
 
     def bind(self, *args: Any, grid: Sequence[int] | None = None) -> BoundLaunch:
         """Pack ``args`` once; the returned object launches them with no per-call packing.
@@ -130,13 +163,12 @@ class Launcher:
                 f"{getattr(self.kernel, '__name__', 'kernel')}: expected {len(self.names)} runtime arguments "
                 f"({', '.join(self.names)}), got {len(args)}"
             )
-        grid = self.grid if grid is None else tuple(grid) + (1,) * (3 - len(grid))
-        return BoundLaunch(self, args, grid)
+        return BoundLaunch(self, args, self._grid if grid is None else _grid3(grid))
 
     # ------------------------------------------------------------------ internals
-    def _triton_launch(self, args: Sequence[Any], grid: tuple | None = None) -> Any:
+    def _triton_launch(self, args: Sequence[Any], grid: tuple[int, int, int]) -> Any:
         kwargs = dict(zip(self.names, args))
-        return self.kernel[grid or self.grid](**kwargs, **self.constexprs, num_warps=self.num_warps)
+        return self.kernel[grid](**kwargs, **self.constexprs, num_warps=self.num_warps)
 
     def _packer(self, args: Sequence[Any]) -> _Packed | None:
         """The compiled kernel and packed parameters for these argument classes, if exact."""
@@ -148,6 +180,11 @@ class Launcher:
         if entry is None:
             return None
         return _Packed(entry, args, self.names)
+
+
+def _grid3(grid: Sequence[int]) -> tuple[int, int, int]:
+    """A grid of up to 3 dimensions, padded with 1s to 3."""
+    return tuple(grid) + (1,) * (3 - len(grid))  # type: ignore[return-value]
 
 
 class _Packed:
@@ -206,7 +243,6 @@ class _Compiled:
         self.block = 32 * md.num_warps
         self.shared = md.shared
         self.device_index = device.index
-        self.driver = driver
         self.launch = driver.cuLaunchKernel
         self.success = driver.CUresult.CUDA_SUCCESS
 
@@ -218,15 +254,14 @@ class _NotExact(Exception):
 class BoundLaunch:
     """A launch whose arguments are packed: calling it costs one ``cuLaunchKernel``."""
 
-    __slots__ = ("launcher", "args", "_packed", "_classes", "_streams", "_gx", "_gy", "_gz")
+    __slots__ = ("launcher", "args", "_packed", "_classes", "_gx", "_gy", "_gz")
 
     def __init__(self, launcher: Launcher, args: Sequence[Any], grid: Sequence[int] | None = None):
         self.launcher = launcher
         self.args = tuple(args)
         self._packed = launcher._packer(self.args)
         self._classes = [_arg_class(a) for a in self.args]
-        self._streams: dict[int, Any] = {}
-        self._gx, self._gy, self._gz = tuple(grid) if grid is not None else launcher.grid
+        self._gx, self._gy, self._gz = launcher.grid if grid is None else _grid3(grid)
 
     @property
     def packed(self) -> bool:
@@ -281,10 +316,10 @@ class BoundLaunch:
             return
         e = packed.entry
         raw = current_stream(e.device_index) if stream is None else stream
-        stream = self._streams.get(raw)
-        if stream is None:
-            stream = self._streams[raw] = e.driver.CUstream(init_value=raw)
-        (err,) = e.launch(e.function, self._gx, self._gy, self._gz, e.block, 1, 1, e.shared, stream, packed.address, 0)
+        cu = _cu_streams.get(raw)
+        if cu is None:
+            cu = cu_stream(raw)
+        (err,) = e.launch(e.function, self._gx, self._gy, self._gz, e.block, 1, 1, e.shared, cu, packed.address, 0)
         if err != e.success:
             raise BackendError(f"cuLaunchKernel({getattr(self.launcher.kernel, '__name__', 'kernel')}) failed: {err}")
         self.launcher.path = "cuda-python"

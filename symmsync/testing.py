@@ -54,6 +54,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from .checks import positive_int_problem
 from .errors import ConfigError, RankFailure
 
 DEFAULT_TIMEOUT_S = 180.0
@@ -95,6 +96,12 @@ def is_main_process() -> bool:
     return not under_torchrun() or os.environ["RANK"] == "0"
 
 
+def sharing_gpus() -> bool:
+    """True when ``SYMMSYNC_SHARE_GPUS=1``: :func:`run` puts ranks on the GPUs there are,
+    several per GPU (a smoke run on one GPU; docs/gpu.md)."""
+    return os.environ.get("SYMMSYNC_SHARE_GPUS", "0") not in ("", "0")
+
+
 def run(
     fn: Callable[..., Any],
     world_size: int,
@@ -113,7 +120,10 @@ def run(
             initialized; ``torch.distributed.get_rank()`` gives the rank.
         world_size: number of ranks (processes).
         backend: ``"host"`` (gloo, CPU, Triton interpreter) or ``"cuda"`` (NCCL,
-            GPU ``rank`` per process; needs ``world_size`` GPUs).
+            GPU ``rank`` per process; needs ``world_size`` GPUs). With
+            ``SYMMSYNC_SHARE_GPUS=1`` in the environment, ranks share the GPUs there are
+            (rank ``r`` on GPU ``r % count``, gloo by default, since NCCL refuses two
+            ranks on one GPU): a smoke run of multi-rank code on one GPU, without NVLink.
         timeout_s: budget for the whole run, start-up included.
         env: extra environment variables for the ranks.
         dist_backend: torch.distributed backend (default: gloo for host, NCCL for cuda;
@@ -148,9 +158,10 @@ def run(
     """
     if backend not in ("host", "cuda"):
         raise ConfigError(f"testing.run: backend must be 'host' or 'cuda', got {backend!r}")
-    dist_backend = dist_backend or ("gloo" if backend == "host" else "nccl")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"testing.run: world_size must be a positive int, got {world_size!r}")
+    dist_backend = dist_backend or ("gloo" if backend == "host" or sharing_gpus() else "nccl")
+    problem = positive_int_problem("world_size", world_size)
+    if problem is not None:
+        raise ConfigError(f"testing.run: {problem}")
     dying = set(may_die)
     if not dying <= set(range(world_size)):
         raise ConfigError(f"testing.run: may_die={sorted(dying)!r} names ranks outside 0..{world_size - 1}")
@@ -233,7 +244,7 @@ def _run_in_job(
             f"world_size={job_world}"
         )
     if backend == "host":
-        from .backends import kernels_interpreted
+        from .mode import kernels_interpreted
 
         if not kernels_interpreted():
             raise ConfigError(
@@ -504,9 +515,10 @@ def _rank_main(
     try:
         extra = {}
         if backend == "cuda":
-            torch.cuda.set_device(rank)
+            gpu = rank % torch.cuda.device_count() if sharing_gpus() else rank
+            torch.cuda.set_device(gpu)
             if dist_backend == "nccl":
-                extra["device_id"] = torch.device("cuda", rank)
+                extra["device_id"] = torch.device("cuda", gpu)
         dist.init_process_group(
             dist_backend,
             init_method=f"file://{store}",

@@ -11,7 +11,6 @@ slot words read with torch (``test_an_abort_is_never_taken_for_an_arrival`` show
 a compare that ignored the flag would take an aborted member for an arrived one).
 """
 
-import pickle
 import time
 
 import pytest
@@ -19,9 +18,11 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
+from helpers import describe_error
 
 import symmsync as ss
 import symmsync.language as ssl
+from symmsync import cells
 from symmsync.testing import run
 
 BUDGET_S = 60.0  # the fence budget: an abort that is missed shows up as a minute
@@ -38,22 +39,8 @@ def _setup(channels=1, budget=BUDGET_S):
 def _raw_slots(buf, fence, view):
     """This rank's slot words of the fence's cell, read with torch (count | flag)."""
     local = buf.local_memory()
-    start = fence.cell + 128
+    start = fence.cell + cells.SLOTS
     return local[start : start + 8 * view.size].view(torch.int64).tolist()
-
-
-def _describe(err):
-    return {
-        "type": type(err).__name__,
-        "msg": str(err),
-        "rank": err.rank,
-        "epoch": err.epoch,
-        "late": err.late,
-        "aborted": err.aborted,
-        "closed": err.closed,
-        "is_timeout": isinstance(err, ss.FenceTimeout),
-        "pickled": type(pickle.loads(pickle.dumps(err))).__name__,
-    }
 
 
 def _wait_for_abort(fence):
@@ -61,7 +48,7 @@ def _wait_for_abort(fence):
     try:
         fence.fence()
     except ss.FenceTimeout as err:
-        out = _describe(err)
+        out = describe_error(err)
         out["elapsed"] = time.monotonic() - t0
         return out
     return "no error"
@@ -81,7 +68,7 @@ def one_rank_aborts(aborter, reason, rounds):
         try:
             fence.fence()  # the aborting rank's own fences fail closed
         except ss.PeerAborted as err:
-            out["own"] = _describe(err)
+            out["own"] = describe_error(err)
         dist.barrier()  # stay mapped until the peers have read the reason
         buf.close()
         return out
@@ -135,7 +122,7 @@ def test_a_long_reason_arrives_cut_at_a_character_and_a_second_abort_changes_not
     results = run(long_reason, 2, 1, timeout_s=120)
     got = results[0]["aborted"][1]
     # 96 bytes hold 46 two-byte characters and the 3-byte "…" that says the text was cut.
-    assert got == "é" * ((ssl.REASON_TEXT_BYTES - 3) // 2) + "…"
+    assert got == "é" * ((cells.REASON_TEXT_BYTES - 3) // 2) + "…"
 
 
 # ---------------------------------------------------------------------- a fence after its own error
@@ -256,7 +243,8 @@ def test_an_abort_is_never_taken_for_an_arrival():
     out = torch.zeros(2, dtype=torch.int32)
     _raw_ge_kernel[(1,)](words, epoch, out, SIZE=2)
     assert out.tolist() == [1, 0]  # bit 62: taken for an arrival; the sign bit: not
-    assert ssl.ABORT_FLAG.value == -(2**63) and (words[1].item() & ssl.COUNT_MASK.value) == count
+    assert cells.ABORT_FLAG == -(2**63) and (words[1].item() & cells.COUNT_MASK) == count
+    assert ssl.ABORT_FLAG.value == cells.ABORT_FLAG and ssl.COUNT_MASK.value == cells.COUNT_MASK  # what kernels use
 
 
 # ---------------------------------------------------------------------- grid_fence (fused tails)
@@ -276,12 +264,12 @@ def tail_sees_abort(aborter):
         return None
     status = torch.zeros(1, dtype=torch.int32)
     t0 = time.monotonic()
-    _tail_kernel[(2,)](view.ptrs, fence.cell, view.local_index, fence.timeout_ns, fence.record, status, SIZE=view.size)
+    _tail_kernel[(2,)](*fence.kernel_args, status, SIZE=view.size)
     elapsed = time.monotonic() - t0
     err = fence.timeout_error()  # what DirectKVWriter's fused path raises through Fence.check()
     dist.barrier()
     buf.close()
-    return {"status": status.item(), "elapsed": elapsed, "err": _describe(err)}
+    return {"status": status.item(), "elapsed": elapsed, "err": describe_error(err)}
 
 
 def test_a_grid_fence_tail_sees_an_abort_at_once():
@@ -304,4 +292,4 @@ def abort_checks_its_argument():
 
 def test_abort_takes_a_string_and_is_a_no_op_after_close():
     msg, aborted = run(abort_checks_its_argument, 1, timeout_s=60)[0]
-    assert "takes a str" in msg and aborted == "closed"
+    assert msg.startswith("rank 0: PeerView.abort:") and "must be a str" in msg and aborted == "closed", msg

@@ -1,4 +1,8 @@
-"""SymmetricBuffer on the host backend: exchange, views of peer memory, bad input, teardown."""
+"""SymmetricBuffer: exchange, views of peer memory, bad input, teardown.
+
+On the host backend everywhere; the tests that take the ``backend`` fixture also run on
+the CUDA backend where the GPUs exist (marked ``gpu``).
+"""
 
 import glob
 import os
@@ -6,6 +10,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import need_gpus
 
 import symmsync as ss
 from symmsync.testing import run
@@ -17,25 +22,31 @@ def _stamp(src: int, dst: int) -> int:
     return 1000 * src + dst + 1
 
 
-def exchange_pattern(nbytes: int) -> list[list[int]]:
+def exchange_pattern(nbytes: int, backend: str = "host") -> list[list[int]]:
     """Every rank writes a rank-stamped block into every peer, then reads its own."""
-    with ss.SymmetricBuffer(nbytes, backend="host") as buf:
+    with ss.SymmetricBuffer(nbytes, backend=backend) as buf:
         r, w = buf.rank, buf.world_size
-        assert buf.ptrs.dtype == torch.int64 and buf.ptrs.shape == (w,)
-        assert buf.device == torch.device("cpu") and buf.nbytes == nbytes
+        device = torch.device("cpu") if backend == "host" else torch.device("cuda", torch.cuda.current_device())
+        assert buf.backend == backend and buf.device == device and buf.nbytes == nbytes
+        assert buf.ptrs.dtype == torch.int64 and buf.ptrs.shape == (w,) and buf.ptrs.device == device
         block = nbytes // w // 16 * 16 // 8  # int64 words per source rank
         for p in range(w):
-            buf.tensor(r * block * 8, (block,), torch.int64, rank=p).copy_(
-                torch.arange(block, dtype=torch.int64) * 7 + _stamp(r, p)
-            )
+            t = buf.tensor(r * block * 8, (block,), torch.int64, rank=p)
+            assert t.device == buf.device  # peer memory as a tensor on this rank's device
+            t.copy_(torch.arange(block, dtype=torch.int64, device=buf.device) * 7 + _stamp(r, p))
+        if buf.capabilities.streams:
+            torch.cuda.synchronize()
         dist.barrier()
-        mine = buf.tensor(0, (w, block), torch.int64)
+        mine = buf.tensor(0, (w, block), torch.int64).cpu()
         return [(mine[s] - torch.arange(block) * 7).unique().tolist() for s in range(w)]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_every_rank_reads_what_every_peer_wrote(world):
-    results = run(exchange_pattern, world, NBYTES)
+def test_every_rank_reads_what_every_peer_wrote(world, backend):
+    if backend == "cuda" and world == 1:
+        pytest.skip("one rank maps no peer: on GPUs the exchange runs at 2 and 4 ranks")
+    need_gpus(backend, world)
+    results = run(exchange_pattern, world, NBYTES, backend, backend=backend)
     for dst, seen in enumerate(results):
         assert seen == [[_stamp(src, dst)] for src in range(world)]
 
@@ -63,14 +74,11 @@ def bad_size_on_one_rank(backend="host"):
     return str(e.value)
 
 
-def bad_size_on_one_rank_cuda():
-    return bad_size_on_one_rank("cuda")
-
-
-def test_sizes_that_differ_raise_on_every_rank_naming_ranks_and_sizes():
-    msgs = run(bad_size_on_one_rank, 3)
-    for m in msgs:
-        assert "rank 0: 4096" in m and "rank 1: 8192" in m and "rank 2: 4096" in m
+def test_sizes_that_differ_raise_on_every_rank_naming_ranks_and_sizes(backend):
+    world = 3 if backend == "host" else 2  # one GPU per rank
+    for m in run(bad_size_on_one_rank, world, backend, backend=backend):
+        for r in range(world):
+            assert f"rank {r}: {8192 if r == 1 else 4096}" in m, m
 
 
 def bad_nbytes(value_on_rank_0):
@@ -123,7 +131,7 @@ def test_views_outside_the_buffer_or_misaligned_raise_and_use_after_close_raises
         assert set(errors) == {"past_end", "misaligned", "negative", "dtype", "rank", "shape"}
         assert errors["past_end"][0] == "BoundsError" and "[1008, 1028)" in errors["past_end"][1]
         assert "multiple of 16" in errors["misaligned"][1]
-        assert errors["rank"][0] == "ConfigError"
+        assert errors["rank"][0] == "BoundsError"  # an index outside what exists
         assert ok_end == 4
         assert set(closed) == {"tensor", "ptrs", "view"} and all("after close" in m for m in closed.values())
 
@@ -161,15 +169,17 @@ def test_auto_backend_picks_host_under_the_interpreter_and_unknown_backends_rais
 
 
 def test_auto_backend_picks_the_cuda_device_only_outside_the_interpreter(monkeypatch):
-    from symmsync import backends
+    from symmsync import backends, mode
 
     monkeypatch.setattr(backends, "default_device", lambda: torch.device("cuda", 0))  # as if a GPU were present
-    monkeypatch.setattr(backends, "interpreter_active", lambda: True)
+    monkeypatch.setattr(mode, "kernels_interpreted", lambda: True)
     assert backends.resolve("auto", None) == ("host", torch.device("cpu"))
     assert backends.resolve("auto", "cuda:1") == ("cuda", torch.device("cuda", 1))  # an explicit device wins
-    monkeypatch.setattr(backends, "interpreter_active", lambda: False)
-    assert backends.resolve("auto", None) == ("cuda", torch.device("cuda", 0))
     assert backends.resolve("host", None) == ("host", torch.device("cpu"))
+    monkeypatch.setattr(mode, "kernels_interpreted", lambda: False)
+    assert backends.resolve("auto", None) == ("cuda", torch.device("cuda", 0))
+    with pytest.raises(ss.ConfigError, match="compiled them"):  # the host backend needs the interpreter
+        backends.resolve("host", None)
 
 
 def test_buffer_needs_an_initialized_process_group():
@@ -202,14 +212,18 @@ def test_a_failed_mapping_on_one_rank_raises_everywhere_and_leaves_nothing():
         assert "released" in msg and left == []
 
 
-def adopt_peer_addresses():
+def adopt_peer_addresses(signals):
     own = ss.SymmetricBuffer(1 << 16, backend="host")  # stands in for a runtime's own mapping
-    adopted = ss.SymmetricBuffer.from_peer_addresses(own.ptrs.tolist(), 1 << 16, device="cpu")
+    own.tensor(0, (1 << 16,), torch.uint8).fill_(0xAB)  # the runtime's bytes
+    dist.barrier()
+    adopted = ss.SymmetricBuffer.from_peer_addresses(own.ptrs.tolist(), 1 << 16, device="cpu", signals=signals)
     fence = ss.Fence(adopted.view([0, 1]), timeout_s=60)
     adopted.tensor(0, (4,), torch.int32, rank=1 - adopted.rank).fill_(adopted.rank + 5)
     fence.fence()
     seen_via_adopted = adopted.tensor(0, (4,), torch.int32).tolist()
     seen_via_owner = own.tensor(0, (4,), torch.int32).tolist()
+    untouched = int((own.tensor(16, ((1 << 16) - 16,), torch.uint8) == 0xAB).sum())
+    separate_table = adopted.signal_ptrs is not adopted.ptrs
     nbytes = adopted.nbytes
     adopted.close()  # releases nothing: the owner's mapping still works
     still = own.tensor(0, (4,), torch.int32).tolist()
@@ -218,14 +232,20 @@ def adopt_peer_addresses():
     except ss.ConfigError as e:
         short = str(e)
     own.close()
-    return seen_via_adopted, seen_via_owner, still, nbytes, short
+    return seen_via_adopted, seen_via_owner, still, nbytes, short, untouched, separate_table
 
 
-def test_adopting_memory_a_runtime_mapped_gives_views_and_fences():
-    for rank, (adopted, owner, still, nbytes, short) in enumerate(run(adopt_peer_addresses, 2)):
+@pytest.mark.parametrize("signals", ["separate", "tail"])
+def test_adopting_memory_a_runtime_mapped_gives_views_and_fences(signals):
+    for rank, (adopted, owner, still, nbytes, short, untouched, apart) in enumerate(
+        run(adopt_peer_addresses, 2, signals)
+    ):
         assert adopted == owner == still == [1 - rank + 5] * 4
-        assert 0 < nbytes < 1 << 16  # the signal cells live at the end of the adopted memory
         assert "1 addresses for a group of 2 ranks" in short
+        if signals == "separate":  # every adopted byte stays the runtime's
+            assert nbytes == 1 << 16 and untouched == (1 << 16) - 16 and apart
+        else:  # the cells live at the end of the adopted memory, which was zeroed there
+            assert 0 < nbytes < 1 << 16 and untouched < (1 << 16) - 16 and not apart
 
 
 def test_a_tensor_over_raw_memory_owns_it_until_its_last_view_is_gone():

@@ -34,14 +34,19 @@ EXPECTED = {
     + [f"rank {r}: split phase: saw [400, 401], epoch 8, local 499545" for r in (0, 1)],
     "03_kernel.py": ["5 rounds on 2 ranks: every block arrived; epochs [10, 10]"],
     "04_pcp_writer.py": [f"rank {r}: 2 layers x 100 tokens of 2 ranks in every replica: OK" for r in (0, 1)],
+    "05_runtime_cache.py": [
+        f"rank {r}: 2 layers x 2 batches, in blocks from before and after the grow: OK" for r in (0, 1)
+    ],
 }
 HOST_ONLY = {
     "01_buffer.py": [f"rank {r}: host backend, 1024 bytes on cpu" for r in (0, 1)],
     "02_fences.py": ["CUDA graph part not run: it needs GPUs (python examples/02_fences.py --backend cuda)"],
+    "05_runtime_cache.py": [f"rank {r}: the cache grew from 3 to 16 blocks" for r in (0, 1)],
 }
 CUDA_ONLY = {
     "01_buffer.py": [f"rank {r}: cuda backend, 1024 bytes on cuda:{r}" for r in (0, 1)],
     "02_fences.py": [f"rank {r}: CUDA graph: 100 replays, epoch +200, 0 wrong" for r in (0, 1)],
+    "05_runtime_cache.py": [f"rank {r}: the cache grew from 20 to 128 blocks" for r in (0, 1)],
 }
 
 

@@ -670,6 +670,7 @@ ADOPT_ARGS = st.fixed_dictionaries(
         "nbytes": st.one_of(st.integers(-1, 1 << 14), st.sampled_from(["all", 1.5, None, "4096"])),
         "device": st.sampled_from([None, "cpu", "bogus"]),
         "max_views": _int_or_junk(0, 4),
+        "signals": st.sampled_from(["separate", "tail", "middle"]),
     }
 )
 
@@ -698,12 +699,17 @@ def fuzz_adopt(per_rank):
         before = mem.clone()
         dist.barrier()
         made = _outcome(
-            lambda: ss.SymmetricBuffer.from_peer_addresses(ptrs, nbytes, device=a["device"], max_views=a["max_views"])
+            lambda: ss.SymmetricBuffer.from_peer_addresses(
+                ptrs, nbytes, device=a["device"], max_views=a["max_views"], signals=a["signals"]
+            )
         )
         expect = before.clone()
-        if made[0] == "ok":  # adoption zeroes its signal cells, at the end of the adopted bytes, and nothing else
+        if made[0] == "ok":
+            # "tail": adoption zeroes its signal cells, at the end of the adopted bytes, and
+            # nothing else; "separate": it writes none of the adopted bytes.
             sig = made[1].signals
-            expect[sig.base : sig.base + sig.size] = 0
+            if a["signals"] == "tail":
+                expect[sig.base : sig.base + sig.size] = 0
             made[1].close()
             made = ("ok", (sig.base, sig.size))
         dist.barrier()
@@ -718,11 +724,13 @@ def _valid_adopt(per_rank):
         mv = a["max_views"]
         if not (isinstance(mv, int) and not isinstance(mv, bool) and mv > 0):
             return False
-        if not isinstance(nb, int) or isinstance(nb, bool) or nb < 128 * (1 + mv * 4 * 2):
+        if not isinstance(nb, int) or isinstance(nb, bool) or nb <= 0:
+            return False
+        if a["signals"] == "tail" and nb < 128 * (1 + mv * 4 * 2):
             return False  # signal cells: max_views x 4 channels x 256 bytes, plus one line
-        return a["ptrs"] in ("real", "tensor") and a["device"] in (None, "cpu")
+        return a["signals"] in ("separate", "tail") and a["ptrs"] in ("real", "tensor") and a["device"] in (None, "cpu")
 
-    same = all(per_rank[0][k] == per_rank[1][k] for k in ("nbytes", "max_views"))
+    same = all(per_rank[0][k] == per_rank[1][k] for k in ("nbytes", "max_views", "signals"))
     return same and all(one(a) for a in per_rank)
 
 

@@ -11,8 +11,8 @@ context unusable, so these runs keep their collectives on gloo.
 
 import time
 
+import helpers
 import pytest
-import test_gpu
 import torch.distributed as dist
 
 import symmsync as ss
@@ -33,17 +33,8 @@ def _setup():
 
 
 def _describe(err, t0):
-    return {
-        "type": type(err).__name__,
-        "msg": str(err),
-        "rank": err.rank,
-        "epoch": err.epoch,
-        "late": err.late,
-        "aborted": err.aborted,
-        "closed": err.closed,
-        "raised_at": time.time(),
-        "elapsed": time.monotonic() - t0,
-    }
+    """The error's fields (helpers.describe_error), when it was raised, and how long after ``t0``."""
+    return {**helpers.describe_error(err), "raised_at": time.time(), "elapsed": time.monotonic() - t0}
 
 
 def _abort_later(buf, fence, how, reason):
@@ -116,7 +107,7 @@ def test_an_abort_makes_the_waiting_gpu_peer_raise_naming_the_rank_and_reason_at
 
 def graph_abort(replays, reason):
     buf, view, fence = _setup()
-    g = test_gpu.capture(fence.fence)  # 3 eager warm-up fences, then the capture
+    g = helpers.capture(fence.fence)  # 3 eager warm-up fences, then the capture
     for _ in range(replays):
         g.replay()
     fence.synchronize()

@@ -25,6 +25,7 @@ SCRIPT = textwrap.dedent(
     from triton.compiler import ASTSource
     import symmsync.language as ssl
     from symmsync import fence as F
+    from symmsync import group as G
 
     assert not ssl.INTERPRETED
 
@@ -54,13 +55,14 @@ SCRIPT = textwrap.dedent(
                        target=target, options={"num_warps": 1})
     out["translate"] = k.asm["ptx"]
     out["cubin"] = len(k.asm["cubin"])
-    src = ASTSource(F._abort_kernel, {"ptrs": "*i64", "cell": "i64", "me": "i32", "reason": "*i64",
+    src = ASTSource(G._abort_kernel, {"ptrs": "*i64", "cell": "i64", "me": "i32", "reason": "*i64",
                                       "SIZE": "constexpr"}, {"SIZE": 8})
     out["abort"] = triton.compile(src, target=target, options={"num_warps": 1}).asm["ptx"]
     from symmsync.pcp import writer as W
     wsig = {"kv_c": "*i16", "k_pe": "*i16", "idx_k": "*i16", "kv_stride": "i32", "pe_stride": "i32",
             "ix_stride": "i32", "slots": "*i64", "n_rows": "i32", "dst": "*i64", "main_off": "i32", "idx_off": "i32",
-            "cell": "i32", "me": "i32", "timeout_ns": "i64", "record": "i64"}
+            "main_bstride": "i32", "idx_bstride": "i32", "ptrs": "*i64", "cell": "i32", "me": "i32",
+            "timeout_ns": "i64", "record": "i64"}
     for split in (False, True):
         for fused in (False, True):
             consts = {"NDST": 2, "BLOCK_T": 32, "BLOCK_SIZE": 64, "SPLIT": split, "FUSED": fused, "TRAP": True,

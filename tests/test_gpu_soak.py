@@ -3,17 +3,18 @@
 Each step of the captured graph is: delay, stamp the next epoch's payload into every
 member (double-buffered by epoch parity), delay, fence, delay, check every member's
 stamp of the current epoch. The delays are pseudo-random per rank and epoch (a spin on
-``%globaltimer`` of up to ``MAX_DELAY_NS`` on one step in four), so ranks drift apart
-and a fence that let a rank through early would show as a wrong read. The same graph
-with ``arrive()`` instead of ``fence()`` (no wait) must show wrong reads: that proves
-the oracle bites. ``SYMMSYNC_SOAK_FENCES`` sets the count (default 1 000 000).
+``symmsync.language.clock_ns()``, the GPU's ``%globaltimer``, of up to ``MAX_DELAY_NS``
+on one step in four), so ranks drift apart and a fence that let a rank through early
+would show as a wrong read. The same graph with ``arrive()`` instead of ``fence()`` (no
+wait) must show wrong reads: that proves the oracle bites. ``SYMMSYNC_SOAK_FENCES`` sets
+the count (default 1 000 000).
 """
 
 import os
 import time
 
+import helpers
 import pytest
-import test_gpu
 import torch
 import triton
 import triton.language as tl
@@ -29,18 +30,13 @@ MAX_DELAY_NS = 20_000
 
 
 @triton.jit
-def _now():
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-
-
-@triton.jit
 def jitter(ptrs, cell, me, salt, max_ns):
     """Spin for a pseudo-random time on one step in four, chosen by (epoch, rank, salt)."""
     e = tl.load(ssl.epoch_ptr(ptrs, cell, me))
     h = ((e + 1) * 2654435761 + me * 40503 + salt * 97) % 4096
     ns = tl.where(h < 1024, h * max_ns // 1024, 0)
-    start = _now()
-    while _now() - start < ns:
+    start = ssl.clock_ns()
+    while ssl.clock_ns() - start < ns:
         pass
 
 
@@ -55,13 +51,13 @@ def soak(total, per_graph, wait):
     def step():
         for _ in range(per_graph):
             jitter[(1,)](*spin, 0, MAX_DELAY_NS)
-            test_gpu.stamp_next_epoch[(1,)](*args, SIZE=view.size)
+            helpers.stamp_next_epoch[(1,)](*args, SIZE=view.size)
             jitter[(1,)](*spin, 1, MAX_DELAY_NS)
             fence.fence() if wait else fence.arrive()
             jitter[(1,)](*spin, 2, MAX_DELAY_NS)
-            test_gpu.check_current_epoch[(1,)](*args, errors, SIZE=view.size)
+            helpers.check_current_epoch[(1,)](*args, errors, SIZE=view.size)
 
-    g = test_gpu.capture(step, warmup=1)
+    g = helpers.capture(step, warmup=1)
     fence.synchronize()
     start_epoch, start_errors = fence.epoch, int(errors.item())
     t0 = time.perf_counter()

@@ -1,17 +1,20 @@
-"""The PCP direct-KV writer on the host backend: the byte oracle, properties, bad input.
+"""The PCP direct-KV writer: the byte oracle, properties, bad input.
 
-The byte oracle: after a layer's fence, every replica's cache is byte-identical to
-what the all-gather + insert route produces, and to a cache built with plain torch
-from the whole prompt and the format rules (tests/test_pcp_formats.py); guard bytes
-around the backing stay untouched.
+The byte oracle (tests/oracles.py): after a layer's fence, every replica's cache is
+byte-identical to what the all-gather + insert route produces, and to a cache built
+with plain torch from the whole prompt and the format rules; guard bytes around the
+backing stay untouched. It runs on the host backend, and on 2 GPUs where they exist
+(the ``backend`` fixture); the rest runs on the host backend.
 """
+
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_pcp_formats import oracle_cache
+from oracles import assert_byte_oracle, byte_oracle, oracle_cache, prompt
 
 import symmsync as ss
 from symmsync import pcp
@@ -54,106 +57,35 @@ def test_layout_offsets_of_every_field():
     assert lay.main_bytes == (3 * 64 * 656 + 127) // 128 * 128
     assert lay.main_offset(1) == 256 + lay.layer_bytes and lay.indexer_offset(0) == 256 + lay.main_bytes
     assert lay.end == 256 + 2 * lay.layer_bytes
-    with pytest.raises(ss.ConfigError):
+    with pytest.raises(ss.BoundsError, match="layer 2 is out of range"):
         lay.main_offset(2)
-    with pytest.raises(ss.ConfigError):
+    with pytest.raises(ss.ConfigError, match="layer must be an int"):
+        lay.indexer_offset(True)  # a bool is not a layer
+    with pytest.raises(ss.ConfigError, match="multiple of 128"):
         pcp.CacheLayout(num_blocks=1, base=100)
 
 
-# ---------------------------------------------------------------------- reference cache
-def reference_cache(layout, kv_c, k_pe, idx_k, slots):
-    """The cache bytes of a whole prompt in the layout's formats: [main KV] and [indexer K].
-
-    Built with plain torch from the format rules (tests/test_pcp_formats.py), sharing no
-    code with the writer.
-    """
-    return oracle_cache(layout, kv_c, k_pe, idx_k, slots)
-
-
-def prompt(seed, tokens, num_slots, special=False):
-    g = torch.Generator().manual_seed(seed)
-    kv = torch.randn(tokens, 512, generator=g) * torch.exp(torch.randn(tokens, 1, generator=g) * 3)
-    pe = torch.randn(tokens, 64, generator=g)
-    ix = torch.randn(tokens, 128, generator=g) * 10
-    if special and tokens >= 4:
-        kv[0] = 0.0  # a zero row: the scale floors
-        kv[1, :128] = -0.0
-        kv[2] = torch.randn(512, generator=g) * 1e-39  # bf16 subnormals
-        kv[3, 5] = 1.0e38  # large values (finite also after the tests scale a layer by up to 3)
-        ix[0] = 0.0
-    slots = torch.randperm(num_slots, generator=g)[:tokens]
-    return kv.to(torch.bfloat16), pe.to(torch.bfloat16), ix.to(torch.bfloat16), slots
+def test_split_rank_outside_the_group_is_a_bounds_error():
+    s = pcp.pcp_split(10, 2)
+    with pytest.raises(ss.BoundsError, match="rank 2 is out of range"):
+        s.local_slots(torch.arange(10), 2)
+    with pytest.raises(ss.ConfigError, match="rank must be an int"):
+        s.local_rows(torch.zeros(10), True)
 
 
 # ---------------------------------------------------------------------- the byte oracle
-ROUTES = [("direct", False), ("direct", True), ("allgather", False)]
+BYTE_ORACLE = {"host": (150, 2, 11), "cuda": (1000, 3, 5)}  # tokens, layers, seed
 
 
-def byte_oracle(tp, tokens, num_layers, seed, backend="host"):
-    world = dist.get_world_size()
-    p = world // tp
-    layout0 = pcp.CacheLayout(num_blocks=max(1, -(-tokens // BLOCK)) + 1, num_layers=num_layers, base=128)
-    span = layout0.nbytes + 256  # each route's layout, with guard bytes between them
-    layouts = [pcp.CacheLayout(layout0.num_blocks, num_layers, BLOCK, base=128 + i * span) for i in range(3)]
-    buf = ss.SymmetricBuffer(layouts[-1].end + 128, backend=backend, channels=2)
-    buf.tensor(0, (buf.nbytes,), torch.uint8).fill_(GUARD)
-    for lay in layouts:
-        for layer in range(num_layers):
-            lay.layer_backing(buf, layer).zero_()
-    view = ss.pcp_view(buf, tp=tp)
-    ranks_by_group = [[k * tp + t for k in range(p)] for t in range(tp)]
-    group, _ = dist.new_subgroups_by_enumeration(ranks_by_group)
-    dist.barrier()
-    kv, pe, ix, slots = prompt(seed + view.ranks[0], tokens, layout0.num_slots, special=True)
-    split = pcp.pcp_split(tokens, p)
-    me = view.local_index
-    local = [split.local_rows(t, me).contiguous().to(buf.device) for t in (kv, pe, ix)]
-    result = {}
-    for i, (route, fused) in enumerate(ROUTES):
-        writer = pcp.DirectKVWriter(
-            view, layouts[i], route=route, fused=fused, group=group, channel=i % 2, timeout_s=60
-        )
-        batch = writer.prepare(split.local_slots(slots, me).to(buf.device))
-        for layer in range(num_layers):
-            # Different inputs per layer, so a layer written into another layer's place shows.
-            writer.write(layer, *[(t.float() * (layer + 1)).to(torch.bfloat16) for t in local], batch)
-    if backend == "cuda":
-        torch.cuda.synchronize()
-    dist.barrier()
-    for layer in range(num_layers):
-        want = reference_cache(layouts[0], *[(t.float() * (layer + 1)).to(torch.bfloat16) for t in (kv, pe, ix)], slots)
-        for i, (route, fused) in enumerate(ROUTES):
-            got = (layouts[i].main_kv(buf, layer).cpu(), layouts[i].indexer_k(buf, layer).cpu())
-            base = (layouts[2].main_kv(buf, layer).cpu(), layouts[2].indexer_k(buf, layer).cpu())
-            key = f"{route}{'-fused' if fused else ''}"
-            result.setdefault(key, []).append(
-                (
-                    torch.equal(got[0], want[0]),
-                    torch.equal(got[1], want[1]),
-                    torch.equal(got[0], base[0]),
-                    torch.equal(got[1], base[1]),
-                )
-            )
-    mem = buf.tensor(0, (buf.nbytes,), torch.uint8).cpu()
-    mask = torch.ones(buf.nbytes, dtype=torch.bool)
-    for lay in layouts:
-        mask[lay.base : lay.end] = False
-    result["guards_untouched"] = bool((mem[mask] == GUARD).all())
-    result["guard_bytes"] = int(mask.sum())
-    buf.close()
-    return result
+def test_pcp2_every_replica_is_byte_identical_to_allgather_insert_and_to_torch(backend):
+    tokens, layers, seed = BYTE_ORACLE[backend]
+    assert_byte_oracle(run(byte_oracle, 2, 1, tokens, layers, seed, backend, backend=backend, timeout_s=600), layers)
 
 
-def _assert_oracle(results, num_layers):
-    for r in results:
-        assert r["guards_untouched"] and r["guard_bytes"] > 0
-        for key in ("direct", "direct-fused", "allgather"):
-            assert r[key] == [(True, True, True, True)] * num_layers, (key, r[key])
-
-
-@pytest.mark.parametrize("world,tp", [(2, 1), (4, 1), (4, 2)], ids=["pcp2", "pcp4", "tp2xpcp2"])
-def test_every_replica_is_byte_identical_to_allgather_insert_and_to_torch(world, tp):
-    _assert_oracle(run(byte_oracle, world, tp, 150, 2, 11, timeout_s=600), 2)
+@pytest.mark.parametrize("tp", [1, 2], ids=["pcp4", "tp2xpcp2"])
+def test_at_world_4_every_replica_is_byte_identical_to_allgather_insert_and_to_torch(tp):
+    # On 4 GPUs: tests/test_gpu4.py.
+    assert_byte_oracle(run(byte_oracle, 4, tp, 150, 2, 11, timeout_s=600), 2)
 
 
 # ---------------------------------------------------------------------- properties
@@ -174,7 +106,7 @@ def one_example(tokens, num_layers, pad, seed):
     for layer in range(num_layers):
         rows = [(split.local_rows(t, buf.rank).float() + layer).to(torch.bfloat16).contiguous() for t in (kv, pe, ix)]
         writer.write(layer, *rows, batch)
-        want = reference_cache(layout, *[(t.float() + layer).to(torch.bfloat16) for t in (kv, pe, ix)], slots)
+        want = oracle_cache(layout, *[(t.float() + layer).to(torch.bfloat16) for t in (kv, pe, ix)], slots)
         ok.append(
             torch.equal(layout.main_kv(buf, layer), want[0]) and torch.equal(layout.indexer_k(buf, layer), want[1])
         )
@@ -223,12 +155,14 @@ def bad_inputs():
         "noncontiguous": lambda: writer.write(0, torch.zeros(512, T, dtype=torch.bfloat16).t(), pe, ix, batch),
         "batch": lambda: writer.write(0, kv, pe, ix, ok_slots),
         "meta": lambda: writer.write(0, kv.to("meta"), pe, ix, batch),  # a tensor without memory
+        "bool_layer": lambda: writer.write(True, kv, pe, ix, batch),
+        "subclass": lambda: writer.write(0, torch.nn.Parameter(kv, requires_grad=False), pe, ix, batch),
     }
     for name, fn in cases.items():
         try:
             fn()
-        except ss.InputError as e:
-            errors[name] = str(e)
+        except ss.ConfigError as e:
+            errors[name] = (type(e).__name__, str(e))
     collective = {}
     for name, slots in {
         "range": ok_slots + (1000 if r == 1 else 0),
@@ -241,23 +175,36 @@ def bad_inputs():
             writer.prepare(slots)
         except ss.InputError as e:
             collective[name] = str(e)
+    # The layout's own check of a layer raises what write() raises.
+    try:
+        layout.main_offset(2)
+    except ss.ConfigError as e:
+        errors["layout_layer"] = (type(e).__name__, str(e))
     untouched = bool((buf.tensor(0, (layout.end,), torch.uint8) == GUARD).all())
     buf.close()
     return errors, collective, untouched
 
 
 def test_bad_input_raises_before_any_byte_is_written():
-    for errors, collective, untouched in run(bad_inputs, 2):
-        assert set(errors) == {"layer", "dtype", "shape", "rows", "noncontiguous", "batch", "meta"}, errors
-        assert "meta" in errors["meta"]
-        assert "layer 2 is out of range" in errors["layer"]
-        assert "bfloat16" in errors["dtype"] and "contiguous" in errors["noncontiguous"]
-        assert "(8, 512)" in errors["shape"]
+    for rank, (errors, collective, untouched) in enumerate(run(bad_inputs, 2)):
+        inputs = {"dtype", "shape", "rows", "noncontiguous", "batch", "meta", "subclass"}
+        assert set(errors) == inputs | {"layer", "bool_layer", "layout_layer"}, errors
+        assert {errors[k][0] for k in inputs} == {"InputError"}, errors
+        for name, (_, msg) in errors.items():
+            assert msg.startswith("CacheLayout: " if name == "layout_layer" else f"rank {rank}: DirectKVWriter.write: ")
+        # A layer outside the cache: the same error from the layout and from write().
+        assert errors["layer"][0] == errors["layout_layer"][0] == "BoundsError"
+        assert all("layer 2 is out of range" in errors[k][1] for k in ("layer", "layout_layer"))
+        assert errors["bool_layer"][0] == "ConfigError" and "must be an int" in errors["bool_layer"][1]
+        assert "meta" in errors["meta"][1] and "Parameter" in errors["subclass"][1]
+        assert "bfloat16" in errors["dtype"][1] and "contiguous" in errors["noncontiguous"][1]
+        assert "(8, 512)" in errors["shape"][1]
         # Slot-mapping problems are agreed in prepare(): every rank raises, naming the rank.
         assert set(collective) == {"range", "below", "length", "dtype", "duplicate"}, collective
-        assert "rank 1" in collective["range"] and "outside [-1, 128)" in collective["range"]
-        assert "rank 0" in collective["below"]
-        assert "equal row counts" in collective["length"]
+        assert collective["range"].startswith("DirectKVWriter.prepare: rank 1: ")
+        assert "outside [-1, 128)" in collective["range"]
+        assert collective["below"].startswith("DirectKVWriter.prepare: rank 0: ")
+        assert "equal row counts" in collective["length"] and "rank 1: 9" in collective["length"]
         assert "rank 0" in collective["dtype"] and "int32 or int64" in collective["dtype"]
         assert "slot 0 is written by rank 0 and rank 1" in collective["duplicate"]
         assert untouched
@@ -277,7 +224,7 @@ def mixed_routes():
 
 def test_ranks_that_pick_different_routes_all_raise():
     for msg in run(mixed_routes, 2):
-        assert msg and "same route" in msg and "rank 0: direct" in msg and "rank 1: allgather" in msg
+        assert msg and "same route" in msg and "rank 0: 'direct'" in msg and "rank 1: 'allgather'" in msg
 
 
 # ---------------------------------------------------------------------- a bad write reaches the peers
@@ -325,3 +272,41 @@ def test_a_bad_write_on_one_rank_makes_every_peer_raise_naming_it_at_once(fused)
     assert "rank 1" in peer["msg"]
     assert peer["elapsed"] < 1.0, peer  # the fence budget is 60 s
     assert peer["again"] == "PeerAborted"
+
+
+# ---------------------------------------------------------------------- agreement: every rank raises the same
+def bad_channel_on_rank_1():
+    layout = pcp.CacheLayout(num_blocks=1, num_layers=1)
+    buf = ss.SymmetricBuffer(layout.end, backend="host", channels=2)
+    try:
+        pcp.DirectKVWriter(buf.view([0, 1]), layout, channel=5 if buf.rank == 1 else 0)
+    except ss.ConfigError as e:
+        return type(e).__name__, str(e)
+    finally:
+        buf.close()
+
+
+def test_a_channel_outside_the_view_raises_the_same_bounds_error_on_every_rank():
+    results = run(bad_channel_on_rank_1, 2)
+    assert results[0] == results[1], results
+    kind, msg = results[0]
+    assert kind == "BoundsError" and msg.startswith("DirectKVWriter: rank 1: ") and "channel 5" in msg, msg
+
+
+def peer_dies_before_prepare():
+    layout = pcp.CacheLayout(num_blocks=1, num_layers=1)
+    buf = ss.SymmetricBuffer(layout.end, backend="host")
+    writer = pcp.DirectKVWriter(buf.view([0, 1]), layout, timeout_s=30)
+    if buf.rank == 1:
+        os._exit(0)
+    try:
+        writer.prepare(torch.arange(4))
+    except ss.SymmSyncError as e:
+        return type(e).__name__, str(e)
+    return "no error"
+
+
+def test_a_peer_that_died_makes_prepare_raise_backend_error():
+    results = run(peer_dies_before_prepare, 2, may_die=[1], timeout_s=120)
+    kind, msg = results[0]
+    assert kind == "BackendError" and "rank 0" in msg and "died or left" in msg, results[0]

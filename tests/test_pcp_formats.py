@@ -1,22 +1,12 @@
 """Every cache format of the PCP writer, against references written from the format rules.
 
-The references below are plain torch, written from the rules in docs/pcp.md ("Cache
-formats") and share no code with ``symmsync.pcp.quant``. ``amax`` is the largest
-``|x|`` of a main-KV tile (128 values) or of an indexer-K token (128 values), every
-division is an IEEE fp32 division, and a code is ``e4m3fn(x / s)`` rounded to nearest
-even and saturating at +-448:
-
-* main ``"pow2"``: ``s`` = the smallest power of two >= ``max(amax / 448, 1e-4)``;
-* main ``"fp32"``: ``s = max(amax / 448, 2**-126)``;
-* indexer ``"ue8m0"``: ``s`` = the smallest power of two >= ``max(amax, 1e-4) / 448``;
-* indexer ``"fp32"``: ``s = max(amax, 1e-4) / 448``;
-* indexer ``"mxfp8"``: ``s`` as ``"ue8m0"``; the 4-byte field holds ``log2(s) + 127``
-  four times.
-
-The writer runs on the host backend (2 ranks, Triton's interpreter) for every
-combination of formats; the GPU suite (tests/test_gpu_pcp_formats.py) runs the same
-checks on GPUs. Every replica, its padding and its untouched slots are compared
-byte for byte; the all-gather route is a second oracle.
+The references (tests/oracles.py) are plain torch, written from the rules in
+docs/pcp.md ("Cache formats"), and share no code with ``symmsync.pcp.quant``. The
+writer runs for every combination of formats on every route, on the host backend (2
+ranks, Triton's interpreter) and on 2 GPUs where they exist (the ``backend``
+fixture; tests/test_gpu_pcp_formats.py checks the GPU's fp8 conversion itself). Every
+replica, its padding and its untouched slots are compared byte for byte; the
+all-gather route is a second oracle.
 """
 
 import itertools
@@ -24,6 +14,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
+from oracles import F448, e4m3, indexer_ref, main_ref, oracle_backing
 
 import symmsync as ss
 from symmsync import pcp
@@ -31,81 +22,6 @@ from symmsync.testing import run
 
 FORMATS = list(itertools.product(("pow2", "fp32"), ("ue8m0", "fp32", "mxfp8")))
 GUARD = 0x5A
-F32_1E4 = torch.tensor(1e-4, dtype=torch.float32)  # the fp32 value nearest to 1e-4
-FLT_MIN = torch.tensor(2.0**-126, dtype=torch.float32)
-F448 = torch.tensor(448.0, dtype=torch.float32)
-
-
-# ---------------------------------------------------------------------- the references
-def e4m3(y: torch.Tensor) -> torch.Tensor:
-    """fp32 -> e4m3fn bits, nearest even, saturating at +-448 (finite ``y``).
-
-    Clamping first is the saturation: every ``|y|`` in (448, 464] rounds to 448 (464 is
-    the tie between 448 and the NaN code above it, and 448's mantissa is even), and
-    larger values saturate; below 448 torch's cast rounds to nearest even.
-    """
-    return y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
-
-
-def pow2_at_least(m: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two >= each positive fp32 ``m`` (log2 in float64 is exact
-    for powers of two and far from an integer otherwise)."""
-    return torch.exp2(torch.ceil(torch.log2(m.double()))).float()
-
-
-def main_ref(kv_c: torch.Tensor, k_pe: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``[T, 656]`` main-KV bytes: 512 codes, 4 fp32 tile scales, 64 bf16 values."""
-    t = kv_c.shape[0]
-    x = kv_c.float().reshape(t, 4, 128)
-    amax = x.abs().amax(dim=-1, keepdim=True)
-    q = amax / F448
-    s = pow2_at_least(torch.maximum(q, F32_1E4)) if fmt == "pow2" else torch.maximum(q, FLT_MIN)
-    codes = e4m3(x / s).reshape(t, 512)
-    scales = s.reshape(t, 4).contiguous().view(torch.uint8)
-    return torch.cat([codes, scales, k_pe.contiguous().view(torch.uint8)], dim=1)
-
-
-def indexer_ref(indexer_k: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``([T, 128] codes, [T, 4] scale field)`` of the indexer K."""
-    x = indexer_k.float()
-    amax = x.abs().amax(dim=-1, keepdim=True)
-    m = torch.maximum(amax, F32_1E4) / F448
-    s = m if fmt == "fp32" else pow2_at_least(m)
-    codes = e4m3(x / s)
-    if fmt == "mxfp8":
-        biased = (torch.log2(s.double()).round().to(torch.int64) + 127).to(torch.uint8)
-        field = biased.reshape(-1, 1).repeat(1, 4)
-    else:
-        field = s.reshape(-1, 1).contiguous().view(torch.uint8)
-    return codes, field
-
-
-def oracle_backing(layout, kv_c, k_pe, indexer_k, slots) -> torch.Tensor:
-    """One layer's whole backing (both regions and their padding) for a prompt."""
-    bs = layout.block_size
-    main = torch.zeros(layout.main_bytes, dtype=torch.uint8)
-    ind = torch.zeros(layout.indexer_bytes, dtype=torch.uint8)
-    tok = main_ref(kv_c, k_pe, layout.main_scale)
-    codes, field = indexer_ref(indexer_k, layout.indexer_scale)
-    for t, s in enumerate(slots.tolist()):
-        if s < 0:
-            continue
-        main[s * 656 : (s + 1) * 656] = tok[t]
-        b, o = divmod(s, bs)
-        blk = b * bs * 132
-        ind[blk + o * 128 : blk + (o + 1) * 128] = codes[t]
-        ind[blk + bs * 128 + o * 4 : blk + bs * 128 + o * 4 + 4] = field[t]
-    return torch.cat([main, ind])
-
-
-def oracle_cache(layout, kv_c, k_pe, indexer_k, slots) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(main [blocks, block_size, 656], indexer [blocks, block_size * 132])`` of a prompt."""
-    back = oracle_backing(layout, kv_c, k_pe, indexer_k, slots)
-    n = layout.num_slots * 656
-    main = back[:n].view(layout.num_blocks, layout.block_size, 656)
-    ib = layout.block_size * 132
-    ind = back[layout.main_bytes : layout.main_bytes + layout.num_blocks * ib].view(layout.num_blocks, ib)
-    return main, ind
 
 
 # ---------------------------------------------------------------------- the inputs
@@ -248,7 +164,7 @@ def formats_oracle(tokens: int, block_size: int, backend: str = "host", routes=R
         writer.write(0, *local, batch)
         writer.fence.fence()  # a real fence on both routes
         fences.append(type(writer.fence).__name__)
-    if backend == "cuda":
+    if buf.capabilities.streams:
         torch.cuda.synchronize()
     dist.barrier()
     result = {"fences": fences}
@@ -280,8 +196,12 @@ def assert_formats_oracle(results, routes=ROUTES):
         for fmt in FORMATS:
             for route in routes:
                 assert r[(fmt, route)] == (0, []), (fmt, route, r[(fmt, route)])
-        assert r["mismatch"] and "different layouts" in r["mismatch"], r["mismatch"]
+        assert r["mismatch"] and "the layout differs across ranks" in r["mismatch"], r["mismatch"]
 
 
-def test_every_format_every_route_matches_its_rule_byte_for_byte():
-    assert_formats_oracle(run(formats_oracle, 2, 24, 8, timeout_s=300))
+FORMATS_ORACLE = {"host": (24, 8, 300), "cuda": (1000, 64, 600)}  # tokens, block size, time budget
+
+
+def test_every_format_every_route_matches_its_rule_byte_for_byte(backend):
+    tokens, block_size, timeout_s = FORMATS_ORACLE[backend]
+    assert_formats_oracle(run(formats_oracle, 2, tokens, block_size, backend, backend=backend, timeout_s=timeout_s))

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import need_gpus
 
 import symmsync as ss
 from symmsync.testing import run
@@ -26,7 +27,7 @@ def tp_pcp_views(backend="host"):
     # Write rank-stamps through the PCP view into every member, read own after a barrier.
     for i in range(pcp.size):
         pcp.tensor(16 * pcp.local_index, (2,), torch.int32, index=i).fill_(10 * buf.rank + i)
-    if backend == "cuda":
+    if buf.capabilities.streams:
         torch.cuda.synchronize()
     dist.barrier()
     got = pcp.tensor(0, (pcp.size, 4), torch.int32)[:, 0].tolist()  # 16 bytes per member
@@ -41,8 +42,9 @@ def tp_pcp_views(backend="host"):
     return out
 
 
-def test_tp2_pcp2_views_give_each_rank_its_subgroup_with_own_signal_regions():
-    assert_tp_pcp_views(run(tp_pcp_views, 4))
+def test_tp2_pcp2_views_give_each_rank_its_subgroup_with_own_signal_regions(backend):
+    need_gpus(backend, 4)
+    assert_tp_pcp_views(run(tp_pcp_views, 4, backend, backend=backend))
 
 
 def assert_tp_pcp_views(results):

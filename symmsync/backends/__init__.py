@@ -16,9 +16,7 @@ Backends:
 from __future__ import annotations
 
 import abc
-import functools
 import os
-import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .. import mode
 from ..errors import BackendError, ConfigError
 
 BACKENDS = ("host", "cuda")
@@ -49,10 +48,61 @@ class Memory:
     state: Any = field(default=None, repr=False)
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend's memory and kernels do, for the code above it to ask instead of
+    comparing backend names.
+
+    Attributes:
+        traps: a kernel whose wait fails writes its record and traps, which stops the
+            stream; the host learns of it at its next synchronization (GPUs).
+        host_checks_status: a launch has finished when it returns, so the host reads
+            the record after each one (Triton's interpreter).
+        pinned_record: records live in pinned host memory, which a device kernel can
+            write and the host read after a trap.
+        streams: launches are asynchronous on CUDA streams: side streams, graph
+            capture, ``torch.cuda.synchronize``.
+        default_timeout_s: a fence's wait budget when none is given. The host budget
+            allows for the interpreter on a loaded machine, the GPU one for a peer still
+            compiling its first kernel.
+    """
+
+    traps: bool
+    host_checks_status: bool
+    pinned_record: bool
+    streams: bool
+    default_timeout_s: float
+
+
+#: Kernels compiled for a CUDA device.
+GPU = Capabilities(traps=True, host_checks_status=False, pinned_record=True, streams=True, default_timeout_s=60.0)
+#: Kernels in Triton's interpreter over CPU memory.
+INTERPRETER = Capabilities(
+    traps=False, host_checks_status=True, pinned_record=False, streams=False, default_timeout_s=120.0
+)
+
+
+def name_for(device: torch.device) -> str:
+    """The backend that maps memory on ``device``: ``"cuda"`` for a CUDA device, else ``"host"``."""
+    return "cuda" if device.type == "cuda" else "host"
+
+
+def capabilities_for(device: torch.device) -> Capabilities:
+    """The capabilities of kernels that run on ``device``'s kind of memory."""
+    return GPU if device.type == "cuda" else INTERPRETER
+
+
 class Backend(abc.ABC):
-    """Allocate, export, import, release. Implementations hold no buffer-level state."""
+    """Allocate, export, import, release. Implementations hold no buffer-level state.
+
+    Attributes:
+        name: shown in reprs and :attr:`SymmetricBuffer.backend`; never compared outside
+            this package: ask :attr:`capabilities`.
+        capabilities: what kernels over this memory do (:class:`Capabilities`).
+    """
 
     name: str = ""
+    capabilities: Capabilities = INTERPRETER
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -84,6 +134,82 @@ class Backend(abc.ABC):
         """The exchange failed (a peer may have died): drop what ``handle`` names and only
         its owner would otherwise drop. Called for every handle received, own included."""
 
+    # ------------------------------------------------------------ growable and registered memory
+    # A growable buffer (and a peer's registered memory) lives in a *reservation*: address
+    # space reserved once for the largest size, where chunks of memory are mapped as the
+    # buffer grows, so the base address (and every pointer table) never changes. Its
+    # Memory's tensor spans the whole reservation; its state holds the chunks; the tensor
+    # owns the reservation (unmapped after its last view is gone, as for allocate()).
+
+    #: Chunks and reservations are multiples of this many bytes.
+    granularity: int = 4096
+
+    def reserve(self, nbytes: int, owner: int) -> Memory:
+        """Reserve ``nbytes`` of address space (nothing mapped) for ``owner``'s memory."""
+        raise BackendError(f"the {self.name} backend cannot reserve address space")
+
+    def commit(self, mem: Memory, offset: int, nbytes: int) -> Chunk:
+        """Create zero-filled memory that peers can map, at ``offset`` of this rank's reservation."""
+        raise BackendError(f"the {self.name} backend cannot grow memory")
+
+    def map_chunk(self, mem: Memory, offset: int, handle: Any) -> Chunk:
+        """Map a peer's chunk (its exported ``handle``) at ``offset`` of ``mem``'s reservation."""
+        raise BackendError(f"the {self.name} backend cannot map chunks")
+
+    def unmap_chunk(self, mem: Memory, chunk: Chunk) -> None:
+        """Undo :meth:`commit` or :meth:`map_chunk` (a failed grow): the range is reserved again."""
+        raise BackendError(f"the {self.name} backend cannot unmap chunks")
+
+    def export_local(self, ptr: int, nbytes: int, owner: int, known: int = 0) -> tuple[list[Any], Any]:
+        """Describe memory a runtime owns, ``[ptr, ptr + nbytes)``, for its peers.
+
+        Returns ``(handles, state)``: picklable handles of the pieces of the runtime's
+        memory that cover the range, leaving out what lies below ``known`` (the
+        ``state["end"]`` of an earlier call: what peers mapped already, for a grow), and
+        what :meth:`forget_local` drops once every peer mapped them; ``state["end"]``
+        is where the pieces mapped so far end, from ``ptr``. Raises
+        :class:`~symmsync.BackendError` for memory peers cannot map.
+        """
+        raise BackendError(f"the {self.name} backend cannot register memory it did not allocate")
+
+    def import_local(self, handles: list[Any], owner: int, nbytes: int) -> Memory:
+        """Map a peer's registered memory from its :meth:`export_local` handles, with
+        address space for ``nbytes`` (the most it may grow to)."""
+        raise BackendError(f"the {self.name} backend cannot map registered memory")
+
+    def extend_local(self, mem: Memory, handles: list[Any]) -> list[Chunk]:
+        """Map the pieces a peer's registered memory grew by (a grow of a registered buffer)."""
+        raise BackendError(f"the {self.name} backend cannot grow registered memory")
+
+    def local_exchanged(self, state: Any, handles: list[Any]) -> None:  # noqa: B027 - optional hook
+        """Like :meth:`exchanged`, for :meth:`export_local`'s ``state`` (``handles[r]``: rank ``r``'s)."""
+
+    def forget_local(self, state: Any) -> None:  # noqa: B027 - optional hook
+        """Drop what :meth:`export_local` kept (servers, retained handles); never the memory."""
+
+    def chunk_exchanged(self, chunk: Chunk, handles: list[Any]) -> None:  # noqa: B027 - optional hook
+        """Like :meth:`exchanged`, for a chunk (``handles[r]``: rank ``r``'s handles)."""
+
+    def chunk_all_mapped(self, chunk: Chunk) -> None:  # noqa: B027 - optional hook
+        """Like :meth:`all_mapped`, for a chunk."""
+
+
+@dataclass
+class Chunk:
+    """A piece of memory mapped into a reservation.
+
+    Attributes:
+        offset: byte offset from the reservation's base.
+        nbytes: size.
+        handle: what peers pass to :meth:`Backend.map_chunk` (own chunks only).
+        state: backend-specific.
+    """
+
+    offset: int
+    nbytes: int
+    handle: Any = None
+    state: Any = field(default=None, repr=False)
+
 
 def default_device() -> torch.device:
     """The device a buffer uses when none is given: the current CUDA device, else CPU."""
@@ -109,13 +235,13 @@ def resolve(backend: str, device: torch.device | str | None) -> tuple[str, torch
         if dev is None:
             # Under Triton's interpreter (TRITON_INTERPRET=1, as testing.run(backend="host")
             # sets) kernels run on the CPU: the host backend, even where GPUs exist.
-            dev = torch.device("cpu") if interpreter_active() else default_device()
+            dev = torch.device("cpu") if mode.kernels_interpreted() else default_device()
         backend = "cuda" if dev.type == "cuda" else "host"
     elif dev is None:
         dev = torch.device("cpu") if backend == "host" else default_device()
     if backend == "host" and dev.type != "cpu":
         raise ConfigError(f"the host backend maps CPU memory; got device {dev}. Use device='cpu'.")
-    if backend == "host" and not kernels_interpreted():
+    if backend == "host" and not mode.kernels_interpreted():
         value = os.environ.get("TRITON_INTERPRET")
         why = f"TRITON_INTERPRET={value} is set" if value is not None else "a CUDA device is visible"
         raise ConfigError(
@@ -173,7 +299,9 @@ class AdoptedBackend(Backend):
 
     def __init__(self, device: torch.device):
         super().__init__(device)
-        self.name = "cuda" if device.type == "cuda" else "host"
+        # Named after the kind of memory it wraps; its kernels behave as that backend's.
+        self.name = name_for(device)
+        self.capabilities = capabilities_for(device)
 
     def allocate(self, nbytes: int, rank: int) -> Memory:
         raise BackendError("adopted memory is allocated by its owner, not by symmsync")
@@ -192,96 +320,3 @@ class AdoptedBackend(Backend):
 def adopted(device: torch.device) -> Backend:
     """The backend of memory adopted from a runtime (see SymmetricBuffer.from_peer_addresses)."""
     return AdoptedBackend(device)
-
-
-#: Set by :func:`enable_interpreter_without_gpu` when ``import symmsync`` turned Triton's
-#: interpreter on itself.
-INTERPRETER_AUTO = False
-
-
-def enable_interpreter_without_gpu() -> bool:
-    """Turn on Triton's interpreter for this process where no GPU can run kernels.
-
-    Called once by ``import symmsync``, before any symmsync kernel is defined (Triton
-    decides compiled or interpreted when a ``@triton.jit`` function is defined, and
-    symmsync picks its primitives then too). It sets ``TRITON_INTERPRET=1`` in this
-    process's environment (inherited by its children) only when all of these hold:
-    ``TRITON_INTERPRET`` is not set at all (an explicit value, ``0`` included, always
-    wins), Triton's ``knobs.runtime.interpret`` was not set in code, and torch sees no
-    CUDA device. On such a machine no kernel could run compiled, so nothing that
-    worked before changes.
-
-    Returns:
-        True when it turned the interpreter on.
-    """
-    global INTERPRETER_AUTO
-    if "TRITON_INTERPRET" in os.environ:
-        return False
-    triton = sys.modules.get("triton")
-    knobs = getattr(triton, "knobs", None) if triton is not None else None
-    if knobs is not None and "interpret" in vars(knobs.runtime):
-        return False  # set in code: the user's choice
-    try:
-        if torch.cuda.is_available():
-            return False
-    except Exception:  # noqa: BLE001 - a broken driver counts as no GPU
-        pass
-    os.environ["TRITON_INTERPRET"] = "1"
-    INTERPRETER_AUTO = True
-    if triton is not None:
-        _interpret_predefined_kernels()
-    return True
-
-
-def _interpret_predefined_kernels() -> None:
-    """Run the ``@triton.jit`` functions defined before the interpreter was turned on
-    (Triton's own ``tl.sum``, ``tl.max``, ..., and any kernel defined before ``import
-    symmsync``) through the interpreter too.
-
-    Triton decides at definition: a function defined while the interpreter was off is
-    a ``JITFunction``, which only runs compiled, and a call to one from an interpreted
-    kernel raises. This is only done where no GPU is visible, where a compiled launch
-    could not run anyway: each such function is wrapped, once, in Triton's own
-    ``InterpretedFunction``, for device calls and for launches.
-    """
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    if getattr(JITFunction, "_symmsync_interpreted", False):
-        return
-
-    def interpreted(fn: Any) -> Any:
-        wrapped = fn.__dict__.get("_symmsync_interpreted_fn")
-        if wrapped is None:
-            wrapped = fn.__dict__["_symmsync_interpreted_fn"] = InterpretedFunction(fn.fn)
-        return wrapped
-
-    def member(fn: Any, instance: Any, owner: Any = None) -> Any:
-        # Triton's tensor methods (x.sum()) are these functions set on its tensor class.
-        return functools.partial(interpreted(fn), instance) if isinstance(instance, tensor) else fn
-
-    from triton.language.core import tensor
-
-    JITFunction.__call__ = lambda self, *args, **kwargs: interpreted(self)(*args, **kwargs)
-    JITFunction.run = lambda self, *args, grid, warmup, **kwargs: interpreted(self).run(
-        *args, grid=grid, warmup=warmup, **kwargs
-    )
-    JITFunction.__get__ = member
-    JITFunction._symmsync_interpreted = True
-
-
-def kernels_interpreted() -> bool:
-    """True when symmsync's kernels in this process run under Triton's interpreter
-    (decided when :mod:`symmsync.language` was imported)."""
-    lang = sys.modules.get("symmsync.language")
-    return bool(lang.INTERPRETED) if lang is not None else interpreter_active()
-
-
-def interpreter_active() -> bool:
-    """True when Triton kernels defined now run under Triton's interpreter."""
-    try:
-        from triton import knobs
-
-        return bool(knobs.runtime.interpret)
-    except (ImportError, AttributeError):  # pragma: no cover - older triton
-        return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

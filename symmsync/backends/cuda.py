@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from ..errors import BackendError, ConfigError
-from . import Backend, Memory, tensor_at
+from . import GPU, Backend, Chunk, Memory, tensor_at
 
 HANDLE_TYPES = ("posix_fd", "fabric", "cuda_ipc")
 
@@ -245,15 +245,38 @@ def _unmap_when_unused(drv: Any, device: torch.device, ptr: int, state: dict) ->
         elif kind == "ipc-own":
             drv.cuMemFree(ptr)
         elif kind == "ipc-peer":
-            drv.cuIpcCloseMemHandle(ptr)
+            drv.cuIpcCloseMemHandle(state["opened"] if "opened" in state else ptr)
+        elif kind == "reservation":
+            base = state["base"]
+            for chunk in state["chunks"]:
+                _release_chunk(drv, base, chunk)
+            drv.cuMemAddressFree(base, state["size"])
     except Exception as e:  # noqa: BLE001 - runs from a finalizer: report, never raise
         log.warning("could not release %s memory at 0x%x: %s", kind, ptr, e)
+
+
+def _release_chunk(drv: Any, base: int, chunk: Chunk) -> None:
+    """Unmap one chunk of a reservation; release its physical memory if this rank created it."""
+    st = chunk.state
+    if st.get("released"):
+        return
+    st["released"] = True
+    drv.cuMemUnmap(base + chunk.offset, chunk.nbytes)
+    if st.get("handle") is not None:
+        drv.cuMemRelease(st["handle"])
+    server = st.pop("server", None)
+    if server is not None:
+        server.close()
+    fd = st.pop("fd", None)
+    if fd is not None:
+        os.close(fd)
 
 
 class CudaBackend(Backend):
     """CUDA driver virtual-memory management with shareable handles (or legacy IPC)."""
 
     name = "cuda"
+    capabilities = GPU
 
     def __init__(self, device: torch.device, handle_type: str = "posix_fd"):
         super().__init__(device)
@@ -424,11 +447,253 @@ class CudaBackend(Backend):
             os.close(fd)
 
     def release(self, mem: Memory) -> None:
-        """Close the handle server and drop symmsync's tensor over ``mem``.
+        """Close the handle servers and drop symmsync's tensor over ``mem``.
 
         The mapping itself goes with the last tensor over it (:meth:`_tensor`): at once
         when nobody else holds one, else when the user's last tensor is gone.
         """
         self.all_mapped(mem)
+        for chunk in (mem.state or {}).get("chunks", ()):
+            self.chunk_all_mapped(chunk)
         mem.tensor = None  # type: ignore[assignment]
         _flush_deferred()
+
+    # ------------------------------------------------------------ growable memory
+    def _need_vmm(self, what: str) -> None:
+        if self.handle_type == "cuda_ipc":
+            raise BackendError(f"{what} needs the driver's virtual-memory management; handle_type='cuda_ipc' has none")
+
+    def reserve(self, nbytes: int, owner: int) -> Memory:
+        self._need_vmm("a growable buffer")
+        _flush_deferred()
+        size = self._round(nbytes)
+        ptr = int(check(self.drv.cuMemAddressReserve(size, self.granularity, 0, 0), "cuMemAddressReserve"))
+        state: dict[str, Any] = {"kind": "reservation", "base": ptr, "size": size, "chunks": []}
+        return Memory(ptr=ptr, nbytes=size, tensor=self._tensor(ptr, size, state), owner=owner, state=state)
+
+    def _map_at(self, at: int, size: int, phys: Any) -> None:
+        drv = self.drv
+        check(drv.cuMemMap(at, size, 0, phys, 0), "cuMemMap")
+        try:
+            check(drv.cuMemSetAccess(at, size, [self.access], 1), "cuMemSetAccess")
+        except BackendError:
+            drv.cuMemUnmap(at, size)
+            raise
+
+    def _in_reservation(self, mem: Memory, offset: int, nbytes: int) -> int:
+        st = mem.state
+        at = mem.ptr + offset
+        if not (st["base"] <= at and at + nbytes <= st["base"] + st["size"]):
+            raise BackendError(
+                f"bytes [{offset}, {offset + nbytes}) of rank {mem.owner}'s memory lie outside the "
+                f"{st['size']} bytes of address space reserved for it"
+            )
+        return at
+
+    def _export_chunk(self, handle: Any, size: int, owner: int, state: dict) -> tuple:
+        shareable = check(
+            self.drv.cuMemExportToShareableHandle(handle, self.cu_handle_type, 0),
+            f"cuMemExportToShareableHandle({self.handle_type})",
+        )
+        if self.handle_type == "fabric":
+            return ("fabric", bytes(shareable.data), size, size)
+        state["fd"] = int(shareable)
+        state["server"] = _FdServer(state["fd"], owner=owner)
+        return ("posix_fd", state["server"].address, size, size, os.getpid())
+
+    def _import_phys(self, handle: Any, owner: int) -> Any:
+        drv = self.drv
+        if handle[0] == "posix_fd":
+            fd = _receive_fd(handle[1], owner, handle[4])
+            try:
+                return check(
+                    drv.cuMemImportFromShareableHandle(fd, self.cu_handle_type),
+                    f"cuMemImportFromShareableHandle(rank {owner})",
+                )
+            finally:
+                os.close(fd)
+        fh = drv.CUmemFabricHandle()
+        fh.data = handle[1]
+        return check(
+            drv.cuMemImportFromShareableHandle(fh, self.cu_handle_type),
+            f"cuMemImportFromShareableHandle(fabric, rank {owner})",
+        )
+
+    def commit(self, mem: Memory, offset: int, nbytes: int) -> Chunk:
+        drv = self.drv
+        at = self._in_reservation(mem, offset, nbytes)
+        phys = check(drv.cuMemCreate(nbytes, self.prop, 0), f"cuMemCreate({nbytes} bytes)")
+        state: dict[str, Any] = {"handle": phys}
+        chunk = Chunk(offset=offset, nbytes=nbytes, state=state)
+        try:
+            self._map_at(at, nbytes, phys)
+        except BackendError:
+            drv.cuMemRelease(phys)
+            raise
+        mem.state["chunks"].append(chunk)
+        try:
+            check(drv.cuMemsetD8(at, 0, nbytes), "cuMemsetD8")
+            check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
+            chunk.handle = self._export_chunk(phys, nbytes, mem.owner, state)
+        except BackendError:
+            self.unmap_chunk(mem, chunk)
+            raise
+        return chunk
+
+    def map_chunk(self, mem: Memory, offset: int, handle: Any) -> Chunk:
+        size = handle[2]
+        at = self._in_reservation(mem, offset, size)
+        phys = self._import_phys(handle, mem.owner)
+        try:
+            self._map_at(at, size, phys)
+        finally:
+            self.drv.cuMemRelease(phys)  # the mapping holds the memory from here on
+        chunk = Chunk(offset=offset, nbytes=size, state={})
+        mem.state["chunks"].append(chunk)
+        return chunk
+
+    def unmap_chunk(self, mem: Memory, chunk: Chunk) -> None:
+        try:
+            torch.cuda.synchronize(self.device)  # no kernel may still touch it
+        except RuntimeError:
+            pass
+        _release_chunk(self.drv, mem.state["base"], chunk)
+        if chunk in mem.state["chunks"]:
+            mem.state["chunks"].remove(chunk)
+
+    def chunk_exchanged(self, chunk: Chunk, handles: list[Any]) -> None:
+        server = chunk.state.get("server")
+        if server is not None:
+            server.expect(_pids(handles))
+
+    def chunk_all_mapped(self, chunk: Chunk) -> None:
+        st = chunk.state
+        server = st.pop("server", None)
+        if server is not None:
+            server.close()
+        fd = st.pop("fd", None)
+        if fd is not None:
+            os.close(fd)
+
+    # ------------------------------------------------------------ registered memory
+    def _pieces(self, ptr: int, nbytes: int) -> list[tuple[int, int, Any]]:
+        """``(base, size, retained handle)`` of every VMM allocation mapped over
+        ``[ptr, ptr + nbytes)``, or ``[]`` when the memory is not VMM memory."""
+        drv = self.drv
+        pieces: list[tuple[int, int, Any]] = []
+        at, end = ptr, ptr + nbytes
+        while at < end:
+            err, handle = drv.cuMemRetainAllocationHandle(at)
+            if err != drv.CUresult.CUDA_SUCCESS:
+                if not pieces:
+                    return []  # not VMM memory: the caller tries CUDA IPC
+                for _, _, h in pieces:
+                    drv.cuMemRelease(h)
+                raise BackendError(
+                    f"the registered memory is not mapped at {at:#x} ({at - ptr} bytes in): "
+                    f"cuMemRetainAllocationHandle gave {err}; register only what the runtime committed"
+                )
+            base, size = check(drv.cuMemGetAddressRange(at), "cuMemGetAddressRange")
+            pieces.append((int(base), int(size), handle))
+            at = int(base) + int(size)
+        return pieces
+
+    def export_local(self, ptr: int, nbytes: int, owner: int, known: int = 0) -> tuple[list[Any], Any]:
+        _flush_deferred()
+        drv = self.drv
+        if self.handle_type != "cuda_ipc":
+            pieces = self._pieces(ptr, nbytes)
+        else:
+            pieces = []
+        state: dict[str, Any] = {"chunks": [], "end": known}
+        if pieces:
+            handles = []
+            try:
+                for base, size, h in pieces:
+                    st: dict[str, Any] = {"retained": h}
+                    state["chunks"].append(st)
+                    state["end"] = max(state["end"], base + size - ptr)
+                    if base + size - ptr <= known:
+                        continue  # peers mapped this chunk at an earlier call (known ends a chunk)
+                    handles.append((base - ptr, self._export_chunk(h, size, owner, st)))
+            except BackendError as e:
+                self.forget_local(state)
+                raise BackendError(
+                    f"{e}: the runtime's allocation cannot be exported as {self.handle_type!r}; create it with "
+                    "that handle type in CUmemAllocationProp.requestedHandleTypes"
+                ) from e
+            return handles, state
+        # A plain device allocation (torch's caching allocator, cudaMalloc): CUDA IPC.
+        base, size = check(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
+        base, size = int(base), int(size)
+        if ptr + nbytes > base + size:
+            raise BackendError(
+                f"the registered range [{ptr:#x}, {ptr + nbytes:#x}) leaves its device allocation "
+                f"[{base:#x}, {base + size:#x}); memory shared through CUDA IPC cannot grow past its allocation"
+            )
+        state["end"] = base + size - ptr
+        if known:
+            return [], state  # within the allocation peers opened already
+        h = check(drv.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
+        return [("cuda_ipc", bytes(h.reserved), ptr - base, size)], state
+
+    def local_exchanged(self, state: Any, handles: list[Any]) -> None:
+        for st in state["chunks"]:
+            if st.get("server") is not None:
+                st["server"].expect(_pids(handles))
+
+    def forget_local(self, state: Any) -> None:
+        for st in state["chunks"]:
+            self.chunk_all_mapped(Chunk(offset=0, nbytes=0, state=st))
+            h = st.pop("retained", None)
+            if h is not None:
+                self.drv.cuMemRelease(h)
+
+    def import_local(self, handles: list[Any], owner: int, nbytes: int) -> Memory:
+        if not handles:
+            raise BackendError(f"rank {owner} registered no memory")
+        if handles[0][0] == "cuda_ipc":
+            _, raw, delta, size = handles[0]
+            h = self.drv.CUipcMemHandle()
+            h.reserved = raw
+            opened = int(
+                check(
+                    self.drv.cuIpcOpenMemHandle(h, self.drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+                    f"cuIpcOpenMemHandle(rank {owner})",
+                )
+            )
+            ptr = opened + delta
+            state = {"kind": "ipc-peer", "opened": opened}
+            view = min(nbytes, size - delta)
+            return Memory(ptr=ptr, nbytes=view, tensor=self._tensor(ptr, view, state), owner=owner, state=state)
+        delta = -min(off for off, _ in handles)  # the registered address may start inside a chunk
+        largest = max(h[2] for _, h in handles)
+        size = self._round(delta + nbytes + largest)  # room for a last chunk past max_nbytes
+        base = int(check(self.drv.cuMemAddressReserve(size, self.granularity, 0, 0), "cuMemAddressReserve"))
+        state: dict[str, Any] = {"kind": "reservation", "base": base, "size": size, "chunks": []}
+        ptr = base + delta
+        mem = Memory(ptr=ptr, nbytes=nbytes, tensor=self._tensor(ptr, nbytes, state), owner=owner, state=state)
+        self.extend_local(mem, handles)
+        return mem
+
+    def extend_local(self, mem: Memory, handles: list[Any]) -> list[Chunk]:
+        chunks: list[Chunk] = []
+        try:
+            for off, handle in handles:
+                chunks.append(self.map_chunk(mem, off, handle))
+        except BackendError:
+            for c in chunks:
+                self.unmap_chunk(mem, c)
+            raise
+        return chunks
+
+
+def _pids(handles: list[Any]) -> list[int]:
+    """The process ids in every rank's posix_fd handles (``handles[r]``: rank ``r``'s list)."""
+    pids = []
+    for hs in handles:
+        for _, h in hs or ():
+            if h[0] == "posix_fd":
+                pids.append(h[4])
+                break
+    return pids

@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import _posixshmem
 import atexit
+import ctypes
+import ctypes.util
+import functools
 import mmap
 import os
 import secrets
+import sys
 import warnings
+from typing import Any
 
 import torch
 
 from ..errors import BackendError
-from . import Backend, Memory
+from . import INTERPRETER, Backend, Chunk, Memory, tensor_at
 
 #: Prefix of segment names; ``symmsync.testing`` sets it per job so that it can
 #: find (and remove) anything a killed rank left behind.
@@ -50,6 +55,75 @@ def segment_prefix() -> str:
     return os.environ.get(PREFIX_ENV, "symmsync")
 
 
+# Reservations: address space mapped PROT_NONE, into which shared-memory segments are
+# mapped with MAP_FIXED. Python's mmap module cannot map at an address, so libc's mmap.
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FIXED = 0x10  # Linux and macOS; PROT_NONE is 0
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_HOLE = (0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+
+
+def _mmap(addr: int, nbytes: int, prot: int, flags: int, fd: int = -1, offset: int = 0) -> int:
+    got = _libc.mmap(addr or None, nbytes, prot, flags, fd, offset)
+    if got in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise BackendError(f"mmap of {nbytes} bytes failed: {os.strerror(err)}")
+    return got
+
+
+def _unmap_reservation(base: int, nbytes: int, state: dict) -> None:
+    """Unmap a whole reservation and every chunk in it: once, after its last tensor is gone."""
+    if not state.get("released"):
+        state["released"] = True
+        _libc.munmap(base, nbytes)
+
+
+def _page_floor(x: int) -> int:
+    return x - x % mmap.PAGESIZE
+
+
+def shm_mappings(ptr: int, nbytes: int) -> list[tuple[int, int, int, str]]:
+    """The shared-memory mappings covering ``[ptr, ptr + nbytes)`` in this process, from
+    ``/proc/self/maps``: ``(start, end, file offset, path)`` each, page aligned.
+
+    Raises :class:`~symmsync.BackendError` where a page is not mapped from a
+    shared-memory object that peers can open by name."""
+    if not os.path.exists("/proc/self/maps"):
+        raise BackendError("registering host memory reads /proc/self/maps, which this system does not have")
+    lo, hi = _page_floor(ptr), ptr + nbytes
+    found = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            if end <= lo or start >= hi:
+                continue
+            path = parts[5].strip() if len(parts) > 5 else ""
+            if not path.startswith("/dev/shm/") or path.endswith("(deleted)") or "s" not in parts[1]:
+                why = "anonymous or private" if not path else f"{path!r}, which peers cannot open by name"
+                raise BackendError(
+                    f"bytes [{max(start, lo):#x}, {min(end, hi):#x}) of the memory to register are mapped from {why}; "
+                    "the host backend registers memory mapped (MAP_SHARED) from a POSIX shared-memory object "
+                    "whose name still exists, so that peers can open it"
+                )
+            first = max(start, lo)
+            found.append((first, min(end, hi + (-hi) % mmap.PAGESIZE), int(parts[2], 16) + first - start, path))
+    found.sort()
+    covered = lo
+    for start, end, _, _ in found:
+        if start > covered:
+            break
+        covered = max(covered, end)
+    if covered < hi:
+        raise BackendError(f"bytes from {covered:#x} of the memory to register (up to {hi:#x}) are not mapped")
+    return found
+
+
 def _as_tensor(mm: mmap.mmap) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # frombuffer warns on writable buffers; we want writes
@@ -60,6 +134,7 @@ class HostBackend(Backend):
     """POSIX shared memory (``shm_open`` + ``mmap``); the device is the CPU."""
 
     name = "host"
+    capabilities = INTERPRETER
 
     def allocate(self, nbytes: int, rank: int) -> Memory:
         name = f"/{segment_prefix()}-{rank}-{secrets.token_hex(6)}"
@@ -114,6 +189,9 @@ class HostBackend(Backend):
         name = mem.state.get("name")
         if name:
             _unlink(name)
+        for chunk in mem.state.get("chunks", ()):
+            if chunk.state.get("name"):
+                _unlink(chunk.state["name"])
         # Drop symmsync's references and never call mmap.close(): torch.frombuffer keeps
         # a reference to the mmap object but no buffer export, so close() would unmap
         # pages that a tensor the user still holds points to (a segfault on its next
@@ -121,3 +199,109 @@ class HostBackend(Backend):
         # at once when there is none.
         mem.state.pop("mmap", None)
         mem.tensor = None  # type: ignore[assignment]
+
+    # ------------------------------------------------------------ growable and registered memory
+    granularity = mmap.PAGESIZE
+
+    def reserve(self, nbytes: int, owner: int) -> Memory:
+        base = _mmap(0, nbytes, *_HOLE)
+        state: dict[str, Any] = {"reservation": (base, nbytes), "chunks": []}
+        release = functools.partial(_unmap_reservation, base, nbytes, state)
+        t = tensor_at(base, nbytes, self.device, on_last_use=release)
+        return Memory(ptr=base, nbytes=nbytes, tensor=t, owner=owner, state=state)
+
+    def _map_segment(self, mem: Memory, offset: int, nbytes: int, fd: int, file_offset: int = 0) -> None:
+        base, size = mem.state["reservation"]
+        at = mem.ptr + offset
+        if not (base <= at and at + nbytes <= base + size):
+            raise BackendError(f"bytes [{offset}, {offset + nbytes}) lie outside the reservation of {size} bytes")
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        _mmap(at, nbytes, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, file_offset)
+
+    def commit(self, mem: Memory, offset: int, nbytes: int) -> Chunk:
+        name = f"/{segment_prefix()}-{mem.owner}-{secrets.token_hex(6)}"
+        try:
+            fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        except OSError as e:
+            raise BackendError(f"rank {mem.owner}: shm_open({name}) failed: {e}") from e
+        _linked.add(name)
+        try:
+            os.ftruncate(fd, nbytes)  # new pages read as zero
+            self._map_segment(mem, offset, nbytes, fd)
+        except (OSError, BackendError) as e:
+            _unlink(name)
+            raise BackendError(f"rank {mem.owner}: could not commit {nbytes} bytes of shared memory: {e}") from e
+        finally:
+            os.close(fd)
+        chunk = Chunk(offset=offset, nbytes=nbytes, handle=(name, nbytes), state={"name": name})
+        mem.state["chunks"].append(chunk)
+        return chunk
+
+    def map_chunk(self, mem: Memory, offset: int, handle: Any) -> Chunk:
+        name, nbytes = handle[0], handle[1]
+        file_offset = handle[2] if len(handle) > 2 else 0
+        try:
+            fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
+        except OSError as e:
+            raise BackendError(f"could not open rank {mem.owner}'s segment {name}: {e}") from e
+        try:
+            size = os.fstat(fd).st_size
+            if size < file_offset + nbytes:
+                raise BackendError(f"rank {mem.owner}'s segment {name} holds {size} bytes, expected {nbytes}")
+            self._map_segment(mem, offset, nbytes, fd, file_offset)
+        finally:
+            os.close(fd)
+        chunk = Chunk(offset=offset, nbytes=nbytes, state={"name": None})
+        mem.state["chunks"].append(chunk)
+        return chunk
+
+    def unmap_chunk(self, mem: Memory, chunk: Chunk) -> None:
+        _mmap(mem.ptr + chunk.offset, chunk.nbytes, *_HOLE[:1], _HOLE[1] | _MAP_FIXED)
+        if chunk.state.get("name"):
+            _unlink(chunk.state["name"])
+        if chunk in mem.state["chunks"]:
+            mem.state["chunks"].remove(chunk)
+
+    def chunk_all_mapped(self, chunk: Chunk) -> None:
+        if chunk.state.get("name"):
+            _unlink(chunk.state["name"])
+
+    def export_local(self, ptr: int, nbytes: int, owner: int, known: int = 0) -> tuple[list[Any], Any]:
+        handles = []
+        last = ptr + known
+        for start, end, file_offset, path in shm_mappings(ptr, nbytes):
+            if end <= ptr + known:
+                continue  # peers mapped it at an earlier call
+            if start < ptr + known:  # the kernel may have merged a grown mapping with the old one
+                file_offset += ptr + known - start
+                start = ptr + known
+            name = "/" + path[len("/dev/shm/") :]
+            handles.append((start - ptr, (name, end - start, file_offset)))
+            last = max(last, end)
+        return handles, {"end": last - ptr}
+
+    def forget_local(self, state: Any) -> None:
+        pass  # nothing kept: peers opened the runtime's objects by name
+
+    def import_local(self, handles: list[Any], owner: int, nbytes: int) -> Memory:
+        if not handles:
+            raise BackendError(f"rank {owner} registered no memory")
+        delta = -min(off for off, _ in handles)  # the page the owner's memory starts in
+        size = delta + nbytes + (-(delta + nbytes)) % mmap.PAGESIZE
+        res = self.reserve(size, owner)
+        mem = Memory(ptr=res.ptr + delta, nbytes=nbytes, tensor=res.tensor[delta : delta + nbytes], owner=owner)
+        mem.state = res.state
+        mem.state["delta"] = delta
+        self.extend_local(mem, handles)
+        return mem
+
+    def extend_local(self, mem: Memory, handles: list[Any]) -> list[Chunk]:
+        chunks = []
+        try:
+            for off, handle in handles:
+                chunks.append(self.map_chunk(mem, off, handle))
+        except BackendError:
+            for c in chunks:
+                self.unmap_chunk(mem, c)
+            raise
+        return chunks

@@ -1,7 +1,10 @@
 """Prefill context parallelism: the direct-KV cache writer, symmsync's first consumer.
 
-Built only on symmsync's public API (buffers, peer views, fences, the device
-primitives in :mod:`symmsync.language`)::
+Built only on symmsync's public API: buffers, peer views and fences (their kernel
+arguments, :attr:`symmsync.Fence.kernel_args`), the device primitives in
+:mod:`symmsync.language`, the launcher of :mod:`symmsync.launch`, the agreement among
+ranks of :mod:`symmsync.collective`, the argument checks of :mod:`symmsync.checks`, and
+:func:`symmsync.mode.kernels_interpreted`::
 
     from symmsync import pcp
 
@@ -12,7 +15,7 @@ primitives in :mod:`symmsync.language`)::
         writer.write(layer, kv_c, k_pe, indexer_k, batch)
 """
 
-from .layout import CacheLayout, IndexerKLayout, MainKVLayout
+from .layout import CacheLayout, CacheTensors, IndexerKLayout, MainKVLayout, Placement
 from .quant import INDEXER_SCALES, MAIN_SCALES
 from .split import PCPSplit, pcp_split
 from .writer import ROUTES, Batch, DirectKVWriter
@@ -20,12 +23,14 @@ from .writer import ROUTES, Batch, DirectKVWriter
 __all__ = [
     "Batch",
     "CacheLayout",
+    "CacheTensors",
     "DirectKVWriter",
     "INDEXER_SCALES",
     "IndexerKLayout",
     "MAIN_SCALES",
     "MainKVLayout",
     "PCPSplit",
+    "Placement",
     "ROUTES",
     "pcp_split",
 ]

@@ -36,12 +36,18 @@ One layer's backing is its main region then its indexer region, each padded to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import ConfigError
+from ..checks import index_problem, int_problem, is_int, positive_int_problem
+from ..errors import BoundsError, ConfigError
 from .quant import INDEXER_DIM, INDEXER_SCALES, MAIN_SCALES, MLA_NOPE_DIM, MLA_ROPE_DIM, MLA_TILE, MLA_TOKEN_BYTES
+
+if TYPE_CHECKING:
+    from ..buffer import SymmetricBuffer
 
 _ALIGN = 128
 
@@ -78,11 +84,13 @@ class IndexerKLayout:
 
     block_size: int = 64
     DIM = INDEXER_DIM  #: 128 fp8 values per token
-    TOKEN_BYTES = INDEXER_DIM + 4  #: 132
+    SCALE_BYTES = 4  #: the scale field: one fp32, or four E8M0 bytes
+    TOKEN_BYTES = INDEXER_DIM + SCALE_BYTES  #: 132
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0:
-            raise ConfigError(f"IndexerKLayout: block_size must be a positive int, got {self.block_size!r}")
+        problem = positive_int_problem("block_size", self.block_size)
+        if problem is not None:
+            raise ConfigError(f"IndexerKLayout: {problem}")
 
     @property
     def block_bytes(self) -> int:
@@ -96,7 +104,7 @@ class IndexerKLayout:
     def scale_offset(self, slot: int) -> int:
         """Byte offset of a slot's 4-byte scale field from the start of the indexer region."""
         block, off = divmod(slot, self.block_size)
-        return block * self.block_bytes + self.block_size * self.DIM + off * 4
+        return block * self.block_bytes + self.block_size * self.DIM + off * self.SCALE_BYTES
 
 
 @dataclass(frozen=True)
@@ -114,8 +122,9 @@ class CacheLayout:
             ``"fp32"`` or ``"mxfp8"`` (vLLM 0.33).
 
     Raises:
-        ConfigError: a size is not a positive int, ``base`` is misaligned, or a
-            format is not one of :data:`MAIN_SCALES` / :data:`INDEXER_SCALES`.
+        ConfigError: a size is not a positive int, ``base`` is negative or not a
+            multiple of 128, or a format is not one of :data:`MAIN_SCALES` /
+            :data:`INDEXER_SCALES`.
     """
 
     num_blocks: int
@@ -127,11 +136,12 @@ class CacheLayout:
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "num_layers", "block_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"CacheLayout: {name} must be a positive int, got {v!r}")
-        if not isinstance(self.base, int) or isinstance(self.base, bool) or self.base < 0 or self.base % _ALIGN:
-            raise ConfigError(f"CacheLayout: base must be a non-negative multiple of {_ALIGN}, got {self.base!r}")
+            problem = positive_int_problem(name, getattr(self, name))
+            if problem is not None:
+                raise ConfigError(f"CacheLayout: {problem}")
+        problem = int_problem("base", self.base, minimum=0, multiple_of=_ALIGN)
+        if problem is not None:
+            raise ConfigError(f"CacheLayout: {problem}")
         if self.main_scale not in MAIN_SCALES:
             raise ConfigError(f"CacheLayout: main_scale must be one of {MAIN_SCALES}, got {self.main_scale!r}")
         if self.indexer_scale not in INDEXER_SCALES:
@@ -171,18 +181,50 @@ class CacheLayout:
         """Byte offset just past the last layer: the buffer needs at least this many bytes."""
         return self.base + self.nbytes
 
+    def _layer_problem(self, layer: int) -> tuple[type[ConfigError], str] | None:
+        """What is wrong with ``layer`` as one of this cache's layers, and the error it
+        raises, or ``None``. The one check of a layer: :meth:`check_layer` and
+        ``DirectKVWriter.write`` raise what it finds.
+        """
+        problem = index_problem("layer", layer, self.num_layers, "the cache")
+        if problem is None:
+            return None
+        return (BoundsError if is_int(layer) else ConfigError), problem
+
     def check_layer(self, layer: int) -> None:
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
-            raise ConfigError(f"layer {layer!r} is out of range for a cache of {self.num_layers} layers")
+        """Raise unless ``layer`` is one of this cache's layers.
+
+        Raises:
+            BoundsError: ``layer`` is an int outside ``[0, num_layers)``.
+            ConfigError: ``layer`` is not an int (a bool is not).
+        """
+        bad = self._layer_problem(layer)
+        if bad is not None:
+            error, problem = bad
+            raise error(f"CacheLayout: {problem}")
 
     def main_offset(self, layer: int) -> int:
-        """Byte offset of a layer's main-KV region in the buffer."""
+        """Byte offset of a layer's main-KV region in the buffer (:meth:`check_layer`
+        says what a bad ``layer`` raises)."""
         self.check_layer(layer)
         return self.base + layer * self.layer_bytes
 
     def indexer_offset(self, layer: int) -> int:
         """Byte offset of a layer's indexer-K region in the buffer."""
         return self.main_offset(layer) + self.main_bytes
+
+    # ------------------------------------------------------------------ placement
+    def placement(self, buffer: SymmetricBuffer) -> Placement:
+        """Where the writer finds every layer in ``buffer`` (the same on every member).
+
+        Raises:
+            BoundsError: the layout needs more bytes than the buffer holds.
+        """
+        if self.end > buffer.nbytes:
+            raise BoundsError(f"the cache layout needs {self.end} bytes but the buffer holds {buffer.nbytes}")
+        offsets = tuple((self.main_offset(i), self.indexer_offset(i)) for i in range(self.num_layers))
+        ib = self.indexer.block_bytes
+        return Placement(offsets, self.block_size * MainKVLayout.TOKEN_BYTES, ib, self)
 
     # ------------------------------------------------------------------ host views
     def main_kv(self, buffer, layer: int, rank: int | None = None) -> torch.Tensor:
@@ -199,3 +241,164 @@ class CacheLayout:
     def layer_backing(self, buffer, layer: int, rank: int | None = None) -> torch.Tensor:
         """``uint8`` view of a layer's whole backing (both regions and their padding)."""
         return buffer.tensor(self.main_offset(layer), (self.layer_bytes,), torch.uint8, rank)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Byte offsets of every layer's caches from each member's base, and the block strides:
+    what the writer's kernel needs, and what the members of a PCP group must agree on.
+
+    Attributes:
+        offsets: ``(main-KV offset, indexer-K offset)`` per layer.
+        main_block_stride: bytes from one main-KV block to the next.
+        indexer_block_stride: bytes from one indexer-K block to the next (at least
+            ``block_size * 132``; a runtime may pad it).
+        caches: the :class:`CacheLayout` or :class:`CacheTensors` it describes.
+    """
+
+    offsets: tuple[tuple[int, int], ...]
+    main_block_stride: int
+    indexer_block_stride: int
+    caches: CacheLayout | CacheTensors = field(compare=False, repr=False)
+
+    def agreed(self) -> tuple:
+        """What every member must hold the same (compared across ranks)."""
+        c = self.caches
+        return (
+            c.num_blocks,
+            c.block_size,
+            c.main_scale,
+            c.indexer_scale,
+            self.offsets,
+            self.main_block_stride,
+            self.indexer_block_stride,
+        )
+
+
+class CacheTensors:
+    """This rank's per-layer cache tensors, as a runtime holds them, for the writer.
+
+    Args:
+        main: per layer, the main-KV cache: ``uint8 [num_blocks, block_size, 656]``, each
+            token's 656 bytes contiguous (a block stride past ``block_size * 656`` is kept).
+        indexer: per layer, the indexer-K cache: ``uint8 [num_blocks, block_stride]``
+            with ``block_stride >= block_size * 132`` (a padded block stride is kept).
+        main_scale: the main-KV scale format, as for :class:`CacheLayout`.
+        indexer_scale: the indexer-K scale format, as for :class:`CacheLayout`.
+
+    Every tensor must lie inside the symmetric buffer the writer's view is over (memory
+    symmsync allocated, or a runtime's registered memory), at offsets that are
+    multiples of 16, with the same block strides in every layer; and the members of a
+    PCP group must hold theirs at the same offsets. The writer checks all of it, on
+    every rank. :class:`CacheLayout` is one convenient way to place such tensors.
+
+    Raises:
+        ConfigError: a tensor of the wrong dtype, rank or geometry, or layers that
+            disagree (the message names the layer and the tensor).
+    """
+
+    def __init__(
+        self,
+        main: Sequence[torch.Tensor],
+        indexer: Sequence[torch.Tensor],
+        *,
+        main_scale: str = "pow2",
+        indexer_scale: str = "ue8m0",
+    ):
+        main, indexer = list(main), list(indexer)
+        if not main or len(main) != len(indexer):
+            raise ConfigError(
+                f"CacheTensors: pass one main-KV and one indexer-K tensor per layer, got {len(main)} and {len(indexer)}"
+            )
+        if main_scale not in MAIN_SCALES:
+            raise ConfigError(f"CacheTensors: main_scale must be one of {MAIN_SCALES}, got {main_scale!r}")
+        if indexer_scale not in INDEXER_SCALES:
+            raise ConfigError(f"CacheTensors: indexer_scale must be one of {INDEXER_SCALES}, got {indexer_scale!r}")
+        for i, (m, x) in enumerate(zip(main, indexer)):
+            for name, t, dims in (("main", m, 3), ("indexer", x, 2)):
+                if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != dims:
+                    raise ConfigError(f"CacheTensors: layer {i}'s {name} tensor must be a {dims}-D uint8 tensor")
+        m0 = main[0]
+        self.block_size = m0.shape[1]
+        self.num_blocks = m0.shape[0]
+        self.main_scale, self.indexer_scale = main_scale, indexer_scale
+        token = MainKVLayout.TOKEN_BYTES
+        need = self.block_size * IndexerKLayout.TOKEN_BYTES
+        self.main_block_stride, self.indexer_block_stride = m0.stride(0), indexer[0].stride(0)
+        for i, (m, x) in enumerate(zip(main, indexer)):
+            where = f"CacheTensors: layer {i}"
+            if tuple(m.shape) != (self.num_blocks, self.block_size, token) or m.stride()[1:] != (token, 1):
+                raise ConfigError(
+                    f"{where}: main must be [{self.num_blocks}, {self.block_size}, {token}] with each token's "
+                    f"bytes contiguous, got shape {tuple(m.shape)} strides {m.stride()}"
+                )
+            if x.shape[0] != self.num_blocks or x.shape[1] < need or x.stride(1) != 1:
+                raise ConfigError(
+                    f"{where}: indexer must be [{self.num_blocks}, >= {need}] (block_size * 132 bytes per block), "
+                    f"got shape {tuple(x.shape)} strides {x.stride()}"
+                )
+            if (m.stride(0), x.stride(0)) != (self.main_block_stride, self.indexer_block_stride):
+                raise ConfigError(f"{where}: block strides differ from layer 0's; every layer must have the same")
+            if m.stride(0) < self.block_size * token or m.stride(0) % 16 or x.stride(0) % 16:
+                raise ConfigError(f"{where}: block strides must cover a block and be multiples of 16 bytes")
+        self.main, self.indexer = main, indexer
+        self.num_layers = len(main)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def check_layer(self, layer: int) -> None:
+        """Raise unless ``layer`` is one of these layers (as :meth:`CacheLayout.check_layer`)."""
+        bad = self._layer_problem(layer)
+        if bad is not None:
+            error, problem = bad
+            raise error(f"CacheTensors: {problem}")
+
+    def _layer_problem(self, layer: int) -> tuple[type[ConfigError], str] | None:
+        problem = index_problem("layer", layer, self.num_layers, "the cache")
+        if problem is None:
+            return None
+        return (BoundsError if is_int(layer) else ConfigError), problem
+
+    def placement(self, buffer: SymmetricBuffer) -> Placement:
+        """The tensors' offsets in ``buffer``.
+
+        Raises:
+            BoundsError: a tensor lies outside the buffer's user region on this rank.
+            ConfigError: a tensor's offset is not a multiple of 16.
+        """
+        offsets = []
+        for i, (m, x) in enumerate(zip(self.main, self.indexer)):
+            pair = []
+            for name, t in (("main", m), ("indexer", x)):
+                try:
+                    off = buffer.offset_of(t)
+                except BoundsError as e:
+                    raise BoundsError(f"layer {i}'s {name} tensor is outside symmetric memory: {e}") from e
+                if off % 16:
+                    raise ConfigError(f"layer {i}'s {name} tensor starts {off} bytes in, not a multiple of 16")
+                pair.append(off)
+            offsets.append(tuple(pair))
+        return Placement(tuple(offsets), self.main_block_stride, self.indexer_block_stride, self)
+
+    def main_kv(self, buffer: SymmetricBuffer, layer: int, rank: int | None = None) -> torch.Tensor:
+        """Rank ``rank``'s copy of a layer's main KV, with this rank's shape and strides (no copy)."""
+        return self._replica(buffer, self.main[layer], rank)
+
+    def indexer_k(self, buffer: SymmetricBuffer, layer: int, rank: int | None = None) -> torch.Tensor:
+        """Rank ``rank``'s copy of a layer's indexer K (no copy)."""
+        return self._replica(buffer, self.indexer[layer], rank)
+
+    @staticmethod
+    def _replica(buffer: SymmetricBuffer, t: torch.Tensor, rank: int | None) -> torch.Tensor:
+        span = sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1
+        flat = buffer.tensor(buffer.offset_of(t), (span,), torch.uint8, rank)
+        return flat.as_strided(t.shape, t.stride())
+
+    def __repr__(self) -> str:
+        return (
+            f"CacheTensors({self.num_layers} layers, {self.num_blocks} blocks of {self.block_size}, "
+            f"block strides {self.main_block_stride}/{self.indexer_block_stride}, "
+            f"{self.main_scale}/{self.indexer_scale})"
+        )

@@ -107,7 +107,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..language import INTERPRETED
+from .. import mode
 
 __all__ = [
     "FP8_E4M3_MAX",
@@ -339,7 +339,7 @@ def e8m0_word(s):
     return (w - ((w >> 31) << 32)).to(tl.int32)
 
 
-if INTERPRETED:
+if mode.kernels_interpreted():
     # The interpreter's float8 cast is wrong (see the module docstring): keep the
     # integer emulation, which is exact everywhere.
     to_e4m3 = e4m3_bits

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
+from ..checks import index_problem, int_problem, is_int
+from ..errors import BoundsError, ConfigError
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,16 @@ class PCPSplit:
         return 2 * self.chunk
 
     def local_rows(self, x: torch.Tensor, rank: int) -> torch.Tensor:
-        """The rows of a ``[num_tokens, ...]`` tensor that ``rank`` owns, zeros for padding."""
-        self._check_rank(rank)
+        """The rows of a ``[num_tokens, ...]`` tensor that ``rank`` owns, zeros for padding.
+
+        Raises:
+            BoundsError: ``rank`` is not a rank of the PCP group.
+            ConfigError: ``rank`` is not an int, or ``x`` is not ``[num_tokens, ...]``.
+        """
+        self._check_rank(rank, "PCPSplit.local_rows")
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != self.num_tokens:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ConfigError(f"x must be a tensor of shape ({self.num_tokens}, ...), got {got}")
+            raise ConfigError(f"PCPSplit.local_rows: x must be a tensor of shape ({self.num_tokens}, ...), got {got}")
         idx = self.token_index[rank].to(x.device)
         out = x.new_zeros((self.tokens_per_rank,) + tuple(x.shape[1:]))
         keep = idx >= 0
@@ -53,22 +59,28 @@ class PCPSplit:
         return out
 
     def local_slots(self, slot_mapping: torch.Tensor, rank: int) -> torch.Tensor:
-        """``rank``'s slot mapping: the slot of each local row, -1 for padding."""
-        self._check_rank(rank)
-        return self._slots(slot_mapping, self.token_index[rank])
+        """``rank``'s slot mapping: the slot of each local row, -1 for padding.
+
+        Raises:
+            BoundsError: ``rank`` is not a rank of the PCP group.
+            ConfigError: ``rank`` is not an int, or ``slot_mapping`` is not ``[num_tokens]``.
+        """
+        self._check_rank(rank, "PCPSplit.local_slots")
+        return self._slots(slot_mapping, self.token_index[rank], "PCPSplit.local_slots")
 
     def gathered_slots(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         """The slot mapping of all ranks' rows in rank-major order (what an all-gather yields)."""
-        return self._slots(slot_mapping, self.token_index.reshape(-1))
+        return self._slots(slot_mapping, self.token_index.reshape(-1), "PCPSplit.gathered_slots")
 
-    def _check_rank(self, rank: int) -> None:
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.pcp:
-            raise ConfigError(f"rank {rank!r} is not a rank of a PCP group of {self.pcp}")
+    def _check_rank(self, rank: int, call: str) -> None:
+        problem = index_problem("rank", rank, self.pcp, "the PCP group")
+        if problem is not None:
+            raise (BoundsError if is_int(rank) else ConfigError)(f"{call}: {problem}")
 
-    def _slots(self, slot_mapping: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def _slots(self, slot_mapping: torch.Tensor, idx: torch.Tensor, call: str) -> torch.Tensor:
         if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.shape != (self.num_tokens,):
             got = tuple(slot_mapping.shape) if isinstance(slot_mapping, torch.Tensor) else type(slot_mapping).__name__
-            raise ConfigError(f"slot_mapping must be a tensor of shape ({self.num_tokens},), got {got}")
+            raise ConfigError(f"{call}: slot_mapping must be a tensor of shape ({self.num_tokens},), got {got}")
         idx = idx.to(slot_mapping.device)
         out = torch.full(idx.shape, -1, dtype=torch.int64, device=slot_mapping.device)
         keep = idx >= 0
@@ -81,17 +93,21 @@ MAX_PCP = 1 << 16
 
 
 def pcp_split(num_tokens: int, pcp: int) -> PCPSplit:
-    """Split ``num_tokens`` over ``pcp`` ranks: rank r takes chunks r and 2P-1-r of 2P."""
-    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
-        raise ConfigError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
-    if not isinstance(pcp, int) or isinstance(pcp, bool) or not 0 < pcp <= MAX_PCP:
-        raise ConfigError(f"pcp must be a positive int up to {MAX_PCP}, got {pcp!r}")
+    """Split ``num_tokens`` over ``pcp`` ranks: rank r takes chunks r and 2P-1-r of 2P.
+
+    Raises:
+        ConfigError: ``num_tokens`` is not a non-negative int, or ``pcp`` not an int in
+            ``[1, MAX_PCP]``.
+    """
+    problem = int_problem("num_tokens", num_tokens, minimum=0) or int_problem("pcp", pcp, minimum=1, maximum=MAX_PCP)
+    if problem is not None:
+        raise ConfigError(f"pcp_split: {problem}")
     chunks = 2 * pcp
     chunk = -(-num_tokens // chunks)
     try:
         index = torch.full((pcp, 2 * chunk), -1, dtype=torch.int64)
     except (RuntimeError, OverflowError) as e:
-        raise ConfigError(f"num_tokens={num_tokens} is too large to split over pcp={pcp} ranks ({e})") from e
+        raise ConfigError(f"pcp_split: num_tokens={num_tokens} is too large to split over pcp={pcp} ranks ({e})") from e
     for r in range(pcp):
         for half, c in enumerate((r, chunks - 1 - r)):
             start, stop = c * chunk, min((c + 1) * chunk, num_tokens)

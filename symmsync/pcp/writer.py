@@ -27,19 +27,22 @@ addresses and the layer's offsets in it (:meth:`symmsync.launch.BoundLaunch.upda
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from .. import collective, mode
 from .. import language as ssl
-from ..errors import ClosedError, ConfigError, InputError
+from ..checks import int_problem, positive_int_problem, require
+from ..errors import ClosedError, ConfigError, InputError, SymmSyncError
 from ..fence import Fence
-from ..launch import Launcher
-from .layout import CacheLayout
+from ..launch import BoundLaunch, Launcher
+from .layout import CacheLayout, CacheTensors, IndexerKLayout, MainKVLayout
 from .quant import (
+    INDEXER_SCALES,
     bf16_to_f32,
     e8m0_word,
     indexer_scale,
@@ -50,26 +53,33 @@ from .quant import (
     to_e4m3,
 )
 
+if TYPE_CHECKING:
+    from ..group import PeerView
+
 ROUTES = ("direct", "allgather")
-
-
-def _power_of_two(v: Any, most: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 < v <= most and not v & (v - 1)
-
-
-def _exchange(group: Any, obj: Any, world_size: int) -> list[Any]:
-    """Every rank's ``obj`` (torch.distributed only: this module uses symmsync's public API)."""
-    out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
 
 # torch 2.13 renamed all_gather_into_tensor; 2.11 has only the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-_NOPE, _ROPE, _IDX = 512, 64, 128
-_TOKEN = 656
-_SCALES, _ROPE_OFF = 512, 528
+# Widths of a row of the inputs: kv_c, k_pe, indexer_k (bf16 values).
+_NOPE, _ROPE, _IDX = MainKVLayout.NOPE_DIM, MainKVLayout.ROPE_DIM, IndexerKLayout.DIM
+#: Cache bytes of one token: main KV and indexer K.
+_TOKEN_BYTES = MainKVLayout.TOKEN_BYTES + IndexerKLayout.TOKEN_BYTES
+
+# The byte geometry the kernel writes, from the layout module. Triton reads a module
+# global inside a kernel only when it is a ``tl.constexpr``.
+_MAIN_TOKEN = tl.constexpr(MainKVLayout.TOKEN_BYTES)  # a token's main-KV bytes
+_MAIN_SCALES = tl.constexpr(MainKVLayout.SCALES_OFFSET)  # its fp32 tile scales
+_MAIN_ROPE = tl.constexpr(MainKVLayout.ROPE_OFFSET)  # its bf16 RoPE values
+_TILE = tl.constexpr(MainKVLayout.TILE)  # values per main-KV tile (one scale each)
+_TILES = tl.constexpr(MainKVLayout.NUM_TILES)
+_IDX_TOKEN = tl.constexpr(IndexerKLayout.TOKEN_BYTES)  # a token's indexer-K bytes, values and scale
+_IDX_VALUES = tl.constexpr(IndexerKLayout.DIM)  # a token's indexer-K value bytes
+_IDX_SCALE = tl.constexpr(IndexerKLayout.SCALE_BYTES)  # a token's scale field
+# int32 words per row piece: a main-KV tile's or the indexer's fp8 codes (4 per word), and
+# the RoPE values (2 bf16 per word) fill the same number of words.
+_WORDS = tl.constexpr(MainKVLayout.TILE // 4)
+assert MainKVLayout.TILE == IndexerKLayout.DIM == 2 * MainKVLayout.ROPE_DIM, "the kernel's word packing"
 
 
 @triton.jit
@@ -99,9 +109,9 @@ def _write_indexer_and_rope(
     NDST: tl.constexpr,
     IDX_SCALE: tl.constexpr,
 ):
-    w32 = tl.arange(0, 32)
-    c4 = w32[:, None] * 4 + tl.arange(0, 4)[None, :]  # [32, 4]: byte k of word w is value 4w + k
-    c2 = w32[:, None] * 2 + tl.arange(0, 2)[None, :]  # [32, 2]: half k of word w is value 2w + k
+    w32 = tl.arange(0, _WORDS)
+    c4 = w32[:, None] * 4 + tl.arange(0, 4)[None, :]  # [words, 4]: byte k of word w is value 4w + k
+    c2 = w32[:, None] * 2 + tl.arange(0, 2)[None, :]  # [words, 2]: half k of word w is value 2w + k
     m3 = live[:, None, None]
     m2 = live[:, None]
     # Indexer K: one scale per token (IDX_SCALE: 0 "ue8m0", 1 "fp32", 2 "mxfp8").
@@ -126,16 +136,16 @@ def _write_indexer_and_rope(
             tl.store(words + idx_scale // 4, e8m0_word(si), mask=live)
         else:
             tl.store(floats + idx_scale // 4, si, mask=live)
-        tl.store(words + ((main_row + 528) // 4)[:, None] + w32[None, :], pe, mask=m2)
+        tl.store(words + ((main_row + _MAIN_ROPE) // 4)[:, None] + w32[None, :], pe, mask=m2)
 
 
 @triton.jit
 def _write_main_tile(kv_c, kv_stride, j, rows, live, dst, main_row, NDST: tl.constexpr, MAIN_POW2: tl.constexpr):
-    # Main KV tile j: 128 values and their scale.
-    w32 = tl.arange(0, 32)
+    # Main KV tile j: its values and their scale.
+    w32 = tl.arange(0, _WORDS)
     c4 = w32[:, None] * 4 + tl.arange(0, 4)[None, :]
     m3 = live[:, None, None]
-    x = bf16_to_f32(tl.load(kv_c + rows[:, None, None] * kv_stride + j * 128 + c4[None, :, :], mask=m3, other=0))
+    x = bf16_to_f32(tl.load(kv_c + rows[:, None, None] * kv_stride + j * _TILE + c4[None, :, :], mask=m3, other=0))
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
     if MAIN_POW2:
         s = mla_tile_scale_pow2(amax)  # a power of two: the product is the exact quotient
@@ -146,8 +156,8 @@ def _write_main_tile(kv_c, kv_stride, j, rows, live, dst, main_row, NDST: tl.con
     for d in tl.static_range(NDST):
         words = tl.multiple_of(tl.load(dst + d).to(tl.pointer_type(tl.int32)), 16)
         floats = tl.multiple_of(tl.load(dst + d).to(tl.pointer_type(tl.float32)), 16)
-        tl.store(words + ((main_row + j * 128) // 4)[:, None] + w32[None, :], q, mask=live[:, None])
-        tl.store(floats + (main_row + 512) // 4 + j, s, mask=live)
+        tl.store(words + ((main_row + j * _TILE) // 4)[:, None] + w32[None, :], q, mask=live[:, None])
+        tl.store(floats + (main_row + _MAIN_SCALES) // 4 + j, s, mask=live)
 
 
 @triton.jit
@@ -163,10 +173,13 @@ def _quantize_write_kernel(
     dst,
     main_off,
     idx_off,  # table of destination base addresses; byte offsets of the layer's regions
+    main_bstride,
+    idx_bstride,  # bytes from one cache block to the next (a runtime may pad them)
+    ptrs,
     cell,
     me,
     timeout_ns,
-    record,  # fence arguments (FUSED only)
+    record,  # the fence's arguments (Fence.kernel_args; FUSED only)
     NDST: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -178,10 +191,10 @@ def _quantize_write_kernel(
     SPREAD: tl.constexpr,
 ):
     # A persistent grid: each program takes work items (a block of rows, and with SPLIT
-    # one of its five pieces: main-KV tiles 0-3, then indexer K + RoPE) until none are left.
+    # one of its pieces: each main-KV tile, then indexer K + RoPE) until none are left.
     # With SPREAD an item also names one destination: the programs writing to peers and
     # those writing locally run side by side (each quantizes its rows itself).
-    PIECES: tl.constexpr = 5 if SPLIT else 1
+    PIECES: tl.constexpr = _TILES + 1 if SPLIT else 1
     NWAYS: tl.constexpr = NDST if SPREAD else 1
     NOUT: tl.constexpr = 1 if SPREAD else NDST  # destinations each item stores to
     n_items = tl.cdiv(n_rows, BLOCK_T) * PIECES * NWAYS
@@ -199,14 +212,15 @@ def _quantize_write_kernel(
         slot = tl.load(slots + rows, mask=in_range, other=-1)
         live = in_range & (slot >= 0)
         slot = tl.where(live, slot, 0)
-        main_row = main_off + slot * 656  # byte offset of each row's 656 bytes in every replica
         block = slot // BLOCK_SIZE
         off = slot % BLOCK_SIZE
-        idx_val = idx_off + block * (BLOCK_SIZE * 132) + off * 128
-        idx_scale = idx_off + block * (BLOCK_SIZE * 132) + BLOCK_SIZE * 128 + off * 4
+        main_row = main_off + block * main_bstride + off * _MAIN_TOKEN  # each row's main KV in every replica
+        block_start = idx_off + block * idx_bstride
+        idx_val = block_start + off * _IDX_VALUES
+        idx_scale = block_start + BLOCK_SIZE * _IDX_VALUES + off * _IDX_SCALE
         if SPLIT:
             piece = work % PIECES
-            if piece < 4:
+            if piece < _TILES:
                 _write_main_tile(kv_c, kv_stride, piece, rows, live, out, main_row, NOUT, MAIN_POW2)
             else:
                 _write_indexer_and_rope(
@@ -216,12 +230,12 @@ def _quantize_write_kernel(
             _write_indexer_and_rope(
                 idx_k, k_pe, ix_stride, pe_stride, rows, live, out, main_row, idx_val, idx_scale, NOUT, IDX_SCALE
             )
-            for j in tl.static_range(4):
+            for j in tl.static_range(_TILES):
                 _write_main_tile(kv_c, kv_stride, j, rows, live, out, main_row, NOUT, MAIN_POW2)
         item += step
 
     if FUSED:
-        ssl.grid_fence(dst, cell, me, timeout_ns, record, NDST, TRAP)
+        ssl.grid_fence(ptrs, cell, me, timeout_ns, record, NDST, TRAP)
 
 
 @dataclass
@@ -238,13 +252,14 @@ class Batch:
     slots: torch.Tensor  #: int64 [rows] local slot mapping (-1: padding)
     rows: int
     gathered_slots: torch.Tensor | None = None  #: allgather route: every rank's slots, rank-major
-    writer: Any = field(default=None, repr=False, compare=False)  #: the writer whose prepare() made it
+    #: The writer whose prepare() made it.
+    writer: DirectKVWriter | None = field(default=None, repr=False, compare=False)
     # Made once per batch and reused by every layer's write(): the packed launch, and the
     # all-gather route's staging tensors.
-    _bound: Any = field(default=None, repr=False, compare=False)
-    _grid: tuple = field(default=(1, 1, 1), repr=False, compare=False)
-    _packed: Any = field(default=None, repr=False, compare=False)
-    _gathered: Any = field(default=None, repr=False, compare=False)
+    _bound: BoundLaunch | None = field(default=None, repr=False, compare=False)
+    _grid: tuple[int, int, int] = field(default=(1, 1, 1), repr=False, compare=False)
+    _packed: tuple[torch.Tensor, ...] | None = field(default=None, repr=False, compare=False)
+    _gathered: tuple[torch.Tensor, ...] | None = field(default=None, repr=False, compare=False)
 
 
 class DirectKVWriter:
@@ -252,7 +267,11 @@ class DirectKVWriter:
 
     Args:
         view: this rank's PCP peer view (``symmsync.pcp_view(buffer, tp)``).
-        layout: where every layer's caches live in the view's buffer.
+        layout: where every layer's caches live in the view's buffer: a
+            :class:`~symmsync.pcp.CacheLayout` packed in it, or the runtime's own per-layer
+            cache tensors (:class:`~symmsync.pcp.CacheTensors`) anywhere inside it (memory
+            symmsync allocated, or registered); the members of a PCP group must hold them
+            at the same offsets.
         route: ``"direct"`` or ``"allgather"``; every rank must pass the same.
         fused: direct route only: publish and wait in the writer's tail (no fence launch).
         group: the torch.distributed group of the view's ranks; needed by the allgather
@@ -277,16 +296,23 @@ class DirectKVWriter:
     Construction is collective over the buffer's group: every rank agrees on the route,
     and the members of a PCP group on the layout (formats included) and the channel.
     The writer's :attr:`fence` is a :class:`~symmsync.Fence` on both routes.
+
+    Raises:
+        ConfigError: on every rank, when any rank passed an argument it cannot take, or
+            the ranks disagree (:class:`~symmsync.BoundsError`, a ``ConfigError``, when
+            the layout does not fit in the buffer or the channel is not one of the view's).
+        BackendError: on every rank, when a rank of the group died or left before the
+            arguments were agreed.
     """
 
     def __init__(
         self,
-        view: Any,
-        layout: CacheLayout,
+        view: PeerView,
+        layout: CacheLayout | CacheTensors,
         *,
         route: str = "direct",
         fused: bool = False,
-        group: Any = None,
+        group: dist.ProcessGroup | None = None,
         channel: int = 0,
         timeout_s: float | None = None,
         debug: bool = False,
@@ -299,44 +325,54 @@ class DirectKVWriter:
         buf = view.buffer
         self.view, self.layout, self.route, self.fused, self.debug = view, layout, route, bool(fused), debug
         self.buffer = buf
-        problem = None
-        if not isinstance(layout, CacheLayout):
-            problem = f"layout must be a symmsync.pcp.CacheLayout, got {type(layout).__name__}"
+        call = "DirectKVWriter"
+        problem, error = None, ConfigError
+        placement = None
+        if not isinstance(layout, (CacheLayout, CacheTensors)):
+            problem = f"layout must be a symmsync.pcp.CacheLayout or CacheTensors, got {type(layout).__name__}"
         elif not isinstance(route, str) or route not in ROUTES:
             problem = f"route must be one of {ROUTES}, got {route!r}"
         elif fused and route != "direct":
             problem = "fused=True needs route='direct' (the all-gather route has no fence to fuse)"
-        elif layout.end > buf.nbytes:
-            problem = f"the cache layout needs {layout.end} bytes but the buffer holds {buf.nbytes}"
-        elif route == "allgather" and group is None and view.size != buf.world_size:
+        else:
+            try:
+                placement = layout.placement(buf)
+            except ConfigError as e:
+                problem, error = str(e), type(e)
+        if problem is None and route == "allgather" and group is None and view.size != buf.world_size:
             problem = "the allgather route needs group=, the torch.distributed group of the view's ranks"
-        elif not _power_of_two(block_rows, 1024):
-            problem = f"block_rows must be a power of two up to 1024, got {block_rows!r}"
-        elif not _power_of_two(num_warps, 32):
-            problem = f"num_warps must be a power of two up to 32, got {num_warps!r}"
-        elif not isinstance(programs_per_sm, int) or isinstance(programs_per_sm, bool) or programs_per_sm <= 0:
-            problem = f"programs_per_sm must be a positive int, got {programs_per_sm!r}"
+        if problem is None:
+            problem = (
+                int_problem("block_rows", block_rows, maximum=1024, power_of_two=True)
+                or int_problem("num_warps", num_warps, maximum=32, power_of_two=True)
+                or positive_int_problem("programs_per_sm", programs_per_sm)
+            )
         fence = None
         if problem is None:
             try:  # a bad channel or timeout is agreed like the rest, so that every rank raises
                 fence = Fence(view, channel, timeout_s=timeout_s)
             except ConfigError as e:
-                problem = str(e)
-        mine = (route, bool(fused), layout, channel) if problem is None else ("?", False, None, None)
-        agreed = _exchange(buf.group, (*mine, problem), buf.world_size)
-        bad = [(r, a[-1]) for r, a in enumerate(agreed) if a[-1]]
-        if bad:
-            raise ConfigError(f"DirectKVWriter: rank {bad[0][0]}: {bad[0][1]}")
-        if len({(r, f) for r, f, *_ in agreed}) > 1:
-            per = ", ".join(f"rank {i}: {r}{' fused' if f else ''}" for i, (r, f, *_) in enumerate(agreed))
-            raise ConfigError(f"DirectKVWriter: every rank must take the same route ({per})")
-        for i, what in ((2, "layout"), (3, "channel")):
-            if len({agreed[r][i] for r in view.ranks}) > 1:
-                per = ", ".join(f"rank {r}: {agreed[r][i]!r}" for r in view.ranks)
-                raise ConfigError(
-                    f"DirectKVWriter: the members of the PCP group {list(view.ranks)} passed different "
-                    f"{what}s ({per}); every member must pass the same"
-                )
+                problem, error = _without_rank(str(e), buf.rank), type(e)
+        mine = (route, bool(fused), placement.agreed(), channel) if problem is None else None
+        everyone = collective.gather(buf.group, (mine, problem, error))
+        first_error = next((e for _, p, e in everyone if p), ConfigError)
+        collective.raise_first([p for _, p, _ in everyone], call=call, error=first_error)
+        agreed = [m for m, _, _ in everyone]
+        collective.same(
+            [f"{r} fused" if f else r for r, f, _, _ in agreed],
+            "the route",
+            call=call,
+            hint="every rank must take the same route",
+        )
+        members = list(view.ranks)
+        for i, what in ((2, "the layout"), (3, "the channel")):
+            collective.same(
+                [agreed[r][i] for r in members],
+                what,
+                call=call,
+                ranks=members,
+                hint=f"every member of the PCP group {members} must pass the same",
+            )
         self.group = group
         self.block_rows = block_rows
         #: The fence of the writer's channel on its view. The direct route fences with it
@@ -348,13 +384,23 @@ class DirectKVWriter:
         else:
             dst = buf.ptrs[buf.rank : buf.rank + 1].contiguous()
         self._dst = dst
-        self._trap = buf.backend == "cuda"
-        self._pieces = (5 if split else 1) * (dst.numel() if spread else 1)
-        if buf.backend == "cuda":
+        caps = buf.capabilities
+        self._pieces = (MainKVLayout.NUM_TILES + 1 if split else 1) * (dst.numel() if spread else 1)
+        if caps.streams:  # a GPU: one persistent grid fills its multiprocessors
             sms = torch.cuda.get_device_properties(buf.device).multi_processor_count
             self._max_programs = max(1, sms * programs_per_sm)
+            self._device_index = buf.device.index
         else:
             self._max_programs = 4  # the interpreter runs programs one after another
+            self._device_index = -1  # what Tensor.get_device() gives for CPU tensors
+        # Triton's interpreter runs kernels on numpy arrays, which have no bfloat16: it
+        # reads the bf16 rows as their int16 bits (the kernel takes either). Which dtype a
+        # kernel can take is the interpreter's fact, not the memory's, so ask the one
+        # module that knows whether kernels run interpreted.
+        self._bf16_as_bits = mode.kernels_interpreted()
+        # After a fused launch, the host reads the fence's record where the launch has
+        # finished when it returns (the interpreter); on GPUs a failed wait traps.
+        self._check_after_launch = caps.host_checks_status
         self._launcher = Launcher(
             _quantize_write_kernel,
             (1,),
@@ -364,15 +410,16 @@ class DirectKVWriter:
             BLOCK_SIZE=layout.block_size,
             SPLIT=bool(split),
             FUSED=self.fused,
-            TRAP=self._trap,
+            TRAP=caps.traps,
             MAIN_POW2=layout.main_scale == "pow2",
-            IDX_SCALE=("ue8m0", "fp32", "mxfp8").index(layout.indexer_scale),
+            IDX_SCALE=INDEXER_SCALES.index(layout.indexer_scale),
             SPREAD=bool(spread),
         )
-        self._host = buf.backend == "host"
-        self._device_index = buf.device.index if buf.backend == "cuda" else -1
-        # Per-layer region offsets, computed once.
-        self._offsets = [(layout.main_offset(i), layout.indexer_offset(i)) for i in range(layout.num_layers)]
+        self._num_layers = layout.num_layers
+        # Per-layer region offsets and the block strides, computed once.
+        self._offsets = list(placement.offsets)
+        self._strides = (placement.main_block_stride, placement.indexer_block_stride)
+        self._usable = (-1, 0)  # (buffer size, blocks usable at that size)
 
     # ------------------------------------------------------------------ per batch
     def prepare(self, slot_mapping: torch.Tensor) -> Batch:
@@ -382,8 +429,10 @@ class DirectKVWriter:
             InputError: on every rank, when any rank's mapping has the wrong dtype,
                 device or shape, a slot outside ``[-1, num_slots)``, a different number
                 of rows than the others, or (``debug``) a slot claimed twice.
+            BackendError: on every rank, when a rank of the group died or left.
         """
         buf = self.buffer
+        call = "DirectKVWriter.prepare"
         problem = None
         slots = None
         if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
@@ -400,21 +449,25 @@ class DirectKVWriter:
                 if lo < -1 or hi >= n:
                     bad = lo if lo < -1 else hi
                     problem = f"slot {bad} is outside [-1, {n}) (the cache has {self.layout.num_blocks} blocks)"
+                elif hi // self.layout.block_size >= self._usable_blocks():
+                    problem = (
+                        f"slot {hi} lies in block {hi // self.layout.block_size}, past the {self._usable_blocks()} "
+                        f"blocks of every layer inside the buffer's {buf.nbytes} bytes: grow the buffer first"
+                    )
         rows = slots.numel() if slots is not None else -1
-        payload = (rows, problem, slots.cpu() if (self.debug and slots is not None) else None)
-        every = _exchange(buf.group, payload, buf.world_size)
-        bad = [(r, p) for r, (_, p, _) in enumerate(every) if p]
-        if bad:
-            raise InputError(f"DirectKVWriter.prepare: rank {bad[0][0]}: {bad[0][1]}")
-        members = [every[r] for r in self.view.ranks]
-        if len({m[0] for m in members}) > 1:
-            per = ", ".join(f"rank {r}: {m[0]}" for r, m in zip(self.view.ranks, members))
-            raise InputError(
-                f"DirectKVWriter.prepare: ranks of a PCP group must have equal row counts ({per}); "
-                "pad with slot -1 (symmsync.pcp.pcp_split does)"
-            )
+        mine = (rows, slots.cpu() if (self.debug and slots is not None) else None)
+        every = collective.agree(buf.group, mine, problem, call=call, error=InputError)
+        members = list(self.view.ranks)
+        collective.same(
+            [every[r][0] for r in members],
+            "the row count",
+            call=call,
+            error=InputError,
+            ranks=members,
+            hint="ranks of a PCP group must have equal row counts: pad with slot -1 (symmsync.pcp.pcp_split does)",
+        )
         if self.debug:
-            self._check_duplicates(every)
+            self._check_duplicates([every[r][1] for r in members])
         batch = Batch(slots=slots, rows=rows, writer=self)  # write() takes only batches this writer validated
         launched_rows = rows
         if self.route == "allgather":
@@ -429,22 +482,42 @@ class DirectKVWriter:
         batch._grid = self._grid_for(launched_rows)
         return batch
 
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks of every layer that lie inside the buffer's user region now: a cache
+        over a growable buffer or a runtime's registered memory may reach into address
+        space not mapped yet, and :meth:`prepare` refuses slots there until a grow."""
+        return self._usable_blocks()
+
+    def _usable_blocks(self) -> int:
+        nbytes = self.buffer.nbytes
+        if self._usable[0] != nbytes:
+            bs = self.layout.block_size
+            widths = (bs * MainKVLayout.TOKEN_BYTES, bs * IndexerKLayout.TOKEN_BYTES)
+            n = self.layout.num_blocks
+            for pair in self._offsets:
+                for off, stride, width in zip(pair, self._strides, widths):
+                    n = min(n, max(0, (nbytes - off - width) // stride + 1))
+            self._usable = (nbytes, n)
+        return self._usable[1]
+
     def _grid_for(self, rows: int) -> tuple[int, int, int]:
         """The persistent grid for ``rows`` rows: one program at least (the fused tail must run)."""
         items = triton.cdiv(rows, self.block_rows) * self._pieces
         return (max(1, min(items, self._max_programs)), 1, 1)
 
-    def _check_duplicates(self, every: list) -> None:
-        # Every rank checks its own PCP group from the mappings all ranks sent.
+    def _check_duplicates(self, mappings: list[torch.Tensor]) -> None:
+        # Every rank checks its own PCP group from the mappings its members sent.
+        members = list(self.view.ranks)
         seen: dict[int, int] = {}
-        for r in self.view.ranks:
-            for s in every[r][2].tolist():
+        for r, mapping in zip(members, mappings):
+            for s in mapping.tolist():
                 if s < 0:
                     continue
                 if s in seen:
                     raise InputError(
                         f"DirectKVWriter.prepare (debug): slot {s} is written by rank {seen[s]} and "
-                        f"rank {r} of the PCP group {list(self.view.ranks)}; each token needs one owner"
+                        f"rank {r} of the PCP group {members}; each token needs one owner"
                     )
                 seen[s] = r
 
@@ -462,95 +535,96 @@ class DirectKVWriter:
         The launch is packed once per batch (at the batch's first write); each layer
         only changes the input addresses and the layer's offsets in it.
 
+        A bad input is refused before any byte is written, after aborting the writer's
+        view (:meth:`symmsync.Fence.abort`): the other members raise
+        :class:`~symmsync.PeerAborted` naming this rank at once, and this writer's
+        fences fail from then on. (On the all-gather route the others wait in
+        torch.distributed's all-gather, which an abort does not reach:
+        torch.distributed's failure handling applies there.)
+
         Raises:
-            InputError: wrong layer, dtype, shape, device, or non-contiguous input;
-                raised before any byte is written, after aborting the writer's view
-                (:meth:`symmsync.Fence.abort`): the other members raise
-                :class:`~symmsync.PeerAborted` naming this rank at once, and this
-                writer's fences fail from then on. (On the all-gather route the
-                others wait in torch.distributed's all-gather, which an abort does
-                not reach: torch.distributed's failure handling applies there.)
+            BoundsError: ``layer`` is not one of the layout's layers, as
+                ``layout.main_offset(layer)`` raises (a ``layer`` that is not an int:
+                :class:`~symmsync.ConfigError`, as there).
+            InputError: wrong dtype, shape, device, or non-contiguous input, or a batch
+                that this writer's :meth:`prepare` did not return.
+            ClosedError: the buffer was closed.
         """
-        rows = batch.rows if type(batch) is Batch else -1
-        if not (
-            rows >= 0
-            and type(layer) is int
-            and 0 <= layer < self.layout.num_layers
-            and batch.writer is self
-            and self._input_ok(kv_c, rows, _NOPE)
-            and self._input_ok(k_pe, rows, _ROPE)
-            and self._input_ok(indexer_k, rows, _IDX)
-        ):
+        bad = self._input_problem(layer, kv_c, k_pe, indexer_k, batch)
+        if bad is not None:
+            error, problem = bad
             try:
-                self._check_inputs(layer, kv_c, k_pe, indexer_k, batch)  # raises, naming the problem
-            except InputError as e:
+                require(problem, rank=self.buffer.rank, call="DirectKVWriter.write", error=error)
+            except ConfigError as e:  # InputError, BoundsError: every bad input
                 # The members may already wait in this layer's fence: tell them at once
                 # (they raise PeerAborted naming this rank and the reason) instead of
                 # letting them wait out their budget. Nothing was written.
-                self.fence.abort(f"DirectKVWriter.write: {e}")
+                self.fence.abort(str(e))
                 raise
         if self.route == "allgather":
             self._insert_gathered(layer, kv_c, k_pe, indexer_k, batch)
             return
         if self.fused:  # the tail fences inside the kernel: refuse here what Fence.fence() would
             self.fence.check_usable()
-        if self._host:  # the interpreter reads bf16 rows as int16 bits
+        if self._bf16_as_bits:
             kv_c, k_pe, indexer_k = kv_c.view(torch.int16), k_pe.view(torch.int16), indexer_k.view(torch.int16)
-        self._launch(layer, kv_c, k_pe, indexer_k, _NOPE, _ROPE, _IDX, batch.slots, rows, batch)
+        self._launch(layer, kv_c, k_pe, indexer_k, _NOPE, _ROPE, _IDX, batch.slots, batch.rows, batch)
         if self.fused:
-            if self._host:
+            if self._check_after_launch:
                 self.fence.check()
         else:
             self.fence.fence()
 
-    def _input_ok(self, t: Any, rows: int, width: int) -> bool:
+    def _input_problem(
+        self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, indexer_k: torch.Tensor, batch: Batch
+    ) -> tuple[type[SymmSyncError], str] | None:
+        """What is wrong with ``write()``'s arguments, and the error it raises, or ``None``.
+
+        The one check of a write's inputs, cheap when they are right (it runs on every
+        layer): identity and attribute tests first, sentences only for a problem.
+        """
+        if type(layer) is not int or not 0 <= layer < self._num_layers:
+            bad = self.layout._layer_problem(layer)  # the layout's own check and error
+            if bad is not None:
+                return bad
+        if type(batch) is not Batch or batch.writer is not self:
+            return InputError, (
+                "pass the Batch returned by this writer's prepare() (its slots were checked against this "
+                "writer's layout)"
+            )
+        rows = batch.rows
         return (
-            type(t) is torch.Tensor
-            and t.dtype is torch.bfloat16
-            and t.shape == (rows, width)
-            and t.get_device() == self._device_index  # -1 for CPU, and for meta tensors too:
-            and (t.is_cuda or t.is_cpu)  # so a tensor without memory never reaches a launch
-            and t.is_contiguous()
+            self._tensor_problem("kv_c", kv_c, rows, _NOPE)
+            or self._tensor_problem("k_pe", k_pe, rows, _ROPE)
+            or self._tensor_problem("indexer_k", indexer_k, rows, _IDX)
         )
 
-    def _check_inputs(self, layer, kv_c, k_pe, indexer_k, batch) -> None:
-        rank = self.buffer.rank
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.layout.num_layers:
-            raise InputError(
-                f"rank {rank}: layer {layer!r} is out of range for a cache of {self.layout.num_layers} layers"
+    def _tensor_problem(self, name: str, t: torch.Tensor, rows: int, width: int) -> tuple[type[InputError], str] | None:
+        if type(t) is not torch.Tensor:
+            return InputError, f"{name} must be a torch.Tensor, got {type(t).__name__}"
+        if t.dtype is not torch.bfloat16:
+            return InputError, f"{name} must be bfloat16, got {t.dtype}"
+        if t.shape != (rows, width):
+            return InputError, (
+                f"{name} must have shape ({rows}, {width}) to match the batch's slot mapping, got {tuple(t.shape)}"
             )
-        if not isinstance(batch, Batch) or batch.writer is not self:
-            raise InputError(
-                f"rank {rank}: pass the Batch returned by this writer's prepare() (its slots were checked "
-                "against this writer's layout)"
-            )
-        for name, t, width in (("kv_c", kv_c, _NOPE), ("k_pe", k_pe, _ROPE), ("indexer_k", indexer_k, _IDX)):
-            if not isinstance(t, torch.Tensor):
-                raise InputError(f"rank {rank}: {name} must be a tensor")
-            if t.dtype != torch.bfloat16:
-                raise InputError(f"rank {rank}: {name} must be bfloat16, got {t.dtype}")
-            if t.shape != (batch.rows, width):
-                raise InputError(
-                    f"rank {rank}: {name} must have shape ({batch.rows}, {width}) to match the batch's "
-                    f"slot mapping, got {tuple(t.shape)}"
-                )
-            if t.device != self.buffer.device:
-                raise InputError(f"rank {rank}: {name} is on {t.device}, the cache on {self.buffer.device}")
-            if not t.is_contiguous():
-                raise InputError(f"rank {rank}: {name} must be contiguous (call .contiguous())")
-        raise InputError(f"rank {rank}: write() was given an input it cannot take")  # pragma: no cover
+        # get_device() is -1 for CPU tensors and for meta tensors too: a tensor without
+        # memory (neither CUDA nor CPU) never reaches a launch.
+        if t.get_device() != self._device_index or not (t.is_cuda or t.is_cpu):
+            return InputError, f"{name} is on {t.device}, the cache on {self.buffer.device}"
+        if not t.is_contiguous():
+            return InputError, f"{name} must be contiguous (call .contiguous())"
+        return None
 
     # Positions of the arguments that change from layer to layer in the kernel's list.
     _PER_LAYER = (0, 1, 2, 9, 10)
 
     def _launch(self, layer, kv_c, k_pe, idx_k, kv_stride, pe_stride, ix_stride, slots, rows, batch) -> None:
         if self.buffer.closed:
-            raise ClosedError(f"rank {self.buffer.rank}: DirectKVWriter.write used after its buffer was closed")
+            raise ClosedError(f"rank {self.buffer.rank}: DirectKVWriter.write: used after its buffer was closed")
         main_off, idx_off = self._offsets[layer]
         bound = batch._bound
         if bound is None:
-            f = self.fence
-            cell, me, timeout_ns, record = (f.cell, self.view.local_index, f.timeout_ns, f.record)
             bound = batch._bound = self._launcher.bind(
                 kv_c,
                 k_pe,
@@ -563,10 +637,8 @@ class DirectKVWriter:
                 self._dst,
                 main_off,
                 idx_off,
-                cell,
-                me,
-                timeout_ns,
-                record,
+                *self._strides,
+                *self.fence.kernel_args,
                 grid=batch._grid,
             )
         else:
@@ -591,10 +663,21 @@ class DirectKVWriter:
         self._launch(layer, g_kv, g_pe, g_ix, width, width, width, batch.gathered_slots, gathered.shape[0], batch)
 
     def bytes_per_layer(self, rows: int) -> dict[str, int]:
-        """What one layer moves per rank: cache bytes written, and bytes sent to peers."""
-        token = _TOKEN + 132
+        """What one layer moves per rank: cache bytes written, and bytes sent to peers.
+
+        Raises:
+            ConfigError: ``rows`` is not a non-negative int.
+        """
+        require(int_problem("rows", rows, minimum=0), rank=self.buffer.rank, call="DirectKVWriter.bytes_per_layer")
         peers = self.view.size - 1
+        written = rows * _TOKEN_BYTES * self.view.size
         if self.route == "direct":
-            return {"cache_bytes_written": rows * token * self.view.size, "sent_to_peers": rows * token * peers}
-        inputs = rows * (_NOPE + _ROPE + _IDX) * 2
-        return {"cache_bytes_written": rows * token * self.view.size, "sent_to_peers": inputs * peers}
+            return {"cache_bytes_written": written, "sent_to_peers": rows * _TOKEN_BYTES * peers}
+        inputs = rows * (_NOPE + _ROPE + _IDX) * 2  # bf16
+        return {"cache_bytes_written": written, "sent_to_peers": inputs * peers}
+
+
+def _without_rank(message: str, rank: int) -> str:
+    """``message`` without a leading ``"rank R: "`` (the agreement names the rank itself)."""
+    prefix = f"rank {rank}: "
+    return message[len(prefix) :] if message.startswith(prefix) else message

@@ -1,0 +1,77 @@
+"""The device primitives of :mod:`symmsync.language` for kernels compiled for NVIDIA GPUs.
+
+Inline PTX, one statement per primitive. :mod:`symmsync.language` imports this module
+or :mod:`symmsync._prims_interpreted` (the same names, for Triton's interpreter) once,
+when it is imported, as :func:`symmsync.mode.kernels_interpreted` decides.
+
+An inline-asm statement runs in every thread that holds its operands (for a scalar,
+every thread of the program). The reductions below are issued by thread 0 only, so a
+program of any ``num_warps`` adds or ORs exactly once per call.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def clock_ns():
+    """The global timer in nanoseconds (``%globaltimer``)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def release_add(ptr, live):
+    """``red.release.sys.global.add.u64 [ptr], 1`` from thread 0, when ``live``."""
+    # A reduction, not an exchange or a store: atom.exch waits for a reply across
+    # NVLink, and red.release.sys measured faster than st.release.sys on 2x H200
+    # (benchmarks/fence.py: 1.95 against 2.38 us per fence in graph replay).
+    # Exactly once per call: only thread 0 issues it; otherwise a program of W warps
+    # would add once per thread or warp and a slot would run ahead of its member's
+    # epoch. Nothing is sent when not ``live``.
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p, q; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 q, t, 0; "
+        "setp.ne.and.s32 p, $2, 0, q; @p red.release.sys.global.add.u64 [$1], 1; }\n\tmov.u32 $0, 0;",
+        "=r,l,r",
+        [ptr, tl.cast(live, tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def release_or(ptr, value, live):
+    """``red.release.sys.global.or.b64 [ptr], value`` from thread 0, when ``live``."""
+    # The abort flag: the same once-per-call reduction as release_add (thread 0 only),
+    # an OR so that marking twice changes nothing and the count bits stay intact.
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p, q; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 q, t, 0; "
+        "setp.ne.and.s32 p, $3, 0, q; @p red.release.sys.global.or.b64 [$1], $2; }\n\tmov.u32 $0, 0;",
+        "=r,l,l,r",
+        [ptr, tl.cast(value, tl.int64), tl.cast(live, tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def load_acquire(ptrs):
+    """``ld.acquire.sys.global.b64`` of each pointer."""
+    return tl.inline_asm_elementwise(
+        "ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptrs], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def memory_barrier_sys():
+    """``fence.sc.sys``: a sequentially consistent memory barrier at system scope."""
+    tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def trap():
+    """``trap``: the kernel stops and the stream with it."""
+    tl.inline_asm_elementwise("trap;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)

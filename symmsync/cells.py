@@ -1,0 +1,169 @@
+"""Where the signal cells and the timeout records keep each field: the one source of both.
+
+The buffer places cells with :class:`SignalLayout`, the kernels of
+:mod:`symmsync.language` address their fields with the offsets below, and
+:class:`~symmsync.Fence` reads a failed wait's record with :func:`read_record`.
+
+A cell (the same byte offset in every member's memory, one per view and channel)::
+
+    cell + EPOCH      int64 epoch      this rank's epoch counter for the channel
+    cell + ARRIVALS   int64 arrivals   programs of the current launch that reached grid_fence()
+    cell + REASON     int64 reason[REASON_WORDS]
+                                       this rank's abort reason: code, text length, UTF-8 text
+    cell + SLOTS      int64 slot[n]    slot j: how many times member j published to this rank
+                                       (bits 0..62) | ABORT_FLAG once member j aborted
+
+The first line (``LINE`` bytes) is written by its own rank only; the slots follow on
+their own lines, so a peer's reduction never shares a cache line with the epoch.
+
+A timeout record (int64 words, written by the kernel whose wait failed)::
+
+    [flag, epoch, index, size, slot[0], ..., slot[size - 1], aborter, reason[REASON_WORDS]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Bytes of one line; cells and their slot arrays are padded to whole lines.
+LINE = 128
+
+#: Byte offsets inside a cell.
+EPOCH = 0
+ARRIVALS = 8
+REASON = 16
+SLOTS = LINE
+
+#: int64 words of an abort reason: code, text length in bytes, then the UTF-8 text.
+REASON_WORDS = 14
+#: Bytes of reason text a cell holds (the words after the code and the length).
+REASON_TEXT_BYTES = 8 * (REASON_WORDS - 2)
+#: Reason codes (word 0 of a reason): the member closed its buffer; it failed (any other cause).
+REASON_CLOSED, REASON_ERROR = 1, 2
+
+#: The abort flag of a slot: its sign bit. A slot that carries it is negative, so a plain
+#: ``slot >= e`` never takes an abort for an arrival; the count is ``slot & COUNT_MASK``.
+ABORT_FLAG = -(2**63)
+#: The bits of a slot that count publishes.
+COUNT_MASK = 2**63 - 1
+
+#: Word indices of a record's header.
+RECORD_FLAG, RECORD_EPOCH, RECORD_INDEX, RECORD_SIZE, RECORD_SLOTS = 0, 1, 2, 3, 4
+#: Record flags: a wait timed out ("SYMMTIME"); a wait saw a member's abort ("SYMMABRT").
+TIMED_OUT = 0x5359_4D4D_5449_4D45
+ABORTED = 0x5359_4D4D_4142_5254
+
+assert REASON + 8 * REASON_WORDS <= LINE, "the reason must fit the cell's own line"
+
+
+def round_up(x: int, m: int) -> int:
+    """``x`` rounded up to a multiple of ``m``."""
+    return (x + m - 1) // m * m
+
+
+def cell_bytes(members: int) -> int:
+    """Bytes of one cell in a group of ``members`` ranks (the epoch line, then the slots)."""
+    return LINE + round_up(members * 8, LINE)
+
+
+def record_aborter(size: int) -> int:
+    """Word index of a record's aborter (the first aborted member's index, or -1)."""
+    return RECORD_SLOTS + size
+
+
+def record_reason(size: int) -> int:
+    """Word index of the first reason word of a record."""
+    return RECORD_SLOTS + size + 1
+
+
+def record_words(size: int) -> int:
+    """int64 words of the record of a view of ``size`` members."""
+    return record_reason(size) + REASON_WORDS
+
+
+class SignalLayout:
+    """Where the cell of each (view region, channel) lives in every rank's allocation.
+
+    Args:
+        base: byte offset of the first cell from the start of each rank's allocation.
+        world_size: ranks of the buffer's group (a cell has one slot per rank).
+        max_views: view regions.
+        channels: cells per region.
+    """
+
+    def __init__(self, base: int, world_size: int, max_views: int, channels: int):
+        self.base = base
+        self.max_views = max_views
+        self.channels = channels
+        self.cell_bytes = cell_bytes(world_size)
+        self.size = max_views * channels * self.cell_bytes
+        self._taken = 0
+
+    @property
+    def regions_taken(self) -> int:
+        """Regions handed out by :meth:`take_region` so far."""
+        return self._taken
+
+    def take_region(self) -> int | None:
+        """The next free view region, or ``None`` when all are taken."""
+        if self._taken >= self.max_views:
+            return None
+        self._taken += 1
+        return self._taken - 1
+
+    def cell(self, region: int, channel: int) -> int:
+        """Byte offset of the cell, from the start of each rank's allocation."""
+        return self.base + (region * self.channels + channel) * self.cell_bytes
+
+
+def encode_reason(code: int, text: str) -> list[int]:
+    """The :data:`REASON_WORDS` int64 words of an abort reason.
+
+    ``text`` is kept to :data:`REASON_TEXT_BYTES` bytes of UTF-8: a longer one is cut at
+    a character boundary and ends in "…", so a reader sees it was cut.
+    """
+    raw = text.encode("utf-8", "replace")
+    if len(raw) > REASON_TEXT_BYTES:
+        ellipsis = "…".encode()
+        raw = raw[: REASON_TEXT_BYTES - len(ellipsis)].decode("utf-8", "ignore").encode("utf-8") + ellipsis
+    padded = raw.ljust(REASON_TEXT_BYTES, b"\0")
+    words = [int.from_bytes(padded[i : i + 8], "little", signed=True) for i in range(0, len(padded), 8)]
+    return [code, len(raw), *words]
+
+
+def decode_reason(words: list[int], closed: str = "closed") -> str:
+    """The reason text of :func:`encode_reason`'s words (``closed`` for a closed buffer)."""
+    code, n = words[0], words[1]
+    if code == REASON_CLOSED:
+        return closed
+    if code != REASON_ERROR or not 0 <= n <= REASON_TEXT_BYTES:
+        return f"(no reason recorded: code {code})"
+    raw = b"".join(w.to_bytes(8, "little", signed=True) for w in words[2:REASON_WORDS])
+    return raw[:n].decode("utf-8", "replace") or "(no reason given)"
+
+
+@dataclass
+class Record:
+    """A timeout record, read back (see the layout above)."""
+
+    aborted: bool  #: a member's abort flag was seen (else: the budget ran out)
+    epoch: int  #: the epoch waited for
+    index: int  #: the waiting member's index in the view
+    slots: list[int]  #: raw slots: count | ABORT_FLAG
+    aborter: int  #: index of the first aborted member below the epoch, or -1
+    reason: list[int]  #: that member's reason words
+
+
+def read_record(words: list[int]) -> Record | None:
+    """The record in ``words``, or ``None`` when no wait failed."""
+    if words[RECORD_FLAG] not in (TIMED_OUT, ABORTED):
+        return None
+    size = words[RECORD_SIZE]
+    return Record(
+        aborted=words[RECORD_FLAG] == ABORTED,
+        epoch=words[RECORD_EPOCH],
+        index=words[RECORD_INDEX],
+        slots=words[RECORD_SLOTS : RECORD_SLOTS + size],
+        aborter=words[record_aborter(size)],
+        reason=words[record_reason(size) : record_reason(size) + REASON_WORDS],
+    )

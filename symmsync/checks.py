@@ -1,0 +1,79 @@
+"""Argument checks: one wording for every entry point, and ``bool`` is never an int.
+
+Each ``*_problem`` function returns a sentence describing what is wrong with a
+value, or ``None``; collective entry points send that sentence through
+:func:`symmsync.collective.agree`, so every rank raises it. :func:`require` raises
+one locally, naming the rank and the call.
+
+Kinds of mistakes and their errors (:mod:`symmsync.errors`):
+
+* a value of the wrong type, or outside what the argument allows: :class:`~symmsync.ConfigError`;
+* an index or a byte range outside what exists (a rank, a member, a channel, a
+  layer, bytes past a region, a misaligned offset): :class:`~symmsync.BoundsError`;
+* a consumer kernel's tensor input (shape, dtype, device, slots): :class:`~symmsync.InputError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .errors import BoundsError, ConfigError, SymmSyncError
+
+
+def is_int(v: Any) -> bool:
+    """True for a Python int that is not a bool."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def int_problem(
+    name: str,
+    v: Any,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    multiple_of: int | None = None,
+    power_of_two: bool = False,
+) -> str | None:
+    """What is wrong with ``v`` as the int argument ``name``, or ``None``."""
+    if not is_int(v):
+        return f"{name} must be an int, got {v!r}"
+    if power_of_two and (v <= 0 or v & (v - 1)):
+        return f"{name} must be a power of two, got {v}"
+    if minimum is not None and v < minimum:
+        want = "positive" if minimum == 1 else "non-negative" if minimum == 0 else f">= {minimum}"
+        return f"{name} must be {want}, got {v}"
+    if maximum is not None and v > maximum:
+        return f"{name} must be at most {maximum}, got {v}"
+    if multiple_of is not None and v % multiple_of:
+        return f"{name} must be a multiple of {multiple_of}, got {v}"
+    return None
+
+
+def positive_int_problem(name: str, v: Any) -> str | None:
+    """What is wrong with ``v`` as a positive int, or ``None``."""
+    return int_problem(name, v, minimum=1)
+
+
+def index_problem(name: str, v: Any, n: int, of: str) -> str | None:
+    """What is wrong with ``v`` as an index into ``n`` things (``of`` names them), or ``None``."""
+    if not is_int(v):
+        return f"{name} must be an int, got {v!r}"
+    if not 0 <= v < n:
+        return f"{name} {v} is out of range: {of} has {n} (0..{n - 1})" if n else f"{name} {v}: {of} has none"
+    return None
+
+
+def require(problem: str | None, *, rank: int, call: str, error: Callable[[str], SymmSyncError] = ConfigError) -> None:
+    """Raise ``error("rank R: call: problem")`` when there is a problem."""
+    if problem is not None:
+        raise error(f"rank {rank}: {call}: {problem}")
+
+
+def check_index(name: str, v: Any, n: int, of: str, *, rank: int, call: str) -> int:
+    """``v`` when it indexes ``n`` things; else :class:`~symmsync.BoundsError` (or
+    :class:`~symmsync.ConfigError` for a non-int)."""
+    if not is_int(v):
+        require(f"{name} must be an int, got {v!r}", rank=rank, call=call)
+    require(index_problem(name, v, n, of), rank=rank, call=call, error=BoundsError)
+    return v

@@ -1,0 +1,171 @@
+"""Shared by the test modules (not a test module itself; test modules do not import each other).
+
+* :func:`describe_error`: what a test reports about an error.
+* :func:`need_gpus`: the skip of a ``cuda`` case that needs more GPUs than the ``backend``
+  fixture's two.
+* The GPU suite's CUDA-graph helper (:func:`capture`), its payload kernels, and the rank
+  functions that the 2-GPU and the 4-GPU modules both run (:func:`graph_replay`,
+  :func:`pcp_graph_replay`).
+"""
+
+import pickle
+
+import oracles
+import pytest
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+import symmsync as ss
+import symmsync.language as ssl
+from symmsync import pcp
+from symmsync.testing import sharing_gpus
+
+
+def describe_error(err: ss.FenceTimeout) -> dict:
+    """A fence error's type, message and fields, picklable, to return from a rank process."""
+    return {
+        "type": type(err).__name__,
+        "msg": str(err),
+        "rank": err.rank,
+        "epoch": err.epoch,
+        "late": err.late,
+        "aborted": err.aborted,
+        "closed": err.closed,
+        "is_timeout": isinstance(err, ss.FenceTimeout),
+        "pickled": type(pickle.loads(pickle.dumps(err))).__name__,
+    }
+
+
+# ---------------------------------------------------------------------- GPUs
+def gpu_count() -> int:
+    """NVIDIA GPUs torch sees (0 without a driver)."""
+    try:
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no driver: no GPUs
+        return 0
+
+
+def need_gpus(backend: str, world: int) -> None:
+    """Skip a ``cuda`` case of ``world`` ranks (one GPU each) where fewer GPUs exist.
+
+    The ``backend`` fixture's ``cuda`` case needs 2 GPUs; a test at a larger world calls this."""
+    if backend == "cuda" and gpu_count() < world and not sharing_gpus():
+        pytest.skip(f"needs {world} NVIDIA GPUs, found {gpu_count()}: run `make test-gpu` on a {world}-GPU machine")
+
+
+def capture(step, warmup=3):
+    """Run ``step`` eagerly on a side stream (compiling everything), then capture it once in a
+    CUDA graph (after a barrier, so every rank's warm-up is done); return the graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    dist.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    return g
+
+
+@triton.jit
+def stamp_next_epoch(ptrs, cell, payload, me, SIZE: tl.constexpr):
+    """Write ``1000 e + me`` into slot ``me`` of every member's payload half ``e % 2``, where
+    ``e`` is the epoch the next fence on ``cell`` publishes (read on the device: graph-safe)."""
+    e = tl.load(ssl.epoch_ptr(ptrs, cell, me)) + 1
+    for p in tl.static_range(SIZE):
+        dst = ssl.peer_ptr(ptrs, p, payload, tl.int64)
+        tl.store(dst + (e % 2) * SIZE + me, e * 1000 + me)
+
+
+@triton.jit
+def check_current_epoch(ptrs, cell, payload, me, errors, SIZE: tl.constexpr):
+    """Add to ``errors`` the slots of this rank's payload half ``e % 2`` that do not hold
+    ``1000 e + slot`` for the current epoch ``e``."""
+    e = tl.load(ssl.epoch_ptr(ptrs, cell, me))
+    idx = tl.arange(0, 32)
+    own = ssl.peer_ptr(ptrs, me, payload, tl.int64)
+    got = tl.load(own + (e % 2) * SIZE + idx, mask=idx < SIZE, other=0)
+    bad = tl.sum(((got != e * 1000 + idx) & (idx < SIZE)).to(tl.int32), axis=0)
+    tl.atomic_add(errors, bad)
+
+
+def graph_replay(batches, per_batch):
+    """Rank function (cuda backend): capture stamp, fence, check once; replay it
+    ``batches`` x ``per_batch`` times; return per batch (epochs advanced, wrong reads so far)."""
+    buf = ss.SymmetricBuffer(1 << 16, backend="cuda")
+    view = buf.view(list(range(buf.world_size)))
+    fence = ss.Fence(view, timeout_s=30)
+    errors = torch.zeros(1, dtype=torch.int32, device=buf.device)
+    args = (view.ptrs, fence.cell, 0, view.local_index)
+
+    def step():
+        stamp_next_epoch[(1,)](*args, SIZE=view.size)
+        fence.fence()
+        check_current_epoch[(1,)](*args, errors, SIZE=view.size)
+
+    g = capture(step)
+    log = []
+    for _b in range(batches):
+        before = fence.epoch
+        for _ in range(per_batch):
+            g.replay()
+        fence.synchronize()
+        log.append((fence.epoch - before, int(errors.item())))
+    buf.close()
+    return log
+
+
+def pcp_graph_replay(route, fused, replays, tp=1):
+    """Rank function (cuda backend): capture one prefill step (every layer's write) once,
+    replay it on fresh inputs, check every replica against the references; return
+    (per replay and layer: equal?, the writer's fence epoch or ``None``).
+
+    With ``tp`` > 1 the ranks form TP×PCP: each TP rank writes only inside its PCP subgroup, and every
+    subgroup gets a different prompt, so a byte that crossed subgroups would fail the oracle."""
+    tokens, layers = 700, 2
+    layout = pcp.CacheLayout(num_blocks=tokens // 64 + 2, num_layers=layers, base=128)
+    buf = ss.SymmetricBuffer(layout.end + 128, backend="cuda")
+    view = ss.pcp_view(buf, tp=tp)
+    world = dist.get_world_size()
+    groups = [[k * tp + t for k in range(world // tp)] for t in range(tp)]
+    group = dist.new_subgroups_by_enumeration(groups)[0] if tp > 1 else None
+    writer = pcp.DirectKVWriter(view, layout, route=route, fused=fused, group=group, timeout_s=30)
+    split = pcp.pcp_split(tokens, view.size)
+    me = view.local_index
+    salt = 10_000 * view.ranks[0]  # one prompt per PCP subgroup
+    static = [torch.zeros(split.tokens_per_rank, w, dtype=torch.bfloat16, device=buf.device) for w in (512, 64, 128)]
+    _, _, _, slots = oracles.prompt(salt, tokens, layout.num_slots)
+    batch = writer.prepare(split.local_slots(slots, me).to(buf.device))
+
+    def step():
+        for layer in range(layers):
+            writer.write(layer, *static, batch)
+
+    g = capture(step, warmup=1)
+    ok = []
+    for rep in range(replays):
+        kv, pe, ix, _ = oracles.prompt(salt + 100 + rep, tokens, layout.num_slots, special=True)
+        for dst, src in zip(static, (kv, pe, ix)):
+            dst.copy_(split.local_rows(src, me))
+        torch.cuda.synchronize()
+        dist.barrier()  # every rank's inputs are in place before any replica is written
+        g.replay()
+        if writer.fence is not None:
+            writer.fence.synchronize()
+        torch.cuda.synchronize()
+        dist.barrier()
+        want = oracles.oracle_cache(layout, kv, pe, ix, slots)
+        for layer in range(layers):
+            ok.append(
+                torch.equal(layout.main_kv(buf, layer).cpu(), want[0])
+                and torch.equal(layout.indexer_k(buf, layer).cpu(), want[1])
+            )
+        dist.barrier()  # nobody overwrites inputs of the next replay while a peer still checks
+    epoch = writer.fence.epoch if writer.fence is not None else None
+    buf.close()
+    return ok, epoch

@@ -1,0 +1,317 @@
+"""Growable buffers and runtime-registered memory, on the host backend (the CI twins
+of the GPU tests in test_gpu_runtime_memory.py).
+
+Oracles: bytes each rank stamped into its peers' memory, read back by the owner;
+address tables compared before and after a grow; the process's own mapping table
+(``/proc/self/maps``) for what stays mapped.
+"""
+
+import os
+
+import oracles
+import pytest
+import torch
+import torch.distributed as dist
+
+import symmsync as ss
+from symmsync import pcp
+from symmsync.runtime_alloc import HostCacheAllocator, block_major_caches, cache_allocator
+from symmsync.testing import run
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux's /dev/shm and /proc/self/maps")
+
+KIB = 1024
+
+
+def _stamp(buf, offset, n, value, rank):
+    buf.tensor(offset, (n,), torch.int32, rank=rank).fill_(value)
+
+
+def grow_keeps_addresses_tensors_and_fences():
+    buf = ss.SymmetricBuffer(8 * KIB, backend="host", max_nbytes=1 << 20)
+    me, peer = buf.rank, 1 - buf.rank
+    fence = ss.Fence(buf.view([0, 1]), timeout_s=60)
+    ptrs, cells = buf.ptrs.tolist(), buf.signal_ptrs.data_ptr()
+    early = buf.tensor(0, (16,), torch.int32, rank=peer)  # taken before the grow
+    early.fill_(100 + me)
+    fence.fence()
+    buf.grow(600 * KIB)
+    _stamp(buf, 500 * KIB, 16, 200 + me, peer)  # into memory that did not exist before
+    early[8:].fill_(300 + me)  # the old tensor still reaches the peer
+    fence.fence()
+    seen = buf.tensor(0, (16,), torch.int32).tolist(), buf.tensor(500 * KIB, (16,), torch.int32).tolist()
+    same_tables = buf.ptrs.tolist() == ptrs and buf.signal_ptrs.data_ptr() == cells
+    buf.grow(600 * KIB)  # the same size: nothing to do
+    result = seen, same_tables, buf.nbytes, fence.epoch
+    buf.close()
+    return result
+
+
+def test_grow_maps_new_memory_on_every_peer_and_keeps_what_was_made_before():
+    for rank, (seen, same_tables, nbytes, epoch) in enumerate(run(grow_keeps_addresses_tensors_and_fences, 2)):
+        peer = 1 - rank
+        assert seen[0] == [100 + peer] * 8 + [300 + peer] * 8
+        assert seen[1] == [200 + peer] * 16
+        assert same_tables and nbytes == 600 * KIB and epoch == 2
+
+
+def bad_grows():
+    buf = ss.SymmetricBuffer(8 * KIB, backend="host", max_nbytes=64 * KIB)
+    errors = {}
+    for name, n in {"past_max": 128 * KIB, "shrink": 4 * KIB, "differ": 16 * KIB if buf.rank else 32 * KIB}.items():
+        try:
+            buf.grow(n)
+        except ss.SymmSyncError as e:
+            errors[name] = (type(e).__name__, str(e))
+    fixed = ss.SymmetricBuffer(8 * KIB, backend="host")
+    try:
+        fixed.grow(16 * KIB)
+    except ss.ConfigError as e:
+        errors["fixed"] = (type(e).__name__, str(e))
+    result = errors, buf.nbytes
+    buf.close()
+    fixed.close()
+    return result
+
+
+def test_bad_grows_raise_on_every_rank_and_change_nothing():
+    for errors, nbytes in run(bad_grows, 2):
+        assert errors["past_max"][0] == "BoundsError" and "65536" in errors["past_max"][1]
+        assert errors["shrink"][0] == "BoundsError"
+        assert errors["differ"][0] == "SizeMismatchError" and "rank 0: 32768" in errors["differ"][1]
+        assert "not growable" in errors["fixed"][1]
+        assert nbytes == 8 * KIB
+
+
+def _maps_lines() -> int:
+    with open("/proc/self/maps") as f:
+        return len(f.readlines())
+
+
+def planted_failure(failing_rank: int, step: str):
+    buf = ss.SymmetricBuffer(8 * KIB, backend="host", max_nbytes=1 << 20)
+    me, peer = buf.rank, 1 - buf.rank
+    _stamp(buf, 0, 4, 7 + me, peer)
+    dist.barrier()
+    be = buf._data.backend
+    real = getattr(be, step)
+    if me == failing_rank:
+
+        def fail(*a, **k):
+            raise OSError("planted failure")
+
+        setattr(be, step, fail)
+    before = _maps_lines()
+    try:
+        buf.grow(512 * KIB)
+        msg = None
+    except ss.BackendError as e:
+        msg = str(e)
+    setattr(be, step, real)
+    after = _maps_lines()
+    kept = buf.nbytes, buf.tensor(0, (4,), torch.int32).tolist()
+    try:
+        buf.tensor(256 * KIB, (4,), torch.int32)
+        beyond = "reachable"
+    except ss.BoundsError:
+        beyond = "refused"
+    buf.grow(512 * KIB)  # a later grow works: nothing was left half-mapped
+    _stamp(buf, 256 * KIB, 4, 40 + me, peer)
+    dist.barrier()
+    later = buf.tensor(256 * KIB, (4,), torch.int32).tolist()
+    buf.close()
+    return msg, before, after, kept, beyond, later
+
+
+@pytest.mark.parametrize("step", ["commit", "map_chunk"])
+def test_a_grow_that_fails_on_one_rank_raises_everywhere_and_keeps_the_old_size(step):
+    for rank, (msg, before, after, kept, beyond, later) in enumerate(run(planted_failure, 2, 1, step)):
+        assert msg is not None and "rank 1" in msg and "planted failure" in msg and "keeps its 8192 bytes" in msg
+        assert after <= before  # nothing mapped by the failed grow stays mapped
+        assert kept == (8 * KIB, [7 + 1 - rank] * 4) and beyond == "refused"
+        assert later == [40 + 1 - rank] * 4
+
+
+# ------------------------------------------------------------------ registered memory
+def register_runtime_memory():
+    me, peer = dist.get_rank(), 1 - dist.get_rank()
+    rt = HostCacheAllocator(1 << 20, chunk=64 * KIB)
+    rt.commit(2)
+    mine = rt.tensor(0, 128 * KIB)
+    mine.fill_(0x5A)  # the runtime's bytes: symmsync must not write any
+    layer = rt.tensor(64 * KIB, 256)  # a runtime tensor at an offset it knows
+    buf = ss.SymmetricBuffer.register(rt.base, 128 * KIB, max_nbytes=1 << 20, device="cpu")
+    untouched = int((mine == 0x5A).sum())
+    offset = buf.offset_of(layer)
+    fence = ss.Fence(buf.view([0, 1]), timeout_s=60)
+    buf.tensor(offset, (64,), torch.int32, rank=peer).fill_(1000 + me)
+    fence.fence()
+    got = layer.view(torch.int32)[:4].tolist()  # read by the runtime through its own address
+    rt.commit(2)  # the runtime grows its cache
+    buf.grow(256 * KIB)
+    buf.tensor(200 * KIB, (8,), torch.int32, rank=peer).fill_(2000 + me)
+    fence.fence()
+    grown = rt.tensor(200 * KIB, 32).view(torch.int32).tolist()
+    apart = buf.signal_ptrs.tolist() != buf.ptrs.tolist()
+    buf.close()  # unmaps the peer here, releases nothing the runtime owns
+    rt.tensor(0, 16).fill_(1)  # still the runtime's, still mapped
+    after_close = rt.tensor(0, 16).tolist()
+    dist.barrier()  # every rank closed before any runtime frees: the teardown order
+    rt.free()
+    return untouched, offset, got, grown, apart, after_close
+
+
+def test_registered_runtime_memory_is_mapped_on_every_peer_and_grows():
+    for rank, (untouched, offset, got, grown, apart, after_close) in enumerate(run(register_runtime_memory, 2)):
+        peer = 1 - rank
+        assert untouched == 128 * KIB  # registration wrote none of the runtime's bytes
+        assert offset == 64 * KIB  # offsets count from the registered address
+        assert got == [1000 + peer] * 4 and grown == [2000 + peer] * 8
+        assert apart  # the signal cells live apart from the runtime's memory
+        assert after_close == [1] * 16
+
+
+def register_anonymous_memory(rank_with_bad_memory):
+    rt = HostCacheAllocator(1 << 20, chunk=64 * KIB)
+    rt.commit(1)
+    plain = torch.zeros(64 * KIB, dtype=torch.uint8)  # private memory: no peer can open it
+    local = plain if dist.get_rank() == rank_with_bad_memory else rt.tensor(0, 64 * KIB)
+    try:
+        ss.SymmetricBuffer.register(local)
+        msg = None
+    except ss.BackendError as e:
+        msg = str(e)
+    dist.barrier()
+    rt.free()
+    return msg
+
+
+def test_registering_memory_peers_cannot_open_raises_on_every_rank():
+    for msg in run(register_anonymous_memory, 2, 1):
+        assert msg is not None and "rank 1" in msg and "shared-memory object" in msg
+
+
+def register_cycles(n):
+    rt = HostCacheAllocator(1 << 20, chunk=64 * KIB)
+    rt.commit(1)
+    start = None
+    for i in range(n):
+        buf = ss.SymmetricBuffer.register(rt.base, 64 * KIB, max_nbytes=256 * KIB, device="cpu")
+        if i == 0:
+            rt.commit(1)
+        buf.grow(128 * KIB)
+        buf.close()
+        if i == 0:
+            start = _maps_lines()
+    end = _maps_lines()
+    dist.barrier()
+    rt.free()
+    return start, end
+
+
+def test_register_grow_close_cycles_leave_the_mappings_where_they_started():
+    for start, end in run(register_cycles, 2, 200):
+        assert end <= start
+
+
+# ------------------------------------------------------------------ the writer on a runtime's cache
+def _oracle(kv, pe, ix, slots, num_blocks, bs, layer):
+    """The reference bytes of one layer: plain torch, from the format rules (tests/oracles.py)."""
+    scale = [(t.float() * (layer + 1)).to(torch.bfloat16) for t in (kv, pe, ix)]
+    return oracles.oracle_cache(pcp.CacheLayout(num_blocks, 1, bs), *scale, slots)
+
+
+def runtime_cache_writer(backend, fused):
+    """A runtime's growable block-major cache, registered; the writer publishes into blocks
+    committed before and after a grow; each rank checks its own replica, read through the
+    runtime's own tensors, against the reference bytes, and the padding against guards."""
+    me = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "cuda" else torch.device("cpu")
+    layers, bs = 2, 64
+    max_blocks = 64 if backend == "cuda" else 8  # several of the allocator's chunks (2 MiB on GPUs)
+    probe = block_major_caches(torch.empty(1 << 30, dtype=torch.uint8, device="meta"), layers, 1, bs)[2]
+    rt = cache_allocator(max_blocks * probe, device, chunk=None if backend == "cuda" else 4096)
+    chunk = rt.chunk
+    per_block = -(-probe // chunk) * chunk  # commit whole chunks
+    rt.commit(-(-4 * probe // chunk))  # 4 blocks' worth, rounded up to chunks
+    main, ind, block_bytes = block_major_caches(rt.reserved(), layers, max_blocks, bs)
+    assert block_bytes == probe and per_block >= probe
+    buf = ss.SymmetricBuffer.register(rt.base, rt.committed, max_nbytes=rt.max_bytes, device=device)
+    caches = pcp.CacheTensors(main, ind)
+    writer = pcp.DirectKVWriter(ss.pcp_view(buf), caches, fused=fused, timeout_s=60)
+    usable = writer._usable_blocks()
+    for t in ind:  # the runtime's padding after each block's indexer bytes (new memory reads as zero)
+        t[:usable, bs * 132 :].fill_(oracles.GUARD)
+    num_slots = max_blocks * bs
+    tokens = 96
+    kv, pe, ix, _ = oracles.prompt(11, tokens, num_slots)
+    split = pcp.pcp_split(tokens, 2)
+    local = [split.local_rows(t, me).contiguous().to(device) for t in (kv, pe, ix)]
+    g = torch.Generator().manual_seed(3)
+    old = torch.randperm(usable * bs, generator=g)[:tokens]  # blocks committed at registration
+    new = usable * bs + torch.randperm((max_blocks - usable) * bs, generator=g)[:tokens]  # blocks after the grow
+    try:
+        writer.prepare(split.local_slots(new, me).to(device))
+        early = None
+    except ss.InputError as e:
+        early = str(e)
+    rt.commit(rt.max_bytes // chunk - rt.committed // chunk)  # the runtime grows its cache
+    buf.grow(rt.committed)
+    for t in ind:
+        t[usable:, bs * 132 :].fill_(oracles.GUARD)
+    for slots in (old, new):
+        batch = writer.prepare(split.local_slots(slots, me).to(device))
+        for layer in range(layers):
+            writer.write(layer, *[(t.float() * (layer + 1)).to(torch.bfloat16) for t in local], batch)
+    writer.fence.fence()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    ok = []
+    both = torch.cat([old, new])
+    kv2, pe2, ix2 = (torch.cat([t, t]) for t in (kv, pe, ix))
+    for layer in range(layers):
+        want_main, want_ind = _oracle(kv2, pe2, ix2, both, max_blocks, bs, layer)
+        got_main, got_ind = main[layer].cpu(), ind[layer].cpu()
+        ok.append(
+            (
+                torch.equal(got_main, want_main),
+                torch.equal(got_ind[:, : bs * 132], want_ind),
+                bool((got_ind[:, bs * 132 :] == oracles.GUARD).all()),  # the runtime's padding
+            )
+        )
+    buf.close()
+    dist.barrier()
+    rt.free()
+    return usable, early, ok
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_writer_publishes_into_a_runtimes_registered_cache_before_and_after_it_grows(backend, fused):
+    for usable, early, ok in run(runtime_cache_writer, 2, backend, fused, backend=backend):
+        assert 0 < usable < (64 if backend == "cuda" else 8)
+        assert early is not None and "grow the buffer first" in early
+        assert ok == [(True, True, True)] * 2
+
+
+def register_one_growing_object():
+    """The runtime grows one shared-memory object, whose mappings the kernel merges; the
+    registered size ends inside a chunk. The grow maps only what peers lacked."""
+    me, peer = dist.get_rank(), 1 - dist.get_rank()
+    rt = HostCacheAllocator(1 << 20, chunk=64 * KIB, one_object=True)
+    rt.commit(2)
+    buf = ss.SymmetricBuffer.register(rt.base, 100 * KIB, max_nbytes=1 << 20, device="cpu")
+    rt.commit(3)
+    buf.grow(300 * KIB)
+    _stamp(buf, 90 * KIB, 4, 10 + me, peer)  # in the chunk both calls cover
+    _stamp(buf, 290 * KIB, 4, 20 + me, peer)  # in memory committed after registration
+    dist.barrier()
+    got = rt.tensor(90 * KIB, 4, torch.int32).tolist(), rt.tensor(290 * KIB, 4, torch.int32).tolist()
+    buf.close()
+    dist.barrier()
+    rt.free()
+    return got
+
+
+def test_a_runtime_object_that_grows_in_place_registers_and_grows():
+    for rank, got in enumerate(run(register_one_growing_object, 2)):
+        assert got == ([10 + 1 - rank] * 4, [20 + 1 - rank] * 4)
