@@ -61,6 +61,7 @@ def growable_graph_then_grow():
                 buf.tensor(40 * MIB, (1024,), torch.int32).unique().tolist(),
             )
         )
+        fence.fence()  # read before the peer's next replay overwrites it (a fence orders, it does not hold back)
     same = buf.ptrs.tolist() == ptrs
     buf.close()
     return seen, same
@@ -104,6 +105,7 @@ def register_runtime_cache():
         torch.cuda.synchronize()
         mine = rt.tensor(4 * rt.chunk + 4096, 256, torch.int32)  # read through the runtime's own address
         seen.append((layer.unique().tolist(), mine.unique().tolist()))
+        fence.fence()  # read before the peer's next replay overwrites it
     buf.close()
     dist.barrier()  # every peer unmapped before any owner frees: the teardown order
     rt.free()

@@ -178,8 +178,17 @@ class Backend(abc.ABC):
         raise BackendError(f"the {self.name} backend cannot map registered memory")
 
     def extend_local(self, mem: Memory, handles: list[Any]) -> list[Chunk]:
-        """Map the pieces a peer's registered memory grew by (a grow of a registered buffer)."""
-        raise BackendError(f"the {self.name} backend cannot grow registered memory")
+        """Map the pieces a peer's registered memory grew by (``(offset, handle)`` each, as
+        :meth:`export_local` gave them): all of them, or none (what was mapped is unmapped)."""
+        chunks: list[Chunk] = []
+        try:
+            for off, handle in handles:
+                chunks.append(self.map_chunk(mem, off, handle))
+        except BackendError:
+            for c in chunks:
+                self.unmap_chunk(mem, c)
+            raise
+        return chunks
 
     def local_exchanged(self, state: Any, handles: list[Any]) -> None:  # noqa: B027 - optional hook
         """Like :meth:`exchanged`, for :meth:`export_local`'s ``state`` (``handles[r]``: rank ``r``'s)."""

@@ -264,10 +264,15 @@ def _release_chunk(drv: Any, base: int, chunk: Chunk) -> None:
     drv.cuMemUnmap(base + chunk.offset, chunk.nbytes)
     if st.get("handle") is not None:
         drv.cuMemRelease(st["handle"])
-    server = st.pop("server", None)
+    _close_exchange(st)
+
+
+def _close_exchange(state: dict) -> None:
+    """Close what only served an exchange of handles: the descriptor server and the descriptor."""
+    server = state.pop("server", None)
     if server is not None:
         server.close()
-    fd = st.pop("fd", None)
+    fd = state.pop("fd", None)
     if fd is not None:
         os.close(fd)
 
@@ -383,15 +388,7 @@ class CudaBackend(Backend):
         if self.handle_type == "cuda_ipc":
             h = check(drv.cuIpcGetMemHandle(mem.ptr), "cuIpcGetMemHandle")
             return ("cuda_ipc", bytes(h.reserved), mem.nbytes)
-        shareable = check(
-            drv.cuMemExportToShareableHandle(st["handle"], self.cu_handle_type, 0),
-            f"cuMemExportToShareableHandle({self.handle_type})",
-        )
-        if self.handle_type == "fabric":
-            return ("fabric", bytes(shareable.data), st["size"], mem.nbytes)
-        st["fd"] = int(shareable)
-        st["server"] = _FdServer(st["fd"], owner=mem.owner)
-        return ("posix_fd", st["server"].address, st["size"], mem.nbytes, os.getpid())
+        return self._export_chunk(st["handle"], st["size"], mem.owner, st, nbytes=mem.nbytes)
 
     def exchanged(self, mem: Memory, handles: list[Any]) -> None:
         server = mem.state.get("server")
@@ -414,22 +411,7 @@ class CudaBackend(Backend):
             state = {"kind": "ipc-peer"}
             return Memory(ptr=ptr, nbytes=nbytes, tensor=self._tensor(ptr, nbytes, state), owner=owner, state=state)
         size, nbytes = handle[2], handle[3]
-        if kind == "posix_fd":
-            fd = _receive_fd(handle[1], owner, handle[4])
-            try:
-                phys = check(
-                    drv.cuMemImportFromShareableHandle(fd, self.cu_handle_type),
-                    f"cuMemImportFromShareableHandle(rank {owner})",
-                )
-            finally:
-                os.close(fd)
-        else:
-            fh = drv.CUmemFabricHandle()
-            fh.data = handle[1]
-            phys = check(
-                drv.cuMemImportFromShareableHandle(fh, self.cu_handle_type),
-                f"cuMemImportFromShareableHandle(fabric, rank {owner})",
-            )
+        phys = self._import_phys(handle, owner)
         try:
             ptr = self._map(phys, size)
         finally:
@@ -438,13 +420,7 @@ class CudaBackend(Backend):
         return Memory(ptr=ptr, nbytes=nbytes, tensor=self._tensor(ptr, nbytes, state), owner=owner, state=state)
 
     def all_mapped(self, mem: Memory) -> None:
-        st = mem.state
-        server = st.pop("server", None)
-        if server is not None:
-            server.close()
-        fd = st.pop("fd", None)
-        if fd is not None:
-            os.close(fd)
+        _close_exchange(mem.state)
 
     def release(self, mem: Memory) -> None:
         """Close the handle servers and drop symmsync's tensor over ``mem``.
@@ -490,16 +466,19 @@ class CudaBackend(Backend):
             )
         return at
 
-    def _export_chunk(self, handle: Any, size: int, owner: int, state: dict) -> tuple:
+    def _export_chunk(self, handle: Any, size: int, owner: int, state: dict, nbytes: int | None = None) -> tuple:
+        """The handle peers map ``size`` bytes of physical memory with (``nbytes`` of them
+        used): fabric bytes, or the address of a descriptor server kept in ``state``."""
+        nbytes = size if nbytes is None else nbytes
         shareable = check(
             self.drv.cuMemExportToShareableHandle(handle, self.cu_handle_type, 0),
             f"cuMemExportToShareableHandle({self.handle_type})",
         )
         if self.handle_type == "fabric":
-            return ("fabric", bytes(shareable.data), size, size)
+            return ("fabric", bytes(shareable.data), size, nbytes)
         state["fd"] = int(shareable)
         state["server"] = _FdServer(state["fd"], owner=owner)
-        return ("posix_fd", state["server"].address, size, size, os.getpid())
+        return ("posix_fd", state["server"].address, size, nbytes, os.getpid())
 
     def _import_phys(self, handle: Any, owner: int) -> Any:
         drv = self.drv
@@ -567,13 +546,7 @@ class CudaBackend(Backend):
             server.expect(_pids(handles))
 
     def chunk_all_mapped(self, chunk: Chunk) -> None:
-        st = chunk.state
-        server = st.pop("server", None)
-        if server is not None:
-            server.close()
-        fd = st.pop("fd", None)
-        if fd is not None:
-            os.close(fd)
+        _close_exchange(chunk.state)
 
     # ------------------------------------------------------------ registered memory
     def _pieces(self, ptr: int, nbytes: int) -> list[tuple[int, int, Any]]:
@@ -644,7 +617,7 @@ class CudaBackend(Backend):
 
     def forget_local(self, state: Any) -> None:
         for st in state["chunks"]:
-            self.chunk_all_mapped(Chunk(offset=0, nbytes=0, state=st))
+            _close_exchange(st)
             h = st.pop("retained", None)
             if h is not None:
                 self.drv.cuMemRelease(h)
@@ -675,17 +648,6 @@ class CudaBackend(Backend):
         mem = Memory(ptr=ptr, nbytes=nbytes, tensor=self._tensor(ptr, nbytes, state), owner=owner, state=state)
         self.extend_local(mem, handles)
         return mem
-
-    def extend_local(self, mem: Memory, handles: list[Any]) -> list[Chunk]:
-        chunks: list[Chunk] = []
-        try:
-            for off, handle in handles:
-                chunks.append(self.map_chunk(mem, off, handle))
-        except BackendError:
-            for c in chunks:
-                self.unmap_chunk(mem, c)
-            raise
-        return chunks
 
 
 def _pids(handles: list[Any]) -> list[int]:

@@ -124,6 +124,27 @@ def shm_mappings(ptr: int, nbytes: int) -> list[tuple[int, int, int, str]]:
     return found
 
 
+def _new_segment(rank: int, nbytes: int, place: Any) -> tuple[str, Any]:
+    """Create a zero-filled segment of ``nbytes`` named for this job and map it with
+    ``place(fd)``; return its name (linked until every peer mapped it) and what ``place`` gave."""
+    name = f"/{segment_prefix()}-{rank}-{secrets.token_hex(6)}"
+    try:
+        fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    except OSError as e:
+        raise BackendError(f"rank {rank}: shm_open({name}) failed: {e}") from e
+    _linked.add(name)
+    try:
+        os.ftruncate(fd, nbytes)  # new pages read as zero
+        return name, place(fd)
+    except (OSError, OverflowError, BackendError) as e:
+        _unlink(name)
+        raise BackendError(
+            f"rank {rank}: could not size or map {nbytes} bytes of shared memory ({e}); is /dev/shm large enough?"
+        ) from e
+    finally:
+        os.close(fd)
+
+
 def _as_tensor(mm: mmap.mmap) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # frombuffer warns on writable buffers; we want writes
@@ -137,22 +158,7 @@ class HostBackend(Backend):
     capabilities = INTERPRETER
 
     def allocate(self, nbytes: int, rank: int) -> Memory:
-        name = f"/{segment_prefix()}-{rank}-{secrets.token_hex(6)}"
-        try:
-            fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-        except OSError as e:
-            raise BackendError(f"rank {rank}: shm_open({name}) failed: {e}") from e
-        _linked.add(name)
-        try:
-            os.ftruncate(fd, nbytes)  # new pages read as zero
-            mm = mmap.mmap(fd, nbytes)
-        except (OSError, OverflowError) as e:
-            _unlink(name)
-            raise BackendError(
-                f"rank {rank}: could not size or map {nbytes} bytes of shared memory ({e}); is /dev/shm large enough?"
-            ) from e
-        finally:
-            os.close(fd)
+        name, mm = _new_segment(rank, nbytes, lambda fd: mmap.mmap(fd, nbytes))
         t = _as_tensor(mm)
         return Memory(ptr=t.data_ptr(), nbytes=nbytes, tensor=t, owner=rank, state={"name": name, "mmap": mm})
 
@@ -219,20 +225,7 @@ class HostBackend(Backend):
         _mmap(at, nbytes, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, file_offset)
 
     def commit(self, mem: Memory, offset: int, nbytes: int) -> Chunk:
-        name = f"/{segment_prefix()}-{mem.owner}-{secrets.token_hex(6)}"
-        try:
-            fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-        except OSError as e:
-            raise BackendError(f"rank {mem.owner}: shm_open({name}) failed: {e}") from e
-        _linked.add(name)
-        try:
-            os.ftruncate(fd, nbytes)  # new pages read as zero
-            self._map_segment(mem, offset, nbytes, fd)
-        except (OSError, BackendError) as e:
-            _unlink(name)
-            raise BackendError(f"rank {mem.owner}: could not commit {nbytes} bytes of shared memory: {e}") from e
-        finally:
-            os.close(fd)
+        name, _ = _new_segment(mem.owner, nbytes, lambda fd: self._map_segment(mem, offset, nbytes, fd))
         chunk = Chunk(offset=offset, nbytes=nbytes, handle=(name, nbytes), state={"name": name})
         mem.state["chunks"].append(chunk)
         return chunk
@@ -294,14 +287,3 @@ class HostBackend(Backend):
         mem.state["delta"] = delta
         self.extend_local(mem, handles)
         return mem
-
-    def extend_local(self, mem: Memory, handles: list[Any]) -> list[Chunk]:
-        chunks = []
-        try:
-            for off, handle in handles:
-                chunks.append(self.map_chunk(mem, off, handle))
-        except BackendError:
-            for c in chunks:
-                self.unmap_chunk(mem, c)
-            raise
-        return chunks
