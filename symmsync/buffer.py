@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -198,6 +199,7 @@ class SymmetricBuffer:
         signals: str = "separate",
         max_views: int = 16,
         channels: int = 4,
+        backend_options: dict[str, Any] | None = None,
     ) -> SymmetricBuffer:
         """Adopt symmetric memory a runtime already allocated and mapped (collective).
 
@@ -213,6 +215,9 @@ class SymmetricBuffer:
                 through :attr:`signal_ptrs`). ``"tail"``: in the last bytes of the
                 adopted memory, zeroed here on every rank (:attr:`nbytes` is what is
                 left before them; :attr:`signal_ptrs` is :attr:`ptrs`).
+            backend_options: for the cells' own allocation (``signals="separate"``): passed
+                to its backend, e.g. ``{"handle_type": "cuda_ipc"}`` where shareable
+                handles are unavailable.
 
         The runtime keeps ownership: :meth:`close` releases nothing it adopted.
         """
@@ -225,6 +230,8 @@ class SymmetricBuffer:
             dev, problem = torch.device("cpu"), problem or str(e)
         if problem is None and signals not in ("separate", "tail"):
             problem = f"signals must be 'separate' or 'tail', got {signals!r}"
+        if problem is None and not isinstance(backend_options, (dict, type(None))):
+            problem = f"backend_options must be a dict, got {backend_options!r}"
         probe = SignalLayout(0, self._world, max_views, channels) if problem is None else None
         if problem is None:
             try:
@@ -261,7 +268,7 @@ class SymmetricBuffer:
             barrier(self._group)  # no rank fences before every rank's cells are zero
         else:
             self._nbytes = nbytes
-            self._separate_cells(backends.name_for(dev), dev, max_views, channels)
+            self._separate_cells(backends.name_for(dev), dev, max_views, channels, backend_options)
         self._finish()
         return self
 
@@ -325,6 +332,8 @@ class SymmetricBuffer:
         self._join(group)
         me = self._rank
         ptr, dev, problem = cls._local_memory(local, nbytes, device)
+        if problem is None:
+            problem = cls._registrable(ptr, dev)
         if nbytes is None and isinstance(local, torch.Tensor):
             nbytes = local.numel() * local.element_size()
         max_nbytes = nbytes if max_nbytes is None else max_nbytes
@@ -386,6 +395,17 @@ class SymmetricBuffer:
         except ConfigError as e:
             return 0, None, str(e)
         return local, dev, None
+
+    @staticmethod
+    def _registrable(ptr: int, dev: torch.device) -> str | None:
+        """What keeps memory at ``ptr`` on ``dev`` from being registered here, or ``None``."""
+        if ptr % ALIGN:
+            return f"the memory starts at {ptr:#x}, not on a multiple of {ALIGN} bytes (kernels store 16 at a time)"
+        try:
+            backends.resolve(backends.name_for(dev), dev)  # e.g. CPU memory needs the interpreter
+        except ConfigError as e:
+            return str(e)
+        return None
 
     def _separate_cells(
         self,
@@ -529,14 +549,14 @@ class SymmetricBuffer:
             problem = _problem_text(e)
         everyone: list = []
         try:
-            everyone = gather(self._group, (handles, problem))
-            self._fail_chunks("commit memory", [p for _, p in everyone], new, growing)
+            everyone = gather(self._group, (handles, problem, os.getpid()))
+            self._fail_chunks("commit memory", [p for _, p, _ in everyone], new, growing)
             own_chunks = [c for _, c in new]
             for c in own_chunks:
-                be.chunk_exchanged(c, [h for h, _ in everyone])
+                be.chunk_exchanged(c, [pid for _, _, pid in everyone])  # who may ask for it
             problem = None
             try:
-                for r, (hs, _) in enumerate(everyone):
+                for r, (hs, _, _) in enumerate(everyone):
                     if r != self._rank:
                         for off, h in hs:
                             new.append((data.peers[r], be.map_chunk(data.peers[r], off, h)))
@@ -548,7 +568,7 @@ class SymmetricBuffer:
             barrier(self._group)
         except BackendError:
             self._undo(new, growing)
-            for hs, _ in everyone:
+            for hs, _, _ in everyone:
                 for _, h in hs or ():
                     be.abandon(h)
             raise
@@ -589,12 +609,12 @@ class SymmetricBuffer:
         everyone: list = []
         new: list = []
         try:
-            everyone = gather(self._group, (handles, problem))
-            self._fail_local("share", [p for _, p in everyone], start, new)
-            be.local_exchanged(data.local_state, [h for h, _ in everyone])
+            everyone = gather(self._group, (handles, problem, os.getpid()))
+            self._fail_local("share", [p for _, p, _ in everyone], start, new)
+            be.local_exchanged(data.local_state, [pid for _, _, pid in everyone])
             problem = None
             try:
-                for r, (hs, _) in enumerate(everyone):
+                for r, (hs, _, _) in enumerate(everyone):
                     if r == self._rank:
                         continue
                     if start == 0:
@@ -604,8 +624,8 @@ class SymmetricBuffer:
             except Exception as e:  # noqa: BLE001
                 problem = _problem_text(e)
             self._fail_local("map", gather(self._group, problem), start, new)
-            self._local_end = data.local_state["end"]
             barrier(self._group)  # every peer mapped: what only served the exchange can go
+            self._local_end = data.local_state["end"]
             be.forget_local(data.local_state)
             data.local_state = None
         except BackendError:
@@ -618,9 +638,9 @@ class SymmetricBuffer:
             return
         self._undo_local(start, new)
         kept = f"the buffer keeps its {self._nbytes} bytes" if start else "nothing stays mapped"
+        call = "SymmetricBuffer.grow" if start else "SymmetricBuffer.register"
         raise BackendError(
-            f"SymmetricBuffer.register: could not {what} the registered memory of {ranks_text(bad)}: "
-            f"{problems[bad[0]]}; {kept}"
+            f"{call}: could not {what} the registered memory of {ranks_text(bad)}: {problems[bad[0]]}; {kept}"
         )
 
     def _undo_local(self, start: int, new: list) -> None:
@@ -649,23 +669,26 @@ class SymmetricBuffer:
         Growing to the current size does nothing; shrinking is refused.
 
         Raises (on every rank):
+            ClosedError: a rank closed its buffer.
             BoundsError: ``nbytes`` is past ``max_nbytes``, or below the current size.
             SizeMismatchError: ranks asked for different sizes.
             BackendError: a rank could not commit or map; every rank then unmaps what
                 this grow mapped, and the buffer keeps its size.
         """
-        self._check_open("grow")
         call = "SymmetricBuffer.grow"
         problem = int_problem("nbytes", nbytes, minimum=1)
-        bounds = None
-        if problem is None and self._max_nbytes is None:
+        bounds = closed = None
+        if self._closed:  # still enter the exchange: every rank raises, none waits
+            closed = "used after close() on this rank"
+        elif problem is None and self._max_nbytes is None:
             problem = "the buffer is not growable: create it with max_nbytes="
         elif problem is None and not self._nbytes <= nbytes <= self._max_nbytes:
             bounds = f"nbytes={nbytes} is outside [{self._nbytes}, {self._max_nbytes}] (the size now, max_nbytes)"
-        everyone = gather(self._group, (plain(nbytes), problem, bounds))
-        raise_first([p for _, p, _ in everyone], call=call)
-        raise_first([b for _, _, b in everyone], call=call, error=BoundsError)
-        same([n for n, _, _ in everyone], "nbytes", call=call, error=SizeMismatchError)
+        everyone = gather(self._group, (plain(nbytes), problem, bounds, closed))
+        raise_first([c for *_, c in everyone], call=call, error=ClosedError)
+        raise_first([p for _, p, _, _ in everyone], call=call)
+        raise_first([b for _, _, b, _ in everyone], call=call, error=BoundsError)
+        same([n for n, *_ in everyone], "nbytes", call=call, error=SizeMismatchError)
         if self._registered:
             if nbytes > self._committed:
                 self._share_local(self._committed, nbytes)

@@ -183,7 +183,8 @@ def translate(ptr, ptrs, from_index, to_index):
 
         return ptr + (ptrs[to_index] - ptrs[from_index]) / sizeof(*ptr)
 
-    Base addresses are page aligned, so the difference is a whole number of elements.
+    Base addresses are multiples of 16 bytes (page aligned where symmsync allocated; a
+    registered base is checked), so the difference is a whole number of elements.
     Cost: two table loads, a subtract. Graph-safe.
     """
     ELEM: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8

@@ -199,10 +199,12 @@ def block_major_caches(
     idx_bytes = block_size * 132 + indexer_pad
     block = num_layers * (main_bytes + idx_bytes)
     assert num_blocks * block <= reserved.numel(), "the reservation is too small for these blocks"
+    at = reserved.storage_offset()  # as_strided counts from the storage, not from the view
     main = [
-        reserved.as_strided((num_blocks, block_size, 656), (block, 656, 1), i * main_bytes) for i in range(num_layers)
+        reserved.as_strided((num_blocks, block_size, 656), (block, 656, 1), at + i * main_bytes)
+        for i in range(num_layers)
     ]
-    first_idx = num_layers * main_bytes
+    first_idx = at + num_layers * main_bytes
     indexer = [
         reserved.as_strided((num_blocks, idx_bytes), (block, 1), first_idx + i * idx_bytes) for i in range(num_layers)
     ]

@@ -174,26 +174,30 @@ def test_a_grow_that_fails_on_one_rank_raises_everywhere_and_a_retry_works():
 
 
 def register_grow_close_cycles(n):
-    rt = CudaCacheAllocator(16 * MIB)
-    rt.commit(1)
-    torch.cuda.synchronize()
+    """Each cycle: a runtime allocates, registers from inside its first page (so peers map
+    from a chunk's middle), grows, closes, and frees once every peer unmapped. A peer
+    mapping left behind would keep the freed chunks allocated: free memory would fall."""
     free = []
     for i in range(n):
-        buf = ss.SymmetricBuffer.register(rt.base, rt.chunk, max_nbytes=rt.max_bytes, device=rt.device)
-        if i == 0:
-            rt.commit(1)
-        buf.grow(2 * rt.chunk)
+        rt = CudaCacheAllocator(16 * MIB)
+        rt.commit(1)
+        inside = 4096
+        buf = ss.SymmetricBuffer.register(
+            rt.base + inside, rt.chunk - inside, max_nbytes=rt.max_bytes - inside, device=rt.device
+        )
+        rt.commit(1)
+        buf.grow(2 * rt.chunk - inside)
         grown = ss.SymmetricBuffer(MIB, backend="cuda", max_nbytes=8 * MIB)
         grown.grow(6 * MIB)
         grown.close()
         buf.close()
+        dist.barrier()  # every peer unmapped before any owner frees: the teardown order
+        rt.free()
         if i in (0, n - 1):
             torch.cuda.synchronize()
             dist.barrier()  # every rank at the same point (ranks may share a device)
             free.append(torch.cuda.mem_get_info()[0])
             dist.barrier()
-    dist.barrier()
-    rt.free()
     return free
 
 

@@ -315,3 +315,100 @@ def register_one_growing_object():
 def test_a_runtime_object_that_grows_in_place_registers_and_grows():
     for rank, got in enumerate(run(register_one_growing_object, 2)):
         assert got == ([10 + 1 - rank] * 4, [20 + 1 - rank] * 4)
+
+
+def register_inside_a_page():
+    """A registered address that is not page aligned (a runtime's tensor starting inside
+    a chunk): peers map whole pages and find the bytes at the same offsets."""
+    me, peer = dist.get_rank(), 1 - dist.get_rank()
+    rt = HostCacheAllocator(1 << 20, chunk=64 * KIB)
+    rt.commit(2)
+    buf = ss.SymmetricBuffer.register(rt.base + 256, 64 * KIB, max_nbytes=(1 << 20) - 256, device="cpu")
+    _stamp(buf, 0, 4, 30 + me, peer)
+    _stamp(buf, 64 * KIB - 16, 4, 40 + me, peer)  # past the first chunk
+    dist.barrier()
+    got = rt.tensor(256, 4, torch.int32).tolist(), rt.tensor(256 + 64 * KIB - 16, 4, torch.int32).tolist()
+    buf.close()
+    dist.barrier()
+    rt.free()
+    return got
+
+
+def test_a_registered_address_inside_a_page_maps_at_the_same_offsets():
+    for rank, got in enumerate(run(register_inside_a_page, 2)):
+        assert got == ([30 + 1 - rank] * 4, [40 + 1 - rank] * 4)
+
+
+def registered_grow_fails_on_one_rank():
+    me, peer = dist.get_rank(), 1 - dist.get_rank()
+    rt = HostCacheAllocator(1 << 20, chunk=64 * KIB)
+    rt.commit(1)
+    buf = ss.SymmetricBuffer.register(rt.base, 64 * KIB, max_nbytes=1 << 20, device="cpu")
+    rt.commit(2)
+    be = buf._data.backend
+    real = be.map_chunk
+    if me == 1:
+
+        def fail(*a, **k):
+            raise OSError("planted failure")
+
+        be.map_chunk = fail
+    try:
+        buf.grow(192 * KIB)
+        msg = None
+    except ss.BackendError as e:
+        msg = str(e)
+    be.map_chunk = real
+    size = buf.nbytes
+    buf.grow(192 * KIB)  # the retry maps what the failed grow did not
+    _stamp(buf, 150 * KIB, 4, 60 + me, peer)
+    dist.barrier()
+    got = rt.tensor(150 * KIB, 4, torch.int32).tolist()
+    buf.close()
+    try:
+        buf.grow(256 * KIB)  # closed on this rank: the peer must not wait for it
+        closed = None
+    except ss.ClosedError as e:
+        closed = str(e)
+    dist.barrier()
+    rt.free()
+    return msg, size, got, closed
+
+
+def test_a_registered_grow_that_fails_on_one_rank_raises_everywhere_and_a_retry_works():
+    for rank, (msg, size, got, closed) in enumerate(run(registered_grow_fails_on_one_rank, 2)):
+        assert msg is not None and msg.startswith("SymmetricBuffer.grow:") and "planted failure" in msg
+        assert "keeps its 65536 bytes" in msg and size == 64 * KIB
+        assert got == [60 + 1 - rank] * 4
+        assert closed is not None and "used after close()" in closed
+
+
+def cache_tensors_that_disagree(case):
+    me = dist.get_rank()
+    rt = HostCacheAllocator(1 << 20, chunk=64 * KIB)
+    rt.commit(16)
+    buf = ss.SymmetricBuffer.register(rt.base, rt.committed, device="cpu")
+    main, ind, _ = block_major_caches(rt.reserved(), 1, 4, 64)
+    if case == "offsets" and me == 1:  # rank 1 holds its cache one block later
+        main, ind, _ = block_major_caches(rt.reserved()[100992:], 1, 4, 64)
+    if case == "outside" and me == 1:  # rank 1's indexer is not in symmetric memory
+        ind = [torch.zeros(4, 64 * 132, dtype=torch.uint8)]
+    try:
+        pcp.DirectKVWriter(ss.pcp_view(buf), pcp.CacheTensors(main, ind), timeout_s=30)
+        got = None
+    except ss.ConfigError as e:
+        got = (type(e).__name__, str(e))
+    buf.close()
+    dist.barrier()
+    rt.free()
+    return got
+
+
+@pytest.mark.parametrize("case", ["offsets", "outside"])
+def test_cache_tensors_at_different_offsets_or_outside_symmetric_memory_raise_on_every_rank(case):
+    for got in run(cache_tensors_that_disagree, 2, case):
+        assert got is not None
+        if case == "offsets":
+            assert got[0] == "ConfigError" and "differs across ranks" in got[1]
+        else:
+            assert got[0] == "BoundsError" and "rank 1" in got[1] and "outside symmetric memory" in got[1]

@@ -1,6 +1,6 @@
 /*
  * symmsync's epoch fence, as the code implements it (symmsync/language.py: publish, pending,
- * wait, fence; symmsync/fence.py: Fence.fence / arrive / wait; symmsync/buffer.py: SignalLayout),
+ * wait, publish_and_wait; symmsync/fence.py: Fence.fence / arrive / wait; symmsync/cells.py: the cell layout),
  * together with its user's payload protocol (tests/test_fence.py: stamps double-buffered by
  * epoch parity). One model; every configuration and every bug variant is a set of -D flags
  * (verify/check.py lists them; verify/README.md maps each construct to the code).

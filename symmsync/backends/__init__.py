@@ -190,14 +190,15 @@ class Backend(abc.ABC):
             raise
         return chunks
 
-    def local_exchanged(self, state: Any, handles: list[Any]) -> None:  # noqa: B027 - optional hook
-        """Like :meth:`exchanged`, for :meth:`export_local`'s ``state`` (``handles[r]``: rank ``r``'s)."""
+    def local_exchanged(self, state: Any, pids: list[int]) -> None:  # noqa: B027 - optional hook
+        """Like :meth:`chunk_exchanged`, for :meth:`export_local`'s ``state``."""
 
     def forget_local(self, state: Any) -> None:  # noqa: B027 - optional hook
         """Drop what :meth:`export_local` kept (servers, retained handles); never the memory."""
 
-    def chunk_exchanged(self, chunk: Chunk, handles: list[Any]) -> None:  # noqa: B027 - optional hook
-        """Like :meth:`exchanged`, for a chunk (``handles[r]``: rank ``r``'s handles)."""
+    def chunk_exchanged(self, chunk: Chunk, pids: list[int]) -> None:  # noqa: B027 - optional hook
+        """Every rank's handles arrived: ``pids`` are the process ids of the group's ranks,
+        who may ask for ``chunk``."""
 
     def chunk_all_mapped(self, chunk: Chunk) -> None:  # noqa: B027 - optional hook
         """Like :meth:`all_mapped`, for a chunk."""

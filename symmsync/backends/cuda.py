@@ -247,24 +247,31 @@ def _unmap_when_unused(drv: Any, device: torch.device, ptr: int, state: dict) ->
         elif kind == "ipc-peer":
             drv.cuIpcCloseMemHandle(state["opened"] if "opened" in state else ptr)
         elif kind == "reservation":
-            base = state["base"]
             for chunk in state["chunks"]:
-                _release_chunk(drv, base, chunk)
-            drv.cuMemAddressFree(base, state["size"])
+                _release_chunk(drv, chunk)
+            _warn_if_failed(drv, drv.cuMemAddressFree(state["base"], state["size"]), "cuMemAddressFree")
     except Exception as e:  # noqa: BLE001 - runs from a finalizer: report, never raise
         log.warning("could not release %s memory at 0x%x: %s", kind, ptr, e)
 
 
-def _release_chunk(drv: Any, base: int, chunk: Chunk) -> None:
-    """Unmap one chunk of a reservation; release its physical memory if this rank created it."""
+def _release_chunk(drv: Any, chunk: Chunk) -> None:
+    """Unmap one chunk of a reservation (at the address it was mapped at); release its
+    physical memory if this rank created it."""
     st = chunk.state
     if st.get("released"):
         return
     st["released"] = True
-    drv.cuMemUnmap(base + chunk.offset, chunk.nbytes)
+    _warn_if_failed(drv, drv.cuMemUnmap(st["at"], chunk.nbytes), "cuMemUnmap")
     if st.get("handle") is not None:
-        drv.cuMemRelease(st["handle"])
+        _warn_if_failed(drv, drv.cuMemRelease(st["handle"]), "cuMemRelease")
     _close_exchange(st)
+
+
+def _warn_if_failed(drv: Any, result: Any, what: str) -> None:
+    """Log a failed release (it runs where nothing may raise: finalizers, error paths)."""
+    err = result[0] if isinstance(result, tuple) else result
+    if err != drv.CUresult.CUDA_SUCCESS:
+        log.warning("%s failed: %s", what, err)
 
 
 def _close_exchange(state: dict) -> None:
@@ -502,7 +509,7 @@ class CudaBackend(Backend):
         drv = self.drv
         at = self._in_reservation(mem, offset, nbytes)
         phys = check(drv.cuMemCreate(nbytes, self.prop, 0), f"cuMemCreate({nbytes} bytes)")
-        state: dict[str, Any] = {"handle": phys}
+        state: dict[str, Any] = {"handle": phys, "at": at}
         chunk = Chunk(offset=offset, nbytes=nbytes, state=state)
         try:
             self._map_at(at, nbytes, phys)
@@ -514,9 +521,9 @@ class CudaBackend(Backend):
             check(drv.cuMemsetD8(at, 0, nbytes), "cuMemsetD8")
             check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
             chunk.handle = self._export_chunk(phys, nbytes, mem.owner, state)
-        except BackendError:
+        except Exception as e:  # an OSError from the descriptor server too: nothing may stay mapped
             self.unmap_chunk(mem, chunk)
-            raise
+            raise e if isinstance(e, BackendError) else BackendError(f"exporting a chunk failed: {e}") from e
         return chunk
 
     def map_chunk(self, mem: Memory, offset: int, handle: Any) -> Chunk:
@@ -527,7 +534,7 @@ class CudaBackend(Backend):
             self._map_at(at, size, phys)
         finally:
             self.drv.cuMemRelease(phys)  # the mapping holds the memory from here on
-        chunk = Chunk(offset=offset, nbytes=size, state={})
+        chunk = Chunk(offset=offset, nbytes=size, state={"at": at})
         mem.state["chunks"].append(chunk)
         return chunk
 
@@ -536,14 +543,14 @@ class CudaBackend(Backend):
             torch.cuda.synchronize(self.device)  # no kernel may still touch it
         except RuntimeError:
             pass
-        _release_chunk(self.drv, mem.state["base"], chunk)
+        _release_chunk(self.drv, chunk)
         if chunk in mem.state["chunks"]:
             mem.state["chunks"].remove(chunk)
 
-    def chunk_exchanged(self, chunk: Chunk, handles: list[Any]) -> None:
+    def chunk_exchanged(self, chunk: Chunk, pids: list[int]) -> None:
         server = chunk.state.get("server")
         if server is not None:
-            server.expect(_pids(handles))
+            server.expect(pids)
 
     def chunk_all_mapped(self, chunk: Chunk) -> None:
         _close_exchange(chunk.state)
@@ -578,18 +585,17 @@ class CudaBackend(Backend):
             pieces = self._pieces(ptr, nbytes)
         else:
             pieces = []
-        state: dict[str, Any] = {"chunks": [], "end": known}
+        # Every retained handle is in the state before any export, so a failure releases all.
+        state: dict[str, Any] = {"chunks": [{"retained": h} for _, _, h in pieces], "end": known}
         if pieces:
             handles = []
             try:
-                for base, size, h in pieces:
-                    st: dict[str, Any] = {"retained": h}
-                    state["chunks"].append(st)
+                for (base, size, h), st in zip(pieces, state["chunks"]):
                     state["end"] = max(state["end"], base + size - ptr)
                     if base + size - ptr <= known:
                         continue  # peers mapped this chunk at an earlier call (known ends a chunk)
                     handles.append((base - ptr, self._export_chunk(h, size, owner, st)))
-            except BackendError as e:
+            except Exception as e:  # an OSError from a descriptor server too
                 self.forget_local(state)
                 raise BackendError(
                     f"{e}: the runtime's allocation cannot be exported as {self.handle_type!r}; create it with "
@@ -610,10 +616,10 @@ class CudaBackend(Backend):
         h = check(drv.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
         return [("cuda_ipc", bytes(h.reserved), ptr - base, size)], state
 
-    def local_exchanged(self, state: Any, handles: list[Any]) -> None:
+    def local_exchanged(self, state: Any, pids: list[int]) -> None:
         for st in state["chunks"]:
             if st.get("server") is not None:
-                st["server"].expect(_pids(handles))
+                st["server"].expect(pids)
 
     def forget_local(self, state: Any) -> None:
         for st in state["chunks"]:
@@ -648,14 +654,3 @@ class CudaBackend(Backend):
         mem = Memory(ptr=ptr, nbytes=nbytes, tensor=self._tensor(ptr, nbytes, state), owner=owner, state=state)
         self.extend_local(mem, handles)
         return mem
-
-
-def _pids(handles: list[Any]) -> list[int]:
-    """The process ids in every rank's posix_fd handles (``handles[r]``: rank ``r``'s list)."""
-    pids = []
-    for hs in handles:
-        for _, h in hs or ():
-            if h[0] == "posix_fd":
-                pids.append(h[4])
-                break
-    return pids

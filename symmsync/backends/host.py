@@ -265,7 +265,7 @@ class HostBackend(Backend):
         for start, end, file_offset, path in shm_mappings(ptr, nbytes):
             if end <= ptr + known:
                 continue  # peers mapped it at an earlier call
-            if start < ptr + known:  # the kernel may have merged a grown mapping with the old one
+            if known and start < ptr + known:  # the kernel may have merged a grown mapping with the old one
                 file_offset += ptr + known - start
                 start = ptr + known
             name = "/" + path[len("/dev/shm/") :]

@@ -321,6 +321,8 @@ class CacheTensors:
         m0 = main[0]
         self.block_size = m0.shape[1]
         self.num_blocks = m0.shape[0]
+        if self.block_size < 1 or self.num_blocks < 1:
+            raise ConfigError(f"CacheTensors: layer 0's main tensor holds no block, shape {tuple(m0.shape)}")
         self.main_scale, self.indexer_scale = main_scale, indexer_scale
         token = MainKVLayout.TOKEN_BYTES
         need = self.block_size * IndexerKLayout.TOKEN_BYTES
@@ -332,7 +334,7 @@ class CacheTensors:
                     f"{where}: main must be [{self.num_blocks}, {self.block_size}, {token}] with each token's "
                     f"bytes contiguous, got shape {tuple(m.shape)} strides {m.stride()}"
                 )
-            if x.shape[0] != self.num_blocks or x.shape[1] < need or x.stride(1) != 1:
+            if x.shape[0] != self.num_blocks or x.shape[1] < need or x.stride(1) != 1 or x.stride(0) < need:
                 raise ConfigError(
                     f"{where}: indexer must be [{self.num_blocks}, >= {need}] (block_size * 132 bytes per block), "
                     f"got shape {tuple(x.shape)} strides {x.stride()}"
