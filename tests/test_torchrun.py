@@ -40,6 +40,15 @@ def torchrun(script, *args, nproc=2, timeout=300, env=None):
     return subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout)
 
 
+def test_the_runtime_cache_example_runs_under_torchrun():
+    # A runtime's registered, growable cache in a plain torchrun job (examples/05_runtime_cache.py).
+    proc = torchrun("examples/05_runtime_cache.py")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in (0, 1):  # one pipe for both ranks: look for each line, in any order
+        assert f"rank {r}: 2 layers x 2 batches, in blocks from before and after the grow: OK" in proc.stdout
+        assert f"rank {r}: the cache grew from 3 to 16 blocks" in proc.stdout
+
+
 def _job_section() -> str:
     text = (ROOT / "examples" / "torchrun_job.py").read_text()
     return text.split("# --8<-- [start:job]\n")[1].split("# --8<-- [end:job]")[0]
