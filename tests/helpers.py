@@ -169,3 +169,24 @@ def pcp_graph_replay(route, fused, replays, tp=1):
     epoch = writer.fence.epoch if writer.fence is not None else None
     buf.close()
     return ok, epoch
+
+
+# ---------------------------------------------------------------------- planted failures
+def grow_with_a_planted_failure(buf, nbytes: int, step: str = "map_chunk", failing_rank: int = 1) -> str | None:
+    """``buf.grow(nbytes)`` with the backend's ``step`` raising on ``failing_rank``; the
+    message of the :class:`~symmsync.BackendError` every rank must raise (``None`` if none did)."""
+    be = buf._data.backend
+    real = getattr(be, step)
+
+    def fail(*a, **k):
+        raise OSError("planted failure")
+
+    if buf.rank == failing_rank:
+        setattr(be, step, fail)
+    try:
+        buf.grow(nbytes)
+        return None
+    except ss.BackendError as e:
+        return str(e)
+    finally:
+        setattr(be, step, real)

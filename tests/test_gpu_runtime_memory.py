@@ -10,6 +10,7 @@ after a grow; the device's free memory before and after many cycles.
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import grow_with_a_planted_failure
 
 import symmsync as ss
 from symmsync.runtime_alloc import CudaCacheAllocator
@@ -143,20 +144,7 @@ def test_torch_allocator_memory_registers(alloc_conf):
 def grow_fails_on_one_rank():
     buf = ss.SymmetricBuffer(4 * MIB, backend="cuda", max_nbytes=64 * MIB)
     me, peer = buf.rank, 1 - buf.rank
-    be = buf._data.backend
-    real = be.map_chunk
-    if me == 1:
-
-        def fail(*a, **k):
-            raise OSError("planted failure")
-
-        be.map_chunk = fail
-    try:
-        buf.grow(32 * MIB)
-        msg = None
-    except ss.BackendError as e:
-        msg = str(e)
-    be.map_chunk = real
+    msg = grow_with_a_planted_failure(buf, 32 * MIB)
     size = buf.nbytes
     buf.grow(32 * MIB)
     buf.tensor(20 * MIB, (16,), torch.int32, rank=peer).fill_(3 + me)

@@ -12,6 +12,7 @@ import oracles
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import grow_with_a_planted_failure
 
 import symmsync as ss
 from symmsync import pcp
@@ -93,21 +94,8 @@ def planted_failure(failing_rank: int, step: str):
     me, peer = buf.rank, 1 - buf.rank
     _stamp(buf, 0, 4, 7 + me, peer)
     dist.barrier()
-    be = buf._data.backend
-    real = getattr(be, step)
-    if me == failing_rank:
-
-        def fail(*a, **k):
-            raise OSError("planted failure")
-
-        setattr(be, step, fail)
     before = _maps_lines()
-    try:
-        buf.grow(512 * KIB)
-        msg = None
-    except ss.BackendError as e:
-        msg = str(e)
-    setattr(be, step, real)
+    msg = grow_with_a_planted_failure(buf, 512 * KIB, step, failing_rank)
     after = _maps_lines()
     kept = buf.nbytes, buf.tensor(0, (4,), torch.int32).tolist()
     try:
@@ -345,20 +333,7 @@ def registered_grow_fails_on_one_rank():
     rt.commit(1)
     buf = ss.SymmetricBuffer.register(rt.base, 64 * KIB, max_nbytes=1 << 20, device="cpu")
     rt.commit(2)
-    be = buf._data.backend
-    real = be.map_chunk
-    if me == 1:
-
-        def fail(*a, **k):
-            raise OSError("planted failure")
-
-        be.map_chunk = fail
-    try:
-        buf.grow(192 * KIB)
-        msg = None
-    except ss.BackendError as e:
-        msg = str(e)
-    be.map_chunk = real
+    msg = grow_with_a_planted_failure(buf, 192 * KIB)
     size = buf.nbytes
     buf.grow(192 * KIB)  # the retry maps what the failed grow did not
     _stamp(buf, 150 * KIB, 4, 60 + me, peer)
