@@ -344,12 +344,7 @@ class CudaBackend(Backend):
         drv = self.drv
         ptr = check(drv.cuMemAddressReserve(size, self.granularity, 0, 0), "cuMemAddressReserve")
         try:
-            check(drv.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")
-            try:
-                check(drv.cuMemSetAccess(ptr, size, [self.access], 1), "cuMemSetAccess")
-            except BackendError:
-                drv.cuMemUnmap(ptr, size)
-                raise
+            self._map_at(int(ptr), size, handle)
         except BackendError:
             drv.cuMemAddressFree(ptr, size)
             raise

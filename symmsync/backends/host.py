@@ -145,6 +145,22 @@ def _new_segment(rank: int, nbytes: int, place: Any) -> tuple[str, Any]:
         os.close(fd)
 
 
+def _open_segment(name: str, owner: int, need: int, place: Any) -> Any:
+    """Open rank ``owner``'s segment ``name``, check it holds ``need`` bytes, map it with
+    ``place(fd)``; return what ``place`` gave."""
+    try:
+        fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
+    except OSError as e:
+        raise BackendError(f"could not open rank {owner}'s segment {name}: {e}") from e
+    try:
+        size = os.fstat(fd).st_size
+        if size < need:
+            raise BackendError(f"rank {owner}'s segment {name} holds {size} bytes, expected {need}")
+        return place(fd)
+    finally:
+        os.close(fd)
+
+
 def _as_tensor(mm: mmap.mmap) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # frombuffer warns on writable buffers; we want writes
@@ -167,17 +183,7 @@ class HostBackend(Backend):
 
     def import_handle(self, handle: tuple[str, int], owner: int) -> Memory:
         name, nbytes = handle
-        try:
-            fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
-        except OSError as e:
-            raise BackendError(f"could not open rank {owner}'s segment {name}: {e}") from e
-        try:
-            size = os.fstat(fd).st_size
-            if size < nbytes:
-                raise BackendError(f"rank {owner}'s segment {name} holds {size} bytes, expected {nbytes}")
-            mm = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
+        mm = _open_segment(name, owner, nbytes, lambda fd: mmap.mmap(fd, nbytes))
         t = _as_tensor(mm)
         return Memory(ptr=t.data_ptr(), nbytes=nbytes, tensor=t, owner=owner, state={"name": None, "mmap": mm})
 
@@ -233,17 +239,9 @@ class HostBackend(Backend):
     def map_chunk(self, mem: Memory, offset: int, handle: Any) -> Chunk:
         name, nbytes = handle[0], handle[1]
         file_offset = handle[2] if len(handle) > 2 else 0
-        try:
-            fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
-        except OSError as e:
-            raise BackendError(f"could not open rank {mem.owner}'s segment {name}: {e}") from e
-        try:
-            size = os.fstat(fd).st_size
-            if size < file_offset + nbytes:
-                raise BackendError(f"rank {mem.owner}'s segment {name} holds {size} bytes, expected {nbytes}")
-            self._map_segment(mem, offset, nbytes, fd, file_offset)
-        finally:
-            os.close(fd)
+        _open_segment(
+            name, mem.owner, file_offset + nbytes, lambda fd: self._map_segment(mem, offset, nbytes, fd, file_offset)
+        )
         chunk = Chunk(offset=offset, nbytes=nbytes, state={"name": None})
         mem.state["chunks"].append(chunk)
         return chunk
