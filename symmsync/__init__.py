@@ -36,7 +36,7 @@ from .errors import (  # noqa: E402
     ViewError,
 )
 from .fence import Fence  # noqa: E402
-from .group import TP_PCP_ORDER, PeerView, pcp_view, tp_pcp_ranks, tp_view  # noqa: E402
+from .views import TP_PCP_ORDER, PeerView, pcp_view, tp_pcp_ranks, tp_view  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -8,7 +8,7 @@ of base addresses (:attr:`SymmetricBuffer.ptrs`).
 Each rank's allocation is laid out as::
 
     [0, nbytes)                  the user region: what tensor() and kernels address
-    [signal_base, + signal_size) signal cells of the peer views' fences (see group.py)
+    [signal_base, + signal_size) signal cells of the peer views' fences (see views.py)
 
 so user offsets are the same on every rank and never touch a fence's slots. A
 growable buffer (``max_nbytes``) reserves address space for ``max_nbytes`` and keeps
@@ -35,7 +35,7 @@ from .cells import LINE, SignalLayout, round_up
 from .checks import check_index, int_problem, is_int, positive_int_problem, require
 from .collective import barrier, gather, plain, raise_first, ranks_text, same
 from .errors import CLOSED_REASON, BackendError, BoundsError, ClosedError, ConfigError, SizeMismatchError
-from .group import PeerView, create_view
+from .views import PeerView, create_view
 
 ALIGN = 16  #: every tensor view starts on a multiple of this many bytes
 
@@ -871,7 +871,7 @@ class SymmetricBuffer:
         A collective over the buffer's group: every rank calls it, each with the rank
         list of its own subgroup, in the same order on every member. Subgroups may be
         disjoint (TP×PCP) or nested; each view gets its own signal region. The same as
-        :func:`symmsync.group.create_view`, where views are made.
+        :func:`symmsync.views.create_view`, where views are made.
         """
         self._check_open("view")
         view = create_view(self, ranks)

@@ -45,7 +45,7 @@ from . import cells
 from . import language as ssl
 from .checks import require
 from .errors import CLOSED_REASON, BackendError, ClosedError, FenceTimeout, PeerAborted
-from .group import PeerView, warm_abort
+from .views import PeerView, warm_abort
 from .launch import Launcher, cu_stream, current_stream
 
 #: Largest wait budget, in seconds (about 31 years; the kernel counts int64 nanoseconds).

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     from triton.compiler import ASTSource
     import symmsync.language as ssl
     from symmsync import fence as F
-    from symmsync import group as G
+    from symmsync import views as G
 
     assert not ssl.INTERPRETED
 

@@ -54,7 +54,7 @@ from .quant import (
 )
 
 if TYPE_CHECKING:
-    from ..group import PeerView
+    from ..views import PeerView
 
 ROUTES = ("direct", "allgather")
 
