@@ -1,7 +1,7 @@
 /*
  * symmsync's epoch fence, as the code implements it (symmsync/language.py: publish, pending,
  * wait, publish_and_wait; symmsync/fence.py: Fence.fence / arrive / wait; symmsync/cells.py: the cell layout),
- * together with its user's payload protocol (tests/test_fence.py: stamps double-buffered by
+ * together with its user's payload protocol (tests/core/test_fence.py: stamps double-buffered by
  * epoch parity). One model; every configuration and every bug variant is a set of -D flags
  * (verify/check.py lists them; verify/README.md maps each construct to the code).
  *
@@ -155,7 +155,7 @@ bit gaveup[NV * VS];          /* the member's wait timed out; it never goes on *
 proctype Member(byte v; byte i) {
     byte c = CELL(v);
     byte g = G(v, i);
-    byte k = 0;   /* the user's fence counter (tests/test_fence.py: the loop's e) */
+    byte k = 0;   /* the user's fence counter (tests/core/test_fence.py: the loop's e) */
     byte e = 0;   /* the epoch the wait targets */
     byte q = 0;
 #if defined(CRASH) || defined(ABORT)

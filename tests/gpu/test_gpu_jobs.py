@@ -2,7 +2,7 @@
 
 Run on a machine with 2 NVIDIA GPUs (skipped elsewhere):
 
-    PYTHONPATH=$PWD python3 -m pytest -m gpu tests/test_gpu_jobs.py -v
+    PYTHONPATH=$PWD python3 -m pytest -m gpu tests/gpu/test_gpu_jobs.py -v
 """
 
 import os
@@ -17,7 +17,7 @@ import torch
 import symmsync as ss
 from symmsync.testing import run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.gpu
 WORLD = 2
 

@@ -1,4 +1,4 @@
-"""The model-checked fence protocol (verify/fence.pml, issue 10): every correct configuration
+"""The model-checked fence protocol (verify/fence.pml): every correct configuration
 verifies exhaustively with 0 errors, and every known-bug variant yields its counterexample.
 
 Runs the same checks as ``make verify`` (verify/check.py). Needs Spin and gcc; without them the
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("symmsync_verify_check", ROOT / "verify" / "check.py")
 check = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = check  # dataclasses look their module up there

@@ -18,9 +18,9 @@ import torch.distributed as dist
 import symmsync as ss
 from symmsync.testing import run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
-# The issue's three lines, on 2 ranks, with a tensor over the peer's memory too.
+# Three lines a user writes (a tensor kept past close()), on 2 ranks, with a tensor over the peer's memory too.
 KEPT_PAST_CLOSE = """
 import torch
 import symmsync as ss

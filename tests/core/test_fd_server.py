@@ -20,7 +20,7 @@ import pytest
 from symmsync import BackendError
 from symmsync.backends.cuda import _FdServer, _receive_fd
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONTENT = b"the memory of rank 0"
 
 # A process that asks the server for the descriptor `tries` times and prints what it got:

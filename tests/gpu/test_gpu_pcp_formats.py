@@ -8,7 +8,7 @@
   of dividing: equal for every fp32 ``x`` and every scale the formats produce.
 
 Every format's bytes, on both routes, are checked on 2 GPUs by
-tests/test_pcp_formats.py (its ``backend`` fixture runs the host case and the GPU case).
+tests/pcp/test_pcp_formats.py (its ``backend`` fixture runs the host case and the GPU case).
 """
 
 import pytest

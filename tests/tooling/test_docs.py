@@ -1,7 +1,7 @@
 """The documentation cannot show code that does not run.
 
 Every ```python block in docs/ is either an include of a file (or a marked section of
-one) under examples/, which tests/test_examples.py runs, or is titled as a fragment
+one) under examples/, which tests/tooling/test_examples.py runs, or is titled as a fragment
 that is not run. Every include resolves, and every numbered example appears on a page.
 `make docs` (mkdocs build --strict) checks links and references.
 """
@@ -9,7 +9,7 @@ that is not run. Every include resolves, and every numbered example appears on a
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted((ROOT / "docs").rglob("*.md"))
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```python(?P<info>[^\n]*)\n(?P<body>.*?)^(?P=indent)```", re.S | re.M)
 INCLUDE = re.compile(r'^--8<-- "(?P<path>[^":]+)(?::(?P<section>[a-z][-_0-9a-z]*))?"$')

@@ -3,7 +3,7 @@
 Marker ``gpu``; skipped with the reason where fewer than 4 GPUs exist. Run with
 ``make test-gpu`` on a 4-GPU machine (docs/gpu.md), which also runs the ``cuda`` cases at
 world 4 of the host tests that take the ``backend`` fixture (the exchange of
-tests/test_buffer.py, ...). The same behaviours run with 4 processes on the host backend
+tests/core/test_buffer.py, ...). The same behaviours run with 4 processes on the host backend
 in the rest of the suite.
 """
 

@@ -84,7 +84,7 @@ def test_pcp2_every_replica_is_byte_identical_to_allgather_insert_and_to_torch(b
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["pcp4", "tp2xpcp2"])
 def test_at_world_4_every_replica_is_byte_identical_to_allgather_insert_and_to_torch(tp):
-    # On 4 GPUs: tests/test_gpu4.py.
+    # On 4 GPUs: tests/gpu/test_gpu_four.py.
     assert_byte_oracle(run(byte_oracle, 4, tp, 150, 2, 11, timeout_s=600), 2)
 
 

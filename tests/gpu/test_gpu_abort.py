@@ -1,4 +1,4 @@
-"""Failures reach every member at once on 2 GPUs (issue 17, item 5): eager and in CUDA-graph replay.
+"""Failures reach every member at once on 2 GPUs : eager and in CUDA-graph replay.
 
 A rank that aborts (or closes its buffer) while its peer's fence kernel waits: the
 peer's kernel sees the abort flag within a poll, copies the aborting rank's reason into

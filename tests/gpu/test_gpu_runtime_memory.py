@@ -1,6 +1,6 @@
 """Growable buffers and runtime-registered memory on 2 GPUs.
 
-A runtime-like allocator (tests/cuda_runtime.py: reserve, commit chunks with a POSIX
+A runtime-like allocator (symmsync/runtime_alloc.py: reserve, commit chunks with a POSIX
 file-descriptor handle type, map) and torch's own allocators, the default one (CUDA
 IPC) and ``expandable_segments:True`` (VMM chunks). Oracles: bytes stamped by the
 peer, read back by the owner through its own address; address tables before and

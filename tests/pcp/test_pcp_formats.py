@@ -4,7 +4,7 @@ The references (tests/oracles.py) are plain torch, written from the rules in
 docs/pcp.md ("Cache formats"), and share no code with ``symmsync.pcp.quant``. The
 writer runs for every combination of formats on every route, on the host backend (2
 ranks, Triton's interpreter) and on 2 GPUs where they exist (the ``backend``
-fixture; tests/test_gpu_pcp_formats.py checks the GPU's fp8 conversion itself). Every
+fixture; tests/gpu/test_gpu_pcp_formats.py checks the GPU's fp8 conversion itself). Every
 replica, its padding and its untouched slots are compared byte for byte; the
 all-gather route is a second oracle.
 """

@@ -1,4 +1,4 @@
-"""Failures reach every member at once (issue 17, item 5), on the host backend.
+"""Failures reach every member at once , on the host backend.
 
 A rank that gives up marks an abort flag in its slot at every member; a member
 waiting for an epoch that rank never published raises ``PeerAborted`` naming it and

@@ -3,7 +3,7 @@
 Every numbered example (``examples/NN_*.py``, the tutorials' code, found by a glob so
 that a new one cannot be forgotten) runs on the host backend here, and with
 ``--backend cuda`` in the GPU suite; each must print the lines below. The main demo
-runs with its defaults and as TP×PCP. tests/test_torchrun.py runs them under torchrun,
+runs with its defaults and as TP×PCP. tests/tooling/test_torchrun.py runs them under torchrun,
 and the plain torchrun program (``examples/torchrun_job.py``, not numbered: it is no
 tutorial step) that the landing page and the README show.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NUMBERED = sorted(ROOT.glob("examples/[0-9][0-9]_*.py"))
 
 # What each numbered example prints on 2 ranks, on every backend. Each example checks

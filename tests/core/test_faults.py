@@ -1,0 +1,357 @@
+"""Reliability under faults on the host backend: processes that die or close, and a soak.
+
+* a rank killed in the middle of a run of fences: every other rank raises
+  ``FenceTimeout`` naming it within the fence's budget, and ``/dev/shm`` is clean;
+  a rank killed while the buffer is being built: the others raise ``BackendError``;
+* a rank that exits before ``close()`` (the others time out: it never arrived), and one
+  that closes while the others fence (they raise ``PeerAborted`` saying "closed" at once);
+* 10 000 fences at world 4 with seeded random delays between payload writes and
+  fences, checked by the payload oracle (and the same run without the wait, which the
+  oracle must catch);
+(Bad input, fuzzed: tests/core/test_fuzz.py.)
+
+Ranks that kill themselves are named in ``testing.run(..., may_die=...)``, so the
+survivors run on and report.
+"""
+
+import glob
+import os
+import random
+import secrets
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import symmsync as ss
+from symmsync.testing import Died, run
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux's /dev/shm view of POSIX shm")
+
+
+def _segments(prefix: str) -> list[str]:
+    return sorted(glob.glob(f"/dev/shm/{prefix}-*"))
+
+
+def _wait_for_segments(prefix: str, want, budget_s: float = 10.0) -> list[str]:
+    """/dev/shm's segments of ``prefix`` once they match ``want`` (a predicate), or at the deadline."""
+    deadline = time.monotonic() + budget_s
+    left = _segments(prefix)
+    while not want(left) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = _segments(prefix)
+    return left
+
+
+def _fenced_payload(budget):
+    """A host buffer, the world view, a fence of ``budget`` s, this rank's index and the payload
+    (``[2, size]`` int64 per member, double-buffered by epoch parity) as tensors over every member."""
+    buf = ss.SymmetricBuffer(4096, backend="host")
+    view = buf.view(list(range(buf.world_size)))
+    fence = ss.Fence(view, timeout_s=budget)
+    peers = [view.tensor(0, (2, view.size), torch.int64, index=p) for p in range(view.size)]
+    return buf, view, fence, view.local_index, peers
+
+
+def _stamp_all(peers, me, e):
+    # The payload oracle, written with torch through the mapped peer tensors:
+    # slot [e % 2][me] of every member holds 1000 e + me.
+    for p in peers:
+        p[e % 2, me] = 1000 * e + me
+
+
+def _wrong(mine, e):
+    want = torch.arange(mine.shape[1], dtype=torch.int64) + 1000 * e
+    return int((mine[e % 2] != want).sum())
+
+
+# ---------------------------------------------------------------------- a rank killed mid-run
+def killed_mid_run(victim, kill_at, n, budget):
+    prefix = os.environ["SYMMSYNC_SHM_PREFIX"]
+    buf, view, fence, me, peers = _fenced_payload(budget)
+    wrong = 0
+    for e in range(1, n + 1):
+        if buf.rank == victim and e == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        _stamp_all(peers, me, e)
+        t0 = time.monotonic()
+        try:
+            fence.fence()
+        except ss.FenceTimeout as err:
+            elapsed = time.monotonic() - t0
+            # The dead rank's memory stays mapped here: reading it must not crash, and it
+            # holds what the dead rank wrote last (its stamp of epoch kill_at - 1).
+            dead = buf.tensor(0, (2, view.size), torch.int64, rank=victim)[(e - 1) % 2, victim].item()
+            left = _segments(prefix)
+            buf.close()
+            return {
+                "epoch": e,
+                "elapsed": elapsed,
+                "late": err.late,
+                "err_epoch": err.epoch,
+                "msg": str(err),
+                "wrong": wrong,
+                "dead": dead,
+                "left": left,
+            }
+        wrong += _wrong(peers[me], e)
+    return "no timeout"
+
+
+def test_a_rank_killed_mid_run_makes_every_other_rank_time_out_naming_it():
+    seed = secrets.randbits(32)
+    world, victim, n, budget = 4, 2, 30, 3.0
+    kill_at = random.Random(seed).randint(2, n - 1)
+    t0 = time.monotonic()
+    results = run(killed_mid_run, world, victim, kill_at, n, budget, timeout_s=120, may_die=[victim])
+    ctx = f"seed={seed} kill_at={kill_at}"
+    assert results[victim] == Died(victim, -signal.SIGKILL), ctx
+    for rank, r in enumerate(results):
+        if rank == victim:
+            continue
+        assert isinstance(r, dict), (ctx, r)
+        assert r["epoch"] == r["err_epoch"] == kill_at, (ctx, r)
+        assert r["late"] == {victim: kill_at - 1}, (ctx, r)
+        assert f"rank {victim} (its slot holds epoch {kill_at - 1})" in r["msg"], (ctx, r["msg"])
+        assert budget <= r["elapsed"] < budget + 5, (ctx, r["elapsed"])
+        assert r["wrong"] == 0 and r["dead"] == 1000 * (kill_at - 1) + victim, (ctx, r)
+        assert r["left"] == [], (ctx, r["left"])
+    assert time.monotonic() - t0 < 90
+
+
+# ---------------------------------------------------------------------- killed while the buffer is built
+def killed_while_building(victim, stage):
+    from symmsync.backends import host
+
+    prefix = os.environ["SYMMSYNC_SHM_PREFIX"]
+    if dist.get_rank() == victim:
+        # Die after allocating: before sending the segment's name, or while mapping the peers.
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        setattr(host.HostBackend, {"before_exchange": "export_handle", "while_mapping": "import_handle"}[stage], die)
+    t0 = time.monotonic()
+    try:
+        ss.SymmetricBuffer(1 << 14, backend="host")
+    except ss.SymmSyncError as e:
+        elapsed = time.monotonic() - t0
+        mine = f"/dev/shm/{prefix}-{dist.get_rank()}-"
+        left = _wait_for_segments(prefix, lambda ls: not any(s.startswith(mine) for s in ls) and len(ls) <= 1)
+        return type(e).__name__, str(e), elapsed, left
+    return "built"
+
+
+@pytest.mark.parametrize("stage", ["before_exchange", "while_mapping"])
+def test_a_rank_killed_while_the_buffer_is_built(stage):
+    """Every other rank raises BackendError at once. What stays in /dev/shm: nothing once
+    the names were exchanged (the survivors unlink a dead peer's name); before that only
+    the dead rank knew its name, and its segment stays until ``testing.run`` (or whoever
+    owns the job's SYMMSYNC_SHM_PREFIX) removes it."""
+    prefix = f"symmsync-faults{secrets.token_hex(4)}"
+    victim = 1
+    results = run(
+        killed_while_building,
+        3,
+        victim,
+        stage,
+        timeout_s=120,
+        may_die=[victim],
+        env={"SYMMSYNC_SHM_PREFIX": prefix},
+    )
+    assert results[victim] == Died(victim, -signal.SIGKILL)
+    for rank in (0, 2):
+        kind, msg, elapsed, left = results[rank]
+        assert kind == "BackendError", msg
+        assert f"rank {rank}:" in msg and "died" in msg, msg
+        assert elapsed < 30
+        if stage == "while_mapping":
+            assert left == [], left
+        else:
+            assert len(left) == 1 and left[0].startswith(f"/dev/shm/{prefix}-{victim}-"), left
+    assert _segments(prefix) == []  # testing.run removed the dead rank's leftover
+
+
+# ---------------------------------------------------------------------- exit before close()
+def exits_before_close(leaver, at, how, budget):
+    prefix = os.environ["SYMMSYNC_SHM_PREFIX"]
+    buf, view, fence, me, peers = _fenced_payload(budget)
+    for e in range(1, at + 1):
+        _stamp_all(peers, me, e)
+        fence.fence()
+    if buf.rank == leaver:
+        if how == "os._exit":
+            os._exit(0)  # no close(), no finalizer, no atexit
+        return "left"  # no close(): the process ends with the buffer still open
+    t0 = time.monotonic()
+    try:
+        fence.fence()
+    except ss.FenceTimeout as err:
+        elapsed = time.monotonic() - t0
+        last = buf.tensor(0, (2, view.size), torch.int64, rank=leaver)[at % 2, leaver].item()
+        left = _segments(prefix)
+        buf.close()
+        return {"late": err.late, "elapsed": elapsed, "last": last, "left": left}
+    return "no timeout"
+
+
+@pytest.mark.parametrize("how", ["return", "os._exit"])
+def test_a_rank_that_exits_before_close_leaves_nothing_and_hangs_nobody(how):
+    world, leaver, at, budget = 3, 0, 5, 2.0
+    results = run(exits_before_close, world, leaver, at, how, budget, timeout_s=120, may_die=[leaver])
+    assert results[leaver] == ("left" if how == "return" else Died(leaver, 0))
+    for rank in (1, 2):
+        r = results[rank]
+        assert isinstance(r, dict), r
+        assert r["late"] == {leaver: at} and budget <= r["elapsed"] < budget + 5, r
+        assert r["last"] == 1000 * at + leaver and r["left"] == [], r
+
+
+# ---------------------------------------------------------------------- close() while the others fence
+def closes_while_others_fence(closer, at, budget):
+    buf, view, fence, me, peers = _fenced_payload(budget)
+    for e in range(1, at + 1):
+        _stamp_all(peers, me, e)
+        fence.fence()
+    if buf.rank == closer:
+        buf.close()
+        closed_at = time.time()
+        out = {"closed_at": closed_at}
+        for name, call in {
+            "fence": fence.fence,
+            "arrive": fence.arrive,
+            "epoch": lambda: fence.epoch,
+            "tensor": lambda: buf.tensor(0, (1,), torch.int64),
+        }.items():
+            try:
+                call()
+                out[name] = "no error"
+            except ss.SymmSyncError as e:
+                out[name] = (type(e).__name__, str(e))
+        dist.barrier()  # closed: now the peers read this rank's memory ...
+        dist.barrier()  # ... while it is still alive
+        return out
+    t0 = time.monotonic()
+    try:
+        fence.fence()
+    except ss.FenceTimeout as err:
+        elapsed = time.monotonic() - t0
+        dist.barrier()  # the closer's close() has returned
+        read_at = time.time()
+        # The closer unmapped its own memory; this rank's mapping of it stays valid.
+        seen = buf.tensor(0, (2, view.size), torch.int64, rank=closer).clone()
+        mark = buf.tensor(256 + 16 * buf.rank, (1,), torch.int64, rank=closer)  # and writable
+        mark.fill_(-1 - buf.rank)
+        again = buf.tensor(256 + 16 * buf.rank, (1,), torch.int64, rank=closer).item()
+        buf.close()
+        dist.barrier()
+        return {
+            "type": type(err).__name__,
+            "late": err.late,
+            "aborted": err.aborted,
+            "msg": str(err),
+            "elapsed": elapsed,
+            "read_at": read_at,
+            "seen": seen[at % 2].tolist(),
+            "again": again,
+        }
+    dist.barrier()
+    dist.barrier()
+    return "no timeout"
+
+
+def test_close_while_others_fence_fails_them_at_once_saying_closed_and_crashes_nobody():
+    world, closer, at, budget = 3, 1, 4, 60.0  # a missed abort would show as a minute
+    results = run(closes_while_others_fence, world, closer, at, budget, timeout_s=120)
+    c = results[closer]
+    for name in ("fence", "arrive", "epoch", "tensor"):
+        assert c[name][0] == "ClosedError" and f"rank {closer}" in c[name][1], (name, c[name])
+    for rank in (0, 2):
+        r = results[rank]
+        assert isinstance(r, dict), r
+        assert r["type"] == "PeerAborted" and r["elapsed"] < 1.0, r
+        assert r["aborted"] == {closer: "closed"}, r
+        assert set(r["late"]) <= {0, 2} - {rank}, r  # the other survivor may be on its way; the closer never
+
+        assert f"rank {closer} closed its buffer (its slot holds epoch {at})" in r["msg"], r["msg"]
+        assert r["read_at"] > c["closed_at"]
+        assert r["seen"] == [1000 * at + m for m in range(world)] and r["again"] == -1 - rank, r
+
+
+# ---------------------------------------------------------------------- testing.run(may_die=...)
+def dies_or_returns(code):
+    rank = dist.get_rank()
+    if rank == 1:
+        os._exit(code)
+    if rank == 2:
+        return "returned anyway"
+    time.sleep(3)  # still running when rank 1 dies: the run goes on
+    return f"rank {rank} done"
+
+
+def raises_on_rank_1():
+    if dist.get_rank() == 1:
+        raise ValueError("planted failure on a rank that may die")
+    time.sleep(60)
+
+
+def test_may_die_lets_the_others_finish_and_still_fails_on_anything_else():
+    results = run(dies_or_returns, 3, 5, may_die=[1, 2], timeout_s=90)
+    assert results == ["rank 0 done", Died(1, 5), "returned anyway"]
+    t0 = time.monotonic()
+    with pytest.raises(ss.RankFailure, match="planted failure on a rank that may die"):
+        run(raises_on_rank_1, 2, may_die=[1], timeout_s=90)
+    assert time.monotonic() - t0 < 45
+    with pytest.raises(ss.ConfigError, match="may_die"):
+        run(dies_or_returns, 2, 0, may_die=[2])
+
+
+# ---------------------------------------------------------------------- 10 000 fences with random delays
+SOAK_FENCES = 10_000
+
+
+def soak(n, seed, wait=True):
+    """``n`` real fences with the payload oracle, written with torch through the mapped peer
+    tensors (the interpreted stamp kernel would double the run time); seeded random delays
+    before the payload writes and between them and the fence. ``wait=False``: arrive only."""
+    buf, view, fence, me, peers = _fenced_payload(60)
+    rng = random.Random(seed * 1009 + buf.rank)
+    wrong = delays = 0
+    t0 = time.monotonic()
+    for e in range(1, n + 1):
+        if rng.random() < 0.02:
+            time.sleep(rng.uniform(0, 0.004))
+            delays += 1
+        _stamp_all(peers, me, e)
+        if rng.random() < 0.02:
+            time.sleep(rng.uniform(0, 0.004))
+            delays += 1
+        if wait:
+            fence.fence()
+        else:
+            fence.arrive()
+        wrong += _wrong(peers[me], e)
+    elapsed = time.monotonic() - t0
+    epoch = fence.epoch
+    dist.barrier()
+    buf.close()
+    return {"wrong": wrong, "epoch": epoch, "delays": delays, "elapsed": elapsed}
+
+
+def test_ten_thousand_fences_with_random_delays_read_no_stale_payload():
+    seed = secrets.randbits(32)
+    t0 = time.monotonic()
+    results = run(soak, 4, SOAK_FENCES, seed, timeout_s=590)
+    wall = time.monotonic() - t0
+    print(f"soak: {SOAK_FENCES} fences x 4 ranks in {wall:.1f} s (seed {seed}): {results}")
+    for rank, r in enumerate(results):
+        assert r["epoch"] == SOAK_FENCES, (seed, rank, r)
+        assert r["wrong"] == 0, f"seed {seed}: rank {rank} read {r['wrong']} stale payload slots"
+        assert r["delays"] > 0, (seed, rank, r)
+
+
+def test_the_soak_oracle_bites_without_the_wait():
+    seed = secrets.randbits(32)
+    results = run(soak, 4, 200, seed, False, timeout_s=120)
+    assert sum(r["wrong"] for r in results) > 0, f"seed {seed}: {results}"
