@@ -1,15 +1,12 @@
 """The kinds of memory a :class:`~symmsync.SymmetricBuffer` holds, and the steps that map them.
 
-A buffer's memory is one of four kinds, chosen at construction, each one object:
+A buffer's memory is one of four kinds, chosen at construction, each one object::
 
-================  ====================  ===========================  ===================  ==================
-kind              who owns the bytes    where the signal cells live  what ``grow`` does   what close releases
-================  ====================  ===========================  ===================  ==================
-:class:`Allocated`  symmsync            after the user region        (cannot grow)        every mapping
-:class:`Growable`   symmsync            after the reservation        commits, maps chunks every mapping
-:class:`Adopted`    the runtime         tail, or apart               (cannot grow)        symmsync's cells
-:class:`Registered` the runtime         apart                        maps what it grew by the peers' mappings
-================  ====================  ===========================  ===================  ==================
+    kind         the bytes are   the signal cells live      grow                   close releases
+    Allocated    symmsync's      after the user region      (cannot grow)          every mapping
+    Growable     symmsync's      after the reservation      commits, maps chunks   every mapping
+    Adopted      the runtime's   at its tail, or apart      (cannot grow)          symmsync's cells only
+    Registered   the runtime's   apart                      maps what it grew by   the peers' mappings, the cells
 
 Every step that maps memory on every rank is a step of one
 :class:`~symmsync.collective.Transaction`: all or nothing, the same
