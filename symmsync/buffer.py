@@ -15,14 +15,14 @@ growable buffer (``max_nbytes``) reserves address space for ``max_nbytes`` and k
 its cells after that reservation's user part, so growing never moves them. Memory a
 runtime registers (:meth:`SymmetricBuffer.register`) holds only the runtime's bytes:
 the cells then live in a small allocation of symmsync's own, addressed through
-:attr:`SymmetricBuffer.signal_ptrs`.
+:attr:`SymmetricBuffer.signal_ptrs`. Each of these kinds of memory is one object of
+:mod:`symmsync.memory`, which also holds the collective steps that map them.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-import os
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -30,50 +30,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import backends
-from .cells import LINE, SignalLayout, round_up
+from . import backends, memory
+from .cells import LINE, SignalLayout
 from .checks import check_index, int_problem, is_int, positive_int_problem, require
-from .collective import barrier, gather, plain, raise_first, ranks_text, same
-from .errors import CLOSED_REASON, BackendError, BoundsError, ClosedError, ConfigError, SizeMismatchError
+from .collective import gather, plain, raise_first, same
+from .errors import CLOSED_REASON, BoundsError, ClosedError, ConfigError, SizeMismatchError
 from .views import PeerView, create_view
 
 ALIGN = 16  #: every tensor view starts on a multiple of this many bytes
 
 __all__ = ["ALIGN", "SignalLayout", "SymmetricBuffer"]
-
-
-def _problem_text(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
-class _Shared:
-    """One backend's memory of every rank, as mapped on this rank: its own, and each peer's."""
-
-    def __init__(self, backend: backends.Backend, world: int):
-        self.backend = backend
-        self.own: backends.Memory | None = None
-        self.peers: list[backends.Memory | None] = [None] * world
-        self.local_state: Any = None  #: what export_local kept (registered memory)
-
-    def release(self) -> None:
-        """Unmap the peers, release (or, registered, only forget) this rank's memory. Idempotent."""
-        be, own = self.backend, self.own
-        for i, m in enumerate(self.peers):
-            if m is not None and m is not own:
-                self.peers[i] = None
-                be.release(m)
-        self.peers = [None] * len(self.peers)
-        if own is not None and own.tensor is not None:
-            be.release(own)
-        self.own = None
-        if self.local_state is not None:
-            state, self.local_state = self.local_state, None
-            be.forget_local(state)
-
-
-def _release(shared: list[_Shared]) -> None:
-    for s in shared:
-        s.release()
 
 
 class SymmetricBuffer:
@@ -141,21 +107,12 @@ class SymmetricBuffer:
         self._raise_on_bad_args(gather(self._group, (info, problem)))
 
         self._nbytes = nbytes
-        self._max_nbytes = max_nbytes
         self._device = dev
-        be = self._create_backend(name, dev, backend_options or {})
-        self._data = _Shared(be, self._world)
+        be = memory.create_backend(self._group, name, dev, backend_options or {})
         if max_nbytes is None:
-            self._signals = SignalLayout(round_up(nbytes, LINE), self._world, max_views, channels)
-            self._map_all(self._data, self._signals.base + self._signals.size)
+            self._finish(memory.Allocated.build(self._group, be, nbytes, max_views, channels))
         else:
-            g = be.granularity
-            self._signals = SignalLayout(round_up(max_nbytes, g), self._world, max_views, channels)
-            total = self._signals.base + round_up(self._signals.size, g)
-            self._reserve_all(self._data, total)
-            self._share_chunks([(self._signals.base, total - self._signals.base), (0, round_up(nbytes, g))])
-            self._committed = round_up(nbytes, g)
-        self._finish()
+            self._finish(memory.Growable.build(self._group, be, nbytes, max_nbytes, max_views, channels))
 
     def _join(self, group: dist.ProcessGroup | None) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -167,25 +124,17 @@ class SymmetricBuffer:
         self._rank = dist.get_rank(self._group)
         self._world = dist.get_world_size(self._group)
         self._closed = False
-        self._max_nbytes: int | None = None
-        self._committed = 0
-        self._registered = False
-        self._local_end = 0  # registered memory: where the pieces peers mapped end, from the base
-        self._data: _Shared | None = None
-        self._cells: _Shared | None = None  # signal cells apart from the data (registered memory)
         # Every live PeerView created on it: close() aborts them. Weak, so that a buffer
         # and its views form no reference cycle (which kept process groups alive at exit).
         self._views: weakref.WeakSet[PeerView] = weakref.WeakSet()
 
-    def _finish(self) -> None:
-        self._ptrs = torch.tensor([m.ptr for m in self._data.peers], dtype=torch.int64, device=self._device)
-        if self._cells is None:
-            self._signal_ptrs = self._ptrs
-        else:
-            cells = [m.ptr for m in self._cells.peers]
-            self._signal_ptrs = torch.tensor(cells, dtype=torch.int64, device=self._device)
-        shared = [s for s in (self._data, self._cells) if s is not None]
-        self._finalizer = weakref.finalize(self, _release, shared)
+    def _finish(self, kind: memory.Kind) -> None:
+        self._memory = kind
+        self._signals = kind.signals
+        self._ptrs = torch.tensor(kind.data.ptrs, dtype=torch.int64, device=self._device)
+        cells = kind.signal_ptrs()
+        self._signal_ptrs = self._ptrs if cells is None else torch.tensor(cells, dtype=torch.int64, device=self._device)
+        self._finalizer = weakref.finalize(self, memory.release, kind.shared())
 
     # ---------------------------------------------------------------- adoption
     @classmethod
@@ -253,23 +202,10 @@ class SymmetricBuffer:
         }
         self._raise_on_bad_args(gather(self._group, (info, problem)))
         self._device = dev
-        adopted = backends.adopted(dev)
-        self._data = _Shared(adopted, self._world)
-        for r, p in enumerate(ptrs):
-            self._data.peers[r] = adopted.import_handle((p, nbytes), r)
-        self._data.own = self._data.peers[self._rank]
-        if signals == "tail":
-            base = (nbytes - probe.size) // LINE * LINE
-            self._nbytes = base
-            self._signals = SignalLayout(base, self._world, max_views, channels)
-            self._data.own.tensor[base : base + self._signals.size].zero_()
-            if adopted.capabilities.streams:
-                torch.cuda.synchronize(dev)
-            barrier(self._group)  # no rank fences before every rank's cells are zero
-        else:
-            self._nbytes = nbytes
-            self._separate_cells(backends.name_for(dev), dev, max_views, channels, backend_options)
-        self._finish()
+        kind, self._nbytes = memory.Adopted.build(
+            self._group, dev, ptrs, nbytes, signals, max_views, channels, backend_options or {}
+        )
+        self._finish(kind)
         return self
 
     @classmethod
@@ -330,10 +266,7 @@ class SymmetricBuffer:
         """
         self = cls.__new__(cls)
         self._join(group)
-        me = self._rank
-        ptr, dev, problem = cls._local_memory(local, nbytes, device)
-        if problem is None:
-            problem = cls._registrable(ptr, dev)
+        ptr, dev, problem = memory.Registered.local_problem(local, nbytes, device, ALIGN)
         if nbytes is None and isinstance(local, torch.Tensor):
             nbytes = local.numel() * local.element_size()
         max_nbytes = nbytes if max_nbytes is None else max_nbytes
@@ -351,75 +284,11 @@ class SymmetricBuffer:
         self._raise_on_bad_args(gather(self._group, (info, problem)), call="SymmetricBuffer.register")
         self._device = dev
         self._nbytes = nbytes
-        self._max_nbytes = max_nbytes
-        self._registered = True
         name = backends.name_for(dev)
-        be = self._create_backend(name, dev, backend_options or {})
-        self._separate_cells(name, dev, max_views, channels, backend_options)
-        self._data = _Shared(be, self._world)
-        own = backends.Memory(ptr=ptr, nbytes=max_nbytes, tensor=backends.tensor_at(ptr, max_nbytes, dev), owner=me)
-        own.state = {}
-        self._data.own = own
-        self._data.peers[me] = own
-        try:
-            self._share_local(0, nbytes)
-        except BackendError:
-            self._cells.release()
-            self._closed = True
-            raise
-        self._committed = nbytes
-        self._finish()
+        be = memory.create_backend(self._group, name, dev, backend_options or {})
+        cells_be = memory.create_backend(self._group, name, dev, dict(backend_options or {}))
+        self._finish(memory.Registered.build(self._group, be, cells_be, ptr, nbytes, max_nbytes, max_views, channels))
         return self
-
-    @staticmethod
-    def _local_memory(local: Any, nbytes: Any, device: Any) -> tuple[int, torch.device | None, str | None]:
-        """(address, device, problem) of the memory passed to :meth:`register`."""
-        if isinstance(local, torch.Tensor):
-            if not local.is_contiguous():
-                return 0, None, "local must be a contiguous tensor (its bytes from data_ptr() on)"
-            if not (local.is_cuda or local.is_cpu):
-                return 0, None, f"local is on {local.device}, which has no memory to register"
-            if nbytes is not None and is_int(nbytes) and nbytes > local.numel() * local.element_size():
-                return (
-                    0,
-                    None,
-                    f"nbytes={nbytes} is more than the tensor's {local.numel() * local.element_size()} bytes",
-                )
-            return local.data_ptr(), local.device, None
-        if not is_int(local) or not 0 < local < 2**64:
-            return 0, None, f"local must be a tensor or an int address, got {local!r}"
-        if nbytes is None:
-            return 0, None, "an address needs nbytes"
-        try:
-            dev = backends.as_device(device) if device is not None else backends.default_device()
-        except ConfigError as e:
-            return 0, None, str(e)
-        return local, dev, None
-
-    @staticmethod
-    def _registrable(ptr: int, dev: torch.device) -> str | None:
-        """What keeps memory at ``ptr`` on ``dev`` from being registered here, or ``None``."""
-        if ptr % ALIGN:
-            return f"the memory starts at {ptr:#x}, not on a multiple of {ALIGN} bytes (kernels store 16 at a time)"
-        try:
-            backends.resolve(backends.name_for(dev), dev)  # e.g. CPU memory needs the interpreter
-        except ConfigError as e:
-            return str(e)
-        return None
-
-    def _separate_cells(
-        self,
-        name: str,
-        dev: torch.device,
-        max_views: int,
-        channels: int,
-        options: dict[str, Any] | None = None,
-    ) -> None:
-        """Signal cells in a small allocation of symmsync's own, every peer's mapped."""
-        self._signals = SignalLayout(0, self._world, max_views, channels)
-        be = self._create_backend(name, dev, dict(options or {}))
-        self._cells = _Shared(be, self._world)
-        self._map_all(self._cells, self._signals.size)
 
     # ---------------------------------------------------------------- construction
     @staticmethod
@@ -450,215 +319,6 @@ class SymmetricBuffer:
                     hint="every rank must map the same size: compute it from values that agree across ranks",
                 )
 
-    def _create_backend(self, name: str, dev: torch.device, options: dict[str, Any]) -> backends.Backend:
-        problem = None
-        be = None
-        try:
-            be = backends.create(name, dev, **options)
-        except (BackendError, ConfigError) as e:
-            problem = str(e)
-        except TypeError as e:  # an option the backend does not take
-            problem = f"bad backend_options {options!r}: {e}"
-        problems = gather(self._group, problem)
-        bad = [r for r, p in enumerate(problems) if p]
-        if bad:
-            raise BackendError(
-                f"SymmetricBuffer: backend {name!r} unavailable on {ranks_text(bad)}: {problems[bad[0]]}"
-            )
-        assert be is not None
-        return be
-
-    def _map_all(self, shared: _Shared, total: int) -> None:
-        """Allocate, exchange handles, map every peer: all or nothing on every rank."""
-        be = shared.backend
-        handle = problem = None
-        try:
-            shared.own = be.allocate(total, self._rank)
-            handle = be.export_handle(shared.own)
-        except Exception as e:  # noqa: BLE001 - reported to every rank below
-            problem = _problem_text(e)
-        handles: list = []
-        try:
-            handles = gather(self._group, (handle, problem))
-            self._fail_if_any("allocate", [p for _, p in handles], shared)
-            be.exchanged(shared.own, [h for h, _ in handles])  # who may map this rank's memory
-
-            problem = None
-            try:
-                for r, (h, _) in enumerate(handles):
-                    shared.peers[r] = shared.own if r == self._rank else be.import_handle(h, r)
-            except Exception as e:  # noqa: BLE001
-                problem = _problem_text(e)
-            self._fail_if_any("map", gather(self._group, problem), shared)
-            # Every rank has mapped every segment: names and exported handles can go, and
-            # once the barrier passes they are gone on every rank (a crash leaks nothing).
-            be.all_mapped(shared.own)
-            barrier(self._group)
-        except BackendError:
-            # A peer died during the exchange (or a rank failed, and _fail_if_any released
-            # already): release, and drop the handles a dead peer can no longer drop itself.
-            shared.release()
-            self._closed = True
-            for h, _ in handles:
-                if h is not None:
-                    be.abandon(h)
-            raise
-
-    def _fail_if_any(self, what: str, problems: list[str | None], shared: _Shared) -> None:
-        bad = [r for r, p in enumerate(problems) if p]
-        if not bad:
-            return
-        shared.release()
-        self._closed = True
-        raise BackendError(
-            f"SymmetricBuffer: could not {what} on {ranks_text(bad)}: {problems[bad[0]]}; "
-            "every rank released what it had mapped"
-        )
-
-    # ---------------------------------------------------------------- growable memory
-    def _reserve_all(self, shared: _Shared, total: int) -> None:
-        """Reserve address space for this rank's memory and every peer's (all or nothing)."""
-        be = shared.backend
-        problem = None
-        try:
-            for r in range(self._world):
-                shared.peers[r] = be.reserve(total, r)
-            shared.own = shared.peers[self._rank]
-        except Exception as e:  # noqa: BLE001
-            problem = _problem_text(e)
-        self._fail_if_any("reserve address space", gather(self._group, problem), shared)
-
-    def _share_chunks(self, pieces: list[tuple[int, int]]) -> None:
-        """Commit ``(offset, nbytes)`` pieces of this rank's reservation and map every
-        peer's at the same offsets: all or nothing on every rank.
-
-        At construction a failure releases everything; in :meth:`grow` it unmaps only
-        what this call mapped, and the buffer keeps its size.
-        """
-        data, be = self._data, self._data.backend
-        growing = not self._closed and self._committed > 0
-        new: list[tuple[backends.Memory, backends.Chunk]] = []
-        handles: list = []
-        problem = None
-        try:
-            for off, n in pieces:
-                c = be.commit(data.own, off, n)
-                new.append((data.own, c))
-                handles.append((off, c.handle))
-        except Exception as e:  # noqa: BLE001
-            problem = _problem_text(e)
-        everyone: list = []
-        try:
-            everyone = gather(self._group, (handles, problem, os.getpid()))
-            self._fail_chunks("commit memory", [p for _, p, _ in everyone], new, growing)
-            own_chunks = [c for _, c in new]
-            for c in own_chunks:
-                be.chunk_exchanged(c, [pid for _, _, pid in everyone])  # who may ask for it
-            problem = None
-            try:
-                for r, (hs, _, _) in enumerate(everyone):
-                    if r != self._rank:
-                        for off, h in hs:
-                            new.append((data.peers[r], be.map_chunk(data.peers[r], off, h)))
-            except Exception as e:  # noqa: BLE001
-                problem = _problem_text(e)
-            self._fail_chunks("map", gather(self._group, problem), new, growing)
-            for c in own_chunks:
-                be.chunk_all_mapped(c)
-            barrier(self._group)
-        except BackendError:
-            self._undo(new, growing)
-            for hs, _, _ in everyone:
-                for _, h in hs or ():
-                    be.abandon(h)
-            raise
-
-    def _fail_chunks(self, what: str, problems: list[str | None], new: list, growing: bool) -> None:
-        bad = [r for r, p in enumerate(problems) if p]
-        if not bad:
-            return
-        self._undo(new, growing)
-        kept = f"the buffer keeps its {self._nbytes} bytes" if growing else "every rank released what it had mapped"
-        raise BackendError(f"SymmetricBuffer: could not {what} on {ranks_text(bad)}: {problems[bad[0]]}; {kept}")
-
-    def _undo(self, new: list, growing: bool) -> None:
-        if not growing:
-            self._data.release()
-            if self._cells is not None:
-                self._cells.release()
-            self._closed = True
-            return
-        be = self._data.backend
-        for mem, c in reversed(new):
-            try:
-                be.unmap_chunk(mem, c)
-            except Exception:  # noqa: BLE001 - best effort: the error being raised says more
-                pass
-        new.clear()
-
-    def _share_local(self, start: int, end: int) -> None:
-        """Export this rank's registered memory in ``[0, end)`` (pieces wholly below
-        ``start`` were exported before), map every peer's: all or nothing."""
-        data, be = self._data, self._data.backend
-        handles = problem = None
-        try:
-            handles, state = be.export_local(data.own.ptr, end, self._rank, known=self._local_end)
-            data.local_state = state
-        except Exception as e:  # noqa: BLE001
-            problem = _problem_text(e)
-        everyone: list = []
-        new: list = []
-        try:
-            everyone = gather(self._group, (handles, problem, os.getpid()))
-            self._fail_local("share", [p for _, p, _ in everyone], start, new)
-            be.local_exchanged(data.local_state, [pid for _, _, pid in everyone])
-            problem = None
-            try:
-                for r, (hs, _, _) in enumerate(everyone):
-                    if r == self._rank:
-                        continue
-                    if start == 0:
-                        data.peers[r] = be.import_local(hs, r, self._max_nbytes)
-                    else:
-                        new += [(data.peers[r], c) for c in be.extend_local(data.peers[r], hs)]
-            except Exception as e:  # noqa: BLE001
-                problem = _problem_text(e)
-            self._fail_local("map", gather(self._group, problem), start, new)
-            barrier(self._group)  # every peer mapped: what only served the exchange can go
-            self._local_end = data.local_state["end"]
-            be.forget_local(data.local_state)
-            data.local_state = None
-        except BackendError:
-            self._undo_local(start, new)
-            raise
-
-    def _fail_local(self, what: str, problems: list[str | None], start: int, new: list) -> None:
-        bad = [r for r, p in enumerate(problems) if p]
-        if not bad:
-            return
-        self._undo_local(start, new)
-        kept = f"the buffer keeps its {self._nbytes} bytes" if start else "nothing stays mapped"
-        call = "SymmetricBuffer.grow" if start else "SymmetricBuffer.register"
-        raise BackendError(
-            f"{call}: could not {what} the registered memory of {ranks_text(bad)}: {problems[bad[0]]}; {kept}"
-        )
-
-    def _undo_local(self, start: int, new: list) -> None:
-        be = self._data.backend
-        if start == 0:
-            self._data.release()
-            self._closed = True
-            return
-        for mem, c in reversed(new):
-            try:
-                be.unmap_chunk(mem, c)
-            except Exception:  # noqa: BLE001
-                pass
-        new.clear()
-        if self._data.local_state is not None:
-            be.forget_local(self._data.local_state)
-            self._data.local_state = None
-
     def grow(self, nbytes: int) -> None:
         """Grow the user region to ``nbytes`` on every rank (collective).
 
@@ -680,24 +340,16 @@ class SymmetricBuffer:
         bounds = closed = None
         if self._closed:  # still enter the exchange: every rank raises, none waits
             closed = "used after close() on this rank"
-        elif problem is None and self._max_nbytes is None:
+        elif problem is None and self.max_nbytes is None:
             problem = "the buffer is not growable: create it with max_nbytes="
-        elif problem is None and not self._nbytes <= nbytes <= self._max_nbytes:
-            bounds = f"nbytes={nbytes} is outside [{self._nbytes}, {self._max_nbytes}] (the size now, max_nbytes)"
+        elif problem is None and not self._nbytes <= nbytes <= self.max_nbytes:
+            bounds = f"nbytes={nbytes} is outside [{self._nbytes}, {self.max_nbytes}] (the size now, max_nbytes)"
         everyone = gather(self._group, (plain(nbytes), problem, bounds, closed))
         raise_first([c for *_, c in everyone], call=call, error=ClosedError)
         raise_first([p for _, p, _, _ in everyone], call=call)
         raise_first([b for _, _, b, _ in everyone], call=call, error=BoundsError)
         same([n for n, *_ in everyone], "nbytes", call=call, error=SizeMismatchError)
-        if self._registered:
-            if nbytes > self._committed:
-                self._share_local(self._committed, nbytes)
-                self._committed = nbytes
-        else:
-            end = round_up(nbytes, self._data.backend.granularity)
-            if end > self._committed:
-                self._share_chunks([(self._committed, end - self._committed)])
-                self._committed = end
+        self._memory.grow(self._group, self._nbytes, nbytes)
         self._nbytes = nbytes
 
     # ---------------------------------------------------------------- properties
@@ -719,12 +371,12 @@ class SymmetricBuffer:
     @property
     def max_nbytes(self) -> int | None:
         """The most :meth:`grow` can reach, or ``None`` for a buffer that cannot grow."""
-        return self._max_nbytes
+        return self._memory.max_nbytes
 
     @property
     def registered(self) -> bool:
         """True for memory a runtime owns (:meth:`register`)."""
-        return self._registered
+        return self._memory.registered
 
     @property
     def device(self) -> torch.device:
@@ -734,12 +386,12 @@ class SymmetricBuffer:
     @property
     def backend(self) -> str:
         """Name of the memory backend in use: ``"host"`` or ``"cuda"``."""
-        return self._data.backend.name
+        return self._memory.data.backend.name
 
     @property
     def capabilities(self) -> backends.Capabilities:
         """What kernels over this memory do (traps, streams, ...): ask this, never :attr:`backend`."""
-        return (self._cells or self._data).backend.capabilities
+        return self._memory.capabilities
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -787,13 +439,12 @@ class SymmetricBuffer:
         """``uint8`` tensor over this rank's user region (:attr:`nbytes` bytes), and for
         memory symmsync allocated without ``max_nbytes``, its signal cells after it."""
         self._check_open("local_memory")
-        t = self._data.own.tensor
-        return t if self._max_nbytes is None and not self._registered else t[: self._nbytes]
+        return self._memory.local_memory(self._nbytes)
 
     def signal_memory(self) -> torch.Tensor:
         """``uint8`` tensor from this rank's :attr:`signal_ptrs` base: cell ``c`` is at ``[c, c + cell_bytes)``."""
         self._check_open("signal_memory")
-        return (self._cells or self._data).own.tensor
+        return self._memory.signal_memory()
 
     def offset_of(self, t: torch.Tensor) -> int:
         """Byte offset of ``t``'s first element from this rank's base address.
@@ -809,7 +460,7 @@ class SymmetricBuffer:
         call = "SymmetricBuffer.offset_of"
         if not isinstance(t, torch.Tensor):
             require(f"expected a tensor, got {type(t).__name__}", rank=self._rank, call=call)
-        base, room = self._data.own.ptr, self._max_nbytes or self._nbytes
+        base, room = self._memory.data.own.ptr, self._memory.room(self._nbytes)
         off = t.data_ptr() - base
         span = 0 if t.numel() == 0 else (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
         if t.device != self._device or off < 0 or off + span > room:
@@ -862,7 +513,7 @@ class SymmetricBuffer:
                 call=call,
                 error=BoundsError,
             )
-        return self._data.peers[rank].tensor[offset : offset + size].view(dtype).view(shape)
+        return self._memory.data.peers[rank].tensor[offset : offset + size].view(dtype).view(shape)
 
     # ---------------------------------------------------------------- views
     def view(self, ranks: Sequence[int]) -> PeerView:
@@ -903,7 +554,7 @@ class SymmetricBuffer:
             view._abort_quietly(CLOSED_REASON)
         self._closed = True
         self._finalizer.detach()
-        _release([s for s in (self._data, self._cells) if s is not None])
+        memory.release(self._memory.shared())
 
     def __enter__(self) -> SymmetricBuffer:
         return self
@@ -913,9 +564,9 @@ class SymmetricBuffer:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self._nbytes} bytes"
-        if self._max_nbytes is not None and not self._closed:
-            state += f" of {self._max_nbytes}"
-        kind = ", registered" if self._registered else ""
+        if self.max_nbytes is not None and not self._closed:
+            state += f" of {self.max_nbytes}"
+        kind = ", registered" if self.registered else ""
         return (
             f"SymmetricBuffer(rank={self._rank}/{self._world}, {state}, backend={self.backend}{kind}, "
             f"device={self._device})"

@@ -11,11 +11,16 @@ No rank is left waiting in a collective that another rank skipped.
 
 A peer that died or left makes the exchange fail on the others: they raise
 :class:`~symmsync.BackendError` saying so, never torch.distributed's own error.
+
+What maps memory runs as a :class:`Transaction`: all or nothing on every rank.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Sequence
+from types import TracebackType
 from typing import Any
 
 import torch.distributed as dist
@@ -112,3 +117,104 @@ def same(
     if len({repr(v) for v in values}) > 1:
         per = ", ".join(f"rank {r}: {v!r}" for r, v in zip(ranks, values))
         raise error(f"{call}: {what} differs across ranks ({per}); {hint}")
+
+
+log = logging.getLogger("symmsync")
+
+
+class Transaction:
+    """One all-or-nothing collective: every rank takes the same steps, and either every
+    step succeeds on every rank, or every rank undoes what it did and raises the same
+    :class:`~symmsync.BackendError`.
+
+    Each :meth:`step` runs a local action on this rank and exchanges its outcome with
+    every rank; when any rank failed, every rank runs the undo actions registered so far
+    (:meth:`on_failure`, the latest first) and raises an error naming the call, the
+    failing ranks and the first problem. :meth:`commit` is the final barrier: once it
+    returns, every rank finished every step. Used as a context manager, any other error
+    (a peer that died in an exchange, or in the barrier, is a ``BackendError`` too)
+    also runs the undo actions, so nothing stays mapped; leaving the block without
+    :meth:`commit` commits.
+
+    Args:
+        group: the process group.
+        call: the public call it serves, first in every message (``"SymmetricBuffer.grow"``).
+        kept: what a failure leaves, last in the message (``"the buffer keeps its 4096 bytes"``).
+
+    Example::
+
+        with Transaction(group, "SymmetricBuffer", kept="nothing stays mapped") as tx:
+            handles = tx.step("allocate on", lambda: export(allocate()))
+            tx.on_failure(release)
+            tx.step("map on", lambda: map_peers(handles))
+    """
+
+    def __init__(self, group: Any, call: str, *, kept: str):
+        self.group = group
+        self.call = call
+        self.kept = kept
+        self._undo: list[Callable[[], None]] = []
+        self._committed = False
+
+    def on_failure(self, undo: Callable[[], None]) -> None:
+        """Run ``undo`` if this transaction fails (after the undo actions registered later)."""
+        self._undo.append(undo)
+
+    def step(self, what: str, local: Callable[[], Any], undo: Callable[[list[Any]], None] | None = None) -> list[Any]:
+        """Run ``local()`` here, exchange its outcome, raise on every rank if any rank failed.
+
+        Args:
+            what: the step, as the message says it before the ranks (``"map on"``,
+                ``"map the registered memory of"``).
+            local: this rank's action; what it returns must be picklable.
+            undo: called with every rank's result (``None`` for a rank that failed) if
+                the transaction fails from this step on: drop what the others sent.
+
+        Returns:
+            Every rank's ``local()`` result, in the group's rank order.
+
+        Raises:
+            BackendError: on every rank, naming the ranks whose action raised.
+        """
+        value = problem = None
+        try:
+            value = local()
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            problem = f"{type(e).__name__}: {e}"
+        everyone = gather(self.group, (value, problem))
+        if undo is not None:
+            self.on_failure(functools.partial(undo, [v for v, _ in everyone]))
+        bad = [r for r, (_, p) in enumerate(everyone) if p]
+        if bad:
+            raise BackendError(f"{self.call}: could not {what} {ranks_text(bad)}: {everyone[bad[0]][1]}; {self.kept}")
+        return [v for v, _ in everyone]
+
+    def commit(self) -> None:
+        """The final barrier: every rank finished every step; nothing is undone after it."""
+        try:
+            barrier(self.group)
+        except BackendError:
+            self.rollback()
+            raise
+        self._committed = True
+        self._undo.clear()
+
+    def rollback(self) -> None:
+        """Run the undo actions, the latest first, each once; one that fails is logged and
+        skipped (the error being raised says more)."""
+        while self._undo:
+            undo = self._undo.pop()
+            try:
+                undo()
+            except Exception as e:  # noqa: BLE001
+                log.warning("%s: undoing a step of a failed collective failed: %s", self.call, e)
+
+    def __enter__(self) -> Transaction:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> None:
+        if kind is None:
+            if not self._committed:
+                self.commit()
+            return
+        self.rollback()

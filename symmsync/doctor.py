@@ -44,16 +44,21 @@ def _interpreter_note() -> str:
 def _cuda_section(lines: list[str]) -> tuple[bool, str]:
     import torch
 
+    from .driver import check, driver
+    from .errors import BackendError
+
     try:
-        from cuda.bindings import driver as drv
-    except ImportError as e:
-        return False, f"cuda-python is not importable ({e}): pip install 'symmsync[cuda]'"
+        drv = driver()
+    except BackendError as e:
+        return False, str(e)
     try:
         res = drv.cuInit(0)
     except Exception as e:  # noqa: BLE001 - no driver library at all
         return False, f"no NVIDIA driver: {str(e).splitlines()[0]}"
-    if res[0] != drv.CUresult.CUDA_SUCCESS:
-        return False, f"cuInit failed: {res[0]}"
+    try:
+        check(res, "cuInit")
+    except BackendError as e:
+        return False, str(e)
     err, ver = drv.cuDriverGetVersion()
     lines.append(f"CUDA driver API  {ver // 1000}.{ver % 1000 // 10}")
     lines.append(f"torch CUDA       {torch.version.cuda}")

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .driver import check, driver
 from .errors import BackendError
 from .mode import kernels_interpreted
 
@@ -100,9 +101,7 @@ def cu_stream(raw: int) -> Any:
     """
     stream = _cu_streams.get(raw)
     if stream is None:
-        from cuda.bindings import driver
-
-        stream = _cu_streams[raw] = driver.CUstream(init_value=raw)
+        stream = _cu_streams[raw] = driver().CUstream(init_value=raw)
     return stream
 
 
@@ -216,8 +215,7 @@ class _Compiled:
     """A compiled kernel usable through cuLaunchKernel, with what a launch needs."""
 
     def __init__(self, compiled: Any, device: torch.device):
-        from cuda.bindings import driver
-
+        drv = driver()
         md = compiled.metadata
         if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
             raise _NotExact("the kernel needs scratch memory")
@@ -239,12 +237,12 @@ class _Compiled:
             self.signature.append((name, ty))
         if compiled.function is None:
             compiled._init_handles()
-        self.function = driver.CUfunction(init_value=compiled.function)
+        self.function = drv.CUfunction(init_value=compiled.function)
         self.block = 32 * md.num_warps
         self.shared = md.shared
         self.device_index = device.index
-        self.launch = driver.cuLaunchKernel
-        self.success = driver.CUresult.CUDA_SUCCESS
+        self.launch = drv.cuLaunchKernel
+        self.success = drv.CUresult.CUDA_SUCCESS
 
 
 class _NotExact(Exception):
@@ -320,8 +318,8 @@ class BoundLaunch:
         if cu is None:
             cu = cu_stream(raw)
         (err,) = e.launch(e.function, self._gx, self._gy, self._gz, e.block, 1, 1, e.shared, cu, packed.address, 0)
-        if err != e.success:
-            raise BackendError(f"cuLaunchKernel({getattr(self.launcher.kernel, '__name__', 'kernel')}) failed: {err}")
+        if err != e.success:  # the check only on failure: it costs a call on every launch
+            check(err, f"cuLaunchKernel({getattr(self.launcher.kernel, '__name__', 'kernel')})")
         self.launcher.path = "cuda-python"
 
     def _first_launch(self) -> None:
@@ -340,5 +338,5 @@ class BoundLaunch:
             launcher.fallback_reason = ""
         except _NotExact as e:
             launcher.fallback_reason = str(e)
-        except ImportError as e:  # cuda-python missing: Triton's launcher still works
+        except BackendError as e:  # cuda-python missing (driver()): Triton's launcher still works
             launcher.fallback_reason = f"cuda-python unavailable: {e}"

@@ -3,7 +3,7 @@
 Runtimes do not let a library allocate their KV cache: their allocator reserves
 address space once and commits memory into it as the cache grows, so base pointers
 never move (also after a CUDA graph was captured over them). These two allocators do
-the same, knowing nothing of symmsync, so that :meth:`symmsync.SymmetricBuffer.register`
+the same, knowing nothing of symmsync's buffers, so that :meth:`symmsync.SymmetricBuffer.register`
 can be shown and tested on memory symmsync did not allocate:
 
 * :class:`CudaCacheAllocator`: ``cuMemAddressReserve``, then chunks made with
@@ -23,6 +23,8 @@ import os
 import secrets
 
 import torch
+
+from .driver import check, driver
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -92,22 +94,11 @@ class HostCacheAllocator:
         self.names.clear()
 
 
-def _check(result, what):
-    from cuda.bindings import driver as drv
-
-    err = result[0] if isinstance(result, tuple) else result
-    if err != drv.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{what}: {err}")
-    return result[1] if isinstance(result, tuple) and len(result) == 2 else None
-
-
 class CudaCacheAllocator:
     """Reserve ``max_bytes`` on the current device; :meth:`commit` maps more chunks at the end."""
 
     def __init__(self, max_bytes: int, chunk: int | None = None):
-        from cuda.bindings import driver as drv
-
-        self.drv = drv
+        self.drv = drv = driver()
         self.device = torch.device("cuda", torch.cuda.current_device())
         torch.empty(1, device=self.device)  # torch's context is current
         prop = drv.CUmemAllocationProp()
@@ -116,7 +107,7 @@ class CudaCacheAllocator:
         prop.location.id = self.device.index
         prop.requestedHandleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         self.prop = prop
-        gran = _check(
+        gran = check(
             drv.cuMemGetAllocationGranularity(
                 prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
             ),
@@ -125,7 +116,7 @@ class CudaCacheAllocator:
         self.chunk = chunk or gran
         assert self.chunk % gran == 0
         self.max_bytes = (max_bytes + self.chunk - 1) // self.chunk * self.chunk
-        self.base = int(_check(drv.cuMemAddressReserve(self.max_bytes, self.chunk, 0, 0), "reserve"))
+        self.base = int(check(drv.cuMemAddressReserve(self.max_bytes, self.chunk, 0, 0), "reserve"))
         access = drv.CUmemAccessDesc()
         access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         access.location.id = self.device.index
@@ -138,11 +129,11 @@ class CudaCacheAllocator:
         drv = self.drv
         for _ in range(chunks):
             assert self.committed + self.chunk <= self.max_bytes, "the reservation is full"
-            h = _check(drv.cuMemCreate(self.chunk, self.prop, 0), "cuMemCreate")
+            h = check(drv.cuMemCreate(self.chunk, self.prop, 0), "cuMemCreate")
             at = self.base + self.committed
-            _check(drv.cuMemMap(at, self.chunk, 0, h, 0), "cuMemMap")
-            _check(drv.cuMemSetAccess(at, self.chunk, [self.access], 1), "cuMemSetAccess")
-            _check(drv.cuMemsetD8(at, 0, self.chunk), "cuMemsetD8")
+            check(drv.cuMemMap(at, self.chunk, 0, h, 0), "cuMemMap")
+            check(drv.cuMemSetAccess(at, self.chunk, [self.access], 1), "cuMemSetAccess")
+            check(drv.cuMemsetD8(at, 0, self.chunk), "cuMemsetD8")
             self.handles.append(h)
             self.committed += self.chunk
         torch.cuda.synchronize(self.device)

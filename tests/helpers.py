@@ -175,7 +175,7 @@ def pcp_graph_replay(route, fused, replays, tp=1):
 def grow_with_a_planted_failure(buf, nbytes: int, step: str = "map_chunk", failing_rank: int = 1) -> str | None:
     """``buf.grow(nbytes)`` with the backend's ``step`` raising on ``failing_rank``; the
     message of the :class:`~symmsync.BackendError` every rank must raise (``None`` if none did)."""
-    be = buf._data.backend
+    be = buf._memory.data.backend
     real = getattr(be, step)
 
     def fail(*a, **k):

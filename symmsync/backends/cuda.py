@@ -21,11 +21,11 @@ tensors own their mappings: every mapping, own or peer, is unmapped when the las
 tensor over it is gone, so a tensor kept past :meth:`SymmetricBuffer.close` stays
 valid instead of pointing at unmapped memory.
 
-The descriptor server (``posix_fd``) answers only the group's ranks: each rank's
-handle carries its process id, and a connection is served only when the kernel's
-credentials of the connecting process (``SO_PEERCRED``) show this user and the
-process id of a rank that has not been served yet. docs/guarantees.md says what
-that protects against on a shared host.
+A ``posix_fd`` descriptor travels through :mod:`symmsync.backends.fd_passing`, which
+serves it only to the group's ranks.
+
+Peers receive a :class:`PosixFdHandle`, :class:`FabricHandle` or :class:`CudaIpcHandle`;
+this rank keeps one dataclass per kind of mapping (``_VmmOwn``, ``_Reservation``, ...).
 """
 
 from __future__ import annotations
@@ -33,178 +33,164 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import secrets
-import socket
-import struct
-import threading
-from collections.abc import Collection
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from ..driver import check, driver
 from ..errors import BackendError, ConfigError
-from . import GPU, Backend, Chunk, Memory, tensor_at
+from . import tensor_at
+from .base import GPU, Backend, Chunk, LocalExport, Memory, Piece
+from .fd_passing import FdServer, receive_fd
 
 HANDLE_TYPES = ("posix_fd", "fabric", "cuda_ipc")
 
-
-def _driver():
-    try:
-        from cuda.bindings import driver
-    except ImportError:  # older cuda-python layout
-        try:
-            from cuda import cuda as driver  # type: ignore[no-redef]
-        except ImportError as e:
-            raise BackendError(
-                "the cuda backend needs cuda-python, which is not installed: pip install 'symmsync[cuda]' "
-                f"(or pip install cuda-python) ({e})"
-            ) from e
-    return driver
-
-
-def check(result: Any, what: str) -> Any:
-    """Unpack a cuda-python ``(CUresult, *values)`` tuple, raising on an error."""
-    drv = _driver()
-    err = result[0] if isinstance(result, tuple) else result
-    if err != drv.CUresult.CUDA_SUCCESS:
-        name = drv.cuGetErrorName(err)
-        label = name[1].decode() if name[0] == drv.CUresult.CUDA_SUCCESS else str(err)
-        raise BackendError(f"{what} failed: {label}")
-    if not isinstance(result, tuple) or len(result) == 1:
-        return None
-    return result[1] if len(result) == 2 else result[1:]
-
-
 log = logging.getLogger("symmsync")
 
-_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+# ---------------------------------------------------------------------- handles (sent to peers)
+class PosixFdHandle(NamedTuple):
+    """``size`` bytes of physical memory (``nbytes`` of them used), whose file descriptor
+    the owner's process ``pid`` serves on the Unix socket ``address``."""
+
+    address: str
+    size: int
+    nbytes: int
+    pid: int
 
 
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """``(pid, uid, gid)`` of the process at the other end of a connected Unix socket,
-    as the kernel recorded them at connect time (``SO_PEERCRED``)."""
-    return _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+class FabricHandle(NamedTuple):
+    """``size`` bytes of physical memory (``nbytes`` used) as a fabric handle's bytes."""
+
+    data: bytes
+    size: int
+    nbytes: int
 
 
-class _FdServer:
-    """Hands one file descriptor to each of the group's other ranks, once, then closes.
+class CudaIpcHandle(NamedTuple):
+    """A legacy IPC handle (``cuIpcGetMemHandle``) of a ``size``-byte device allocation."""
 
-    Listens on an abstract Unix socket (its name travels through the group). The
-    process ids it may serve are the peers' (:meth:`expect`, from the same exchange
-    that carried the socket's name); a connection that arrives before them waits for
-    them. Every connection is checked with ``SO_PEERCRED``: the same effective user
-    as this process and an expected process id not served yet get the descriptor;
-    anything else gets nothing and is logged (logger ``"symmsync"``). Once every
-    expected peer has its descriptor the socket closes.
-    """
+    raw: bytes
+    size: int
 
-    def __init__(self, fd: int, owner: int = -1, wait_s: float = 60.0):
-        self.fd = fd
-        self.owner = owner
-        self.wait_s = wait_s
-        self.address = f"\0symmsync-{os.getpid()}-{secrets.token_hex(8)}"
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(self.address)
-        self.sock.listen(64)
-        self._expected: set[int] | None = None
-        self._served: set[int] = set()
-        self._known = threading.Event()
-        self._closed = False
-        self.thread = threading.Thread(target=self._serve, daemon=True, name="symmsync-fd-server")
-        self.thread.start()
 
-    def expect(self, pids: Collection[int]) -> None:
-        """The process ids of the ranks that will connect (this process's excluded)."""
-        self._expected = set(pids) - {os.getpid()}
-        self._known.set()
+# ---------------------------------------------------------------------- what this rank keeps
+@dataclass
+class _Exchange:
+    """What only serves an exchange of handles (``posix_fd``): the descriptor server and the descriptor."""
 
-    @property
-    def served(self) -> frozenset[int]:
-        """Process ids that received the descriptor."""
-        return frozenset(self._served)
-
-    def _serve(self) -> None:
-        while True:
-            if self._expected is not None and self._served >= self._expected:
-                self._close_socket()  # every peer has its handle: nobody else may connect
-                return
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return  # closed
-            with conn:
-                try:
-                    pid, uid, _gid = peer_credentials(conn)
-                except OSError as e:
-                    log.warning("rank %d: memory handle server: no credentials for a connection: %s", self.owner, e)
-                    continue
-                if not self._known.wait(self.wait_s):
-                    log.warning(
-                        "rank %d: memory handle server: the ranks' process ids never arrived; refused pid %d",
-                        self.owner,
-                        pid,
-                    )
-                    continue
-                if self._closed:
-                    return
-                refusal = self._refusal(pid, uid)
-                if refusal:
-                    log.warning(
-                        "rank %d: memory handle server refused pid %d (uid %d): %s", self.owner, pid, uid, refusal
-                    )
-                    continue
-                try:
-                    socket.send_fds(conn, [b"f"], [self.fd])
-                except OSError as e:
-                    log.warning("rank %d: could not send the memory handle to pid %d: %s", self.owner, pid, e)
-                    continue
-                self._served.add(pid)
-
-    def _refusal(self, pid: int, uid: int) -> str | None:
-        assert self._expected is not None
-        if uid != os.geteuid():
-            return f"another user (this job runs as uid {os.geteuid()})"
-        if pid in self._served:
-            return "that rank already received its handle"
-        if pid not in self._expected:
-            return f"not a rank of this group (ranks' pids: {sorted(self._expected)})"
-        return None
-
-    def _close_socket(self) -> None:
-        self._closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+    server: FdServer | None = None
+    fd: int | None = None
 
     def close(self) -> None:
-        self._close_socket()
-        self._known.set()  # a connection waiting for the pids gives up now
-        if threading.current_thread() is not self.thread:
-            self.thread.join(timeout=5)
+        server, self.server = self.server, None
+        if server is not None:
+            server.close()
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
 
 
-def _receive_fd(address: str, owner: int, owner_pid: int | None = None) -> int:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(60)
-        try:
-            s.connect(address)
-            pid, uid, _ = peer_credentials(s)
-            if uid != os.geteuid() or (owner_pid is not None and pid != owner_pid):
-                raise BackendError(
-                    f"the socket named in rank {owner}'s handle belongs to pid {pid} (uid {uid}), not to rank "
-                    f"{owner} (pid {owner_pid}, uid {os.geteuid()}): refusing it"
-                )
-            _, fds, _, _ = socket.recv_fds(s, 1, 1)
-        except OSError as e:
-            raise BackendError(f"could not receive rank {owner}'s memory handle over a Unix socket: {e}") from e
-    if not fds:
-        raise BackendError(
-            f"rank {owner} sent no memory handle (its server refused this process: see the 'symmsync' log on rank "
-            f"{owner})"
-        )
-    return fds[0]
+@dataclass
+class _Mapping:
+    """A mapping its last tensor owns: unmapped (and own memory freed) once, after that tensor is gone."""
+
+    label: ClassVar[str] = ""
+    released: bool = field(default=False, init=False)
+
+    def unmap(self, drv: Any, ptr: int) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class _VmmOwn(_Mapping):
+    """This rank's ``cuMemCreate`` memory, mapped at its own reservation."""
+
+    label: ClassVar[str] = "vmm-own"
+    handle: Any
+    size: int
+    exchange: _Exchange = field(default_factory=_Exchange)
+
+    def unmap(self, drv: Any, ptr: int) -> None:
+        drv.cuMemUnmap(ptr, self.size)
+        drv.cuMemAddressFree(ptr, self.size)
+        drv.cuMemRelease(self.handle)
+
+
+@dataclass
+class _VmmPeer(_Mapping):
+    """A peer's memory, imported and mapped at a reservation of this rank's."""
+
+    label: ClassVar[str] = "vmm-peer"
+    size: int
+
+    def unmap(self, drv: Any, ptr: int) -> None:
+        drv.cuMemUnmap(ptr, self.size)
+        drv.cuMemAddressFree(ptr, self.size)
+
+
+@dataclass
+class _IpcOwn(_Mapping):
+    """This rank's ``cuMemAlloc`` memory (``handle_type="cuda_ipc"``)."""
+
+    label: ClassVar[str] = "ipc-own"
+
+    def unmap(self, drv: Any, ptr: int) -> None:
+        drv.cuMemFree(ptr)
+
+
+@dataclass
+class _IpcPeer(_Mapping):
+    """A peer's allocation opened with ``cuIpcOpenMemHandle`` at ``opened`` (the mapping's
+    address unless the memory starts inside it: registered memory)."""
+
+    label: ClassVar[str] = "ipc-peer"
+    opened: int | None = None
+
+    def unmap(self, drv: Any, ptr: int) -> None:
+        drv.cuIpcCloseMemHandle(self.opened if self.opened is not None else ptr)
+
+
+@dataclass
+class _Reservation(_Mapping):
+    """Address space ``[base, base + size)`` and the chunks mapped into it (a growable
+    buffer's, or a peer's registered memory)."""
+
+    label: ClassVar[str] = "reservation"
+    base: int
+    size: int
+    chunks: list[Chunk] = field(default_factory=list)
+
+    def unmap(self, drv: Any, ptr: int) -> None:
+        for chunk in self.chunks:
+            _release_chunk(drv, chunk)
+        _warn_if_failed(drv, drv.cuMemAddressFree(self.base, self.size), "cuMemAddressFree")
+
+
+@dataclass
+class _ChunkMapping:
+    """A chunk mapped at ``at``; ``handle`` is its physical memory when this rank created it."""
+
+    at: int
+    handle: Any = None
+    exchange: _Exchange = field(default_factory=_Exchange)
+    released: bool = False
+
+
+@dataclass
+class _Retained:
+    """One VMM allocation of a runtime's registered memory, retained for its export."""
+
+    handle: Any
+    exchange: _Exchange = field(default_factory=_Exchange)
+
+
+@dataclass
+class _CudaExport(LocalExport):
+    """An export of registered memory, with the allocations it retained."""
+
+    retained: list[_Retained] = field(default_factory=list)
 
 
 #: Releases whose last tensor died while a CUDA graph was being captured (synchronizing
@@ -217,10 +203,9 @@ def _flush_deferred() -> None:
         _deferred.pop()()
 
 
-def _unmap_when_unused(drv: Any, device: torch.device, ptr: int, state: dict) -> None:
+def _unmap_when_unused(drv: Any, device: torch.device, ptr: int, state: _Mapping) -> None:
     """Unmap (and, for own memory, free) one mapping: runs once, after its last tensor is gone."""
-    kind = state.get("kind")
-    if kind in (None, "released"):
+    if state.released:
         return
     try:
         capturing = torch.cuda.is_current_stream_capturing()
@@ -229,42 +214,28 @@ def _unmap_when_unused(drv: Any, device: torch.device, ptr: int, state: dict) ->
     if capturing:
         _deferred.append(functools.partial(_unmap_when_unused, drv, device, ptr, state))
         return
-    state["kind"] = "released"
+    state.released = True
     try:
         torch.cuda.synchronize(device)  # no kernel may still touch the mapping
     except RuntimeError:
         pass  # a trapped kernel: the context is gone, unmapping below still tidies up
     try:
-        if kind == "vmm-own":
-            drv.cuMemUnmap(ptr, state["size"])
-            drv.cuMemAddressFree(ptr, state["size"])
-            drv.cuMemRelease(state["handle"])
-        elif kind == "vmm-peer":
-            drv.cuMemUnmap(ptr, state["size"])
-            drv.cuMemAddressFree(ptr, state["size"])
-        elif kind == "ipc-own":
-            drv.cuMemFree(ptr)
-        elif kind == "ipc-peer":
-            drv.cuIpcCloseMemHandle(state["opened"] if "opened" in state else ptr)
-        elif kind == "reservation":
-            for chunk in state["chunks"]:
-                _release_chunk(drv, chunk)
-            _warn_if_failed(drv, drv.cuMemAddressFree(state["base"], state["size"]), "cuMemAddressFree")
+        state.unmap(drv, ptr)
     except Exception as e:  # noqa: BLE001 - runs from a finalizer: report, never raise
-        log.warning("could not release %s memory at 0x%x: %s", kind, ptr, e)
+        log.warning("could not release %s memory at 0x%x: %s", state.label, ptr, e)
 
 
 def _release_chunk(drv: Any, chunk: Chunk) -> None:
     """Unmap one chunk of a reservation (at the address it was mapped at); release its
     physical memory if this rank created it."""
-    st = chunk.state
-    if st.get("released"):
+    st: _ChunkMapping = chunk.state
+    if st.released:
         return
-    st["released"] = True
-    _warn_if_failed(drv, drv.cuMemUnmap(st["at"], chunk.nbytes), "cuMemUnmap")
-    if st.get("handle") is not None:
-        _warn_if_failed(drv, drv.cuMemRelease(st["handle"]), "cuMemRelease")
-    _close_exchange(st)
+    st.released = True
+    _warn_if_failed(drv, drv.cuMemUnmap(st.at, chunk.nbytes), "cuMemUnmap")
+    if st.handle is not None:
+        _warn_if_failed(drv, drv.cuMemRelease(st.handle), "cuMemRelease")
+    st.exchange.close()
 
 
 def _warn_if_failed(drv: Any, result: Any, what: str) -> None:
@@ -272,16 +243,6 @@ def _warn_if_failed(drv: Any, result: Any, what: str) -> None:
     err = result[0] if isinstance(result, tuple) else result
     if err != drv.CUresult.CUDA_SUCCESS:
         log.warning("%s failed: %s", what, err)
-
-
-def _close_exchange(state: dict) -> None:
-    """Close what only served an exchange of handles: the descriptor server and the descriptor."""
-    server = state.pop("server", None)
-    if server is not None:
-        server.close()
-    fd = state.pop("fd", None)
-    if fd is not None:
-        os.close(fd)
 
 
 class CudaBackend(Backend):
@@ -297,7 +258,7 @@ class CudaBackend(Backend):
         if not torch.cuda.is_available():
             raise BackendError("the cuda backend needs a CUDA device, and torch sees none")
         self.handle_type = handle_type
-        self.drv = drv = _driver()
+        self.drv = drv = driver()
         torch.cuda.set_device(device)
         torch.empty(1, device=device)  # make torch's primary context current on this thread
         check(drv.cuInit(0), "cuInit")
@@ -350,11 +311,7 @@ class CudaBackend(Backend):
             raise
         return int(ptr)
 
-    def _unmap(self, ptr: int, size: int) -> None:
-        self.drv.cuMemUnmap(ptr, size)
-        self.drv.cuMemAddressFree(ptr, size)
-
-    def _tensor(self, ptr: int, nbytes: int, state: dict) -> torch.Tensor:
+    def _tensor(self, ptr: int, nbytes: int, state: _Mapping) -> torch.Tensor:
         """The mapping's tensor; it owns the mapping (released after its last view is gone).
 
         The finalizer holds the driver, the address and the state, never the tensor or
@@ -363,14 +320,28 @@ class CudaBackend(Backend):
         release = functools.partial(_unmap_when_unused, self.drv, self.device, ptr, state)
         return tensor_at(ptr, nbytes, self.device, on_last_use=release)
 
-    # ------------------------------------------------------------------ interface
+    def _memory(self, ptr: int, nbytes: int, owner: int, state: _Mapping) -> Memory:
+        return Memory(ptr=ptr, nbytes=nbytes, tensor=self._tensor(ptr, nbytes, state), owner=owner, state=state)
+
+    def _open_ipc(self, raw: bytes, owner: int) -> int:
+        h = self.drv.CUipcMemHandle()
+        h.reserved = raw
+        return int(
+            check(
+                self.drv.cuIpcOpenMemHandle(h, self.drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+                f"cuIpcOpenMemHandle(rank {owner})",
+            )
+        )
+
+    # ------------------------------------------------------------------ allocated memory
     def allocate(self, nbytes: int, rank: int) -> Memory:
         _flush_deferred()
         drv = self.drv
+        state: _Mapping
         if self.handle_type == "cuda_ipc":
             ptr = int(check(drv.cuMemAlloc(nbytes), "cuMemAlloc"))
             size = nbytes
-            state = {"kind": "ipc-own", "size": size}
+            state = _IpcOwn()
         else:
             size = self._round(nbytes)
             handle = check(drv.cuMemCreate(size, self.prop, 0), f"cuMemCreate({size} bytes)")
@@ -379,50 +350,37 @@ class CudaBackend(Backend):
             except BackendError:
                 drv.cuMemRelease(handle)
                 raise
-            state = {"kind": "vmm-own", "handle": handle, "size": size}
+            state = _VmmOwn(handle=handle, size=size)
         check(drv.cuMemsetD8(ptr, 0, size), "cuMemsetD8")
         check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
-        return Memory(ptr=ptr, nbytes=nbytes, tensor=self._tensor(ptr, nbytes, state), owner=rank, state=state)
+        return self._memory(ptr, nbytes, rank, state)
 
-    def export_handle(self, mem: Memory) -> Any:
-        drv = self.drv
-        st = mem.state
+    def export_handle(self, mem: Memory) -> PosixFdHandle | FabricHandle | CudaIpcHandle:
         if self.handle_type == "cuda_ipc":
-            h = check(drv.cuIpcGetMemHandle(mem.ptr), "cuIpcGetMemHandle")
-            return ("cuda_ipc", bytes(h.reserved), mem.nbytes)
-        return self._export_chunk(st["handle"], st["size"], mem.owner, st, nbytes=mem.nbytes)
+            h = check(self.drv.cuIpcGetMemHandle(mem.ptr), "cuIpcGetMemHandle")
+            return CudaIpcHandle(raw=bytes(h.reserved), size=mem.nbytes)
+        st: _VmmOwn = mem.state
+        return self._export_chunk(st.handle, st.size, mem.owner, st.exchange, nbytes=mem.nbytes)
 
     def exchanged(self, mem: Memory, handles: list[Any]) -> None:
-        server = mem.state.get("server")
+        server = mem.state.exchange.server if isinstance(mem.state, _VmmOwn) else None
         if server is not None:
-            server.expect(h[4] for h in handles if h is not None and h[0] == "posix_fd")
+            server.expect(h.pid for h in handles if isinstance(h, PosixFdHandle))
 
-    def import_handle(self, handle: Any, owner: int) -> Memory:
-        drv = self.drv
-        kind = handle[0]
-        if kind == "cuda_ipc":
-            h = drv.CUipcMemHandle()
-            h.reserved = handle[1]
-            ptr = int(
-                check(
-                    drv.cuIpcOpenMemHandle(h, drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
-                    f"cuIpcOpenMemHandle(rank {owner})",
-                )
-            )
-            nbytes = handle[2]
-            state = {"kind": "ipc-peer"}
-            return Memory(ptr=ptr, nbytes=nbytes, tensor=self._tensor(ptr, nbytes, state), owner=owner, state=state)
-        size, nbytes = handle[2], handle[3]
+    def import_handle(self, handle: PosixFdHandle | FabricHandle | CudaIpcHandle, owner: int) -> Memory:
+        if isinstance(handle, CudaIpcHandle):
+            ptr = self._open_ipc(handle.raw, owner)
+            return self._memory(ptr, handle.size, owner, _IpcPeer())
         phys = self._import_phys(handle, owner)
         try:
-            ptr = self._map(phys, size)
+            ptr = self._map(phys, handle.size)
         finally:
-            drv.cuMemRelease(phys)  # the mapping holds the memory from here on
-        state = {"kind": "vmm-peer", "size": size}
-        return Memory(ptr=ptr, nbytes=nbytes, tensor=self._tensor(ptr, nbytes, state), owner=owner, state=state)
+            self.drv.cuMemRelease(phys)  # the mapping holds the memory from here on
+        return self._memory(ptr, handle.nbytes, owner, _VmmPeer(size=handle.size))
 
     def all_mapped(self, mem: Memory) -> None:
-        _close_exchange(mem.state)
+        if isinstance(mem.state, _VmmOwn):
+            mem.state.exchange.close()
 
     def release(self, mem: Memory) -> None:
         """Close the handle servers and drop symmsync's tensor over ``mem``.
@@ -431,8 +389,9 @@ class CudaBackend(Backend):
         when nobody else holds one, else when the user's last tensor is gone.
         """
         self.all_mapped(mem)
-        for chunk in (mem.state or {}).get("chunks", ()):
-            self.chunk_all_mapped(chunk)
+        if isinstance(mem.state, _Reservation):
+            for chunk in mem.state.chunks:
+                self.chunk_all_mapped(chunk)
         mem.tensor = None  # type: ignore[assignment]
         _flush_deferred()
 
@@ -441,13 +400,15 @@ class CudaBackend(Backend):
         if self.handle_type == "cuda_ipc":
             raise BackendError(f"{what} needs the driver's virtual-memory management; handle_type='cuda_ipc' has none")
 
+    def _reservation(self, size: int) -> _Reservation:
+        base = int(check(self.drv.cuMemAddressReserve(size, self.granularity, 0, 0), "cuMemAddressReserve"))
+        return _Reservation(base=base, size=size)
+
     def reserve(self, nbytes: int, owner: int) -> Memory:
         self._need_vmm("a growable buffer")
         _flush_deferred()
-        size = self._round(nbytes)
-        ptr = int(check(self.drv.cuMemAddressReserve(size, self.granularity, 0, 0), "cuMemAddressReserve"))
-        state: dict[str, Any] = {"kind": "reservation", "base": ptr, "size": size, "chunks": []}
-        return Memory(ptr=ptr, nbytes=size, tensor=self._tensor(ptr, size, state), owner=owner, state=state)
+        state = self._reservation(self._round(nbytes))
+        return self._memory(state.base, state.size, owner, state)
 
     def _map_at(self, at: int, size: int, phys: Any) -> None:
         drv = self.drv
@@ -459,33 +420,35 @@ class CudaBackend(Backend):
             raise
 
     def _in_reservation(self, mem: Memory, offset: int, nbytes: int) -> int:
-        st = mem.state
+        st: _Reservation = mem.state
         at = mem.ptr + offset
-        if not (st["base"] <= at and at + nbytes <= st["base"] + st["size"]):
+        if not (st.base <= at and at + nbytes <= st.base + st.size):
             raise BackendError(
                 f"bytes [{offset}, {offset + nbytes}) of rank {mem.owner}'s memory lie outside the "
-                f"{st['size']} bytes of address space reserved for it"
+                f"{st.size} bytes of address space reserved for it"
             )
         return at
 
-    def _export_chunk(self, handle: Any, size: int, owner: int, state: dict, nbytes: int | None = None) -> tuple:
+    def _export_chunk(
+        self, handle: Any, size: int, owner: int, exchange: _Exchange, nbytes: int | None = None
+    ) -> PosixFdHandle | FabricHandle:
         """The handle peers map ``size`` bytes of physical memory with (``nbytes`` of them
-        used): fabric bytes, or the address of a descriptor server kept in ``state``."""
+        used): fabric bytes, or the address of a descriptor server kept in ``exchange``."""
         nbytes = size if nbytes is None else nbytes
         shareable = check(
             self.drv.cuMemExportToShareableHandle(handle, self.cu_handle_type, 0),
             f"cuMemExportToShareableHandle({self.handle_type})",
         )
         if self.handle_type == "fabric":
-            return ("fabric", bytes(shareable.data), size, nbytes)
-        state["fd"] = int(shareable)
-        state["server"] = _FdServer(state["fd"], owner=owner)
-        return ("posix_fd", state["server"].address, size, nbytes, os.getpid())
+            return FabricHandle(data=bytes(shareable.data), size=size, nbytes=nbytes)
+        exchange.fd = int(shareable)
+        exchange.server = FdServer(exchange.fd, owner=owner)
+        return PosixFdHandle(address=exchange.server.address, size=size, nbytes=nbytes, pid=os.getpid())
 
-    def _import_phys(self, handle: Any, owner: int) -> Any:
+    def _import_phys(self, handle: PosixFdHandle | FabricHandle, owner: int) -> Any:
         drv = self.drv
-        if handle[0] == "posix_fd":
-            fd = _receive_fd(handle[1], owner, handle[4])
+        if isinstance(handle, PosixFdHandle):
+            fd = receive_fd(handle.address, owner, handle.pid)
             try:
                 return check(
                     drv.cuMemImportFromShareableHandle(fd, self.cu_handle_type),
@@ -494,7 +457,7 @@ class CudaBackend(Backend):
             finally:
                 os.close(fd)
         fh = drv.CUmemFabricHandle()
-        fh.data = handle[1]
+        fh.data = handle.data
         return check(
             drv.cuMemImportFromShareableHandle(fh, self.cu_handle_type),
             f"cuMemImportFromShareableHandle(fabric, rank {owner})",
@@ -504,34 +467,42 @@ class CudaBackend(Backend):
         drv = self.drv
         at = self._in_reservation(mem, offset, nbytes)
         phys = check(drv.cuMemCreate(nbytes, self.prop, 0), f"cuMemCreate({nbytes} bytes)")
-        state: dict[str, Any] = {"handle": phys, "at": at}
+        state = _ChunkMapping(at=at, handle=phys)
         chunk = Chunk(offset=offset, nbytes=nbytes, state=state)
         try:
             self._map_at(at, nbytes, phys)
         except BackendError:
             drv.cuMemRelease(phys)
             raise
-        mem.state["chunks"].append(chunk)
+        mem.state.chunks.append(chunk)
         try:
             check(drv.cuMemsetD8(at, 0, nbytes), "cuMemsetD8")
             check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
-            chunk.handle = self._export_chunk(phys, nbytes, mem.owner, state)
+            chunk.handle = self._export_chunk(phys, nbytes, mem.owner, state.exchange)
         except Exception as e:  # an OSError from the descriptor server too: nothing may stay mapped
             self.unmap_chunk(mem, chunk)
             raise e if isinstance(e, BackendError) else BackendError(f"exporting a chunk failed: {e}") from e
         return chunk
 
-    def map_chunk(self, mem: Memory, offset: int, handle: Any) -> Chunk:
-        size = handle[2]
+    def chunk_exchanged(self, chunk: Chunk, pids: list[int]) -> None:
+        server = chunk.state.exchange.server
+        if server is not None:
+            server.expect(pids)
+
+    def map_chunk(self, mem: Memory, offset: int, handle: PosixFdHandle | FabricHandle) -> Chunk:
+        size = handle.size
         at = self._in_reservation(mem, offset, size)
         phys = self._import_phys(handle, mem.owner)
         try:
             self._map_at(at, size, phys)
         finally:
             self.drv.cuMemRelease(phys)  # the mapping holds the memory from here on
-        chunk = Chunk(offset=offset, nbytes=size, state={"at": at})
-        mem.state["chunks"].append(chunk)
+        chunk = Chunk(offset=offset, nbytes=size, state=_ChunkMapping(at=at))
+        mem.state.chunks.append(chunk)
         return chunk
+
+    def chunk_all_mapped(self, chunk: Chunk) -> None:
+        chunk.state.exchange.close()
 
     def unmap_chunk(self, mem: Memory, chunk: Chunk) -> None:
         try:
@@ -539,64 +510,52 @@ class CudaBackend(Backend):
         except RuntimeError:
             pass
         _release_chunk(self.drv, chunk)
-        if chunk in mem.state["chunks"]:
-            mem.state["chunks"].remove(chunk)
-
-    def chunk_exchanged(self, chunk: Chunk, pids: list[int]) -> None:
-        server = chunk.state.get("server")
-        if server is not None:
-            server.expect(pids)
-
-    def chunk_all_mapped(self, chunk: Chunk) -> None:
-        _close_exchange(chunk.state)
+        if chunk in mem.state.chunks:
+            mem.state.chunks.remove(chunk)
 
     # ------------------------------------------------------------ registered memory
-    def _pieces(self, ptr: int, nbytes: int) -> list[tuple[int, int, Any]]:
+    def _allocations(self, ptr: int, nbytes: int) -> list[tuple[int, int, Any]]:
         """``(base, size, retained handle)`` of every VMM allocation mapped over
         ``[ptr, ptr + nbytes)``, or ``[]`` when the memory is not VMM memory."""
         drv = self.drv
-        pieces: list[tuple[int, int, Any]] = []
+        found: list[tuple[int, int, Any]] = []
         at, end = ptr, ptr + nbytes
         while at < end:
             err, handle = drv.cuMemRetainAllocationHandle(at)
             if err != drv.CUresult.CUDA_SUCCESS:
-                if not pieces:
+                if not found:
                     return []  # not VMM memory: the caller tries CUDA IPC
-                for _, _, h in pieces:
+                for _, _, h in found:
                     drv.cuMemRelease(h)
                 raise BackendError(
                     f"the registered memory is not mapped at {at:#x} ({at - ptr} bytes in): "
                     f"cuMemRetainAllocationHandle gave {err}; register only what the runtime committed"
                 )
             base, size = check(drv.cuMemGetAddressRange(at), "cuMemGetAddressRange")
-            pieces.append((int(base), int(size), handle))
+            found.append((int(base), int(size), handle))
             at = int(base) + int(size)
-        return pieces
+        return found
 
-    def export_local(self, ptr: int, nbytes: int, owner: int, known: int = 0) -> tuple[list[Any], Any]:
+    def export_local(self, ptr: int, nbytes: int, owner: int, known: int = 0) -> _CudaExport:
         _flush_deferred()
         drv = self.drv
-        if self.handle_type != "cuda_ipc":
-            pieces = self._pieces(ptr, nbytes)
-        else:
-            pieces = []
-        # Every retained handle is in the state before any export, so a failure releases all.
-        state: dict[str, Any] = {"chunks": [{"retained": h} for _, _, h in pieces], "end": known}
-        if pieces:
-            handles = []
+        allocations = self._allocations(ptr, nbytes) if self.handle_type != "cuda_ipc" else []
+        # Every retained handle is in the export before any export, so a failure releases all.
+        export = _CudaExport(pieces=[], end=known, retained=[_Retained(handle=h) for _, _, h in allocations])
+        if allocations:
             try:
-                for (base, size, h), st in zip(pieces, state["chunks"]):
-                    state["end"] = max(state["end"], base + size - ptr)
+                for (base, size, h), kept in zip(allocations, export.retained):
+                    export.end = max(export.end, base + size - ptr)
                     if base + size - ptr <= known:
                         continue  # peers mapped this chunk at an earlier call (known ends a chunk)
-                    handles.append((base - ptr, self._export_chunk(h, size, owner, st)))
+                    export.pieces.append(Piece(base - ptr, self._export_chunk(h, size, owner, kept.exchange)))
             except Exception as e:  # an OSError from a descriptor server too
-                self.forget_local(state)
+                self.forget_local(export)
                 raise BackendError(
                     f"{e}: the runtime's allocation cannot be exported as {self.handle_type!r}; create it with "
                     "that handle type in CUmemAllocationProp.requestedHandleTypes"
                 ) from e
-            return handles, state
+            return export
         # A plain device allocation (torch's caching allocator, cudaMalloc): CUDA IPC.
         base, size = check(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
         base, size = int(base), int(size)
@@ -605,47 +564,37 @@ class CudaBackend(Backend):
                 f"the registered range [{ptr:#x}, {ptr + nbytes:#x}) leaves its device allocation "
                 f"[{base:#x}, {base + size:#x}); memory shared through CUDA IPC cannot grow past its allocation"
             )
-        state["end"] = base + size - ptr
+        export.end = base + size - ptr
         if known:
-            return [], state  # within the allocation peers opened already
+            return export  # within the allocation peers opened already
         h = check(drv.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
-        return [("cuda_ipc", bytes(h.reserved), ptr - base, size)], state
+        export.pieces.append(Piece(base - ptr, CudaIpcHandle(raw=bytes(h.reserved), size=size)))
+        return export
 
-    def local_exchanged(self, state: Any, pids: list[int]) -> None:
-        for st in state["chunks"]:
-            if st.get("server") is not None:
-                st["server"].expect(pids)
+    def local_exchanged(self, export: _CudaExport, pids: list[int]) -> None:
+        for kept in export.retained:
+            if kept.exchange.server is not None:
+                kept.exchange.server.expect(pids)
 
-    def forget_local(self, state: Any) -> None:
-        for st in state["chunks"]:
-            _close_exchange(st)
-            h = st.pop("retained", None)
+    def forget_local(self, export: _CudaExport) -> None:
+        for kept in export.retained:
+            kept.exchange.close()
+            h, kept.handle = kept.handle, None
             if h is not None:
                 self.drv.cuMemRelease(h)
 
-    def import_local(self, handles: list[Any], owner: int, nbytes: int) -> Memory:
-        if not handles:
+    def import_local(self, pieces: list[Piece], owner: int, nbytes: int) -> Memory:
+        if not pieces:
             raise BackendError(f"rank {owner} registered no memory")
-        if handles[0][0] == "cuda_ipc":
-            _, raw, delta, size = handles[0]
-            h = self.drv.CUipcMemHandle()
-            h.reserved = raw
-            opened = int(
-                check(
-                    self.drv.cuIpcOpenMemHandle(h, self.drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
-                    f"cuIpcOpenMemHandle(rank {owner})",
-                )
-            )
-            ptr = opened + delta
-            state = {"kind": "ipc-peer", "opened": opened}
-            view = min(nbytes, size - delta)
-            return Memory(ptr=ptr, nbytes=view, tensor=self._tensor(ptr, view, state), owner=owner, state=state)
-        delta = -min(off for off, _ in handles)  # the registered address may start inside a chunk
-        largest = max(h[2] for _, h in handles)
-        size = self._round(delta + nbytes + largest)  # room for a last chunk past max_nbytes
-        base = int(check(self.drv.cuMemAddressReserve(size, self.granularity, 0, 0), "cuMemAddressReserve"))
-        state: dict[str, Any] = {"kind": "reservation", "base": base, "size": size, "chunks": []}
-        ptr = base + delta
-        mem = Memory(ptr=ptr, nbytes=nbytes, tensor=self._tensor(ptr, nbytes, state), owner=owner, state=state)
-        self.extend_local(mem, handles)
+        first = pieces[0].handle
+        if isinstance(first, CudaIpcHandle):
+            delta = -pieces[0].offset  # the registered address, from the start of its allocation
+            opened = self._open_ipc(first.raw, owner)
+            view = min(nbytes, first.size - delta)
+            return self._memory(opened + delta, view, owner, _IpcPeer(opened=opened))
+        delta = -min(p.offset for p in pieces)  # the registered address may start inside a chunk
+        largest = max(p.handle.size for p in pieces)
+        state = self._reservation(self._round(delta + nbytes + largest))  # room for a last chunk past max_nbytes
+        mem = self._memory(state.base + delta, nbytes, owner, state)
+        self.extend_local(mem, pieces)
         return mem

@@ -21,18 +21,55 @@ import os
 import secrets
 import sys
 import warnings
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
 from ..errors import BackendError
-from . import INTERPRETER, Backend, Chunk, Memory, tensor_at
+from . import tensor_at
+from .base import INTERPRETER, Backend, Chunk, LocalExport, Memory, Piece
 
 #: Prefix of segment names; ``symmsync.testing`` sets it per job so that it can
 #: find (and remove) anything a killed rank left behind.
 PREFIX_ENV = "SYMMSYNC_SHM_PREFIX"
 
 _linked: set[str] = set()
+
+
+class Segment(NamedTuple):
+    """The handle of host memory: ``nbytes`` of the shared-memory object ``name`` from
+    byte ``offset`` of it (``shm_open`` + ``mmap``)."""
+
+    name: str
+    nbytes: int
+    offset: int = 0
+
+
+@dataclass
+class _SegmentMapping:
+    """A segment mapped whole: ``name`` while this rank still has it linked (its own, until
+    every peer mapped it); the ``mmap`` object until release (its tensors keep it after)."""
+
+    name: str | None
+    mmap: mmap.mmap | None
+
+
+@dataclass
+class _Reservation:
+    """Address space ``[base, base + size)`` mapped ``PROT_NONE``, and the chunks mapped into it."""
+
+    base: int
+    size: int
+    chunks: list[Chunk] = field(default_factory=list)
+    released: bool = False
+
+
+@dataclass
+class _ChunkName:
+    """A chunk's segment name while this rank (its creator) still has it linked."""
+
+    name: str | None = None
 
 
 def _unlink(name: str) -> None:
@@ -76,10 +113,10 @@ def _mmap(addr: int, nbytes: int, prot: int, flags: int, fd: int = -1, offset: i
     return got
 
 
-def _unmap_reservation(base: int, nbytes: int, state: dict) -> None:
+def _unmap_reservation(base: int, nbytes: int, state: _Reservation) -> None:
     """Unmap a whole reservation and every chunk in it: once, after its last tensor is gone."""
-    if not state.get("released"):
-        state["released"] = True
+    if not state.released:
+        state.released = True
         _libc.munmap(base, nbytes)
 
 
@@ -176,40 +213,42 @@ class HostBackend(Backend):
     def allocate(self, nbytes: int, rank: int) -> Memory:
         name, mm = _new_segment(rank, nbytes, lambda fd: mmap.mmap(fd, nbytes))
         t = _as_tensor(mm)
-        return Memory(ptr=t.data_ptr(), nbytes=nbytes, tensor=t, owner=rank, state={"name": name, "mmap": mm})
+        return Memory(ptr=t.data_ptr(), nbytes=nbytes, tensor=t, owner=rank, state=_SegmentMapping(name, mm))
 
-    def export_handle(self, mem: Memory) -> tuple[str, int]:
-        return (mem.state["name"], mem.nbytes)
+    def export_handle(self, mem: Memory) -> Segment:
+        return Segment(mem.state.name, mem.nbytes)
 
-    def import_handle(self, handle: tuple[str, int], owner: int) -> Memory:
-        name, nbytes = handle
-        mm = _open_segment(name, owner, nbytes, lambda fd: mmap.mmap(fd, nbytes))
+    def import_handle(self, handle: Segment, owner: int) -> Memory:
+        nbytes = handle.nbytes
+        mm = _open_segment(handle.name, owner, nbytes, lambda fd: mmap.mmap(fd, nbytes))
         t = _as_tensor(mm)
-        return Memory(ptr=t.data_ptr(), nbytes=nbytes, tensor=t, owner=owner, state={"name": None, "mmap": mm})
+        return Memory(ptr=t.data_ptr(), nbytes=nbytes, tensor=t, owner=owner, state=_SegmentMapping(None, mm))
 
     def all_mapped(self, mem: Memory) -> None:
-        _unlink(mem.state["name"])
+        _unlink(mem.state.name)
 
-    def abandon(self, handle: tuple[str, int]) -> None:
+    def abandon(self, handle: Segment) -> None:
         # A peer killed before it unlinked its name would leave the segment in /dev/shm.
         try:
-            _posixshmem.shm_unlink(handle[0])
+            _posixshmem.shm_unlink(handle.name)
         except OSError:
             pass  # already unlinked by its owner or another rank
 
     def release(self, mem: Memory) -> None:
-        name = mem.state.get("name")
-        if name:
-            _unlink(name)
-        for chunk in mem.state.get("chunks", ()):
-            if chunk.state.get("name"):
-                _unlink(chunk.state["name"])
-        # Drop symmsync's references and never call mmap.close(): torch.frombuffer keeps
-        # a reference to the mmap object but no buffer export, so close() would unmap
-        # pages that a tensor the user still holds points to (a segfault on its next
-        # access). Unreferenced, the mmap object unmaps when its last tensor is gone:
-        # at once when there is none.
-        mem.state.pop("mmap", None)
+        st = mem.state
+        if isinstance(st, _SegmentMapping):
+            if st.name:
+                _unlink(st.name)
+            # Drop symmsync's references and never call mmap.close(): torch.frombuffer keeps
+            # a reference to the mmap object but no buffer export, so close() would unmap
+            # pages that a tensor the user still holds points to (a segfault on its next
+            # access). Unreferenced, the mmap object unmaps when its last tensor is gone:
+            # at once when there is none.
+            st.mmap = None
+        elif isinstance(st, _Reservation):
+            for chunk in st.chunks:
+                if chunk.state.name:
+                    _unlink(chunk.state.name)
         mem.tensor = None  # type: ignore[assignment]
 
     # ------------------------------------------------------------ growable and registered memory
@@ -217,13 +256,13 @@ class HostBackend(Backend):
 
     def reserve(self, nbytes: int, owner: int) -> Memory:
         base = _mmap(0, nbytes, *_HOLE)
-        state: dict[str, Any] = {"reservation": (base, nbytes), "chunks": []}
+        state = _Reservation(base, nbytes)
         release = functools.partial(_unmap_reservation, base, nbytes, state)
         t = tensor_at(base, nbytes, self.device, on_last_use=release)
         return Memory(ptr=base, nbytes=nbytes, tensor=t, owner=owner, state=state)
 
     def _map_segment(self, mem: Memory, offset: int, nbytes: int, fd: int, file_offset: int = 0) -> None:
-        base, size = mem.state["reservation"]
+        base, size = mem.state.base, mem.state.size
         at = mem.ptr + offset
         if not (base <= at and at + nbytes <= base + size):
             raise BackendError(f"bytes [{offset}, {offset + nbytes}) lie outside the reservation of {size} bytes")
@@ -232,33 +271,32 @@ class HostBackend(Backend):
 
     def commit(self, mem: Memory, offset: int, nbytes: int) -> Chunk:
         name, _ = _new_segment(mem.owner, nbytes, lambda fd: self._map_segment(mem, offset, nbytes, fd))
-        chunk = Chunk(offset=offset, nbytes=nbytes, handle=(name, nbytes), state={"name": name})
-        mem.state["chunks"].append(chunk)
+        chunk = Chunk(offset=offset, nbytes=nbytes, handle=Segment(name, nbytes), state=_ChunkName(name))
+        mem.state.chunks.append(chunk)
         return chunk
 
-    def map_chunk(self, mem: Memory, offset: int, handle: Any) -> Chunk:
-        name, nbytes = handle[0], handle[1]
-        file_offset = handle[2] if len(handle) > 2 else 0
+    def map_chunk(self, mem: Memory, offset: int, handle: Segment) -> Chunk:
+        name, nbytes, file_offset = handle
         _open_segment(
             name, mem.owner, file_offset + nbytes, lambda fd: self._map_segment(mem, offset, nbytes, fd, file_offset)
         )
-        chunk = Chunk(offset=offset, nbytes=nbytes, state={"name": None})
-        mem.state["chunks"].append(chunk)
+        chunk = Chunk(offset=offset, nbytes=nbytes, state=_ChunkName())
+        mem.state.chunks.append(chunk)
         return chunk
 
     def unmap_chunk(self, mem: Memory, chunk: Chunk) -> None:
         _mmap(mem.ptr + chunk.offset, chunk.nbytes, *_HOLE[:1], _HOLE[1] | _MAP_FIXED)
-        if chunk.state.get("name"):
-            _unlink(chunk.state["name"])
-        if chunk in mem.state["chunks"]:
-            mem.state["chunks"].remove(chunk)
+        if chunk.state.name:
+            _unlink(chunk.state.name)
+        if chunk in mem.state.chunks:
+            mem.state.chunks.remove(chunk)
 
     def chunk_all_mapped(self, chunk: Chunk) -> None:
-        if chunk.state.get("name"):
-            _unlink(chunk.state["name"])
+        if chunk.state.name:
+            _unlink(chunk.state.name)
 
-    def export_local(self, ptr: int, nbytes: int, owner: int, known: int = 0) -> tuple[list[Any], Any]:
-        handles = []
+    def export_local(self, ptr: int, nbytes: int, owner: int, known: int = 0) -> LocalExport:
+        pieces = []
         last = ptr + known
         for start, end, file_offset, path in shm_mappings(ptr, nbytes):
             if end <= ptr + known:
@@ -267,21 +305,17 @@ class HostBackend(Backend):
                 file_offset += ptr + known - start
                 start = ptr + known
             name = "/" + path[len("/dev/shm/") :]
-            handles.append((start - ptr, (name, end - start, file_offset)))
+            pieces.append(Piece(start - ptr, Segment(name, end - start, file_offset)))
             last = max(last, end)
-        return handles, {"end": last - ptr}
+        return LocalExport(pieces=pieces, end=last - ptr)  # nothing for forget_local: peers open by name
 
-    def forget_local(self, state: Any) -> None:
-        pass  # nothing kept: peers opened the runtime's objects by name
-
-    def import_local(self, handles: list[Any], owner: int, nbytes: int) -> Memory:
-        if not handles:
+    def import_local(self, pieces: list[Piece], owner: int, nbytes: int) -> Memory:
+        if not pieces:
             raise BackendError(f"rank {owner} registered no memory")
-        delta = -min(off for off, _ in handles)  # the page the owner's memory starts in
+        delta = -min(p.offset for p in pieces)  # the page the owner's memory starts in
         size = delta + nbytes + (-(delta + nbytes)) % mmap.PAGESIZE
         res = self.reserve(size, owner)
-        mem = Memory(ptr=res.ptr + delta, nbytes=nbytes, tensor=res.tensor[delta : delta + nbytes], owner=owner)
-        mem.state = res.state
-        mem.state["delta"] = delta
-        self.extend_local(mem, handles)
+        tensor = res.tensor[delta : delta + nbytes]
+        mem = Memory(ptr=res.ptr + delta, nbytes=nbytes, tensor=tensor, owner=owner, state=res.state)
+        self.extend_local(mem, pieces)
         return mem

@@ -1,6 +1,6 @@
 """The CUDA backend's descriptor server hands its memory's handle only to the group's ranks.
 
-``_FdServer`` serves any file descriptor, so these tests need no GPU: it serves a temp
+``FdServer`` serves any file descriptor, so these tests need no GPU: it serves a temp
 file whose bytes the receiver reads back. The processes that connect are real
 processes: the server learns who they are from the kernel (``SO_PEERCRED``), not
 from anything they send.
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from symmsync import BackendError
-from symmsync.backends.cuda import _FdServer, _receive_fd
+from symmsync.backends.fd_passing import FdServer, receive_fd
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTENT = b"the memory of rank 0"
@@ -58,7 +58,7 @@ def served_file():
         yield f.fileno()
 
 
-def _client(server: _FdServer, tries: int = 1, uid: int | None = None) -> subprocess.Popen:
+def _client(server: FdServer, tries: int = 1, uid: int | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-c", CLIENT, server.address.encode().hex(), str(tries)]
     cmd += [str(uid)] if uid is not None else []
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -71,7 +71,7 @@ def _lines(proc: subprocess.Popen) -> list[str]:
 
 
 def test_a_process_that_is_not_a_rank_gets_nothing_and_is_logged(served_file, caplog):
-    server = _FdServer(served_file, owner=0)
+    server = FdServer(served_file, owner=0)
     try:
         rank = _client(server)
         # pid 1 stands for a rank that never connects, so the server stays up for the
@@ -88,7 +88,7 @@ def test_a_process_that_is_not_a_rank_gets_nothing_and_is_logged(served_file, ca
 
 
 def test_a_rank_gets_the_descriptor_exactly_once(served_file, caplog):
-    server = _FdServer(served_file, owner=0)
+    server = FdServer(served_file, owner=0)
     try:
         rank = _client(server, tries=2)
         server.expect([rank.pid, 1])  # pid 1 stands for a rank that has not connected yet
@@ -100,7 +100,7 @@ def test_a_rank_gets_the_descriptor_exactly_once(served_file, caplog):
 
 
 def test_the_server_closes_once_every_rank_has_its_descriptor(served_file):
-    server = _FdServer(served_file, owner=0)
+    server = FdServer(served_file, owner=0)
     try:
         rank = _client(server, tries=2)  # its second try finds no server
         server.expect([rank.pid])
@@ -113,7 +113,7 @@ def test_the_server_closes_once_every_rank_has_its_descriptor(served_file):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to start a process as another user")
 def test_a_process_of_another_user_gets_nothing_even_with_a_ranks_pid(served_file, caplog):
-    server = _FdServer(served_file, owner=0)
+    server = FdServer(served_file, owner=0)
     try:
         other = _client(server, uid=65534)  # nobody; an abstract socket checks no permission
         server.expect([other.pid])
@@ -125,17 +125,17 @@ def test_a_process_of_another_user_gets_nothing_even_with_a_ranks_pid(served_fil
 
 
 def test_the_receiver_takes_the_descriptor_only_from_the_rank_named_in_the_handle(served_file):
-    server = _FdServer(served_file, owner=0)
+    server = FdServer(served_file, owner=0)
     try:
         server.expect([os.getpid() + 10**6, 1])  # nobody that connects here is expected: stays up
         with pytest.raises(BackendError, match="not to rank 0"):
-            _receive_fd(server.address, owner=0, owner_pid=os.getpid() + 1)  # the handle named another pid
+            receive_fd(server.address, owner=0, owner_pid=os.getpid() + 1)  # the handle named another pid
     finally:
         server.close()
 
 
 def test_a_connection_before_the_ranks_are_known_waits_for_them(served_file):
-    server = _FdServer(served_file, owner=0)
+    server = FdServer(served_file, owner=0)
     try:
         rank = _client(server)
         time.sleep(1.0)  # it connects while the server does not know the ranks yet
@@ -146,7 +146,7 @@ def test_a_connection_before_the_ranks_are_known_waits_for_them(served_file):
 
 
 def test_a_closed_server_refuses_connections(served_file):
-    server = _FdServer(served_file, owner=0)
+    server = FdServer(served_file, owner=0)
     server.close()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, pytest.raises(ConnectionRefusedError):
         s.connect(server.address)

@@ -1,0 +1,407 @@
+"""The kinds of memory a :class:`~symmsync.SymmetricBuffer` holds, and the steps that map them.
+
+A buffer's memory is one of four kinds, chosen at construction, each one object::
+
+    kind         the bytes are   the signal cells live      grow                   close releases
+    Allocated    symmsync's      after the user region      (cannot grow)          every mapping
+    Growable     symmsync's      after the reservation      commits, maps chunks   every mapping
+    Adopted      the runtime's   at its tail, or apart      (cannot grow)          symmsync's cells only
+    Registered   the runtime's   apart                      maps what it grew by   the peers' mappings, the cells
+
+Every step that maps memory on every rank is a step of one
+:class:`~symmsync.collective.Transaction`: all or nothing, the same
+:class:`~symmsync.BackendError` on every rank when any rank fails, and what was mapped
+undone. :func:`allocate`, :func:`reserve`, :func:`share_chunks` and :func:`share_local`
+are those steps, in the order :mod:`symmsync.backends.base` gives for the backend's calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import backends
+from .backends import Backend, LocalExport, Memory, Piece
+from .cells import LINE, SignalLayout, round_up
+from .checks import is_int
+from .collective import Transaction, barrier, gather, ranks_text
+from .errors import BackendError, ConfigError
+
+#: What a failed construction leaves, in its error.
+RELEASED = "every rank released what it had mapped"
+
+
+class Shared:
+    """One backend's memory of every rank, as mapped on this rank: its own, and each peer's."""
+
+    def __init__(self, backend: Backend, world: int):
+        self.backend = backend
+        self.own: Memory | None = None
+        self.peers: list[Memory | None] = [None] * world
+
+    @property
+    def ptrs(self) -> list[int]:
+        """Every rank's base address, as mapped on this rank."""
+        return [m.ptr for m in self.peers]
+
+    def release(self) -> None:
+        """Unmap the peers, release (or, not this rank's to free, only forget) this rank's memory. Idempotent."""
+        be, own = self.backend, self.own
+        for i, m in enumerate(self.peers):
+            if m is not None and m is not own:
+                self.peers[i] = None
+                be.release(m)
+        self.peers = [None] * len(self.peers)
+        if own is not None and own.tensor is not None:
+            be.release(own)
+        self.own = None
+
+
+def release(shared: list[Shared]) -> None:
+    """Release each (the finalizer of a buffer nobody closed)."""
+    for s in shared:
+        s.release()
+
+
+def create_backend(group: Any, name: str, dev: torch.device, options: dict[str, Any]) -> Backend:
+    """The backend ``name`` on every rank, or :class:`~symmsync.BackendError` on every rank (collective)."""
+    problem = None
+    be = None
+    try:
+        be = backends.create(name, dev, **options)
+    except (BackendError, ConfigError) as e:
+        problem = str(e)
+    except TypeError as e:  # an option the backend does not take
+        problem = f"bad backend_options {options!r}: {e}"
+    problems = gather(group, problem)
+    bad = [r for r, p in enumerate(problems) if p]
+    if bad:
+        raise BackendError(f"SymmetricBuffer: backend {name!r} unavailable on {ranks_text(bad)}: {problems[bad[0]]}")
+    assert be is not None
+    return be
+
+
+# ---------------------------------------------------------------------- steps
+def _abandon(be: Backend, handles: list[Any]) -> None:
+    """Drop what the handles received name, which a dead peer can no longer drop itself."""
+    for h in handles:
+        if h is not None:
+            be.abandon(h)
+
+
+def _abandon_pieces(be: Backend, everyone: list[Any]) -> None:
+    _abandon(be, [p.handle for pieces, _ in filter(None, everyone) for p in pieces])
+
+
+def allocate(tx: Transaction, be: Backend, nbytes: int) -> Shared:
+    """Allocate ``nbytes`` on every rank, exchange the handles, map every peer's."""
+    rank, shared = dist.get_rank(tx.group), Shared(be, dist.get_world_size(tx.group))
+    tx.on_failure(shared.release)
+
+    def allocate_here() -> Any:
+        shared.own = be.allocate(nbytes, rank)
+        return be.export_handle(shared.own)
+
+    received = tx.step("allocate on", allocate_here, undo=functools.partial(_abandon, be))
+    be.exchanged(shared.own, received)  # who may map this rank's memory
+
+    def map_peers() -> None:
+        for r, h in enumerate(received):
+            shared.peers[r] = shared.own if r == rank else be.import_handle(h, r)
+
+    tx.step("map on", map_peers)
+    # Every rank mapped every peer: names and exported handles can go, and once the
+    # transaction's barrier passes they are gone on every rank (a crash leaks nothing).
+    be.all_mapped(shared.own)
+    return shared
+
+
+def reserve(tx: Transaction, be: Backend, nbytes: int) -> Shared:
+    """Reserve ``nbytes`` of address space for this rank's memory and every peer's."""
+    rank, shared = dist.get_rank(tx.group), Shared(be, dist.get_world_size(tx.group))
+    tx.on_failure(shared.release)
+
+    def reserve_here() -> None:
+        for r in range(len(shared.peers)):
+            shared.peers[r] = be.reserve(nbytes, r)
+        shared.own = shared.peers[rank]
+
+    tx.step("reserve address space on", reserve_here)
+    return shared
+
+
+def share_chunks(tx: Transaction, shared: Shared, pieces: list[tuple[int, int]]) -> None:
+    """Commit ``(offset, nbytes)`` pieces of this rank's reservation, map every peer's at the same offsets."""
+    be, rank = shared.backend, dist.get_rank(tx.group)
+    own = []
+
+    def commit_here() -> tuple[list[Piece], int]:
+        for off, n in pieces:
+            c = be.commit(shared.own, off, n)
+            tx.on_failure(functools.partial(be.unmap_chunk, shared.own, c))
+            own.append(c)
+        return [Piece(c.offset, c.handle) for c in own], os.getpid()
+
+    received = tx.step("commit memory on", commit_here, undo=lambda everyone: _abandon_pieces(be, everyone))
+    for c in own:
+        be.chunk_exchanged(c, [pid for _, pid in received])  # who may ask for it
+
+    def map_peers() -> None:
+        for r, (theirs, _) in enumerate(received):
+            if r != rank:
+                peer = shared.peers[r]
+                for off, h in theirs:
+                    tx.on_failure(functools.partial(be.unmap_chunk, peer, be.map_chunk(peer, off, h)))
+
+    tx.step("map on", map_peers)
+    for c in own:
+        be.chunk_all_mapped(c)
+
+
+def share_local(tx: Transaction, shared: Shared, nbytes: int, known: int, max_nbytes: int) -> LocalExport:
+    """Export this rank's registered memory in ``[0, nbytes)`` (the pieces wholly below
+    ``known`` were exported before), map every peer's: at registration (``known`` 0) each
+    peer's whole memory, at a grow the pieces it grew by. The caller forgets the export
+    (:meth:`~symmsync.backends.Backend.forget_local`) once the transaction committed."""
+    be, rank = shared.backend, dist.get_rank(tx.group)
+    export: list[LocalExport] = []
+
+    def export_here() -> tuple[list[Piece], int]:
+        export.append(be.export_local(shared.own.ptr, nbytes, rank, known=known))
+        tx.on_failure(functools.partial(be.forget_local, export[0]))
+        return export[0].pieces, os.getpid()
+
+    everyone = tx.step("share the registered memory of", export_here)
+    be.local_exchanged(export[0], [pid for _, pid in everyone])
+
+    def map_peers() -> None:
+        for r, (theirs, _) in enumerate(everyone):
+            if r == rank:
+                continue
+            if not known:
+                shared.peers[r] = be.import_local(theirs, r, max_nbytes)
+                continue
+            peer = shared.peers[r]
+            for c in be.extend_local(peer, theirs):
+                tx.on_failure(functools.partial(be.unmap_chunk, peer, c))
+
+    tx.step("map the registered memory of", map_peers)
+    return export[0]
+
+
+# ---------------------------------------------------------------------- kinds
+class Kind:
+    """What differs between the kinds of a buffer's memory (see the module's table).
+
+    Attributes:
+        data: the memory kernels address (:attr:`SymmetricBuffer.ptrs`).
+        cells: symmsync's own allocation of signal cells, apart from ``data``; ``None``
+            when the cells live in ``data``.
+        signals: where the cells are, as offsets from the cells' base.
+        max_nbytes: the most the user region can grow to; ``None`` when it cannot grow.
+        registered: the memory is a runtime's, registered (:meth:`SymmetricBuffer.register`).
+    """
+
+    registered = False
+    max_nbytes: int | None = None
+
+    def __init__(self, data: Shared, signals: SignalLayout, cells: Shared | None = None):
+        self.data = data
+        self.signals = signals
+        self.cells = cells
+
+    @property
+    def _signal_home(self) -> Shared:
+        return self.cells if self.cells is not None else self.data
+
+    @property
+    def capabilities(self) -> backends.Capabilities:
+        return self._signal_home.backend.capabilities
+
+    def shared(self) -> list[Shared]:
+        """Everything close releases."""
+        return [self.data] if self.cells is None else [self.data, self.cells]
+
+    def signal_ptrs(self) -> list[int] | None:
+        """The bases of the cells apart, or ``None`` when the cells are based at :attr:`data`'s."""
+        return None if self.cells is None else self.cells.ptrs
+
+    def local_memory(self, nbytes: int) -> torch.Tensor:
+        """This rank's user region of ``nbytes``, with what else this kind maps after it."""
+        return self.data.own.tensor
+
+    def signal_memory(self) -> torch.Tensor:
+        return self._signal_home.own.tensor
+
+    def room(self, nbytes: int) -> int:
+        """Bytes from this rank's base that a runtime's tensors may span (reserved ones included)."""
+        return nbytes if self.max_nbytes is None else self.max_nbytes
+
+    def grow(self, group: Any, nbytes_now: int, nbytes: int) -> None:
+        """Map what ``nbytes`` needs past ``nbytes_now`` on every rank (collective); the
+        caller checked the bounds on every rank."""
+        raise AssertionError("grow() checks that the buffer can grow before it gets here")
+
+
+class Allocated(Kind):
+    """Memory symmsync allocated, its signal cells after the user region."""
+
+    @classmethod
+    def build(cls, group: Any, be: Backend, nbytes: int, max_views: int, channels: int) -> Allocated:
+        signals = SignalLayout(round_up(nbytes, LINE), dist.get_world_size(group), max_views, channels)
+        with Transaction(group, "SymmetricBuffer", kept=RELEASED) as tx:
+            data = allocate(tx, be, signals.base + signals.size)
+        return cls(data, signals)
+
+
+class Growable(Kind):
+    """Memory symmsync allocated in address space reserved for ``max_nbytes``; the cells
+    after that reservation's user part, so growing never moves them."""
+
+    def __init__(self, data: Shared, signals: SignalLayout, max_nbytes: int, committed: int):
+        super().__init__(data, signals)
+        self.max_nbytes = max_nbytes
+        self.committed = committed
+
+    @classmethod
+    def build(cls, group: Any, be: Backend, nbytes: int, max_nbytes: int, max_views: int, channels: int) -> Growable:
+        g = be.granularity
+        signals = SignalLayout(round_up(max_nbytes, g), dist.get_world_size(group), max_views, channels)
+        total = signals.base + round_up(signals.size, g)
+        with Transaction(group, "SymmetricBuffer", kept=RELEASED) as tx:
+            data = reserve(tx, be, total)
+            share_chunks(tx, data, [(signals.base, total - signals.base), (0, round_up(nbytes, g))])
+        return cls(data, signals, max_nbytes, round_up(nbytes, g))
+
+    def local_memory(self, nbytes: int) -> torch.Tensor:
+        return self.data.own.tensor[:nbytes]
+
+    def grow(self, group: Any, nbytes_now: int, nbytes: int) -> None:
+        end = round_up(nbytes, self.data.backend.granularity)
+        if end > self.committed:
+            with Transaction(group, "SymmetricBuffer.grow", kept=f"the buffer keeps its {nbytes_now} bytes") as tx:
+                share_chunks(tx, self.data, [(self.committed, end - self.committed)])
+            self.committed = end
+
+
+class Adopted(Kind):
+    """Memory a runtime allocated and mapped on every rank; symmsync releases only its own cells."""
+
+    @classmethod
+    def build(
+        cls,
+        group: Any,
+        dev: torch.device,
+        ptrs: list[int],
+        nbytes: int,
+        signals: str,
+        max_views: int,
+        channels: int,
+        options: dict[str, Any],
+    ) -> tuple[Adopted, int]:
+        """The adopted memory and its user region's size (``nbytes`` less the cells at its tail)."""
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        be = backends.adopted(dev)
+        data = Shared(be, world)
+        for r, p in enumerate(ptrs):
+            data.peers[r] = be.import_handle(backends.Address(p, nbytes), r)
+        data.own = data.peers[rank]
+        if signals == "tail":
+            probe = SignalLayout(0, world, max_views, channels)
+            base = (nbytes - probe.size) // LINE * LINE
+            layout = SignalLayout(base, world, max_views, channels)
+            data.own.tensor[base : base + layout.size].zero_()
+            if be.capabilities.streams:
+                torch.cuda.synchronize(dev)
+            barrier(group)  # no rank fences before every rank's cells are zero
+            return cls(data, layout), base
+        layout = SignalLayout(0, world, max_views, channels)
+        cells_be = create_backend(group, backends.name_for(dev), dev, dict(options))
+        with Transaction(group, "SymmetricBuffer.from_peer_addresses", kept=RELEASED) as tx:
+            cells = allocate(tx, cells_be, layout.size)
+        return cls(data, layout, cells), nbytes
+
+
+class Registered(Kind):
+    """Memory a runtime owns and may grow in address space it reserved; the cells apart."""
+
+    registered = True
+
+    def __init__(self, data: Shared, signals: SignalLayout, cells: Shared, max_nbytes: int, nbytes: int, end: int):
+        super().__init__(data, signals, cells)
+        self.max_nbytes = max_nbytes
+        self.committed = nbytes
+        self.end = end  #: where the pieces peers mapped end, from the registered address
+
+    @staticmethod
+    def local_problem(local: Any, nbytes: Any, device: Any, align: int) -> tuple[int, torch.device | None, str | None]:
+        """``(address, device, problem)`` of the memory passed to :meth:`SymmetricBuffer.register`:
+        what keeps it from being registered on this rank, or ``None``."""
+        ptr, dev, problem = _local_address(local, nbytes, device)
+        if problem is None and ptr % align:
+            problem = f"the memory starts at {ptr:#x}, not on a multiple of {align} bytes (kernels store 16 at a time)"
+        elif problem is None:
+            try:
+                backends.resolve(backends.name_for(dev), dev)  # e.g. CPU memory needs the interpreter
+            except ConfigError as e:
+                problem = str(e)
+        return ptr, dev, problem
+
+    @classmethod
+    def build(
+        cls,
+        group: Any,
+        be: Backend,
+        cells_be: Backend,
+        ptr: int,
+        nbytes: int,
+        max_nbytes: int,
+        max_views: int,
+        channels: int,
+    ) -> Registered:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        signals = SignalLayout(0, world, max_views, channels)
+        with Transaction(group, "SymmetricBuffer.register", kept="nothing stays mapped") as tx:
+            cells = allocate(tx, cells_be, signals.size)
+            data = Shared(be, world)
+            tx.on_failure(data.release)
+            data.own = data.peers[rank] = Memory(ptr, max_nbytes, backends.tensor_at(ptr, max_nbytes, be.device), rank)
+            export = share_local(tx, data, nbytes, 0, max_nbytes)
+        be.forget_local(export)  # every peer mapped: what only served the exchange can go
+        return cls(data, signals, cells, max_nbytes, nbytes, export.end)
+
+    def local_memory(self, nbytes: int) -> torch.Tensor:
+        return self.data.own.tensor[:nbytes]
+
+    def grow(self, group: Any, nbytes_now: int, nbytes: int) -> None:
+        if nbytes > self.committed:
+            with Transaction(group, "SymmetricBuffer.grow", kept=f"the buffer keeps its {nbytes_now} bytes") as tx:
+                export = share_local(tx, self.data, nbytes, self.end, self.max_nbytes)
+            self.end = export.end
+            self.data.backend.forget_local(export)
+            self.committed = nbytes
+
+
+def _local_address(local: Any, nbytes: Any, device: Any) -> tuple[int, torch.device | None, str | None]:
+    """``(address, device, problem)`` of a tensor or an int address with ``nbytes``."""
+    if isinstance(local, torch.Tensor):
+        if not local.is_contiguous():
+            return 0, None, "local must be a contiguous tensor (its bytes from data_ptr() on)"
+        if not (local.is_cuda or local.is_cpu):
+            return 0, None, f"local is on {local.device}, which has no memory to register"
+        if nbytes is not None and is_int(nbytes) and nbytes > local.numel() * local.element_size():
+            return 0, None, f"nbytes={nbytes} is more than the tensor's {local.numel() * local.element_size()} bytes"
+        return local.data_ptr(), local.device, None
+    if not is_int(local) or not 0 < local < 2**64:
+        return 0, None, f"local must be a tensor or an int address, got {local!r}"
+    if nbytes is None:
+        return 0, None, "an address needs nbytes"
+    try:
+        dev = backends.as_device(device) if device is not None else backends.default_device()
+    except ConfigError as e:
+        return 0, None, str(e)
+    return local, dev, None
