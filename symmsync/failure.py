@@ -50,7 +50,8 @@ if TYPE_CHECKING:  # the view makes its owner; this module needs only the view's
 class Waiter(Protocol):
     """What registers with a :class:`ViewFailure`: an object whose operations wait for the
     view's members (a :class:`~symmsync.Fence`; per-peer signal objects), so that it has to
-    fail closed once this rank gave up on the view."""
+    fail closed once this rank gave up on the view. The owner holds it weakly, by identity:
+    any plain class will do (one that defines ``__eq__`` must keep a ``__hash__``)."""
 
     def abort_error(self, reason: str) -> Exception:
         """The error its operations raise once this rank aborted the view with ``reason``."""
