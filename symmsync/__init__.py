@@ -19,7 +19,7 @@ job on CPUs runs symmsync's kernels in Triton's interpreter.
 
 from .mode import enable_interpreter_without_gpu as _enable_interpreter
 
-_enable_interpreter()  # before any symmsync kernel is defined (buffer -> group -> fence -> language)
+_enable_interpreter()  # before any symmsync kernel is defined (buffer -> views -> failure -> language)
 
 from .buffer import SymmetricBuffer  # noqa: E402
 from .errors import (  # noqa: E402

@@ -35,18 +35,18 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from . import cells
+from . import driver as cuda
 from . import language as ssl
 from .checks import require
-from .errors import CLOSED_REASON, BackendError, ClosedError, FenceTimeout, PeerAborted
-from .views import PeerView, warm_abort
+from .errors import CLOSED_REASON, ClosedError, FenceTimeout, PeerAborted
 from .launch import Launcher, cu_stream, current_stream
+from .views import PeerView
 
 #: Largest wait budget, in seconds (about 31 years; the kernel counts int64 nanoseconds).
 MAX_TIMEOUT_S = 1e9
@@ -84,7 +84,8 @@ class Fence:
     """
 
     def __init__(self, view: PeerView, channel: int = 0, *, timeout_s: float | None = None):
-        view._check_channel(channel)
+        self.cell = view.signal_offset(channel)  # checks the channel first
+        """Byte offset of this fence's cell in every member's memory (kernel argument)."""
         buf = view.buffer
         caps = buf.capabilities
         self.view = view
@@ -101,8 +102,6 @@ class Fence:
                 call="Fence",
             )
         self.timeout_s = float(timeout_s)
-        self.cell = view.signal_offset(channel)
-        """Byte offset of this fence's cell in every member's memory (kernel argument)."""
         self.timeout_ns = int(self.timeout_s * 1e9)
         """Wait budget in ns (kernel argument)."""
         self._record = torch.zeros(cells.record_words(view.size), dtype=torch.int64, pin_memory=caps.pinned_record)
@@ -111,11 +110,8 @@ class Fence:
         self._kernel_args = (view.signal_ptrs, self.cell, view.local_index, self.timeout_ns, self.record)
         epoch = self.cell + cells.EPOCH
         self._epoch_word = buf.signal_memory()[epoch : epoch + 8].view(torch.int64)
-        self._failed: FenceTimeout | None = view._abort_error(channel)
-        view._fences.add(self)
-        if caps.traps and not view._warm:  # compiled kernels: the abort kernel too, ahead
-            view._warm = True
-            warm_abort(view)
+        self._failure = view.failure
+        self._failure.register(self, f"channel {channel}")
         self._side: _ForkJoin | None = None
         self._buffer = buf
         self._streams = caps.streams
@@ -188,21 +184,17 @@ class Fence:
 
     def _launch_now(self, kind: int, stream: int | None = None) -> None:
         # The eager hot path: a few attribute reads and one cuLaunchKernel (benchmarks/fence.py).
-        if self._failed is not None or self._buffer._closed:
+        if not self._failure.clean or self._buffer.closed:
             self._check_usable(operation=True)
         self._launch[kind](stream)
         if self._host_checks:
             self.check()
 
     def _check_usable(self, operation: bool = False) -> None:
-        if self.view.buffer.closed:
+        if self._buffer.closed:
             raise ClosedError(f"rank {self.view.rank}: Fence(channel={self.channel}) used after its buffer was closed")
-        if self._failed is not None:
-            err = self._failed
-            if operation and self.view.aborted is None:
-                # A fence after this rank's own fence error: tell the members first, then raise.
-                self.view._abort_quietly(f"rank {self.view.rank}: {type(err).__name__} on channel {self.channel}")
-            raise err
+        # After this rank's own fence error, an operation aborts the view first (once), then raises.
+        self._failure.check(self, operation)
 
     def check_usable(self) -> None:
         """Raise if this fence cannot take part in another operation; cheap when it can.
@@ -212,7 +204,7 @@ class Fence:
         would: see :meth:`abort`). For kernels that fence inside themselves (a fused
         writer's tail) and so do not pass through :meth:`fence`.
         """
-        if self._failed is not None or self._buffer._closed:
+        if not self._failure.clean or self._buffer.closed:
             self._check_usable(operation=True)
 
     def abort(self, reason: str) -> None:
@@ -224,6 +216,20 @@ class Fence:
         when this rank raises inside an operation its peers take part in, before raising.
         """
         self.view.abort(reason)
+
+    def abort_error(self, reason: str) -> PeerAborted:
+        """The :class:`~symmsync.PeerAborted` this fence raises once this rank aborted its
+        view with ``reason`` (its part of :class:`symmsync.failure.Waiter`)."""
+        view = self.view
+        return PeerAborted(
+            f"rank {view.rank}: fence on view {list(view.ranks)} channel {self.channel} used after this rank "
+            f"aborted the view ({reason}); its fences fail closed",
+            rank=view.rank,
+            epoch=-1,
+            late={},
+            channel=self.channel,
+            aborted={view.rank: reason},
+        )
 
     # ------------------------------------------------------------------ state
     @property
@@ -243,7 +249,7 @@ class Fence:
         """Raise :class:`~symmsync.FenceTimeout` if a wait of this fence timed out."""
         err = self.timeout_error()
         if err is not None:
-            self._failed = err
+            self._failure.fail(self, err)
             raise err
 
     def synchronize(self) -> None:
@@ -257,7 +263,7 @@ class Fence:
             err = self.timeout_error()
             if err is None:
                 raise
-            self._failed = err
+            self._failure.fail(self, err)
             raise err from e
         self.check()
 
@@ -327,22 +333,16 @@ class _ForkJoin:
         self.stream = torch.cuda.Stream(device)
         self.raw = self.stream.cuda_stream
         self.index = device.index
-        try:
-            from cuda.bindings import driver
-        except ImportError:  # cuda-python missing: torch's events do the same, slower
-            driver = None
-        self.drv = driver
-        if driver is None:
+        self.drv = cuda.driver() if cuda.available() else None
+        if self.drv is None:  # cuda-python missing: torch's events do the same, slower
             self.fork_event, self.join_event = torch.cuda.Event(), torch.cuda.Event()
             return
-        flags = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        flags = self.drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
         events = []
         for _ in range(2):
-            err, ev = driver.cuEventCreate(flags)
-            if err != driver.CUresult.CUDA_SUCCESS:
-                raise BackendError(f"Fence.overlap: cuEventCreate failed: {err}")
+            ev = cuda.check(self.drv.cuEventCreate(flags), "cuEventCreate", call=_OVERLAP)
             events.append(ev)
-            weakref.finalize(self, driver.cuEventDestroy, ev)
+            weakref.finalize(self, self.drv.cuEventDestroy, ev)
         self.fork_event, self.join_event = events
 
     def fork(self) -> int:
@@ -354,8 +354,8 @@ class _ForkJoin:
             self.fork_event.record(cur)
             self.stream.wait_event(self.fork_event)
             return main
-        self._check(drv.cuEventRecord(self.fork_event, cu_stream(main)), "cuEventRecord")
-        self._check(drv.cuStreamWaitEvent(cu_stream(self.raw), self.fork_event, 0), "cuStreamWaitEvent")
+        cuda.check(drv.cuEventRecord(self.fork_event, cu_stream(main)), "cuEventRecord", call=_OVERLAP)
+        cuda.check(drv.cuStreamWaitEvent(cu_stream(self.raw), self.fork_event, 0), "cuStreamWaitEvent", call=_OVERLAP)
         return main
 
     def join(self, main: int) -> None:
@@ -365,13 +365,11 @@ class _ForkJoin:
             self.join_event.record(self.stream)
             torch.cuda.ExternalStream(main, device=torch.device("cuda", self.index)).wait_event(self.join_event)
             return
-        self._check(drv.cuEventRecord(self.join_event, cu_stream(self.raw)), "cuEventRecord")
-        self._check(drv.cuStreamWaitEvent(cu_stream(main), self.join_event, 0), "cuStreamWaitEvent")
+        cuda.check(drv.cuEventRecord(self.join_event, cu_stream(self.raw)), "cuEventRecord", call=_OVERLAP)
+        cuda.check(drv.cuStreamWaitEvent(cu_stream(main), self.join_event, 0), "cuStreamWaitEvent", call=_OVERLAP)
 
-    def _check(self, result: Any, what: str) -> None:
-        err = result[0] if isinstance(result, tuple) else result
-        if err != self.drv.CUresult.CUDA_SUCCESS:
-            raise BackendError(f"Fence.overlap: {what} failed: {err}")
+
+_OVERLAP = "Fence.overlap"  # the operation a failed driver call of _ForkJoin is reported under
 
 
 # torch.compile: a fence is a compiler boundary. Dynamo ends the graph before the call

@@ -13,23 +13,18 @@ asked for the same view, in the same order, before anything uses it.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-import triton
-import triton.language as tl
 
-from . import cells
-from . import language as ssl
 from .checks import check_index, is_int, require
 from .collective import gather, raise_first
-from .errors import CLOSED_REASON, ClosedError, ConfigError, PeerAborted, ViewError
+from .errors import ClosedError, ConfigError, ViewError
+from .failure import ViewFailure
 
 if TYPE_CHECKING:  # the buffer imports this module to create its views; fences import it too
     from .buffer import SymmetricBuffer
-    from .fence import Fence
 
 #: The order of ranks in a TP×PCP layout: ``rank = pcp_rank * tp + tp_rank``.
 TP_PCP_ORDER = "rank = pcp_rank * tp + tp_rank"
@@ -44,7 +39,8 @@ class PeerView:
         size: number of members.
         local_index: this rank's index in :attr:`ranks`.
         region: index of the view's signal region in every member's allocation.
-        aborted: the reason this rank aborted the view with, or ``None``.
+        failure: the one owner of this rank's abort of the view and of its fences'
+            failures (:class:`symmsync.failure.ViewFailure`).
     """
 
     def __init__(self, buffer: SymmetricBuffer, ranks: tuple[int, ...], region: int):
@@ -56,9 +52,7 @@ class PeerView:
         self._ptrs = buffer.ptrs[list(ranks)].contiguous()
         cells = buffer.signal_ptrs
         self._signal_ptrs = self._ptrs if cells is buffer.ptrs else cells[list(ranks)].contiguous()
-        self.aborted: str | None = None
-        self._fences: weakref.WeakSet[Fence] = weakref.WeakSet()  # this rank's fences on the view
-        self._warm = False  # the abort kernel is compiled (GPU)
+        self.failure = ViewFailure(self)
 
     # ------------------------------------------------------------------ kernel inputs
     @property
@@ -106,6 +100,11 @@ class PeerView:
             )
 
     # ------------------------------------------------------------------ failure
+    @property
+    def aborted(self) -> str | None:
+        """The reason this rank aborted the view with, or ``None`` (kept by :attr:`failure`)."""
+        return self.failure.reason
+
     def abort(self, reason: str) -> None:
         """Give up on this view: tell every member at once, then fail this rank's fences.
 
@@ -124,42 +123,11 @@ class PeerView:
         """
         if not isinstance(reason, str):
             require(f"reason must be a str, got {reason!r}", rank=self.rank, call="PeerView.abort")
-        if self.aborted is not None:
-            return  # also after close(), which aborted the view with "closed"
-        self._check_open("abort")
-
-        self.aborted = reason
-        self._fail_fences()
-        mark_abort(self, cells.REASON_CLOSED if reason == CLOSED_REASON else cells.REASON_ERROR, reason)
+        self.failure.abort(reason)
 
     def _abort_quietly(self, reason: str) -> None:
-        # From an error path or close(): the flags are a courtesy to the members, and a
-        # failure to send them (a CUDA context a trap made unusable) must not mask the
-        # error being raised; the members then fall back to their timeout.
-        try:
-            self.abort(reason)
-        except Exception:  # noqa: BLE001
-            self.aborted = self.aborted or reason
-            self._fail_fences()
-
-    def _fail_fences(self) -> None:
-        for f in list(self._fences):
-            if f._failed is None:
-                f._failed = self._abort_error(f.channel)
-
-    def _abort_error(self, channel: int) -> PeerAborted | None:
-        """The error this rank's fences on the view raise once it aborted the view."""
-        if self.aborted is None:
-            return None
-        return PeerAborted(
-            f"rank {self.rank}: fence on view {list(self.ranks)} channel {channel} used after this rank "
-            f"aborted the view ({self.aborted}); its fences fail closed",
-            rank=self.rank,
-            epoch=-1,
-            late={},
-            channel=channel,
-            aborted={self.rank: self.aborted},
-        )
+        # SymmetricBuffer.close() aborts each of its views through this, with CLOSED_REASON.
+        self.failure.abort_quietly(reason)
 
     # ------------------------------------------------------------------ host access
     def tensor(
@@ -197,56 +165,6 @@ def _check_request(req: tuple[int, ...], me: int, world: int) -> str | None:
     if me not in req:
         return f"the view {list(req)} excludes the calling rank {me}; each rank passes the subgroup it belongs to"
     return None
-
-
-@triton.jit
-def _abort_kernel(ptrs, cell, me, reason, SIZE: tl.constexpr):
-    ssl.mark_abort(ptrs, cell, me, reason, SIZE)
-
-
-def mark_abort(view: PeerView, code: int, text: str) -> None:
-    """Set this rank's abort flag in every channel's cell of ``view`` at every member.
-
-    Runs :func:`symmsync.language.mark_abort` once per channel. Where launches are
-    asynchronous (GPUs) it runs on a stream of its own (the current stream may hold a
-    fence that waits) and returns once the flags are sent. Used by
-    :meth:`PeerView.abort`.
-    """
-    buf = view.buffer
-    offsets = [view.signal_offset(c) for c in range(buf.signals.channels)]
-    ptrs, me = view.signal_ptrs, view.local_index
-    words = cells.encode_reason(code, text)
-    if not buf.capabilities.streams:
-        reason = torch.tensor(words, dtype=torch.int64)
-        for cell in offsets:
-            _abort_kernel[(1,)](ptrs, cell, me, reason, SIZE=view.size, num_warps=1)
-        return
-    with torch.cuda.device(buf.device):
-        side = torch.cuda.Stream(buf.device)
-        with torch.cuda.stream(side):
-            reason = torch.tensor(words, dtype=torch.int64, device=buf.device)
-            for cell in offsets:
-                _abort_kernel[(1,)](ptrs, cell, me, reason, SIZE=view.size, num_warps=1)
-        side.synchronize()
-
-
-def warm_abort(view: PeerView) -> None:
-    # Compile the marking kernel ahead (GPU), so an abort costs a launch, not a compile.
-    try:
-        with torch.cuda.device(view.buffer.device):
-            reason = torch.zeros(cells.REASON_WORDS, dtype=torch.int64, device=view.buffer.device)
-            for c in range(view.buffer.signals.channels):
-                _abort_kernel.warmup(
-                    view.signal_ptrs,
-                    view.signal_offset(c),
-                    view.local_index,
-                    reason,
-                    SIZE=view.size,
-                    num_warps=1,
-                    grid=(1,),
-                )
-    except Exception:  # noqa: BLE001 - an optimization only: the abort compiles when it runs
-        pass
 
 
 def create_view(buffer: SymmetricBuffer, ranks: Sequence[int], problem: str | None = None) -> PeerView:

@@ -130,7 +130,8 @@ def fences_again_after_its_own_error(failer):
     buf, view, fence = _setup()
     fence.fence()
     if buf.rank == failer:
-        fence._failed = ss.FenceTimeout("planted: this rank's fence failed", rank=failer, epoch=1, late={}, channel=0)
+        error = ss.FenceTimeout("planted: this rank's fence failed", rank=failer, epoch=1, late={}, channel=0)
+        view.failure.fail(fence, error)  # what a wait of its own that timed out reports
         try:
             fence.fence()  # raises the planted error, after marking the view aborted
         except ss.FenceTimeout as err:
@@ -293,3 +294,55 @@ def abort_checks_its_argument():
 def test_abort_takes_a_string_and_is_a_no_op_after_close():
     msg, aborted = run(abort_checks_its_argument, 1, timeout_s=60)[0]
     assert msg.startswith("rank 0: PeerView.abort:") and "must be a str" in msg and aborted == "closed", msg
+
+
+# ---------------------------------------------------------------------- the view's failure owner
+class _Probe:
+    """A waiter that is not a fence: any object with an ``abort_error`` method can register."""
+
+    def abort_error(self, reason):
+        return RuntimeError(f"probe: view aborted ({reason})")
+
+
+def failure_owner_rules():
+    buf, view, first = _setup(channels=3)
+    second = ss.Fence(view, channel=1, timeout_s=BUDGET_S)
+    probe = _Probe()
+    view.failure.register(probe, "the probe")
+    view.failure.check(probe)  # usable: may run
+    own = ss.FenceTimeout("planted: channel 0 failed", rank=0, epoch=1, late={}, channel=0)
+    view.failure.fail(first, own)
+    out = {}
+    for _ in range(2):  # the first operation aborts the view, the second only raises
+        try:
+            first.fence()
+        except ss.FenceTimeout as err:
+            out.setdefault("first", []).append((type(err).__name__, str(err), view.aborted))
+    try:
+        second.fence()  # failed by the abort: raises without launching
+    except ss.PeerAborted as err:
+        out["second"] = describe_error(err) | {"channel": err.channel}
+    try:
+        view.failure.check(probe)
+    except RuntimeError as err:
+        out["probe"] = str(err)
+    late = ss.Fence(view, channel=2, timeout_s=BUDGET_S)  # made after the abort
+    epoch = late.cell + cells.EPOCH
+    try:
+        late.fence()
+    except ss.PeerAborted as err:
+        out["late"] = describe_error(err)
+    out["late_epoch_word"] = buf.signal_memory()[epoch : epoch + 8].view(torch.int64).item()
+    buf.close()
+    return out
+
+
+def test_a_failed_fence_aborts_the_view_once_and_later_fences_and_waiters_fail_at_once():
+    r = run(failure_owner_rules, 1, timeout_s=60)[0]
+    reason = "rank 0: FenceTimeout on channel 0"
+    assert r["first"] == [("FenceTimeout", "planted: channel 0 failed", reason)] * 2, r["first"]
+    assert r["second"]["type"] == "PeerAborted" and r["second"]["aborted"] == {0: reason}, r
+    assert r["second"]["channel"] == 1 and r["second"]["epoch"] == -1, r
+    assert r["probe"] == f"probe: view aborted ({reason})", r
+    assert r["late"]["type"] == "PeerAborted" and r["late"]["aborted"] == {0: reason}, r
+    assert r["late_epoch_word"] == 0, r  # the fence made after the abort never launched

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     from triton.compiler import ASTSource
     import symmsync.language as ssl
     from symmsync import fence as F
-    from symmsync import views as G
+    from symmsync import failure as A
 
     assert not ssl.INTERPRETED
 
@@ -55,7 +55,7 @@ SCRIPT = textwrap.dedent(
                        target=target, options={"num_warps": 1})
     out["translate"] = k.asm["ptx"]
     out["cubin"] = len(k.asm["cubin"])
-    src = ASTSource(G._abort_kernel, {"ptrs": "*i64", "cell": "i64", "me": "i32", "reason": "*i64",
+    src = ASTSource(A._abort_kernel, {"ptrs": "*i64", "cell": "i64", "me": "i32", "reason": "*i64",
                                       "SIZE": "constexpr"}, {"SIZE": 8})
     out["abort"] = triton.compile(src, target=target, options={"num_warps": 1}).asm["ptx"]
     from symmsync.pcp import writer as W

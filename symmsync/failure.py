@@ -1,0 +1,203 @@
+"""The failure of a peer view: one owner for this rank's abort and for every waiter's error.
+
+Each :class:`~symmsync.PeerView` has one :class:`ViewFailure`, ``view.failure``. It holds
+the reason this rank aborted the view with, the objects that wait on the view's members
+(its :class:`Waiter` s: every :class:`~symmsync.Fence` made on the view registers), the
+error each of them failed with, and the marking kernel that tells the members. Nothing
+else writes that state; a waiter asks before it runs and reports what it saw::
+
+    view.failure.register(fence, "channel 0")   # at construction
+    view.failure.check(fence)                   # before an operation: may it run?
+    view.failure.fail(fence, err)               # its wait failed: err is its error now
+    view.failure.abort(reason)                  # PeerView.abort, Fence.abort
+
+The states, and what moves between them:
+
+* The view is *open* until this rank aborts it, then *aborted* with the first reason, for
+  good. :meth:`ViewFailure.abort` (from :meth:`~symmsync.PeerView.abort` and
+  :meth:`~symmsync.Fence.abort`) sets the reason, fails every waiter that has not failed
+  yet with its :meth:`Waiter.abort_error`, then marks the abort flags at every member
+  (:func:`symmsync.language.mark_abort`). :meth:`~symmsync.SymmetricBuffer.close` aborts
+  each view with the reason ``"closed"`` through :meth:`ViewFailure.abort_quietly`, which
+  aborts the view even when the marking cannot be sent.
+* A waiter is *usable* until it *fails*, then it stays failed. It fails when it reports
+  an error of its own (:meth:`ViewFailure.fail`, a later report replacing an earlier
+  one), when the view is aborted, or at once when it registers on an aborted view.
+* :meth:`ViewFailure.check` answers "may it run?": a usable waiter runs; a failed one
+  raises its error, and when the call is an operation and the view is still open, the
+  view is aborted first with the reason ``"rank R: <error type> on <where>"``, so the
+  members stop waiting for this rank. So a failed waiter aborts the view at most once.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import triton
+import triton.language as tl
+
+from . import cells
+from . import language as ssl
+from .errors import CLOSED_REASON, ClosedError
+
+if TYPE_CHECKING:  # the view makes its owner; this module needs only the view's public API
+    from .views import PeerView
+
+
+class Waiter(Protocol):
+    """What registers with a :class:`ViewFailure`: an object whose operations wait for the
+    view's members (a :class:`~symmsync.Fence`; per-peer signal objects), so that it has to
+    fail closed once this rank gave up on the view. The owner holds it weakly, by identity:
+    any plain class will do (one that defines ``__eq__`` must keep a ``__hash__``)."""
+
+    def abort_error(self, reason: str) -> Exception:
+        """The error its operations raise once this rank aborted the view with ``reason``."""
+        ...
+
+
+@dataclass(slots=True)
+class _Entry:
+    where: str  # what the waiter is, in an abort reason: "channel 0"
+    error: Exception | None = None
+
+
+class ViewFailure:
+    """This rank's abort of one view and the failures of the view's waiters (see the module).
+
+    Attributes:
+        clean: True while the view is open and none of its waiters failed: a waiter may then
+            run without asking :meth:`check` (the fence's hot path reads only this).
+    """
+
+    def __init__(self, view: PeerView):
+        self._view = view
+        self._reason: str | None = None
+        self._waiters: weakref.WeakKeyDictionary[Waiter, _Entry] = weakref.WeakKeyDictionary()
+        self._warm = False  # the marking kernel is compiled (GPU)
+        self.clean = True
+
+    @property
+    def reason(self) -> str | None:
+        """The reason this rank aborted the view with, or ``None`` while it is open."""
+        return self._reason
+
+    # ------------------------------------------------------------------ waiters
+    def register(self, waiter: Waiter, where: str) -> None:
+        """Track ``waiter`` (held weakly): from now on it fails when the view is aborted, at
+        once if it already is. ``where`` names it in the reason of an abort it causes
+        (``"channel 0"``). The first waiter of a view on a GPU compiles the marking kernel,
+        so that an abort costs a launch, not a compile."""
+        entry = _Entry(where)
+        if self._reason is not None:
+            entry.error = waiter.abort_error(self._reason)
+        self._waiters[waiter] = entry
+        if not self._warm and self._view.buffer.capabilities.traps:
+            self._warm = True
+            self._warm_up()
+
+    def fail(self, waiter: Waiter, error: Exception) -> None:
+        """``waiter`` failed with ``error`` (a wait of its own timed out, or saw an abort):
+        every later :meth:`check` of it raises ``error``."""
+        self._waiters[waiter].error = error
+        self.clean = False
+
+    def check(self, waiter: Waiter, operation: bool = True) -> None:
+        """Return if ``waiter`` may run; raise its error if it failed.
+
+        Args:
+            waiter: a registered waiter.
+            operation: the call takes part in a step with the members (a fence, a wait):
+                if ``waiter`` failed and the view is still open, abort the view first, so
+                the members do not wait for this rank until their budget runs out. False
+                for a call that only reads this rank's state (``Fence.epoch``).
+        """
+        entry = self._waiters[waiter]
+        if entry.error is None:
+            return
+        if operation and self._reason is None:
+            self.abort_quietly(f"rank {self._view.rank}: {type(entry.error).__name__} on {entry.where}")
+        raise entry.error
+
+    # ------------------------------------------------------------------ abort
+    def abort(self, reason: str) -> None:
+        """Abort the view: fail every waiter, then mark this rank's abort flag at every member.
+
+        Idempotent: only the first reason counts, and after ``close()`` (which aborted the
+        view with ``"closed"``) it does nothing. :meth:`~symmsync.PeerView.abort` gives the contract.
+
+        Raises:
+            ClosedError: the buffer was closed without aborting the view first.
+        """
+        if self._reason is not None:
+            return
+        view = self._view
+        if view.buffer.closed:
+            raise ClosedError(f"rank {view.rank}: PeerView.abort used after its buffer was closed")
+        self._set(reason)
+        self._mark(cells.REASON_CLOSED if reason == CLOSED_REASON else cells.REASON_ERROR, reason)
+
+    def abort_quietly(self, reason: str) -> None:
+        """:meth:`abort`, for an error path or ``close()``: the flags are a courtesy to the
+        members, and a failure to send them (a CUDA context that a trap made unusable) must
+        not hide the error being raised; the view is aborted here all the same, and the
+        members fall back to their budget."""
+        try:
+            self.abort(reason)
+        except Exception:  # noqa: BLE001
+            if self._reason is None:
+                self._set(reason)
+
+    def _set(self, reason: str) -> None:
+        self._reason = reason
+        self.clean = False
+        for waiter, entry in list(self._waiters.items()):
+            if entry.error is None:
+                entry.error = waiter.abort_error(reason)
+
+    def _mark(self, code: int, text: str) -> None:
+        # One launch per channel: every channel's fences wait in their own cell. Where launches
+        # are asynchronous (GPUs) on a stream of its own, since the current stream may hold a
+        # fence that waits; it returns once the flags are sent.
+        view = self._view
+        buf = view.buffer
+        offsets = [view.signal_offset(c) for c in range(buf.signals.channels)]
+        ptrs, me = view.signal_ptrs, view.local_index
+        words = cells.encode_reason(code, text)
+        if not buf.capabilities.streams:
+            reason = torch.tensor(words, dtype=torch.int64)
+            for cell in offsets:
+                _abort_kernel[(1,)](ptrs, cell, me, reason, SIZE=view.size, num_warps=1)
+            return
+        with torch.cuda.device(buf.device):
+            side = torch.cuda.Stream(buf.device)
+            with torch.cuda.stream(side):
+                reason = torch.tensor(words, dtype=torch.int64, device=buf.device)
+                for cell in offsets:
+                    _abort_kernel[(1,)](ptrs, cell, me, reason, SIZE=view.size, num_warps=1)
+            side.synchronize()
+
+    def _warm_up(self) -> None:
+        view = self._view
+        try:
+            with torch.cuda.device(view.buffer.device):
+                reason = torch.zeros(cells.REASON_WORDS, dtype=torch.int64, device=view.buffer.device)
+                for c in range(view.buffer.signals.channels):
+                    _abort_kernel.warmup(
+                        view.signal_ptrs,
+                        view.signal_offset(c),
+                        view.local_index,
+                        reason,
+                        SIZE=view.size,
+                        num_warps=1,
+                        grid=(1,),
+                    )
+        except Exception:  # noqa: BLE001 - an optimization only: the abort compiles when it runs
+            pass
+
+
+@triton.jit
+def _abort_kernel(ptrs, cell, me, reason, SIZE: tl.constexpr):
+    ssl.mark_abort(ptrs, cell, me, reason, SIZE)
