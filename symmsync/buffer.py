@@ -551,7 +551,7 @@ class SymmetricBuffer:
         if self._closed:
             return
         for view in list(self._views):  # peers still fencing with this rank fail at once, told "closed"
-            view._abort_quietly(CLOSED_REASON)
+            view.failure.abort_quietly(CLOSED_REASON)
         self._closed = True
         self._finalizer.detach()
         memory.release(self._memory.shared())

@@ -125,10 +125,6 @@ class PeerView:
             require(f"reason must be a str, got {reason!r}", rank=self.rank, call="PeerView.abort")
         self.failure.abort(reason)
 
-    def _abort_quietly(self, reason: str) -> None:
-        # SymmetricBuffer.close() aborts each of its views through this, with CLOSED_REASON.
-        self.failure.abort_quietly(reason)
-
     # ------------------------------------------------------------------ host access
     def tensor(
         self, offset: int, shape: Sequence[int] | int, dtype: torch.dtype, index: int | None = None
