@@ -7,6 +7,18 @@ main_bstride + offset * 656`` and its indexer-K values and scale field in its bl
 the indexer region (:mod:`symmsync.pcp.layout` gives the format). With ``FUSED`` its
 tail is a whole fence (:func:`symmsync.language.grid_fence`).
 
+How the stores are shaped (docs/performance.md has the measurements):
+
+* A token's 656 main-KV bytes go out as two runs of 16-byte vector stores, each lane
+  storing 16 contiguous bytes: the 512 fp8 codes (a warp stores a whole row), then the
+  144 bytes of its 4 tile scales (one 16-byte store) and its 64 RoPE values. Its 128
+  indexer-K codes are one 128-byte line. Where slots are consecutive, neighbouring
+  tokens' stores fill whole 128-byte lines between them; scattered slots and padding
+  rows need no other path (a token's stores never depend on its neighbours').
+* Every load of a work item (slots, the three input rows, 16 bytes per lane) is issued
+  before its first store: the compiler cannot prove that inputs and caches do not
+  alias, so a load after a store would wait for it.
+
 :class:`~symmsync.pcp.DirectKVWriter` launches it; nothing here checks its arguments.
 """
 
@@ -35,96 +47,23 @@ TOKEN_BYTES = MainKVLayout.TOKEN_BYTES + IndexerKLayout.TOKEN_BYTES
 
 # The byte geometry the kernel writes, from the layout module. Triton reads a module
 # global inside a kernel only when it is a ``tl.constexpr``.
+_NOPE = tl.constexpr(NOPE)  # kv_c values per row: the main-KV code bytes of a token
+_ROPE = tl.constexpr(ROPE)
+_IDX = tl.constexpr(IDX)  # indexer-K values per row: its code bytes
 _MAIN_TOKEN = tl.constexpr(MainKVLayout.TOKEN_BYTES)  # a token's main-KV bytes
-_MAIN_SCALES = tl.constexpr(MainKVLayout.SCALES_OFFSET)  # its fp32 tile scales
-_MAIN_ROPE = tl.constexpr(MainKVLayout.ROPE_OFFSET)  # its bf16 RoPE values
+_MAIN_SCALES = tl.constexpr(MainKVLayout.SCALES_OFFSET)  # its fp32 tile scales, then its RoPE values
 _TILE = tl.constexpr(MainKVLayout.TILE)  # values per main-KV tile (one scale each)
 _TILES = tl.constexpr(MainKVLayout.NUM_TILES)
-_IDX_TOKEN = tl.constexpr(IndexerKLayout.TOKEN_BYTES)  # a token's indexer-K bytes, values and scale
-_IDX_VALUES = tl.constexpr(IndexerKLayout.DIM)  # a token's indexer-K value bytes
-_IDX_SCALE = tl.constexpr(IndexerKLayout.SCALE_BYTES)  # a token's scale field
-# int32 words per row piece: a main-KV tile's or the indexer's fp8 codes (4 per word), and
-# the RoPE values (2 bf16 per word) fill the same number of words.
-_WORDS = tl.constexpr(MainKVLayout.TILE // 4)
-assert MainKVLayout.TILE == IndexerKLayout.DIM == 2 * MainKVLayout.ROPE_DIM, "the kernel's word packing"
-
-
-@triton.jit
-def _pack(codes, SHIFT: tl.constexpr):
-    """Pack the last axis (4 bytes or 2 halves) of ``codes`` into int32 words, low first.
-
-    Stores of whole words (16 bytes per thread once Triton vectorizes them) reach
-    peers over NVLink far faster than byte stores."""
-    n: tl.constexpr = 32 // SHIFT
-    k = tl.arange(0, n)[None, None, :] * SHIFT
-    # The fields do not overlap, so their sum is their bitwise or (and wraps like it).
-    return tl.sum((codes.to(tl.int32) & ((1 << SHIFT) - 1)) << k, axis=2)
-
-
-@triton.jit
-def _write_indexer_and_rope(
-    idx_k,
-    k_pe,
-    ix_stride,
-    pe_stride,
-    rows,
-    live,
-    dst,
-    main_row,
-    idx_val,
-    idx_scale,
-    NDST: tl.constexpr,
-    IDX_SCALE: tl.constexpr,
-):
-    w32 = tl.arange(0, _WORDS)
-    c4 = w32[:, None] * 4 + tl.arange(0, 4)[None, :]  # [words, 4]: byte k of word w is value 4w + k
-    c2 = w32[:, None] * 2 + tl.arange(0, 2)[None, :]  # [words, 2]: half k of word w is value 2w + k
-    m3 = live[:, None, None]
-    m2 = live[:, None]
-    # Indexer K: one scale per token (IDX_SCALE: 0 "ue8m0", 1 "fp32", 2 "mxfp8").
-    xi = bf16_to_f32(tl.load(idx_k + rows[:, None, None] * ix_stride + c4[None, :, :], mask=m3, other=0))
-    ai = tl.max(tl.max(tl.abs(xi), axis=2), axis=1)
-    if IDX_SCALE == 1:
-        si = indexer_scale_fp32(ai)
-        qi = _pack(to_e4m3(tl.math.div_rn(xi, si[:, None, None])), 8)
-    else:
-        si = indexer_scale(ai)  # a power of two: the product below is the exact quotient
-        qi = _pack(to_e4m3(xi * pow2_recip(si)[:, None, None]), 8)
-    # RoPE values are copied as bits: bitcast, never a value conversion (the rows may be bf16).
-    pe_bits = tl.load(k_pe + rows[:, None, None] * pe_stride + c2[None, :, :], mask=m3, other=0)
-    pe = _pack(pe_bits.to(tl.int16, bitcast=True), 16)
-    for d in tl.static_range(NDST):
-        # Typed base pointers with offsets in elements keep the alignment Triton can prove
-        # (every offset here is a multiple of 16 bytes), so the word stores vectorize.
-        words = tl.multiple_of(tl.load(dst + d).to(tl.pointer_type(tl.int32)), 16)
-        floats = tl.multiple_of(tl.load(dst + d).to(tl.pointer_type(tl.float32)), 16)
-        tl.store(words + (idx_val // 4)[:, None] + w32[None, :], qi, mask=m2)
-        if IDX_SCALE == 2:
-            tl.store(words + idx_scale // 4, e8m0_word(si), mask=live)
-        else:
-            tl.store(floats + idx_scale // 4, si, mask=live)
-        tl.store(words + ((main_row + _MAIN_ROPE) // 4)[:, None] + w32[None, :], pe, mask=m2)
-
-
-@triton.jit
-def _write_main_tile(kv_c, kv_stride, j, rows, live, dst, main_row, NDST: tl.constexpr, MAIN_POW2: tl.constexpr):
-    # Main KV tile j: its values and their scale.
-    w32 = tl.arange(0, _WORDS)
-    c4 = w32[:, None] * 4 + tl.arange(0, 4)[None, :]
-    m3 = live[:, None, None]
-    x = bf16_to_f32(tl.load(kv_c + rows[:, None, None] * kv_stride + j * _TILE + c4[None, :, :], mask=m3, other=0))
-    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
-    if MAIN_POW2:
-        s = mla_tile_scale_pow2(amax)  # a power of two: the product is the exact quotient
-        q = _pack(to_e4m3(x * pow2_recip(s)[:, None, None]), 8)
-    else:
-        s = mla_tile_scale(amax)
-        q = _pack(to_e4m3(tl.math.div_rn(x, s[:, None, None])), 8)
-    for d in tl.static_range(NDST):
-        words = tl.multiple_of(tl.load(dst + d).to(tl.pointer_type(tl.int32)), 16)
-        floats = tl.multiple_of(tl.load(dst + d).to(tl.pointer_type(tl.float32)), 16)
-        tl.store(words + ((main_row + j * _TILE) // 4)[:, None] + w32[None, :], q, mask=live[:, None])
-        tl.store(floats + (main_row + _MAIN_SCALES) // 4 + j, s, mask=live)
+_IDX_SCALE = tl.constexpr(IndexerKLayout.SCALE_BYTES)  # a token's indexer scale field
+# The tail of a token's main KV: its 4 fp32 tile scales (16 bytes), then its 64 RoPE
+# values (128 bytes), padded to a power of two for the kernel's tensor shape. Handled as
+# bytes, so that an input row need only be 2-byte aligned (aligned rows vectorize).
+_SCALE_BYTES = tl.constexpr(4 * MainKVLayout.NUM_TILES)
+_TAIL_BYTES = tl.constexpr(MainKVLayout.TOKEN_BYTES - MainKVLayout.SCALES_OFFSET)  # 144
+_TAIL_SHAPE = tl.constexpr(256)
+assert MainKVLayout.ROPE_OFFSET == MainKVLayout.SCALES_OFFSET + 4 * MainKVLayout.NUM_TILES, "scales, then RoPE"
+assert MainKVLayout.TOKEN_BYTES % 16 == 0 and MainKVLayout.SCALES_OFFSET % 16 == 0, "16-byte runs"
+assert MainKVLayout.TOKEN_BYTES - MainKVLayout.SCALES_OFFSET <= 256, "the tail fits its shape"
 
 
 @triton.jit
@@ -134,7 +73,7 @@ def _quantize_write_kernel(
     idx_k,
     kv_stride,
     pe_stride,
-    ix_stride,  # bf16 rows, read as int16 bits
+    ix_stride,  # bf16 rows, read as int16 bits; strides in elements
     slots,
     n_rows,  # int64 slot of each row (-1: padding), number of rows
     dst,
@@ -150,55 +89,92 @@ def _quantize_write_kernel(
     NDST: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    SPLIT: tl.constexpr,
     FUSED: tl.constexpr,
     TRAP: tl.constexpr,
     MAIN_POW2: tl.constexpr,
     IDX_SCALE: tl.constexpr,
     SPREAD: tl.constexpr,
 ):
-    # A persistent grid: each program takes work items (a block of rows, and with SPLIT
-    # one of its pieces: each main-KV tile, then indexer K + RoPE) until none are left.
-    # With SPREAD an item also names one destination: the programs writing to peers and
-    # those writing locally run side by side (each quantizes its rows itself).
-    PIECES: tl.constexpr = _TILES + 1 if SPLIT else 1
-    NWAYS: tl.constexpr = NDST if SPREAD else 1
-    NOUT: tl.constexpr = 1 if SPREAD else NDST  # destinations each item stores to
-    n_items = tl.cdiv(n_rows, BLOCK_T) * PIECES * NWAYS
+    # Each program takes work items of BLOCK_T rows until none are left: one item each on a
+    # grid of one program per item, several on a smaller (persistent) grid. With SPREAD
+    # the grid's second axis names the one destination a program stores to, so programs
+    # storing to peers and programs storing locally run side by side.
+    NOUT: tl.constexpr = 1 if SPREAD else NDST  # destinations each program stores to
+    n_items = tl.cdiv(n_rows, BLOCK_T)
     item = tl.program_id(0)
     step = tl.num_programs(0)
+    c_nope = tl.arange(0, _NOPE)
+    c_idx = tl.arange(0, _IDX)
+    c_tail = tl.arange(0, _TAIL_SHAPE)
+    in_pe = (c_tail >= _SCALE_BYTES) & (c_tail < _TAIL_BYTES)
     while item < n_items:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
-        if SPREAD:
-            out = dst + item % NWAYS
-            work = item // NWAYS
-        else:
-            out = dst
-            work = item
-        rows = (work // PIECES) * BLOCK_T + tl.arange(0, BLOCK_T)
+        rows = item * BLOCK_T + tl.arange(0, BLOCK_T)
         in_range = rows < n_rows
+        # ---- every load of the item first (none waits behind a store to the caches)
         slot = tl.load(slots + rows, mask=in_range, other=-1)
+        x = tl.load(kv_c + rows[:, None] * kv_stride + c_nope[None, :], mask=in_range[:, None], other=0)
+        xi = tl.load(idx_k + rows[:, None] * ix_stride + c_idx[None, :], mask=in_range[:, None], other=0)
+        # RoPE values are copied as bytes (never a value conversion), into bytes 16.. of the
+        # token's tail (bytes 0-15 are the tile scales).
+        pe_row = (k_pe + rows[:, None] * pe_stride).to(tl.pointer_type(tl.uint8))
+        pe = tl.load(pe_row + (c_tail - _SCALE_BYTES)[None, :], mask=in_range[:, None] & in_pe[None, :], other=0)
+
+        # ---- main KV: 4 tiles of 128 values, one scale each
+        x3 = tl.reshape(bf16_to_f32(x), (BLOCK_T, _TILES, _TILE))
+        amax = tl.max(tl.abs(x3), axis=2)
+        if MAIN_POW2:
+            s = mla_tile_scale_pow2(amax)  # a power of two: the product is the exact quotient
+            q = to_e4m3(x3 * pow2_recip(s)[:, :, None])
+        else:
+            s = mla_tile_scale(amax)
+            q = to_e4m3(tl.math.div_rn(x3, s[:, :, None]))
+        codes = tl.reshape(q, (BLOCK_T, _NOPE))
+        # The tail: the 4 scales as 16 little-endian bytes (one 16-byte store), then RoPE.
+        # Byte b of the scales is repeated at every column c with c % 16 == b, so columns
+        # 0-15 hold them in order.
+        bits = s.to(tl.int32, bitcast=True)
+        lo, hi = bits & 0xFFFF, (bits >> 16) & 0xFFFF
+        four = tl.join(tl.join(lo & 0xFF, lo >> 8), tl.join(hi & 0xFF, hi >> 8))  # [rows, tile, half, byte]
+        scale_bytes = tl.reshape(tl.permute(four, (0, 1, 3, 2)), (BLOCK_T, _SCALE_BYTES)).to(tl.uint8)
+        reps: tl.constexpr = _TAIL_SHAPE // _SCALE_BYTES
+        repeated = tl.broadcast_to(scale_bytes[:, None, :], (BLOCK_T, reps, _SCALE_BYTES))
+        tail = tl.where((c_tail < _SCALE_BYTES)[None, :], tl.reshape(repeated, (BLOCK_T, _TAIL_SHAPE)), pe)
+        # ---- indexer K: one scale per token (IDX_SCALE: 0 "ue8m0", 1 "fp32", 2 "mxfp8")
+        xf = bf16_to_f32(xi)
+        ai = tl.max(tl.abs(xf), axis=1)
+        if IDX_SCALE == 1:
+            si = indexer_scale_fp32(ai)
+            qi = to_e4m3(tl.math.div_rn(xf, si[:, None]))
+        else:
+            si = indexer_scale(ai)  # a power of two: the product below is the exact quotient
+            qi = to_e4m3(xf * pow2_recip(si)[:, None])
+        if IDX_SCALE == 2:
+            field = e8m0_word(si)
+        else:
+            field = si.to(tl.int32, bitcast=True)
+
+        # ---- where each row goes in every replica
         live = in_range & (slot >= 0)
         slot = tl.where(live, slot, 0)
         block = slot // BLOCK_SIZE
         off = slot % BLOCK_SIZE
-        main_row = main_off + block * main_bstride + off * _MAIN_TOKEN  # each row's main KV in every replica
+        main_row = main_off + block * main_bstride + off * _MAIN_TOKEN
         block_start = idx_off + block * idx_bstride
-        idx_val = block_start + off * _IDX_VALUES
-        idx_scale = block_start + BLOCK_SIZE * _IDX_VALUES + off * _IDX_SCALE
-        if SPLIT:
-            piece = work % PIECES
-            if piece < _TILES:
-                _write_main_tile(kv_c, kv_stride, piece, rows, live, out, main_row, NOUT, MAIN_POW2)
-            else:
-                _write_indexer_and_rope(
-                    idx_k, k_pe, ix_stride, pe_stride, rows, live, out, main_row, idx_val, idx_scale, NOUT, IDX_SCALE
-                )
-        else:
-            _write_indexer_and_rope(
-                idx_k, k_pe, ix_stride, pe_stride, rows, live, out, main_row, idx_val, idx_scale, NOUT, IDX_SCALE
-            )
-            for j in tl.static_range(_TILES):
-                _write_main_tile(kv_c, kv_stride, j, rows, live, out, main_row, NOUT, MAIN_POW2)
+        idx_val = block_start + off * _IDX
+        idx_scale = block_start + BLOCK_SIZE * _IDX + off * _IDX_SCALE
+        m_row = live[:, None]
+        m_tail = live[:, None] & (c_tail < _TAIL_BYTES)[None, :]
+        out = dst + tl.program_id(1) if SPREAD else dst
+        for d in tl.static_range(NOUT):
+            # Typed base pointers with offsets in elements keep the alignment Triton can prove
+            # (every offset here is a multiple of 16 bytes), so the stores vectorize.
+            base = tl.load(out + d)
+            cache = tl.multiple_of(base.to(tl.pointer_type(tl.uint8)), 16)
+            words_at = tl.multiple_of(base.to(tl.pointer_type(tl.int32)), 16)
+            tl.store(cache + main_row[:, None] + c_nope[None, :], codes, mask=m_row)
+            tl.store(cache + (main_row + _MAIN_SCALES)[:, None] + c_tail[None, :], tail, mask=m_tail)
+            tl.store(cache + idx_val[:, None] + c_idx[None, :], qi, mask=m_row)
+            tl.store(words_at + idx_scale // 4, field, mask=live)
         item += step
 
     if FUSED:

@@ -5,8 +5,9 @@ Two routes, chosen explicitly and agreed by every rank (never a silent mix):
 ``"direct"``
     Each rank quantizes its own rows and stores the final cache bytes into every
     member of its PCP peer view through the view's pointer table; one fence per
-    layer makes them visible. With ``fused=True`` the fence's publish and wait run in
-    the writer's tail (:func:`symmsync.language.grid_fence`): no extra launch.
+    layer makes them visible. By default (``fused=True``) the fence's publish and
+    wait run in the writer's tail (:func:`symmsync.language.grid_fence`): a layer is
+    one launch.
 ``"allgather"``
     The baseline runtimes ship: all-gather the bf16 inputs over the PCP group
     (torch.distributed), then run the same quantize-and-insert kernel locally on
@@ -35,7 +36,7 @@ import torch.distributed as dist
 import triton
 
 from .. import collective, mode
-from ..checks import int_problem, positive_int_problem, require
+from ..checks import int_problem, require
 from ..errors import ClosedError, ConfigError, InputError, SymmSyncError
 from ..fence import Fence
 from ..launch import BoundLaunch, Launcher
@@ -86,17 +87,17 @@ class Tuning:
 
     Args:
         block_rows: rows per work item of the kernel (a power of two, at most 1024).
-        num_warps: warps per program (a power of two, at most 32).
-        split: give each of a row block's five pieces (four main-KV tiles; indexer K
-            with RoPE) its own work item.
-        spread: give each destination replica its own work items (each quantizes its
-            rows itself), so that programs storing to peers and programs storing locally
-            run side by side instead of one after the other in every program.
-        programs_per_sm: size of the persistent grid on GPUs, per multiprocessor.
+        num_warps: warps per program (a power of two, at most 32). The kernel's stores
+            are 16 bytes per lane when ``block_rows >= 4 * num_warps``.
+        spread: give each destination replica its own programs (each quantizes its rows
+            itself), so that programs storing to peers and programs storing locally run
+            side by side instead of one after the other in every program.
+        programs_per_sm: ``0`` (default): one program per work item; ``n``: a persistent
+            grid of at most ``n`` programs per multiprocessor, each taking work items
+            until none are left.
 
-    The defaults (16 rows, 4 warps, no split, no spread) are as fast as any
-    configuration of the sweep in benchmarks/pcp_kv.py on 2x H200: at 32k tokens per
-    rank all took 115-126 µs per layer, bound by the stores to the peer.
+    The defaults were chosen by measurement on one H200 (benchmarks/pcp_local.py,
+    docs/performance.md).
 
     Raises:
         ConfigError: a knob outside its range (the message names it).
@@ -104,9 +105,8 @@ class Tuning:
 
     block_rows: int = 16
     num_warps: int = 4
-    split: bool = False
     spread: bool = False
-    programs_per_sm: int = 4
+    programs_per_sm: int = 0
 
     def __post_init__(self) -> None:
         problem = self._problem()
@@ -118,7 +118,7 @@ class Tuning:
         return (
             int_problem("block_rows", self.block_rows, maximum=1024, power_of_two=True)
             or int_problem("num_warps", self.num_warps, maximum=32, power_of_two=True)
-            or positive_int_problem("programs_per_sm", self.programs_per_sm)
+            or int_problem("programs_per_sm", self.programs_per_sm, minimum=0)
         )
 
     @classmethod
@@ -149,7 +149,9 @@ class DirectKVWriter:
             symmsync allocated, or registered); the members of a PCP group must hold them
             at the same offsets.
         route: ``"direct"`` or ``"allgather"``; every rank must pass the same.
-        fused: direct route only: publish and wait in the writer's tail (no fence launch).
+        fused: direct route only: publish and wait in the writer's tail, so that a layer
+            is one launch (default on the direct route; ``False``: the writer, then a
+            fence launch).
         group: the torch.distributed group of the view's ranks; needed by the allgather
             route when the view is not the whole world.
         channel: the fence channel of the view the writer uses.
@@ -157,7 +159,7 @@ class DirectKVWriter:
         debug: also check, at :meth:`prepare`, that no slot is claimed twice across the
             PCP group (one more exchange per batch).
         tuning: how the kernel is launched (:class:`Tuning`; default ``Tuning()``).
-        block_rows, num_warps, split, spread, programs_per_sm: shorthand for the
+        block_rows, num_warps, spread, programs_per_sm: shorthand for the
             :class:`Tuning` fields of the same names (``None``: the tuning's).
 
     Construction is collective over the buffer's group: every rank agrees on the route,
@@ -178,7 +180,7 @@ class DirectKVWriter:
         layout: CacheLayout | CacheTensors,
         *,
         route: str = "direct",
-        fused: bool = False,
+        fused: bool | None = None,
         group: dist.ProcessGroup | None = None,
         channel: int = 0,
         timeout_s: float | None = None,
@@ -186,12 +188,12 @@ class DirectKVWriter:
         tuning: Tuning | None = None,
         block_rows: int | None = None,
         num_warps: int | None = None,
-        split: bool | None = None,
         programs_per_sm: int | None = None,
         spread: bool | None = None,
     ):
         buf = view.buffer
-        self.view, self.layout, self.route, self.fused, self.debug = view, layout, route, bool(fused), debug
+        fused = route == "direct" if fused is None else bool(fused)
+        self.view, self.layout, self.route, self.fused, self.debug = view, layout, route, fused, debug
         self.buffer = buf
         call = "DirectKVWriter"
         problem, error = None, ConfigError
@@ -214,7 +216,6 @@ class DirectKVWriter:
                 tuning,
                 block_rows=block_rows,
                 num_warps=num_warps,
-                split=split,
                 spread=spread,
                 programs_per_sm=programs_per_sm,
             )
@@ -224,7 +225,7 @@ class DirectKVWriter:
                 fence = Fence(view, channel, timeout_s=timeout_s)
             except ConfigError as e:
                 problem, error = _without_rank(str(e), buf.rank), type(e)
-        mine = (route, bool(fused), placement.agreed(), channel) if problem is None else None
+        mine = (route, fused, placement.agreed(), channel) if problem is None else None
         everyone = collective.gather(buf.group, (mine, problem, error))
         first_error = next((e for _, p, e in everyone if p), ConfigError)
         collective.raise_first([p for _, p, _ in everyone], call=call, error=first_error)
@@ -247,7 +248,7 @@ class DirectKVWriter:
         self.group = group
         #: How the kernel is launched (:class:`Tuning`).
         self.tuning = tuning
-        block_rows, split, spread = tuning.block_rows, bool(tuning.split), bool(tuning.spread)
+        block_rows, spread = tuning.block_rows, bool(tuning.spread)
         self.block_rows = block_rows
         #: The fence of the writer's channel on its view. The direct route fences with it
         #: after every layer; the all-gather route does not need it (NCCL orders the
@@ -259,10 +260,10 @@ class DirectKVWriter:
             dst = buf.ptrs[buf.rank : buf.rank + 1].contiguous()
         self._dst = dst
         caps = buf.capabilities
-        self._pieces = (MainKVLayout.NUM_TILES + 1 if split else 1) * (dst.numel() if spread else 1)
+        self._ways = dst.numel() if spread else 1  # the grid's second axis: one destination each
         if caps.streams:  # a GPU: one persistent grid fills its multiprocessors
             sms = torch.cuda.get_device_properties(buf.device).multi_processor_count
-            self._max_programs = max(1, sms * tuning.programs_per_sm)
+            self._max_programs = sms * tuning.programs_per_sm  # 0: one program per work item
             self._device_index = buf.device.index
         else:
             self._max_programs = 4  # the interpreter runs programs one after another
@@ -282,7 +283,6 @@ class DirectKVWriter:
             NDST=dst.numel(),
             BLOCK_T=block_rows,
             BLOCK_SIZE=layout.block_size,
-            SPLIT=split,
             FUSED=self.fused,
             TRAP=caps.traps,
             MAIN_POW2=layout.main_scale == "pow2",
@@ -377,9 +377,11 @@ class DirectKVWriter:
         return self._usable[1]
 
     def _grid_for(self, rows: int) -> tuple[int, int, int]:
-        """The persistent grid for ``rows`` rows: one program at least (the fused tail must run)."""
-        items = triton.cdiv(rows, self.block_rows) * self._pieces
-        return (max(1, min(items, self._max_programs)), 1, 1)
+        """The grid for ``rows`` rows: one program at least (the fused tail must run)."""
+        items = triton.cdiv(rows, self.block_rows)
+        if self._max_programs:
+            items = min(items, self._max_programs)
+        return (max(1, items), self._ways, 1)
 
     def _check_duplicates(self, mappings: list[torch.Tensor]) -> None:
         # Every rank checks its own PCP group from the mappings its members sent.
