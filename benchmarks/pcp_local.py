@@ -16,7 +16,9 @@ random permutation of the cache's slots) it measures
   * ``writer_us`` / ``floor_us``: µs per call in CUDA-graph replay;
   * ``writer_eager_us``: µs per eager ``write()``, back to back (the GPU's time or the
     host's, whichever is longer);
-  * ``host_us``: host time of one eager ``write()``, the GPU running behind it.
+  * ``host_us``: host time of one eager ``write()``, the GPU running behind it
+    (``host_new_inputs_us``: the same when every call's inputs are other tensors than
+    the last call's, which repacks their addresses in the launch).
 
 The writer runs with its defaults (``DirectKVWriter(view, layout)``: the fused fence
 tail, one launch per layer). Before timing, the writer's bytes are compared with the
@@ -36,6 +38,7 @@ choices (the measurement the defaults come from). Prints a table and writes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -115,6 +118,22 @@ class Case:
         batch = w.prepare(self.slots)
         return lambda: w.write(0, *self.inputs, batch)
 
+    def writer_alternating(self):
+        """The default writer, its inputs alternating between two sets of tensors: a layer
+        whose inputs live elsewhere than the last layer's."""
+        from symmsync import pcp
+
+        w = pcp.DirectKVWriter(self.view, self.layout, timeout_s=30)
+        batch = w.prepare(self.slots)
+        sets = [self.inputs, [t.clone() for t in self.inputs]]
+        turn = [0]
+
+        def write():
+            turn[0] ^= 1
+            w.write(0, *sets[turn[0]], batch)
+
+        return write
+
     def floor(self, block_t: int, warps: int):
         grid = (triton.cdiv(self.tokens, block_t),)
         args = (*self.inputs, self.slots, self.out_main, self.out_idx, self.tokens)
@@ -160,22 +179,26 @@ def measure(case: Case, writer_tuning: dict) -> dict:
         "writer_us": writer_graph,
         "floor_us": min(floors.values()),
         "floor_shapes_us": floors,
-        "host_us": common.eager_us(write, iters=200, reps=7, host_only=True),
+        # Few calls per timing, so that the launch queue never fills behind a slower GPU.
+        "host_us": common.eager_us(write, iters=40, reps=25, host_only=True),
+        "host_new_inputs_us": common.eager_us(case.writer_alternating(), iters=40, reps=25, host_only=True),
         "writer_eager_us": common.eager_us(write, iters=50, reps=7),
         "bytes_equal_eager": eager_ok,
         "bytes_equal_graph": graph_ok,
     }
 
 
-SWEEP = [
-    {"block_rows": 8, "num_warps": 2},
-    {"block_rows": 16, "num_warps": 4},
-    {"block_rows": 16, "num_warps": 2},
-    {"block_rows": 32, "num_warps": 4},
-    {"block_rows": 32, "num_warps": 8},
-    {"block_rows": 16, "num_warps": 4, "programs_per_sm": 4},
-    {"block_rows": 8, "num_warps": 2, "programs_per_sm": 8},
-    {"block_rows": 16, "num_warps": 4, "fused": False},
+SWEEP = [  # Tuning fields (and fused=False: the writer kernel, then a fence launch)
+    {"block_rows": 8, "num_warps": 4, "programs_per_sm": 3},
+    {"block_rows": 8, "num_warps": 4, "programs_per_sm": 4},
+    {"block_rows": 8, "num_warps": 2, "programs_per_sm": 4},
+    {"block_rows": 16, "num_warps": 4, "programs_per_sm": 2},
+    {"block_rows": 4, "num_warps": 1, "programs_per_sm": 8},
+    {"block_rows": 16, "num_warps": 4, "programs_per_sm": 0},
+    {"block_rows": 8, "num_warps": 4, "programs_per_sm": 0},
+    {"block_rows": 4, "num_warps": 1, "programs_per_sm": 0},
+    {"block_rows": 8, "num_warps": 4, "programs_per_sm": 3, "fused": False},
+    {"block_rows": 16, "num_warps": 4, "programs_per_sm": 0, "fused": False},
 ]
 
 
@@ -183,7 +206,12 @@ def sweep(cases: list[Case]) -> list[dict]:
     out = []
     for case in cases:
         for cfg in SWEEP:
-            out.append({"tokens": case.tokens, "slots": case.pattern, **cfg, "writer_us": graph_us(case.writer(**cfg))})
+            try:
+                t = graph_us(case.writer(**cfg))
+            except Exception as e:  # noqa: BLE001 - a configuration that fails is reported, the rest still runs
+                print(f"{case.tokens} {case.pattern} {cfg}: {type(e).__name__}: {e}"[:300], flush=True)
+                t = float("nan")
+            out.append({"tokens": case.tokens, "slots": case.pattern, **cfg, "writer_us": t})
     return out
 
 
@@ -199,14 +227,19 @@ def profile(tokens: int, pattern: str) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'tokens':>7} {'slots':>10} {'writer':>8} {'floor':>8} {'ratio':>6} {'eager':>8} {'host':>7}  bytes"
+    head = (
+        f"{'tokens':>7} {'slots':>10} {'writer':>8} {'floor':>8} {'ratio':>6} {'eager':>8} {'host':>7} "
+        f"{'host*':>7}  bytes"
+    )
     lines = [head]
     for r in rows:
         ok = "equal" if r["bytes_equal_eager"] and r["bytes_equal_graph"] else "DIFFER"
         lines.append(
             f"{r['tokens']:>7} {r['slots']:>10} {r['writer_us']:>8.1f} {r['floor_us']:>8.1f} "
-            f"{r['writer_us'] / r['floor_us']:>6.2f} {r['writer_eager_us']:>8.1f} {r['host_us']:>7.2f}  {ok}"
+            f"{r['writer_us'] / r['floor_us']:>6.2f} {r['writer_eager_us']:>8.1f} {r['host_us']:>7.2f} "
+            f"{r['host_new_inputs_us']:>7.2f}  {ok}"
         )
+    lines.append("µs: writer, floor: graph replay; eager: per write(); host: per write(); host*: new input tensors")
     return "\n".join(lines)
 
 
@@ -261,7 +294,7 @@ def main() -> None:
         for pattern in ("contiguous", "scattered"):
             case = Case(tokens, pattern)
             rows.append(measure(case, {}))
-            print(table(rows[-1:]).splitlines()[-1], flush=True)
+            print(table(rows[-1:]).splitlines()[1], flush=True)
             cases.append(case)
     swept = sweep(cases) if args.sweep else []
     for case in cases:
@@ -276,7 +309,7 @@ def main() -> None:
             "machine": info,
             "what": "PCP1 (local replica only): writer defaults vs a minimal quantize-and-insert floor",
             "units": "µs per layer; writer_us and floor_us in graph replay, host_us per eager write()",
-            "writer_tuning": vars(pcp.Tuning()),
+            "writer_tuning": dataclasses.asdict(pcp.Tuning()),
             "rows": rows,
             "sweep": swept,
             "table": text,

@@ -67,6 +67,26 @@ assert MainKVLayout.TOKEN_BYTES - MainKVLayout.SCALES_OFFSET <= 256, "the tail f
 
 
 @triton.jit
+def _load_item(item, n_rows, slots, kv_c, k_pe, idx_k, kv_stride, pe_stride, ix_stride, BLOCK_T: tl.constexpr):
+    """Every load of one work item: its slots and its three input rows, 16 bytes per lane.
+    Rows past ``n_rows`` are masked (no memory traffic), so a program may load past its last item."""
+    rows = item * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_range = rows < n_rows
+    c_nope = tl.arange(0, _NOPE)
+    c_idx = tl.arange(0, _IDX)
+    c_tail = tl.arange(0, _TAIL_SHAPE)
+    in_pe = (c_tail >= _SCALE_BYTES) & (c_tail < _TAIL_BYTES)
+    slot = tl.load(slots + rows, mask=in_range, other=-1)
+    x = tl.load(kv_c + rows[:, None] * kv_stride + c_nope[None, :], mask=in_range[:, None], other=0)
+    xi = tl.load(idx_k + rows[:, None] * ix_stride + c_idx[None, :], mask=in_range[:, None], other=0)
+    # RoPE values are copied as bytes (never a value conversion), into bytes 16.. of the
+    # token's tail (bytes 0-15 are the tile scales).
+    pe_row = (k_pe + rows[:, None] * pe_stride).to(tl.pointer_type(tl.uint8))
+    pe = tl.load(pe_row + (c_tail - _SCALE_BYTES)[None, :], mask=in_range[:, None] & in_pe[None, :], other=0)
+    return slot, x, xi, pe
+
+
+@triton.jit
 def _quantize_write_kernel(
     kv_c,
     k_pe,
@@ -94,11 +114,14 @@ def _quantize_write_kernel(
     MAIN_POW2: tl.constexpr,
     IDX_SCALE: tl.constexpr,
     SPREAD: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # Each program takes work items of BLOCK_T rows until none are left: one item each on a
-    # grid of one program per item, several on a smaller (persistent) grid. With SPREAD
-    # the grid's second axis names the one destination a program stores to, so programs
-    # storing to peers and programs storing locally run side by side.
+    # grid of one program per item, several on a smaller (persistent) grid. With PREFETCH
+    # a program loads its next item before it stores the current one, so that its loads
+    # stay in flight while it quantizes and stores. With SPREAD the grid's second axis
+    # names the one destination a program stores to, so that programs storing to peers
+    # and programs storing locally run side by side.
     NOUT: tl.constexpr = 1 if SPREAD else NDST  # destinations each program stores to
     n_items = tl.cdiv(n_rows, BLOCK_T)
     item = tl.program_id(0)
@@ -106,19 +129,18 @@ def _quantize_write_kernel(
     c_nope = tl.arange(0, _NOPE)
     c_idx = tl.arange(0, _IDX)
     c_tail = tl.arange(0, _TAIL_SHAPE)
-    in_pe = (c_tail >= _SCALE_BYTES) & (c_tail < _TAIL_BYTES)
+    args = (n_rows, slots, kv_c, k_pe, idx_k, kv_stride, pe_stride, ix_stride)
+    if PREFETCH:  # four loop-carried tensors, not one tuple
+        slot_n, x_n, xi_n, pe_n = _load_item(item, *args, BLOCK_T)
     while item < n_items:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
+        # ---- every load of the item first (none waits behind a store to the caches)
+        if PREFETCH:
+            slot, x, xi, pe = slot_n, x_n, xi_n, pe_n
+            slot_n, x_n, xi_n, pe_n = _load_item(item + step, *args, BLOCK_T)
+        else:
+            slot, x, xi, pe = _load_item(item, *args, BLOCK_T)
         rows = item * BLOCK_T + tl.arange(0, BLOCK_T)
         in_range = rows < n_rows
-        # ---- every load of the item first (none waits behind a store to the caches)
-        slot = tl.load(slots + rows, mask=in_range, other=-1)
-        x = tl.load(kv_c + rows[:, None] * kv_stride + c_nope[None, :], mask=in_range[:, None], other=0)
-        xi = tl.load(idx_k + rows[:, None] * ix_stride + c_idx[None, :], mask=in_range[:, None], other=0)
-        # RoPE values are copied as bytes (never a value conversion), into bytes 16.. of the
-        # token's tail (bytes 0-15 are the tile scales).
-        pe_row = (k_pe + rows[:, None] * pe_stride).to(tl.pointer_type(tl.uint8))
-        pe = tl.load(pe_row + (c_tail - _SCALE_BYTES)[None, :], mask=in_range[:, None] & in_pe[None, :], other=0)
-
         # ---- main KV: 4 tiles of 128 values, one scale each
         x3 = tl.reshape(bf16_to_f32(x), (BLOCK_T, _TILES, _TILE))
         amax = tl.max(tl.abs(x3), axis=2)

@@ -79,6 +79,7 @@ class Batch:
     _grid: tuple[int, int, int] = field(default=(1, 1, 1), repr=False, compare=False)
     _packed: tuple[torch.Tensor, ...] | None = field(default=None, repr=False, compare=False)
     _gathered: tuple[torch.Tensor, ...] | None = field(default=None, repr=False, compare=False)
+    _last: tuple[int, ...] = field(default=(), repr=False, compare=False)  # the packed per-layer values
 
 
 @dataclass(frozen=True)
@@ -92,21 +93,23 @@ class Tuning:
         spread: give each destination replica its own programs (each quantizes its rows
             itself), so that programs storing to peers and programs storing locally run
             side by side instead of one after the other in every program.
-        programs_per_sm: ``0`` (default): one program per work item; ``n``: a persistent
-            grid of at most ``n`` programs per multiprocessor, each taking work items
-            until none are left.
+        programs_per_sm: ``n``: a persistent grid of at most ``n`` programs per
+            multiprocessor, each taking work items until none are left and loading its
+            next item before it stores the current one; ``0``: one program per work item.
 
-    The defaults were chosen by measurement on one H200 (benchmarks/pcp_local.py,
-    docs/performance.md).
+    The defaults (8 rows, 4 warps, 3 programs per multiprocessor: as many as fit at
+    once) were the fastest of the sweep in benchmarks/pcp_local.py on one H200 with the
+    fence fused into the writer's tail (docs/performance.md): a persistent grid pays the
+    tail's arrival once per program, a grid of one program per work item once per item.
 
     Raises:
         ConfigError: a knob outside its range (the message names it).
     """
 
-    block_rows: int = 16
+    block_rows: int = 8
     num_warps: int = 4
     spread: bool = False
-    programs_per_sm: int = 0
+    programs_per_sm: int = 3
 
     def __post_init__(self) -> None:
         problem = self._problem()
@@ -288,6 +291,7 @@ class DirectKVWriter:
             MAIN_POW2=layout.main_scale == "pow2",
             IDX_SCALE=INDEXER_SCALES.index(layout.indexer_scale),
             SPREAD=spread,
+            PREFETCH=tuning.programs_per_sm > 0,  # a program with several items loads the next one early
         )
         self._per_layer = tuple(self._launcher.names.index(name) for name in self._PER_LAYER)
         self._num_layers = layout.num_layers
@@ -470,6 +474,10 @@ class DirectKVWriter:
                 "writer's layout)"
             )
         rows = batch.rows
+        dev = self._device_index
+        fits = _fits(kv_c, rows, _NOPE, dev) and _fits(k_pe, rows, _ROPE, dev) and _fits(indexer_k, rows, _IDX, dev)
+        if fits and dev >= 0:
+            return None  # the common case on GPUs, in one expression per tensor
         return (
             self._tensor_problem("kv_c", kv_c, rows, _NOPE)
             or self._tensor_problem("k_pe", k_pe, rows, _ROPE)
@@ -520,8 +528,18 @@ class DirectKVWriter:
                 idx_bstride=self._strides[1],
             )
             bound = batch._bound = self._launcher.bind(*[args[name] for name in self._launcher.names], grid=batch._grid)
+            batch._last = (kv_c.data_ptr(), k_pe.data_ptr(), idx_k.data_ptr(), main_off, idx_off)
         else:
-            bound.update(self._per_layer, (kv_c, k_pe, idx_k, main_off, idx_off))
+            # Only what changed since the batch's last write is repacked: a runtime that keeps
+            # its inputs in the same buffers changes only the layer's offsets.
+            key = (kv_c.data_ptr(), k_pe.data_ptr(), idx_k.data_ptr(), main_off, idx_off)
+            last = batch._last
+            if key != last:
+                if key[:3] == last[:3]:
+                    bound.update(self._per_layer[3:], (main_off, idx_off))
+                else:
+                    bound.update(self._per_layer, (kv_c, k_pe, idx_k, main_off, idx_off))
+                batch._last = key
         bound()
 
     # ------------------------------------------------------------------ baseline
@@ -554,6 +572,17 @@ class DirectKVWriter:
             return {"cache_bytes_written": written, "sent_to_peers": rows * _TOKEN_BYTES * peers}
         inputs = rows * (_NOPE + _ROPE + _IDX) * 2  # bf16
         return {"cache_bytes_written": written, "sent_to_peers": inputs * peers}
+
+
+def _fits(t: object, rows: int, width: int, device: int) -> bool:
+    """``t`` is a contiguous bf16 ``[rows, width]`` tensor on CUDA device ``device``."""
+    return (
+        type(t) is torch.Tensor
+        and t.dtype is torch.bfloat16
+        and t.shape == (rows, width)
+        and t.get_device() == device
+        and t.is_contiguous()
+    )
 
 
 def _without_rank(message: str, rank: int) -> str:

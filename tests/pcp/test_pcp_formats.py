@@ -130,11 +130,12 @@ def test_layout_defaults_are_the_current_formats():
 
 
 # ---------------------------------------------------------------------- the writer, every format
-# A route and how its kernel runs: "spread" gives each destination its own programs,
-# "persistent" a grid of one program per multiprocessor taking work items in turn, and
-# "fence" a writer kernel then a fence launch (the default fuses the fence into the tail).
-ROUTES = ("direct", "direct-spread", "direct-persistent", "direct-fence", "allgather")
-OPTIONS = {"": {}, "spread": {"spread": True}, "persistent": {"programs_per_sm": 1}, "fence": {"fused": False}}
+# A route and how its kernel runs: by default a persistent grid whose programs load their
+# next work item early; "spread" gives each destination its own programs, "plain" one
+# program per work item, and "fence" a writer kernel then a fence launch (the default
+# fuses the fence into the writer's tail).
+ROUTES = ("direct", "direct-spread", "direct-plain", "direct-fence", "allgather")
+OPTIONS = {"": {}, "spread": {"spread": True}, "plain": {"programs_per_sm": 0}, "fence": {"fused": False}}
 SLOTS = ("scattered", "contiguous")
 
 
