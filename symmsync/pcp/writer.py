@@ -21,8 +21,10 @@ rules.
 
 Eager cost: :meth:`DirectKVWriter.prepare` does every check that needs the slot
 values; the first :meth:`~DirectKVWriter.write` of a batch packs the kernel launch
-(:meth:`symmsync.launch.Launcher.bind`) and later layers only update the input
-addresses and the layer's offsets in it (:meth:`symmsync.launch.BoundLaunch.update`).
+(:meth:`symmsync.launch.Launcher.bind`) and later layers only update what changed in
+it (:meth:`symmsync.launch.BoundLaunch.update`): the layer's offsets, and the input
+addresses when the inputs moved. With the fence fused (the default), a layer is one
+launch.
 """
 
 from __future__ import annotations
@@ -162,8 +164,10 @@ class DirectKVWriter:
         debug: also check, at :meth:`prepare`, that no slot is claimed twice across the
             PCP group (one more exchange per batch).
         tuning: how the kernel is launched (:class:`Tuning`; default ``Tuning()``).
-        block_rows, num_warps, spread, programs_per_sm: shorthand for the
-            :class:`Tuning` fields of the same names (``None``: the tuning's).
+        block_rows: shorthand for the :class:`Tuning` field (``None``: the tuning's).
+        num_warps: shorthand for the :class:`Tuning` field (``None``: the tuning's).
+        programs_per_sm: shorthand for the :class:`Tuning` field (``None``: the tuning's).
+        spread: shorthand for the :class:`Tuning` field (``None``: the tuning's).
 
     Construction is collective over the buffer's group: every rank agrees on the route,
     and the members of a PCP group on the layout (formats included) and the channel.
@@ -406,15 +410,16 @@ class DirectKVWriter:
     def write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, indexer_k: torch.Tensor, batch: Batch) -> None:
         """Quantize this rank's rows of ``layer`` and make them visible in every replica.
 
-        Direct route: one writer launch into every member's replica plus one fence (or
-        the fused tail); on return (in stream order), every replica of the PCP group
+        Direct route: one writer launch into every member's replica, its tail a fence
+        (or, with ``fused=False``, a fence launch after it); on return (in stream order), every replica of the PCP group
         holds the layer's bytes of every member's rows. Allgather route: an all-gather
         of the inputs, then an insert into this rank's replica; on return this rank's
         replica holds every member's rows (each member fills its own replica: read a
         peer's replica only after a fence, e.g. ``writer.fence.fence()``).
 
         The launch is packed once per batch (at the batch's first write); each layer
-        only changes the input addresses and the layer's offsets in it.
+        only changes what differs from the batch's last write in it: the layer's
+        offsets, and the input addresses when the inputs are other tensors.
 
         A bad input is refused before any byte is written, after aborting the writer's
         view (:meth:`symmsync.Fence.abort`): the other members raise
