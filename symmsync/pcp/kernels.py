@@ -17,7 +17,9 @@ How the stores are shaped (docs/performance.md has the measurements):
   rows need no other path (a token's stores never depend on its neighbours').
 * Every load of a work item (slots, the three input rows, 16 bytes per lane) is issued
   before its first store: the compiler cannot prove that inputs and caches do not
-  alias, so a load after a store would wait for it.
+  alias, so a load after a store would wait for it. On a persistent grid
+  (``PREFETCH``) a program also loads its next work item before it stores the current
+  one, so that its loads stay in flight while it quantizes.
 
 :class:`~symmsync.pcp.DirectKVWriter` launches it; nothing here checks its arguments.
 """
