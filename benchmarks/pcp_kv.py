@@ -12,8 +12,8 @@ For each number of tokens per rank, with DeepSeek-V3.2 shapes (kv_c 512, k_pe 64
 indexer K 128, bf16 in; fp8_ds_mla 656 B + indexer 132 B per token out) in the
 default cache format (power-of-two main-KV scales, ue8m0 indexer scales) and a
 61-layer prefill, it measures per layer, eagerly and in CUDA-graph replay:
-  * direct: quantize + write into both replicas + one fence (symmsync's writer);
-  * fused: the same with the fence in the writer's tail;
+  * direct: quantize + write into both replicas + one fence launch (``fused=False``);
+  * fused: the same with the fence in the writer's tail (the writer's default);
   * allgather: NCCL all-gather of the bf16 inputs, then the insert kernel;
   * floors: the insert kernel writing only the local replica (no peers), and
     copy-engine peer copies of the bytes the writer sends to its PCP peers (one copy
@@ -63,7 +63,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         inputs = [torch.randn(split.tokens_per_rank, w, device=dev, generator=g).to(torch.bfloat16) for w in widths]
         row = {"tokens_per_rank": tokens, "layers": layers}
         writers = {
-            "direct": pcp.DirectKVWriter(view, layout, route="direct", channel=0, **config),
+            "direct": pcp.DirectKVWriter(view, layout, route="direct", fused=False, channel=0, **config),
             "fused": pcp.DirectKVWriter(view, layout, route="direct", fused=True, channel=1, **config),
             "allgather": pcp.DirectKVWriter(view, layout, route="allgather", group=group, **config),
         }
@@ -79,7 +79,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
             row[f"{name}.host"] = common.eager_us(prefill, iters=1, reps=args.reps, warmup=3, host_only=True) / layers
         if tokens == max(args.tokens):  # the legacy format (vLLM <= 0.11), once
             legacy = pcp.CacheLayout(layout.num_blocks, layers, main_scale="fp32", indexer_scale="fp32")
-            w = pcp.DirectKVWriter(view, legacy, route="direct", channel=2, **config)
+            w = pcp.DirectKVWriter(view, legacy, route="direct", fused=False, channel=2, **config)
             batch = w.prepare(slots)
 
             def prefill(w=w, batch=batch):
@@ -130,16 +130,13 @@ def layout_name(world: int, tp: int) -> str:
     return f"PCP{p}" if tp == 1 else f"TP{tp}×PCP{p}"
 
 
-CONFIGS = [
-    {"block_rows": 16, "num_warps": 4, "split": False},
-    {"block_rows": 16, "num_warps": 4, "split": True},
-    {"block_rows": 32, "num_warps": 4, "split": True},
-    {"block_rows": 32, "num_warps": 8, "split": True},
-    {"block_rows": 64, "num_warps": 8, "split": True},
-    {"block_rows": 32, "num_warps": 4, "split": True, "programs_per_sm": 8},
-    {"block_rows": 16, "num_warps": 4, "split": False, "spread": True},
-    {"block_rows": 16, "num_warps": 4, "split": True, "spread": True},
-    {"block_rows": 32, "num_warps": 4, "split": True, "spread": True, "programs_per_sm": 8},
+CONFIGS = [  # symmsync.pcp.Tuning fields
+    {},
+    {"block_rows": 8, "num_warps": 2},
+    {"block_rows": 32, "num_warps": 8},
+    {"block_rows": 16, "num_warps": 4, "programs_per_sm": 4},
+    {"spread": True},
+    {"block_rows": 8, "num_warps": 2, "spread": True},
 ]
 SWEEP_RESULTS: list = []
 
@@ -162,7 +159,7 @@ def sweep(rank: int, world: int, args: argparse.Namespace) -> dict:
     inputs = [torch.randn(split.tokens_per_rank, w, device=dev).to(torch.bfloat16) for w in (512, 64, 128)]
     times = []
     for i, cfg in enumerate(CONFIGS):
-        w = pcp.DirectKVWriter(view, layout, route="direct", channel=i, **cfg)
+        w = pcp.DirectKVWriter(view, layout, route="direct", fused=False, channel=i, **cfg)
         batch = w.prepare(slots)
 
         def prefill(w=w, batch=batch):

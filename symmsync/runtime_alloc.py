@@ -186,13 +186,16 @@ def block_major_caches(
         and a ``uint8 [num_blocks, block_size * 132 + indexer_pad]`` view of ``reserved``
         (block stride ``block_bytes`` in both), and the bytes of one block of all layers.
     """
-    main_bytes = block_size * 656
-    idx_bytes = block_size * 132 + indexer_pad
+    from .pcp.layout import IndexerKLayout, MainKVLayout  # the pcp package imports the core: import late
+
+    token = MainKVLayout.TOKEN_BYTES
+    main_bytes = block_size * token
+    idx_bytes = block_size * IndexerKLayout.TOKEN_BYTES + indexer_pad
     block = num_layers * (main_bytes + idx_bytes)
     assert num_blocks * block <= reserved.numel(), "the reservation is too small for these blocks"
     at = reserved.storage_offset()  # as_strided counts from the storage, not from the view
     main = [
-        reserved.as_strided((num_blocks, block_size, 656), (block, 656, 1), at + i * main_bytes)
+        reserved.as_strided((num_blocks, block_size, token), (block, token, 1), at + i * main_bytes)
         for i in range(num_layers)
     ]
     first_idx = at + num_layers * main_bytes

@@ -18,7 +18,7 @@ ranks of :mod:`symmsync.collective`, the argument checks of :mod:`symmsync.check
 from .layout import CacheLayout, CacheTensors, IndexerKLayout, MainKVLayout, Placement
 from .quant import INDEXER_SCALES, MAIN_SCALES
 from .split import PCPSplit, pcp_split
-from .writer import ROUTES, Batch, DirectKVWriter
+from .writer import ROUTES, Batch, DirectKVWriter, Tuning
 
 __all__ = [
     "Batch",
@@ -32,5 +32,6 @@ __all__ = [
     "PCPSplit",
     "Placement",
     "ROUTES",
+    "Tuning",
     "pcp_split",
 ]

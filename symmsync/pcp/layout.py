@@ -56,6 +56,43 @@ def _up(x: int, m: int = _ALIGN) -> int:
     return (x + m - 1) // m * m
 
 
+def _formats_problem(main_scale: object, indexer_scale: object) -> str | None:
+    """What is wrong with a pair of scale formats, or ``None`` (the one check of them)."""
+    if main_scale not in MAIN_SCALES:
+        return f"main_scale must be one of {MAIN_SCALES}, got {main_scale!r}"
+    if indexer_scale not in INDEXER_SCALES:
+        return f"indexer_scale must be one of {INDEXER_SCALES}, got {indexer_scale!r}"
+    return None
+
+
+class _Layers:
+    """The layer check shared by :class:`CacheLayout` and :class:`CacheTensors`."""
+
+    num_layers: int
+
+    def _layer_problem(self, layer: int) -> tuple[type[ConfigError], str] | None:
+        """What is wrong with ``layer`` as one of this cache's layers, and the error it
+        raises, or ``None``. The one check of a layer: :meth:`check_layer` and
+        ``DirectKVWriter.write`` raise what it finds.
+        """
+        problem = index_problem("layer", layer, self.num_layers, "the cache")
+        if problem is None:
+            return None
+        return (BoundsError if is_int(layer) else ConfigError), problem
+
+    def check_layer(self, layer: int) -> None:
+        """Raise unless ``layer`` is one of this cache's layers.
+
+        Raises:
+            BoundsError: ``layer`` is an int outside ``[0, num_layers)``.
+            ConfigError: ``layer`` is not an int (a bool is not).
+        """
+        bad = self._layer_problem(layer)
+        if bad is not None:
+            error, problem = bad
+            raise error(f"{type(self).__name__}: {problem}")
+
+
 @dataclass(frozen=True)
 class MainKVLayout:
     """fp8_ds_mla: the byte offsets of every field of a token's 656 bytes."""
@@ -108,7 +145,7 @@ class IndexerKLayout:
 
 
 @dataclass(frozen=True)
-class CacheLayout:
+class CacheLayout(_Layers):
     """Every layer's main-KV and indexer-K cache on one symmetric buffer.
 
     Args:
@@ -142,10 +179,9 @@ class CacheLayout:
         problem = int_problem("base", self.base, minimum=0, multiple_of=_ALIGN)
         if problem is not None:
             raise ConfigError(f"CacheLayout: {problem}")
-        if self.main_scale not in MAIN_SCALES:
-            raise ConfigError(f"CacheLayout: main_scale must be one of {MAIN_SCALES}, got {self.main_scale!r}")
-        if self.indexer_scale not in INDEXER_SCALES:
-            raise ConfigError(f"CacheLayout: indexer_scale must be one of {INDEXER_SCALES}, got {self.indexer_scale!r}")
+        problem = _formats_problem(self.main_scale, self.indexer_scale)
+        if problem is not None:
+            raise ConfigError(f"CacheLayout: {problem}")
 
     main = MainKVLayout()
 
@@ -180,28 +216,6 @@ class CacheLayout:
     def end(self) -> int:
         """Byte offset just past the last layer: the buffer needs at least this many bytes."""
         return self.base + self.nbytes
-
-    def _layer_problem(self, layer: int) -> tuple[type[ConfigError], str] | None:
-        """What is wrong with ``layer`` as one of this cache's layers, and the error it
-        raises, or ``None``. The one check of a layer: :meth:`check_layer` and
-        ``DirectKVWriter.write`` raise what it finds.
-        """
-        problem = index_problem("layer", layer, self.num_layers, "the cache")
-        if problem is None:
-            return None
-        return (BoundsError if is_int(layer) else ConfigError), problem
-
-    def check_layer(self, layer: int) -> None:
-        """Raise unless ``layer`` is one of this cache's layers.
-
-        Raises:
-            BoundsError: ``layer`` is an int outside ``[0, num_layers)``.
-            ConfigError: ``layer`` is not an int (a bool is not).
-        """
-        bad = self._layer_problem(layer)
-        if bad is not None:
-            error, problem = bad
-            raise error(f"CacheLayout: {problem}")
 
     def main_offset(self, layer: int) -> int:
         """Byte offset of a layer's main-KV region in the buffer (:meth:`check_layer`
@@ -275,7 +289,7 @@ class Placement:
         )
 
 
-class CacheTensors:
+class CacheTensors(_Layers):
     """This rank's per-layer cache tensors, as a runtime holds them, for the writer.
 
     Args:
@@ -310,10 +324,9 @@ class CacheTensors:
             raise ConfigError(
                 f"CacheTensors: pass one main-KV and one indexer-K tensor per layer, got {len(main)} and {len(indexer)}"
             )
-        if main_scale not in MAIN_SCALES:
-            raise ConfigError(f"CacheTensors: main_scale must be one of {MAIN_SCALES}, got {main_scale!r}")
-        if indexer_scale not in INDEXER_SCALES:
-            raise ConfigError(f"CacheTensors: indexer_scale must be one of {INDEXER_SCALES}, got {indexer_scale!r}")
+        problem = _formats_problem(main_scale, indexer_scale)
+        if problem is not None:
+            raise ConfigError(f"CacheTensors: {problem}")
         for i, (m, x) in enumerate(zip(main, indexer)):
             for name, t, dims in (("main", m, 3), ("indexer", x, 2)):
                 if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != dims:
@@ -349,19 +362,6 @@ class CacheTensors:
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
-
-    def check_layer(self, layer: int) -> None:
-        """Raise unless ``layer`` is one of these layers (as :meth:`CacheLayout.check_layer`)."""
-        bad = self._layer_problem(layer)
-        if bad is not None:
-            error, problem = bad
-            raise error(f"CacheTensors: {problem}")
-
-    def _layer_problem(self, layer: int) -> tuple[type[ConfigError], str] | None:
-        problem = index_problem("layer", layer, self.num_layers, "the cache")
-        if problem is None:
-            return None
-        return (BoundsError if is_int(layer) else ConfigError), problem
 
     def placement(self, buffer: SymmetricBuffer) -> Placement:
         """The tensors' offsets in ``buffer``.

@@ -5,8 +5,9 @@ Two routes, chosen explicitly and agreed by every rank (never a silent mix):
 ``"direct"``
     Each rank quantizes its own rows and stores the final cache bytes into every
     member of its PCP peer view through the view's pointer table; one fence per
-    layer makes them visible. With ``fused=True`` the fence's publish and wait run in
-    the writer's tail (:func:`symmsync.language.grid_fence`): no extra launch.
+    layer makes them visible. By default (``fused=True``) the fence's publish and
+    wait run in the writer's tail (:func:`symmsync.language.grid_fence`): a layer is
+    one launch.
 ``"allgather"``
     The baseline runtimes ship: all-gather the bf16 inputs over the PCP group
     (torch.distributed), then run the same quantize-and-insert kernel locally on
@@ -20,38 +21,34 @@ rules.
 
 Eager cost: :meth:`DirectKVWriter.prepare` does every check that needs the slot
 values; the first :meth:`~DirectKVWriter.write` of a batch packs the kernel launch
-(:meth:`symmsync.launch.Launcher.bind`) and later layers only update the input
-addresses and the layer's offsets in it (:meth:`symmsync.launch.BoundLaunch.update`).
+(:meth:`symmsync.launch.Launcher.bind`) and later layers only update what changed in
+it (:meth:`symmsync.launch.BoundLaunch.update`): the layer's offsets, and the input
+addresses when the inputs moved. With the fence fused (the default), a layer is one
+launch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import triton
-import triton.language as tl
 
 from .. import collective, mode
-from .. import language as ssl
-from ..checks import int_problem, positive_int_problem, require
+from ..checks import int_problem, require
 from ..errors import ClosedError, ConfigError, InputError, SymmSyncError
 from ..fence import Fence
 from ..launch import BoundLaunch, Launcher
+from .kernels import IDX as _IDX
+from .kernels import NOPE as _NOPE
+from .kernels import ROPE as _ROPE
+from .kernels import TOKEN_BYTES as _TOKEN_BYTES
+from .kernels import _quantize_write_kernel
 from .layout import CacheLayout, CacheTensors, IndexerKLayout, MainKVLayout
-from .quant import (
-    INDEXER_SCALES,
-    bf16_to_f32,
-    e8m0_word,
-    indexer_scale,
-    indexer_scale_fp32,
-    mla_tile_scale,
-    mla_tile_scale_pow2,
-    pow2_recip,
-    to_e4m3,
-)
+from .quant import INDEXER_SCALES
 
 if TYPE_CHECKING:
     from ..views import PeerView
@@ -60,182 +57,6 @@ ROUTES = ("direct", "allgather")
 
 # torch 2.13 renamed all_gather_into_tensor; 2.11 has only the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-# Widths of a row of the inputs: kv_c, k_pe, indexer_k (bf16 values).
-_NOPE, _ROPE, _IDX = MainKVLayout.NOPE_DIM, MainKVLayout.ROPE_DIM, IndexerKLayout.DIM
-#: Cache bytes of one token: main KV and indexer K.
-_TOKEN_BYTES = MainKVLayout.TOKEN_BYTES + IndexerKLayout.TOKEN_BYTES
-
-# The byte geometry the kernel writes, from the layout module. Triton reads a module
-# global inside a kernel only when it is a ``tl.constexpr``.
-_MAIN_TOKEN = tl.constexpr(MainKVLayout.TOKEN_BYTES)  # a token's main-KV bytes
-_MAIN_SCALES = tl.constexpr(MainKVLayout.SCALES_OFFSET)  # its fp32 tile scales
-_MAIN_ROPE = tl.constexpr(MainKVLayout.ROPE_OFFSET)  # its bf16 RoPE values
-_TILE = tl.constexpr(MainKVLayout.TILE)  # values per main-KV tile (one scale each)
-_TILES = tl.constexpr(MainKVLayout.NUM_TILES)
-_IDX_TOKEN = tl.constexpr(IndexerKLayout.TOKEN_BYTES)  # a token's indexer-K bytes, values and scale
-_IDX_VALUES = tl.constexpr(IndexerKLayout.DIM)  # a token's indexer-K value bytes
-_IDX_SCALE = tl.constexpr(IndexerKLayout.SCALE_BYTES)  # a token's scale field
-# int32 words per row piece: a main-KV tile's or the indexer's fp8 codes (4 per word), and
-# the RoPE values (2 bf16 per word) fill the same number of words.
-_WORDS = tl.constexpr(MainKVLayout.TILE // 4)
-assert MainKVLayout.TILE == IndexerKLayout.DIM == 2 * MainKVLayout.ROPE_DIM, "the kernel's word packing"
-
-
-@triton.jit
-def _pack(codes, SHIFT: tl.constexpr):
-    """Pack the last axis (4 bytes or 2 halves) of ``codes`` into int32 words, low first.
-
-    Stores of whole words (16 bytes per thread once Triton vectorizes them) reach
-    peers over NVLink far faster than byte stores."""
-    n: tl.constexpr = 32 // SHIFT
-    k = tl.arange(0, n)[None, None, :] * SHIFT
-    # The fields do not overlap, so their sum is their bitwise or (and wraps like it).
-    return tl.sum((codes.to(tl.int32) & ((1 << SHIFT) - 1)) << k, axis=2)
-
-
-@triton.jit
-def _write_indexer_and_rope(
-    idx_k,
-    k_pe,
-    ix_stride,
-    pe_stride,
-    rows,
-    live,
-    dst,
-    main_row,
-    idx_val,
-    idx_scale,
-    NDST: tl.constexpr,
-    IDX_SCALE: tl.constexpr,
-):
-    w32 = tl.arange(0, _WORDS)
-    c4 = w32[:, None] * 4 + tl.arange(0, 4)[None, :]  # [words, 4]: byte k of word w is value 4w + k
-    c2 = w32[:, None] * 2 + tl.arange(0, 2)[None, :]  # [words, 2]: half k of word w is value 2w + k
-    m3 = live[:, None, None]
-    m2 = live[:, None]
-    # Indexer K: one scale per token (IDX_SCALE: 0 "ue8m0", 1 "fp32", 2 "mxfp8").
-    xi = bf16_to_f32(tl.load(idx_k + rows[:, None, None] * ix_stride + c4[None, :, :], mask=m3, other=0))
-    ai = tl.max(tl.max(tl.abs(xi), axis=2), axis=1)
-    if IDX_SCALE == 1:
-        si = indexer_scale_fp32(ai)
-        qi = _pack(to_e4m3(tl.math.div_rn(xi, si[:, None, None])), 8)
-    else:
-        si = indexer_scale(ai)  # a power of two: the product below is the exact quotient
-        qi = _pack(to_e4m3(xi * pow2_recip(si)[:, None, None]), 8)
-    # RoPE values are copied as bits: bitcast, never a value conversion (the rows may be bf16).
-    pe_bits = tl.load(k_pe + rows[:, None, None] * pe_stride + c2[None, :, :], mask=m3, other=0)
-    pe = _pack(pe_bits.to(tl.int16, bitcast=True), 16)
-    for d in tl.static_range(NDST):
-        # Typed base pointers with offsets in elements keep the alignment Triton can prove
-        # (every offset here is a multiple of 16 bytes), so the word stores vectorize.
-        words = tl.multiple_of(tl.load(dst + d).to(tl.pointer_type(tl.int32)), 16)
-        floats = tl.multiple_of(tl.load(dst + d).to(tl.pointer_type(tl.float32)), 16)
-        tl.store(words + (idx_val // 4)[:, None] + w32[None, :], qi, mask=m2)
-        if IDX_SCALE == 2:
-            tl.store(words + idx_scale // 4, e8m0_word(si), mask=live)
-        else:
-            tl.store(floats + idx_scale // 4, si, mask=live)
-        tl.store(words + ((main_row + _MAIN_ROPE) // 4)[:, None] + w32[None, :], pe, mask=m2)
-
-
-@triton.jit
-def _write_main_tile(kv_c, kv_stride, j, rows, live, dst, main_row, NDST: tl.constexpr, MAIN_POW2: tl.constexpr):
-    # Main KV tile j: its values and their scale.
-    w32 = tl.arange(0, _WORDS)
-    c4 = w32[:, None] * 4 + tl.arange(0, 4)[None, :]
-    m3 = live[:, None, None]
-    x = bf16_to_f32(tl.load(kv_c + rows[:, None, None] * kv_stride + j * _TILE + c4[None, :, :], mask=m3, other=0))
-    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
-    if MAIN_POW2:
-        s = mla_tile_scale_pow2(amax)  # a power of two: the product is the exact quotient
-        q = _pack(to_e4m3(x * pow2_recip(s)[:, None, None]), 8)
-    else:
-        s = mla_tile_scale(amax)
-        q = _pack(to_e4m3(tl.math.div_rn(x, s[:, None, None])), 8)
-    for d in tl.static_range(NDST):
-        words = tl.multiple_of(tl.load(dst + d).to(tl.pointer_type(tl.int32)), 16)
-        floats = tl.multiple_of(tl.load(dst + d).to(tl.pointer_type(tl.float32)), 16)
-        tl.store(words + ((main_row + j * _TILE) // 4)[:, None] + w32[None, :], q, mask=live[:, None])
-        tl.store(floats + (main_row + _MAIN_SCALES) // 4 + j, s, mask=live)
-
-
-@triton.jit
-def _quantize_write_kernel(
-    kv_c,
-    k_pe,
-    idx_k,
-    kv_stride,
-    pe_stride,
-    ix_stride,  # bf16 rows, read as int16 bits
-    slots,
-    n_rows,  # int64 slot of each row (-1: padding), number of rows
-    dst,
-    main_off,
-    idx_off,  # table of destination base addresses; byte offsets of the layer's regions
-    main_bstride,
-    idx_bstride,  # bytes from one cache block to the next (a runtime may pad them)
-    ptrs,
-    cell,
-    me,
-    timeout_ns,
-    record,  # the fence's arguments (Fence.kernel_args; FUSED only)
-    NDST: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    SPLIT: tl.constexpr,
-    FUSED: tl.constexpr,
-    TRAP: tl.constexpr,
-    MAIN_POW2: tl.constexpr,
-    IDX_SCALE: tl.constexpr,
-    SPREAD: tl.constexpr,
-):
-    # A persistent grid: each program takes work items (a block of rows, and with SPLIT
-    # one of its pieces: each main-KV tile, then indexer K + RoPE) until none are left.
-    # With SPREAD an item also names one destination: the programs writing to peers and
-    # those writing locally run side by side (each quantizes its rows itself).
-    PIECES: tl.constexpr = _TILES + 1 if SPLIT else 1
-    NWAYS: tl.constexpr = NDST if SPREAD else 1
-    NOUT: tl.constexpr = 1 if SPREAD else NDST  # destinations each item stores to
-    n_items = tl.cdiv(n_rows, BLOCK_T) * PIECES * NWAYS
-    item = tl.program_id(0)
-    step = tl.num_programs(0)
-    while item < n_items:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
-        if SPREAD:
-            out = dst + item % NWAYS
-            work = item // NWAYS
-        else:
-            out = dst
-            work = item
-        rows = (work // PIECES) * BLOCK_T + tl.arange(0, BLOCK_T)
-        in_range = rows < n_rows
-        slot = tl.load(slots + rows, mask=in_range, other=-1)
-        live = in_range & (slot >= 0)
-        slot = tl.where(live, slot, 0)
-        block = slot // BLOCK_SIZE
-        off = slot % BLOCK_SIZE
-        main_row = main_off + block * main_bstride + off * _MAIN_TOKEN  # each row's main KV in every replica
-        block_start = idx_off + block * idx_bstride
-        idx_val = block_start + off * _IDX_VALUES
-        idx_scale = block_start + BLOCK_SIZE * _IDX_VALUES + off * _IDX_SCALE
-        if SPLIT:
-            piece = work % PIECES
-            if piece < _TILES:
-                _write_main_tile(kv_c, kv_stride, piece, rows, live, out, main_row, NOUT, MAIN_POW2)
-            else:
-                _write_indexer_and_rope(
-                    idx_k, k_pe, ix_stride, pe_stride, rows, live, out, main_row, idx_val, idx_scale, NOUT, IDX_SCALE
-                )
-        else:
-            _write_indexer_and_rope(
-                idx_k, k_pe, ix_stride, pe_stride, rows, live, out, main_row, idx_val, idx_scale, NOUT, IDX_SCALE
-            )
-            for j in tl.static_range(_TILES):
-                _write_main_tile(kv_c, kv_stride, j, rows, live, out, main_row, NOUT, MAIN_POW2)
-        item += step
-
-    if FUSED:
-        ssl.grid_fence(ptrs, cell, me, timeout_ns, record, NDST, TRAP)
 
 
 @dataclass
@@ -260,6 +81,66 @@ class Batch:
     _grid: tuple[int, int, int] = field(default=(1, 1, 1), repr=False, compare=False)
     _packed: tuple[torch.Tensor, ...] | None = field(default=None, repr=False, compare=False)
     _gathered: tuple[torch.Tensor, ...] | None = field(default=None, repr=False, compare=False)
+    _last: tuple[int, ...] = field(default=(), repr=False, compare=False)  # the packed per-layer values
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """How the writer's kernel is launched: knobs of speed, never of the bytes written.
+
+    Args:
+        block_rows: rows per work item of the kernel (a power of two, at most 1024).
+        num_warps: warps per program (a power of two, at most 32). The kernel's stores
+            are 16 bytes per lane when ``block_rows >= 4 * num_warps``.
+        spread: give each destination replica its own programs (each quantizes its rows
+            itself), so that programs storing to peers and programs storing locally run
+            side by side instead of one after the other in every program.
+        programs_per_sm: ``n``: a persistent grid of at most ``n`` programs per
+            multiprocessor, each taking work items until none are left and loading its
+            next item before it stores the current one; ``0``: one program per work item.
+
+    The defaults (8 rows, 4 warps, 3 programs per multiprocessor: as many as fit at
+    once) were the fastest of the sweep in benchmarks/pcp_local.py on one H200 with the
+    fence fused into the writer's tail (docs/performance.md): a persistent grid pays the
+    tail's arrival once per program, a grid of one program per work item once per item.
+
+    Raises:
+        ConfigError: a knob outside its range (the message names it).
+    """
+
+    block_rows: int = 8
+    num_warps: int = 4
+    spread: bool = False
+    programs_per_sm: int = 3
+
+    def __post_init__(self) -> None:
+        problem = self._problem()
+        if problem is not None:
+            raise ConfigError(f"Tuning: {problem}")
+
+    def _problem(self) -> str | None:
+        """What is wrong with these knobs, or ``None`` (the one check of a tuning)."""
+        return (
+            int_problem("block_rows", self.block_rows, maximum=1024, power_of_two=True)
+            or int_problem("num_warps", self.num_warps, maximum=32, power_of_two=True)
+            or int_problem("programs_per_sm", self.programs_per_sm, minimum=0)
+        )
+
+    @classmethod
+    def _with(cls, base: object, **shorthand: object) -> tuple[Tuning | None, str | None]:
+        """``base`` with the knobs given as shorthand (``None``: keep ``base``'s), and the
+        problem that refuses it, if any: what the writer agrees across ranks."""
+        if base is None:
+            base = cls()
+        elif not isinstance(base, cls):
+            return None, f"tuning must be a symmsync.pcp.Tuning, got {type(base).__name__}"
+        given = {k: v for k, v in shorthand.items() if v is not None}
+        if not given:
+            return base, None
+        try:
+            return dataclasses.replace(base, **given), None  # runs __post_init__: the one check
+        except ConfigError as e:
+            return None, str(e).removeprefix("Tuning: ")
 
 
 class DirectKVWriter:
@@ -273,25 +154,20 @@ class DirectKVWriter:
             symmsync allocated, or registered); the members of a PCP group must hold them
             at the same offsets.
         route: ``"direct"`` or ``"allgather"``; every rank must pass the same.
-        fused: direct route only: publish and wait in the writer's tail (no fence launch).
+        fused: direct route only: publish and wait in the writer's tail, so that a layer
+            is one launch (default on the direct route; ``False``: the writer, then a
+            fence launch).
         group: the torch.distributed group of the view's ranks; needed by the allgather
             route when the view is not the whole world.
         channel: the fence channel of the view the writer uses.
         timeout_s: fence wait budget (default: the backend's).
         debug: also check, at :meth:`prepare`, that no slot is claimed twice across the
             PCP group (one more exchange per batch).
-        block_rows: rows per work item of the kernel (a power of two).
-        num_warps: warps per program.
-        split: give each of a row block's five pieces (four main-KV tiles; indexer K
-            with RoPE) its own work item.
-        spread: give each destination replica its own work items (each quantizes its
-            rows itself), so that programs storing to peers and programs storing locally
-            run side by side instead of one after the other in every program.
-        programs_per_sm: size of the persistent grid on GPUs, per multiprocessor.
-
-    The defaults (16 rows, 4 warps, no split, no spread) are as fast as any
-    configuration of the sweep in benchmarks/pcp_kv.py on 2x H200: at 32k tokens per
-    rank all took 115-126 µs per layer, bound by the stores to the peer.
+        tuning: how the kernel is launched (:class:`Tuning`; default ``Tuning()``).
+        block_rows: shorthand for the :class:`Tuning` field (``None``: the tuning's).
+        num_warps: shorthand for the :class:`Tuning` field (``None``: the tuning's).
+        programs_per_sm: shorthand for the :class:`Tuning` field (``None``: the tuning's).
+        spread: shorthand for the :class:`Tuning` field (``None``: the tuning's).
 
     Construction is collective over the buffer's group: every rank agrees on the route,
     and the members of a PCP group on the layout (formats included) and the channel.
@@ -311,19 +187,20 @@ class DirectKVWriter:
         layout: CacheLayout | CacheTensors,
         *,
         route: str = "direct",
-        fused: bool = False,
+        fused: bool | None = None,
         group: dist.ProcessGroup | None = None,
         channel: int = 0,
         timeout_s: float | None = None,
         debug: bool = False,
-        block_rows: int = 16,
-        num_warps: int = 4,
-        split: bool = False,
-        programs_per_sm: int = 4,
-        spread: bool = False,
+        tuning: Tuning | None = None,
+        block_rows: int | None = None,
+        num_warps: int | None = None,
+        programs_per_sm: int | None = None,
+        spread: bool | None = None,
     ):
         buf = view.buffer
-        self.view, self.layout, self.route, self.fused, self.debug = view, layout, route, bool(fused), debug
+        fused = route == "direct" if fused is None else bool(fused)
+        self.view, self.layout, self.route, self.fused, self.debug = view, layout, route, fused, debug
         self.buffer = buf
         call = "DirectKVWriter"
         problem, error = None, ConfigError
@@ -342,10 +219,12 @@ class DirectKVWriter:
         if problem is None and route == "allgather" and group is None and view.size != buf.world_size:
             problem = "the allgather route needs group=, the torch.distributed group of the view's ranks"
         if problem is None:
-            problem = (
-                int_problem("block_rows", block_rows, maximum=1024, power_of_two=True)
-                or int_problem("num_warps", num_warps, maximum=32, power_of_two=True)
-                or positive_int_problem("programs_per_sm", programs_per_sm)
+            tuning, problem = Tuning._with(
+                tuning,
+                block_rows=block_rows,
+                num_warps=num_warps,
+                spread=spread,
+                programs_per_sm=programs_per_sm,
             )
         fence = None
         if problem is None:
@@ -353,7 +232,7 @@ class DirectKVWriter:
                 fence = Fence(view, channel, timeout_s=timeout_s)
             except ConfigError as e:
                 problem, error = _without_rank(str(e), buf.rank), type(e)
-        mine = (route, bool(fused), placement.agreed(), channel) if problem is None else None
+        mine = (route, fused, placement.agreed(), channel) if problem is None else None
         everyone = collective.gather(buf.group, (mine, problem, error))
         first_error = next((e for _, p, e in everyone if p), ConfigError)
         collective.raise_first([p for _, p, _ in everyone], call=call, error=first_error)
@@ -374,6 +253,9 @@ class DirectKVWriter:
                 hint=f"every member of the PCP group {members} must pass the same",
             )
         self.group = group
+        #: How the kernel is launched (:class:`Tuning`).
+        self.tuning = tuning
+        block_rows, spread = tuning.block_rows, bool(tuning.spread)
         self.block_rows = block_rows
         #: The fence of the writer's channel on its view. The direct route fences with it
         #: after every layer; the all-gather route does not need it (NCCL orders the
@@ -385,10 +267,10 @@ class DirectKVWriter:
             dst = buf.ptrs[buf.rank : buf.rank + 1].contiguous()
         self._dst = dst
         caps = buf.capabilities
-        self._pieces = (MainKVLayout.NUM_TILES + 1 if split else 1) * (dst.numel() if spread else 1)
+        self._ways = dst.numel() if spread else 1  # the grid's second axis: one destination each
         if caps.streams:  # a GPU: one persistent grid fills its multiprocessors
             sms = torch.cuda.get_device_properties(buf.device).multi_processor_count
-            self._max_programs = max(1, sms * programs_per_sm)
+            self._max_programs = sms * tuning.programs_per_sm  # 0: one program per work item
             self._device_index = buf.device.index
         else:
             self._max_programs = 4  # the interpreter runs programs one after another
@@ -404,17 +286,18 @@ class DirectKVWriter:
         self._launcher = Launcher(
             _quantize_write_kernel,
             (1,),
-            num_warps=num_warps,
+            num_warps=tuning.num_warps,
             NDST=dst.numel(),
             BLOCK_T=block_rows,
             BLOCK_SIZE=layout.block_size,
-            SPLIT=bool(split),
             FUSED=self.fused,
             TRAP=caps.traps,
             MAIN_POW2=layout.main_scale == "pow2",
             IDX_SCALE=INDEXER_SCALES.index(layout.indexer_scale),
-            SPREAD=bool(spread),
+            SPREAD=spread,
+            PREFETCH=tuning.programs_per_sm > 0,  # a program with several items loads the next one early
         )
+        self._per_layer = tuple(self._launcher.names.index(name) for name in self._PER_LAYER)
         self._num_layers = layout.num_layers
         # Per-layer region offsets and the block strides, computed once.
         self._offsets = list(placement.offsets)
@@ -502,9 +385,11 @@ class DirectKVWriter:
         return self._usable[1]
 
     def _grid_for(self, rows: int) -> tuple[int, int, int]:
-        """The persistent grid for ``rows`` rows: one program at least (the fused tail must run)."""
-        items = triton.cdiv(rows, self.block_rows) * self._pieces
-        return (max(1, min(items, self._max_programs)), 1, 1)
+        """The grid for ``rows`` rows: one program at least (the fused tail must run)."""
+        items = triton.cdiv(rows, self.block_rows)
+        if self._max_programs:
+            items = min(items, self._max_programs)
+        return (max(1, items), self._ways, 1)
 
     def _check_duplicates(self, mappings: list[torch.Tensor]) -> None:
         # Every rank checks its own PCP group from the mappings its members sent.
@@ -525,15 +410,16 @@ class DirectKVWriter:
     def write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, indexer_k: torch.Tensor, batch: Batch) -> None:
         """Quantize this rank's rows of ``layer`` and make them visible in every replica.
 
-        Direct route: one writer launch into every member's replica plus one fence (or
-        the fused tail); on return (in stream order), every replica of the PCP group
+        Direct route: one writer launch into every member's replica, its tail a fence
+        (or, with ``fused=False``, a fence launch after it); on return (in stream order), every replica of the PCP group
         holds the layer's bytes of every member's rows. Allgather route: an all-gather
         of the inputs, then an insert into this rank's replica; on return this rank's
         replica holds every member's rows (each member fills its own replica: read a
         peer's replica only after a fence, e.g. ``writer.fence.fence()``).
 
         The launch is packed once per batch (at the batch's first write); each layer
-        only changes the input addresses and the layer's offsets in it.
+        only changes what differs from the batch's last write in it: the layer's
+        offsets, and the input addresses when the inputs are other tensors.
 
         A bad input is refused before any byte is written, after aborting the writer's
         view (:meth:`symmsync.Fence.abort`): the other members raise
@@ -593,6 +479,10 @@ class DirectKVWriter:
                 "writer's layout)"
             )
         rows = batch.rows
+        dev = self._device_index
+        fits = _fits(kv_c, rows, _NOPE, dev) and _fits(k_pe, rows, _ROPE, dev) and _fits(indexer_k, rows, _IDX, dev)
+        if fits and dev >= 0:
+            return None  # the common case on GPUs, in one expression per tensor
         return (
             self._tensor_problem("kv_c", kv_c, rows, _NOPE)
             or self._tensor_problem("k_pe", k_pe, rows, _ROPE)
@@ -616,8 +506,9 @@ class DirectKVWriter:
             return InputError, f"{name} must be contiguous (call .contiguous())"
         return None
 
-    # Positions of the arguments that change from layer to layer in the kernel's list.
-    _PER_LAYER = (0, 1, 2, 9, 10)
+    #: The kernel arguments that change from layer to layer (by name; the launcher knows
+    #: their positions).
+    _PER_LAYER = ("kv_c", "k_pe", "idx_k", "main_off", "idx_off")
 
     def _launch(self, layer, kv_c, k_pe, idx_k, kv_stride, pe_stride, ix_stride, slots, rows, batch) -> None:
         if self.buffer.closed:
@@ -625,24 +516,35 @@ class DirectKVWriter:
         main_off, idx_off = self._offsets[layer]
         bound = batch._bound
         if bound is None:
-            bound = batch._bound = self._launcher.bind(
-                kv_c,
-                k_pe,
-                idx_k,
-                kv_stride,
-                pe_stride,
-                ix_stride,
-                slots,
-                rows,
-                self._dst,
-                main_off,
-                idx_off,
-                *self._strides,
-                *self.fence.kernel_args,
-                grid=batch._grid,
+            args = dict(
+                zip(("ptrs", "cell", "me", "timeout_ns", "record"), self.fence.kernel_args),
+                kv_c=kv_c,
+                k_pe=k_pe,
+                idx_k=idx_k,
+                kv_stride=kv_stride,
+                pe_stride=pe_stride,
+                ix_stride=ix_stride,
+                slots=slots,
+                n_rows=rows,
+                dst=self._dst,
+                main_off=main_off,
+                idx_off=idx_off,
+                main_bstride=self._strides[0],
+                idx_bstride=self._strides[1],
             )
+            bound = batch._bound = self._launcher.bind(*[args[name] for name in self._launcher.names], grid=batch._grid)
+            batch._last = (kv_c.data_ptr(), k_pe.data_ptr(), idx_k.data_ptr(), main_off, idx_off)
         else:
-            bound.update(self._PER_LAYER, (kv_c, k_pe, idx_k, main_off, idx_off))
+            # Only what changed since the batch's last write is repacked: a runtime that keeps
+            # its inputs in the same buffers changes only the layer's offsets.
+            key = (kv_c.data_ptr(), k_pe.data_ptr(), idx_k.data_ptr(), main_off, idx_off)
+            last = batch._last
+            if key != last:
+                if key[:3] == last[:3]:
+                    bound.update(self._per_layer[3:], (main_off, idx_off))
+                else:
+                    bound.update(self._per_layer, (kv_c, k_pe, idx_k, main_off, idx_off))
+                batch._last = key
         bound()
 
     # ------------------------------------------------------------------ baseline
@@ -675,6 +577,17 @@ class DirectKVWriter:
             return {"cache_bytes_written": written, "sent_to_peers": rows * _TOKEN_BYTES * peers}
         inputs = rows * (_NOPE + _ROPE + _IDX) * 2  # bf16
         return {"cache_bytes_written": written, "sent_to_peers": inputs * peers}
+
+
+def _fits(t: object, rows: int, width: int, device: int) -> bool:
+    """``t`` is a contiguous bf16 ``[rows, width]`` tensor on CUDA device ``device``."""
+    return (
+        type(t) is torch.Tensor
+        and t.dtype is torch.bfloat16
+        and t.shape == (rows, width)
+        and t.get_device() == device
+        and t.is_contiguous()
+    )
 
 
 def _without_rank(message: str, rank: int) -> str:

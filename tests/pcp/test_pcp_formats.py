@@ -130,19 +130,27 @@ def test_layout_defaults_are_the_current_formats():
 
 
 # ---------------------------------------------------------------------- the writer, every format
-ROUTES = ("direct", "direct-spread", "allgather")
+# A route and how its kernel runs: by default a persistent grid whose programs load their
+# next work item early; "spread" gives each destination its own programs, "plain" one
+# program per work item, and "fence" a writer kernel then a fence launch (the default
+# fuses the fence into the writer's tail).
+ROUTES = ("direct", "direct-spread", "direct-plain", "direct-fence", "allgather")
+OPTIONS = {"": {}, "spread": {"spread": True}, "plain": {"programs_per_sm": 0}, "fence": {"fused": False}}
+SLOTS = ("scattered", "contiguous")
 
 
 def formats_oracle(tokens: int, block_size: int, backend: str = "host", routes=ROUTES):
-    """Every format on every route into one buffer; each rank checks its own replica."""
+    """Every format on every route and slot pattern into one buffer; each rank checks its
+    own replica. Scattered slots are a random permutation; contiguous slots are the
+    prompt's positions (each rank owns two runs of them, as with a fresh sequence)."""
     world = dist.get_world_size()
     nb = -(-tokens // block_size) + 2  # more slots than tokens: untouched slots stay zero
     lay0 = pcp.CacheLayout(num_blocks=nb, num_layers=1, block_size=block_size)
     span = lay0.nbytes + 256
-    combos = [(f, r) for f in FORMATS for r in routes]
+    combos = [(f, r, p) for f in FORMATS for r in routes for p in SLOTS]
     layouts = [
         pcp.CacheLayout(nb, 1, block_size, base=128 + i * span, main_scale=m, indexer_scale=x)
-        for i, ((m, x), _) in enumerate(combos)
+        for i, ((m, x), _, _) in enumerate(combos)
     ]
     buf = ss.SymmetricBuffer(layouts[-1].end + 128, backend=backend, channels=2)
     buf.tensor(0, (buf.nbytes,), torch.uint8).fill_(GUARD)
@@ -151,16 +159,18 @@ def formats_oracle(tokens: int, block_size: int, backend: str = "host", routes=R
     view = buf.view(list(range(world)))
     kv, pe, ix = special_prompt(tokens)
     g = torch.Generator().manual_seed(7)
-    slots = torch.randperm(lay0.num_slots, generator=g)[:tokens]
-    slots[torch.rand(tokens, generator=g) < 0.15] = -1  # padding inside the prompt
+    pad = torch.rand(tokens, generator=g) < 0.15  # padding inside the prompt
+    scattered = torch.randperm(lay0.num_slots, generator=g)[:tokens]
+    contiguous = torch.arange(tokens) + block_size // 2 + 3  # runs that cross block boundaries
+    slot_sets = {"scattered": scattered.masked_fill(pad, -1), "contiguous": contiguous.masked_fill(pad, -1)}
     split = pcp.pcp_split(tokens, world)
     me = view.local_index
     local = [split.local_rows(t, me).contiguous().to(buf.device) for t in (kv, pe, ix)]
     fences = []
-    for lay, (_, name) in zip(layouts, combos):
-        route, _, option = name.partition("-")  # "direct-spread": one work item per destination
-        writer = pcp.DirectKVWriter(view, lay, route=route, timeout_s=60, spread=option == "spread")
-        batch = writer.prepare(split.local_slots(slots, me).to(buf.device))
+    for lay, (_, name, pattern) in zip(layouts, combos):
+        route, _, option = name.partition("-")
+        writer = pcp.DirectKVWriter(view, lay, route=route, timeout_s=60, **OPTIONS[option])
+        batch = writer.prepare(split.local_slots(slot_sets[pattern], me).to(buf.device))
         writer.write(0, *local, batch)
         writer.fence.fence()  # a real fence on both routes
         fences.append(type(writer.fence).__name__)
@@ -168,11 +178,11 @@ def formats_oracle(tokens: int, block_size: int, backend: str = "host", routes=R
         torch.cuda.synchronize()
     dist.barrier()
     result = {"fences": fences}
-    for lay, (fmt, route) in zip(layouts, combos):
-        want = oracle_backing(lay, kv, pe, ix, slots)
+    for lay, (fmt, route, pattern) in zip(layouts, combos):
+        want = oracle_backing(lay, kv, pe, ix, slot_sets[pattern])
         got = lay.layer_backing(buf, 0).cpu()
         bad = (got != want).nonzero()
-        result[(fmt, route)] = (int(bad.shape[0]), bad[:3].reshape(-1).tolist())
+        result[(fmt, route, pattern)] = (int(bad.shape[0]), bad[:3].reshape(-1).tolist())
     mem = buf.tensor(0, (buf.nbytes,), torch.uint8).cpu()
     mask = torch.ones(buf.nbytes, dtype=torch.bool)
     for lay in layouts:
@@ -192,10 +202,12 @@ def formats_oracle(tokens: int, block_size: int, backend: str = "host", routes=R
 def assert_formats_oracle(results, routes=ROUTES):
     for r in results:
         assert r["guards_untouched"]
-        assert r["fences"] == ["Fence"] * (len(FORMATS) * len(routes))
+        assert r["fences"] == ["Fence"] * (len(FORMATS) * len(routes) * len(SLOTS))
         for fmt in FORMATS:
             for route in routes:
-                assert r[(fmt, route)] == (0, []), (fmt, route, r[(fmt, route)])
+                for pattern in SLOTS:
+                    key = (fmt, route, pattern)
+                    assert r[key] == (0, []), (key, r[key])
         assert r["mismatch"] and "the layout differs across ranks" in r["mismatch"], r["mismatch"]
 
 
