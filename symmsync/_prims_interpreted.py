@@ -101,10 +101,13 @@ def check_co_resident():
     programs one after another, so the first would wait for the last forever."""
     n = _programs()
     if n > 1:
-        from ..errors import ConfigError
+        import torch.distributed as dist
 
+        from .errors import ConfigError
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
         raise ConfigError(
-            f"grid_sync: a launch of {n} programs on the host backend: its programs run one after another, "
+            f"rank {rank}: grid_sync: a launch of {n} programs on the host backend: its programs run one after another, "
             "so no program can wait for the others; launch one program here (symmsync.launch_grid_sync checks "
             "this before the launch)"
         )
@@ -127,7 +130,7 @@ def debug_fail(bad, KIND, who, value):
         return
     import torch.distributed as dist
 
-    from ..errors import DebugCheckError
+    from .errors import DebugCheckError
 
     kind = int(getattr(KIND, "value", KIND))
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -543,12 +543,14 @@ def _debug_publish(ptrs, cell, me):
 
 @triton.jit
 def _debug_offsets(sig, offset, mask, ELEM: tl.constexpr):
-    # Every live lane's bytes [offset, offset + ELEM) must lie in the user region.
+    # Every live lane's bytes [offset, offset + ELEM) must lie in the user region. (Masks are
+    # combined as ints: the interpreter mishandles a boolean block broadcast with a scalar.)
     nbytes = tl.load(sig + _HANDLE_NBYTES)
     off = offset + tl.zeros([1], tl.int64)
-    bad = ((off < 0) | (off + ELEM > nbytes)) & mask
-    worst = tl.max(tl.where(bad, off, -(2**62)), axis=None)
-    _prims.debug_fail(tl.max(bad.to(tl.int32), axis=None) > 0, 1, tl.load(sig + _HANDLE_RANK), worst)
+    live = (mask + tl.zeros([1], tl.int32)) != 0
+    bad = ((off < 0) | (off + ELEM > nbytes)).to(tl.int32) * live.to(tl.int32)
+    worst = tl.max(tl.where(bad != 0, off, -(2**62)), axis=None)
+    _prims.debug_fail(tl.max(bad, axis=None) > 0, 1, tl.load(sig + _HANDLE_RANK), worst)
 
 
 @triton.jit
@@ -855,7 +857,7 @@ def data_ptr(sig, peer, offset, DTYPE: tl.constexpr):
     only live lanes). Graph-safe. Cost: two loads from the handle (cached), one add.
     """
     if _DEBUG:
-        _debug_offsets(sig, offset, offset == offset, DTYPE.primitive_bitwidth // 8)
+        _debug_offsets(sig, offset, 1, DTYPE.primitive_bitwidth // 8)
     size = tl.load(sig + _HANDLE_SIZE)
     return (tl.load(sig + _HANDLE_INBOX + size + peer) + offset).to(tl.pointer_type(DTYPE))
 

@@ -31,12 +31,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import triton
+import triton.language as tl
 
 from . import cells
-from .checks import int_problem
+from . import language as ssl
+from .checks import check_index, int_problem, is_int, require
 from .collective import barrier, gather, plain, raise_first, same
 from .errors import (
     CLOSED_REASON,
+    BoundsError,
     ClosedError,
     ConfigError,
     PeerAborted,
@@ -50,6 +54,35 @@ from .views import PeerView
 MAX_SLOTS = 4096
 #: Largest wait budget, in seconds (the kernel counts int64 nanoseconds).
 MAX_TIMEOUT_S = 1e9
+
+_OPS = {"add": 0, "set": 1}
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+@triton.jit
+def _signal_kernel(sig, me, peer, slot, value, OP: tl.constexpr, NSLOTS: tl.constexpr):
+    ssl.signal(sig, me, peer, slot, value, OP, NSLOTS)
+
+
+@triton.jit
+def _wait_kernel(
+    sig,
+    me,
+    timeout_ns,
+    record,
+    peer,
+    slot,
+    value,
+    CMP: tl.constexpr,
+    COUNTED: tl.constexpr,
+    SIZE: tl.constexpr,
+    NSLOTS: tl.constexpr,
+    TRAP: tl.constexpr,
+):
+    if COUNTED:
+        ssl.wait_count(sig, me, peer, slot, value, timeout_ns, record, SIZE, NSLOTS, TRAP)
+    else:
+        ssl.wait_signal(sig, me, peer, slot, value, CMP, timeout_ns, record, SIZE, NSLOTS, TRAP)
 
 
 def _capturing() -> bool:
@@ -200,6 +233,65 @@ class Signals:
         return self.kernel_args[0]
 
     # ------------------------------------------------------------------ host side
+    def signal(self, peer: int, slot: int, value: int = 1, op: str = "add") -> None:
+        """Launch one :func:`~symmsync.language.signal` on the current stream: add ``value``
+        to (``op="add"``), or store it in (``"set"``), the slot this rank has at member
+        ``peer`` (a view index). Released after everything earlier on the stream."""
+        self._check_usable()
+        call = "Signals.signal"
+        peer, slot = self._target(peer, slot, call)
+        if op not in _OPS:
+            require(f"op must be 'add' or 'set', got {op!r}", rank=self.view.rank, call=call)
+        self._int64(value, "value", call)
+        _signal_kernel[(1,)](self._handle, self.view.local_index, peer, slot, value, OP=_OPS[op], NSLOTS=self.slots)
+
+    def wait(self, peer: int, slot: int, value: int, cmp: str = "GE") -> None:
+        """Launch one :func:`~symmsync.language.wait_signal` on the current stream: wait until
+        the slot member ``peer`` signals this rank on compares ``cmp`` (``"EQ"`` ... ``"LT"``)
+        to ``value``. Raises as :meth:`check` on the host backend (GPUs: at :meth:`synchronize`)."""
+        self._wait(peer, slot, value, cmp, False, "Signals.wait")
+
+    def wait_count(self, peer: int, slot: int, count: int = 1) -> None:
+        """Launch one :func:`~symmsync.language.wait_count`: wait for ``count`` more signals
+        from member ``peer`` on ``slot`` than counted waits consumed, then consume them."""
+        self._wait(peer, slot, count, "GE", True, "Signals.wait_count")
+
+    def _wait(self, peer: Any, slot: Any, value: Any, cmp: Any, counted: bool, call: str) -> None:
+        self._check_usable()
+        peer, slot = self._target(peer, slot, call)
+        if cmp not in cells.CMP_NAMES:
+            require(f"cmp must be one of {', '.join(cells.CMP_NAMES)}, got {cmp!r}", rank=self.view.rank, call=call)
+        self._int64(value, "count" if counted else "value", call, minimum=0 if counted else None)
+        _wait_kernel[(1,)](
+            *self._kernel_args,
+            peer,
+            slot,
+            value,
+            CMP=cells.CMP_NAMES.index(cmp),
+            COUNTED=counted,
+            **self.constexprs,
+        )
+        if self._caps.host_checks_status:
+            self.check()
+
+    def _target(self, peer: Any, slot: Any, call: str) -> tuple[int, int]:
+        me = self.view.rank
+        check_index("peer", peer, self.size, "the view's members", rank=me, call=call)
+        check_index("slot", slot, self.slots, "the Signals object's slots", rank=me, call=call)
+        return peer, slot
+
+    def _int64(self, v: Any, name: str, call: str, minimum: int | None = None) -> None:
+        if not is_int(v):
+            require(f"{name} must be an int, got {v!r}", rank=self.view.rank, call=call)
+        lo = _INT64[0] if minimum is None else minimum
+        if not lo <= v <= _INT64[1]:
+            require(
+                f"{name} {v} does not fit the slot (int64, from {lo} to {_INT64[1]})",
+                rank=self.view.rank,
+                call=call,
+                error=BoundsError,
+            )
+
     def values(self) -> torch.Tensor:
         """A copy of this rank's slots, ``[size, slots]`` int64: row ``p`` is what member ``p``
         signalled here. (On GPUs it synchronizes the device first.)"""
