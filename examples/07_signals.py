@@ -24,7 +24,9 @@ import symmsync.language as ssl
 from symmsync.testing import is_main_process, run
 
 CHUNKS, RING, CHUNK = 8, 4, 256  # chunks sent, tiles in the ring, int64 values per chunk
-DATA, CREDIT = 0, 1  # the two slots: "a chunk arrived" (at the consumer), "a tile is free" (at the producer)
+# The two slots: "a chunk arrived" (at the consumer), "a tile is free" (at the producer);
+# constexprs, so that kernels may read them (the host takes .value)
+DATA, CREDIT = tl.constexpr(0), tl.constexpr(1)
 # --8<-- [end:imports]
 
 
@@ -86,7 +88,7 @@ def pipeline(backend: str, delay_s: float) -> dict:
         producer_kernel[(1,)](*sigs.kernel_args, src, stamps, 1, **consts)
     elif view.local_index == 1:
         out = torch.zeros(CHUNKS * CHUNK, dtype=torch.int64, device=dev)
-        sigs.signal(0, CREDIT, RING)  # every tile starts free
+        sigs.signal(0, CREDIT.value, RING)  # every tile starts free
         consumer_kernel[(1,)](*sigs.kernel_args, out, stamps, 0, int(delay_s * 1e9), **consts)
         result["exact"] = torch.equal(out, 2 * src)
     sigs.synchronize()  # raises SignalTimeout if a wait ran out
@@ -128,7 +130,7 @@ def ring(backend: str, rounds: int) -> int:
     buf = ss.SymmetricBuffer(dist.get_world_size() * N * 8, backend=backend)  # a block per rank
     view = buf.view(list(range(buf.world_size)))
     sigs = ss.Signals(view, slots=2, timeout_s=60)
-    sigs.signal((view.local_index + view.size - 1) % view.size, CREDIT, 1)  # my memory starts free
+    sigs.signal((view.local_index + view.size - 1) % view.size, CREDIT.value, 1)  # my memory starts free
     wrong = 0
     for rnd in range(rounds):
         out = torch.zeros(view.size * N, dtype=torch.int64, device=buf.device)
