@@ -44,6 +44,30 @@ Memory model (the contract, on both backends)::
 A fence orders visibility; it does not stop a fast peer from overwriting memory a
 slow rank still reads: double-buffer reused payload (by epoch parity) or fence twice.
 
+Point-to-point signals (a :class:`~symmsync.Signals` object gives their arguments,
+``sigs.kernel_args`` = ``(sig, me, timeout_ns, record)`` and ``sigs.constexprs`` =
+``SIZE``, ``NSLOTS``, ``TRAP``)::
+
+    signal(v, OP):   ADD v to, or SET v in, the slot this rank has at a peer   [release, system scope]
+    wait_signal:     returns 0 once the slot compares CMP (EQ NE GE GT LE LT) to a value;
+                     reads after it see the peer's writes before that signal   [acquire, system scope]
+    wait_count(n):   wait_signal(GE, base + n), then base += n; the base is device memory
+                     only the waiter advances, so counted waits are replay safe
+    put_signal:      a tile store, a block barrier, then the release add of 1
+    read_signal:     one acquire load of a slot
+    data_ptr:        peer_ptr through the handle (debug mode checks the user region)
+
+Every wait is bounded by the same budget and clock as :func:`wait`; a failed one writes a
+record (this rank, the peer, the slot, the value and comparison awaited, the value observed)
+and traps with ``TRAP``; a member's abort ends it within a poll (status 2). Peer atomics are
+Triton's own on a :func:`peer_ptr` (``tl.atomic_add(ptr, v, sem=..., scope="sys")``): pass
+``scope="sys"`` for a peer's memory (docs/signals.md lists each and its order).
+
+:func:`grid_sync` is a fence in which every program of a co-resident grid waits
+(:func:`symmsync.launch_grid_sync` checks the grid). With ``SYMMSYNC_DEBUG=1`` (:data:`DEBUG`)
+the kernels check that one program per launch publishes on a channel and that the offsets
+of :func:`data_ptr` and :func:`put_signal` lie inside the user region.
+
 The layout of a cell (the same byte offset ``cell`` in every member's memory; the
 offsets are defined in ``symmsync.cells`` and exported here as constants)::
 
@@ -69,9 +93,14 @@ publish           ``release_add``         ``red.release.sys.global.add``      ``
                                           (no reply round trip)               lock-free atomic across processes)
 abort flag        ``release_or``          ``red.release.sys.global.or``       ``atomic_or`` release
 wait load         ``load_acquire``        ``ld.acquire.sys.global.b64``       ``atomic_add(0)`` acquire
+signal ADD        ``signal_add``          ``red.release.sys.global.add.u64``  ``atomic_add`` release
+signal SET        ``signal_set``          ``st.release.sys.global.b64``       ``atomic_xchg`` release
 clock             ``clock_ns``            ``%globaltimer`` (ns)               ``time.monotonic_ns()``
 record barrier    ``memory_barrier_sys``  ``fence.sc.sys``                    none
 trap              ``trap``                ``trap`` (stream stops)             none: the host reads the status
+debug stamp       ``launch_id``           ``%gridid``                         a count of interpreter launches
+debug report      ``debug_fail``          ``printf`` and ``trap``             raises DebugCheckError
+co-residency      ``check_co_resident``   none (checked before the launch)    refuses a grid of > 1 program
 ================  ======================  ==================================  ===============================
 
 :func:`clock_ns` and :func:`trap` are public here too.
@@ -215,7 +244,8 @@ def publish(ptrs, cell, me, SIZE: tl.constexpr):
     threads of the block once they passed a ``tl.debug_barrier()``; by kernels earlier
     on the stream) is visible to a member that observes its slot >= ``e``. Call it from
     one program per launch (the epoch is this rank's alone), with any ``num_warps``:
-    each call adds exactly 1 to each peer's slot. Graph-safe.
+    each call adds exactly 1 to each peer's slot; debug mode (:data:`DEBUG`) reports a
+    second program of one launch publishing on the channel. Graph-safe.
     Cost: one local load and store, SIZE-1 remote reductions issued back to back and in
     flight together, no reply awaited, nothing sent to itself.
     """
@@ -782,12 +812,16 @@ def wait_signal(
     poll that did not succeed.
 
     Args:
-        sig, me: ``Signals.kernel_args[:2]``.
-        peer, slot: whose slot, which one.
+        sig: the handle (``Signals.kernel_args[0]``).
+        me: this rank's index in the view (``Signals.kernel_args[1]``).
+        peer: whose slot (a view index).
+        slot: which of its slots.
         value: the int64 compared with.
         CMP: :data:`EQ`, :data:`NE`, :data:`GE`, :data:`GT`, :data:`LE` or :data:`LT`.
-        timeout_ns, record: ``Signals.kernel_args[2:]``.
-        SIZE, NSLOTS: ``Signals.size`` and ``Signals.slots``.
+        timeout_ns: the budget (``Signals.kernel_args[2]``).
+        record: the record's address (``Signals.kernel_args[3]``).
+        SIZE: ``Signals.size``.
+        NSLOTS: ``Signals.slots``.
         TRAP: trap after the record (``Signals.traps``: the GPU default).
     """
     if _DEBUG:

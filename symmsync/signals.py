@@ -424,7 +424,8 @@ def launch_grid_sync(kernel: Any, grid: Sequence[int], *args: Any, **kwargs: Any
     Args:
         kernel: the ``@triton.jit`` kernel.
         grid: the launch grid (up to 3 ints).
-        args, kwargs: the kernel's arguments, as for ``kernel[grid](*args, **kwargs)``.
+        *args: the kernel's arguments, as for ``kernel[grid](*args, **kwargs)``.
+        **kwargs: its keyword arguments (constexprs, ``num_warps``).
 
     Raises:
         ConfigError: the grid cannot be co-resident here (nothing is launched).
