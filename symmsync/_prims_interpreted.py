@@ -107,8 +107,8 @@ def check_co_resident():
 
         rank = dist.get_rank() if dist.is_initialized() else 0
         raise ConfigError(
-            f"rank {rank}: grid_sync: a launch of {n} programs on the host backend: its programs run one after another, "
-            "so no program can wait for the others; launch one program here (symmsync.launch_grid_sync checks "
+            f"rank {rank}: grid_sync: a launch of {n} programs on the host backend: its programs run one after "
+            "another, so no program can wait for the others; launch one program here (symmsync.launch_grid_sync checks "
             "this before the launch)"
         )
 
