@@ -1,4 +1,4 @@
-"""Tutorial 5: point-to-point signals: a pipelined transfer with credits, and a ring exchange.
+"""Tutorial 7: point-to-point signals: a pipelined transfer with credits, and a ring exchange.
 
     python examples/07_signals.py                  # host backend: the pipeline at 2 ranks, the ring at 3 and 4
     python examples/07_signals.py --backend cuda   # compiled for the GPUs (the ring at as many as there are)
@@ -165,7 +165,7 @@ def report_ring(world: int, wrong: list[int], rounds: int) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="symmsync tutorial 5: point-to-point signals")
+    parser = argparse.ArgumentParser(description="symmsync tutorial 7: point-to-point signals")
     parser.add_argument("--backend", choices=("host", "cuda"), default="host")
     args = parser.parse_args()
     delay_s, rounds = (0.05, 3) if args.backend == "host" else (1e-4, 100)
