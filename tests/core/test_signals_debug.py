@@ -108,3 +108,55 @@ def test_without_debug_mode_the_same_misuse_passes_silently():
         assert {k: out[k][0] for k in ("multi", "put_past", "negative")} == dict.fromkeys(
             ("multi", "put_past", "negative"), "ok"
         )
+
+
+SM90 = """
+import json
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import symmsync.language as ssl
+from symmsync import fence as F
+
+@triton.jit
+def put_kernel(sig, me, x, NSLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    ssl.put_signal(sig, me, 1 - me, 256 + i * 4, tl.load(x + i), i < BLOCK, 0, NSLOTS)
+
+t = GPUTarget("cuda", 90, 32)
+sig = {"ptrs": "*i64", "cell": "i64", "me": "i32", "timeout_ns": "i64", "record": "i64", "SIZE": "constexpr",
+       "ARRIVE": "constexpr", "WAIT": "constexpr", "TRAP": "constexpr"}
+fence = triton.compile(ASTSource(F._fence_kernel, sig, {"SIZE": 4, "ARRIVE": True, "WAIT": True, "TRAP": True}),
+                       target=t, options={"num_warps": 1}).asm["ptx"]
+src = ASTSource(put_kernel, {"sig": "*i64", "me": "i32", "x": "*fp32", "NSLOTS": "constexpr", "BLOCK": "constexpr"},
+                {"NSLOTS": 2, "BLOCK": 256})
+put = triton.compile(src, target=t, options={"num_warps": 4}).asm["ptx"]
+print(json.dumps({"debug": ssl.DEBUG, "fence": fence, "put": put}))
+"""
+
+
+def _compile_sm90(tmp_path, debug):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / f"debug_sm90_{int(debug)}.py"  # @triton.jit needs a source file
+    script.write_text(SM90)
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    env.pop("SYMMSYNC_DEBUG", None)
+    if debug:
+        env["SYMMSYNC_DEBUG"] = "1"
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_debug_mode_compiles_its_checks_for_sm90_and_off_leaves_no_trace(tmp_path):
+    on, off = _compile_sm90(tmp_path, True), _compile_sm90(tmp_path, False)
+    assert on["debug"] and not off["debug"]
+    assert "%gridid" in on["fence"] and "vprintf" in on["fence"]  # the publish stamp and its report
+    assert "vprintf" in on["put"] and "trap;" in on["put"]  # the offset check reports, then traps
+    for text in (off["fence"], off["put"]):
+        assert "%gridid" not in text and "vprintf" not in text
