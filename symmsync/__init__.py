@@ -7,6 +7,7 @@ synchronization to use it safely.
     view = ss.pcp_view(buf, tp=2)               # this rank's PCP subgroup
     fence = ss.Fence(view)                      # fused publish-and-wait, device epochs
     fence.fence()
+    sigs = ss.Signals(view, slots=4)            # point-to-point slots for your kernels
 
 Kernels use the device primitives in :mod:`symmsync.language`; tests on machines
 without GPUs use :func:`symmsync.testing.run` and the host backend.
