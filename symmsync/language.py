@@ -524,7 +524,8 @@ def grid_sync(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.c
     every program's writes (as in :func:`grid_fence`), and each program's acquire of the
     members' slots at ``e`` makes their writes before their ``grid_sync`` visible to it.
     Writes of this rank's other programs are not covered (they need no fence: use the
-    launch's own order, or a second kernel).
+    launch's own order, or a second kernel). (The Spin models in ``verify/`` do not cover
+    this multi-program arrival, as they do not cover :func:`grid_fence`'s.)
 
     Co-residency: every program of the launch must be resident on the device at once,
     because the early ones spin until the last one has arrived (and so have the members'
