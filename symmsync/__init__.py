@@ -7,6 +7,7 @@ synchronization to use it safely.
     view = ss.pcp_view(buf, tp=2)               # this rank's PCP subgroup
     fence = ss.Fence(view)                      # fused publish-and-wait, device epochs
     fence.fence()
+    sigs = ss.Signals(view, slots=4)            # point-to-point slots for your kernels
 
 Kernels use the device primitives in :mod:`symmsync.language`; tests on machines
 without GPUs use :func:`symmsync.testing.run` and the host backend.
@@ -27,15 +28,19 @@ from .errors import (  # noqa: E402
     BoundsError,
     ClosedError,
     ConfigError,
+    DebugCheckError,
     FenceTimeout,
     InputError,
     PeerAborted,
     RankFailure,
+    SignalAborted,
+    SignalTimeout,
     SizeMismatchError,
     SymmSyncError,
     ViewError,
 )
 from .fence import Fence  # noqa: E402
+from .signals import Signals, launch_grid_sync  # noqa: E402
 from .views import TP_PCP_ORDER, PeerView, pcp_view, tp_pcp_ranks, tp_view  # noqa: E402
 
 __version__ = "0.1.0"
@@ -45,17 +50,22 @@ __all__ = [
     "BoundsError",
     "ClosedError",
     "ConfigError",
+    "DebugCheckError",
     "Fence",
     "FenceTimeout",
     "InputError",
     "PeerAborted",
     "PeerView",
     "RankFailure",
+    "SignalAborted",
+    "SignalTimeout",
+    "Signals",
     "SizeMismatchError",
     "SymmSyncError",
     "SymmetricBuffer",
     "TP_PCP_ORDER",
     "ViewError",
+    "launch_grid_sync",
     "pcp_view",
     "tp_pcp_ranks",
     "tp_view",

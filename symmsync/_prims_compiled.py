@@ -75,3 +75,65 @@ def memory_barrier_sys():
 def trap():
     """``trap``: the kernel stops and the stream with it."""
     tl.inline_asm_elementwise("trap;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def signal_add(ptr, value):
+    """``red.release.sys.global.add.u64 [ptr], value`` from thread 0."""
+    # The publish reduction with a value: once per call (thread 0), no reply awaited.
+    tl.inline_asm_elementwise(
+        "{ .reg .pred q; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 q, t, 0; "
+        "@q red.release.sys.global.add.u64 [$1], $2; }\n\tmov.u32 $0, 0;",
+        "=r,l,l",
+        [ptr, tl.cast(value, tl.int64)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def signal_set(ptr, value):
+    """``st.release.sys.global.b64 [ptr], value`` from thread 0."""
+    # A release store, not an exchange: the old value is not needed, and a store awaits no
+    # reply across NVLink (DESIGN.md's publish measurements: st.release.sys 3.09 against
+    # atom.exch.release.sys 3.71 us per fence).
+    tl.inline_asm_elementwise(
+        "{ .reg .pred q; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 q, t, 0; "
+        "@q st.release.sys.global.b64 [$1], $2; }\n\tmov.u32 $0, 0;",
+        "=r,l,l",
+        [ptr, tl.cast(value, tl.int64)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def launch_id():
+    """``%gridid``: the launch number of this grid in its context (debug checks only)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %gridid;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def check_co_resident():
+    """Nothing: the host checks co-residency before the launch (symmsync.signals.launch_grid_sync)."""
+    pass
+
+
+@triton.jit
+def debug_fail(bad, KIND: tl.constexpr, who, value):
+    """When ``bad``: print what a debug check found (rank or index, program, value), then trap."""
+    if bad:
+        pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+        if KIND == 0:
+            tl.device_print(
+                "symmsync debug: publish from a second program of one launch: index, program, cell", who, pid, value
+            )
+        elif KIND == 1:
+            tl.device_print(
+                "symmsync debug: peer offset outside the user region: rank, program, offset", who, pid, value
+            )
+        else:
+            tl.device_print("symmsync debug: peer or slot out of range: rank, program, value", who, pid, value)
+        trap()

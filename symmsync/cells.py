@@ -167,3 +167,106 @@ def read_record(words: list[int]) -> Record | None:
         aborter=words[record_aborter(size)],
         reason=words[record_reason(size) : record_reason(size) + REASON_WORDS],
     )
+
+
+# ---------------------------------------------------------------------- point-to-point signals
+# The geometry of :class:`~symmsync.Signals` (symmsync/signals.py and the signal primitives of
+# symmsync.language). Nothing here touches a fence cell: the slots live in a buffer of their own.
+#
+# The handle a kernel takes (``Signals.kernel_args[0]``, int64 words, on the buffer's device):
+#
+#     [nbytes, rank, size, slots, bases, inbox[size], data[size], cell[size]]
+#
+#     nbytes     bytes of the view's user region (what debug mode checks peer offsets against)
+#     rank       this rank's global rank (what debug mode reports)
+#     bases      address of this member's own base array (see below)
+#     inbox[p]   member p's slot array (in its signal memory)
+#     data[p]    member p's user-region base (view.ptrs[p])
+#     cell[p]    member p's channel-0 cell of the view (the abort flags and reasons live there)
+#
+# The inbox table comes first after the header, so a signal or a wait finds a slot with one
+# load from the handle. Each member's signal memory holds two int64 arrays, each padded to
+# whole lines:
+#
+#     inbox[q][s]   what member q signalled to this member on slot s (peers update it)
+#     base[q][s]    how much of inbox[q][s] this member's wait_count has consumed (only it writes)
+
+#: Word indices of the handle's header, and where its first table starts (plus the member index).
+HANDLE_NBYTES, HANDLE_RANK, HANDLE_SIZE, HANDLE_SLOTS, HANDLE_BASES = 0, 1, 2, 3, 4
+HANDLE_INBOX = 5
+
+
+def handle_data(size: int) -> int:
+    """Word index of ``data[0]`` in the handle of a view of ``size`` members."""
+    return HANDLE_INBOX + size
+
+
+def handle_cell(size: int) -> int:
+    """Word index of ``cell[0]`` in the handle of a view of ``size`` members."""
+    return HANDLE_INBOX + 2 * size
+
+
+def handle_words(size: int) -> int:
+    """int64 words of the handle of a view of ``size`` members."""
+    return HANDLE_INBOX + 3 * size
+
+
+def inbox_bytes(size: int, slots: int) -> int:
+    """Bytes of one of a member's two signal arrays (``size`` peers × ``slots``), line padded."""
+    return round_up(size * slots * 8, LINE)
+
+
+def signal_memory_bytes(size: int, slots: int) -> int:
+    """Bytes of a member's signal memory: the inbox, then the bases."""
+    return 2 * inbox_bytes(size, slots)
+
+
+#: Comparisons of a signal wait (``CMP``), in this order.
+CMP_NAMES = ("EQ", "NE", "GE", "GT", "LE", "LT")
+CMP_SYMBOLS = ("==", "!=", ">=", ">", "<=", "<")
+
+#: Word indices of a signal wait's timeout record (int64 words, written by the failed wait)::
+#:
+#:     [flag, index, peer, slot, cmp, counted, value, base, observed, aborter, reason[REASON_WORDS]]
+#:
+#: ``counted`` is 1 for :func:`symmsync.language.wait_count` (``value`` more signals beyond
+#: ``base``), 0 for :func:`symmsync.language.wait_signal` (``slot CMP value``; ``base`` is 0).
+SREC_FLAG, SREC_INDEX, SREC_PEER, SREC_SLOT, SREC_CMP, SREC_COUNTED = 0, 1, 2, 3, 4, 5
+SREC_VALUE, SREC_BASE, SREC_OBSERVED, SREC_ABORTER, SREC_REASON = 6, 7, 8, 9, 10
+SIGNAL_RECORD_WORDS = SREC_REASON + REASON_WORDS
+
+
+@dataclass
+class SignalRecord:
+    """A failed signal wait's record, read back (see the layout above)."""
+
+    aborted: bool  #: a member's abort flag was seen (else: the budget ran out)
+    index: int  #: the waiting member's index in the view
+    peer: int  #: the index of the member whose slot it waited on
+    slot: int  #: the slot
+    cmp: int  #: the comparison (an index into CMP_NAMES)
+    counted: bool  #: a wait_count (value signals beyond base) rather than an absolute wait
+    value: int  #: the value (or count) awaited
+    base: int  #: what earlier counted waits had consumed (counted waits)
+    observed: int  #: the slot's value when the wait gave up
+    aborter: int  #: the index of the first member whose abort flag was seen, or -1
+    reason: list[int]  #: that member's reason words
+
+
+def read_signal_record(words: list[int]) -> SignalRecord | None:
+    """The signal record in ``words``, or ``None`` when no wait failed."""
+    if words[SREC_FLAG] not in (TIMED_OUT, ABORTED):
+        return None
+    return SignalRecord(
+        aborted=words[SREC_FLAG] == ABORTED,
+        index=words[SREC_INDEX],
+        peer=words[SREC_PEER],
+        slot=words[SREC_SLOT],
+        cmp=words[SREC_CMP],
+        counted=bool(words[SREC_COUNTED]),
+        value=words[SREC_VALUE],
+        base=words[SREC_BASE],
+        observed=words[SREC_OBSERVED],
+        aborter=words[SREC_ABORTER],
+        reason=words[SREC_REASON : SREC_REASON + REASON_WORDS],
+    )

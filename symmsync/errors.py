@@ -147,3 +147,81 @@ class RankFailure(SymmSyncError):
 
 def _rebuild_rank_failure(message, rank, remote_traceback):
     return RankFailure(message, rank=rank, remote_traceback=remote_traceback)
+
+
+class SignalTimeout(FenceTimeout):
+    """A signal wait (:func:`symmsync.language.wait_signal` or
+    :func:`~symmsync.language.wait_count`) gave up: its budget ran out before the slot met
+    the comparison; nothing after it ran on stale data.
+
+    The :class:`FenceTimeout` fields hold: ``rank`` (the waiting rank), ``epoch`` (the value
+    the slot had to reach: ``base + count`` for a counted wait), ``late`` (``{peer rank:
+    observed value}``), ``channel`` (-1: signals have no channel).
+
+    Attributes:
+        peer: global rank of the member whose slot was awaited.
+        slot: the slot.
+        cmp: the comparison, ``"EQ"`` ... ``"LT"`` (``"GE"`` for a counted wait).
+        expected: the value awaited (for a counted wait: the count beyond ``base``).
+        observed: the slot's value when the wait gave up.
+        base: what earlier counted waits had consumed (0 for an absolute wait).
+        counted: True for :func:`~symmsync.language.wait_count`.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        peer: int,
+        slot: int,
+        cmp: str,
+        expected: int,
+        observed: int,
+        base: int = 0,
+        counted: bool = False,
+        aborted: dict[int, str] | None = None,
+    ):
+        target = base + expected if counted else expected
+        super().__init__(
+            message, rank=rank, epoch=target, late={} if aborted else {peer: observed}, channel=-1, aborted=aborted
+        )
+        self.peer = peer
+        self.slot = slot
+        self.cmp = cmp
+        self.expected = expected
+        self.observed = observed
+        self.base = base
+        self.counted = counted
+
+    def __reduce__(self):
+        fields = (self.rank, self.peer, self.slot, self.cmp, self.expected, self.observed, self.base, self.counted)
+        return (_rebuild_signal_timeout, (type(self), str(self), *fields, self.aborted))
+
+
+class SignalAborted(SignalTimeout, PeerAborted):
+    """A member of the view gave up while this rank waited for a signal: the wait ended at
+    once (within a poll). Both a :class:`SignalTimeout` (the slot, the value awaited and
+    observed) and a :class:`PeerAborted` (:attr:`aborted` names the member and its reason)."""
+
+
+def _rebuild_signal_timeout(cls, message, rank, peer, slot, cmp, expected, observed, base, counted, aborted):
+    return cls(
+        message,
+        rank=rank,
+        peer=peer,
+        slot=slot,
+        cmp=cmp,
+        expected=expected,
+        observed=observed,
+        base=base,
+        counted=counted,
+        aborted=aborted,
+    )
+
+
+class DebugCheckError(SymmSyncError):
+    """A check of debug mode (``SYMMSYNC_DEBUG=1``) caught a misuse inside a kernel: a
+    second program publishing on one channel in one launch, or a peer offset outside the
+    user region. The message names the rank, the program and the offset. On GPUs the kernel
+    prints the same and traps."""

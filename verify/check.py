@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Model-check symmsync's fence protocol (verify/fence.pml) with Spin, every configuration.
+"""Model-check symmsync's protocols with Spin, every configuration: the fence (verify/fence.pml)
+and the point-to-point signals with their pipelined transfer (verify/signals.pml).
 
 For each configuration: ``spin -a`` with its -D flags, gcc builds the verifier ``pan``, ``pan``
 searches the whole state space (no bitstate hashing, no partial search), and the output is
@@ -9,6 +10,7 @@ expected, 2 when spin or gcc is missing.
 
     python3 verify/check.py                 # every configuration
     python3 verify/check.py fence-3r eq-2r  # some of them
+    python3 verify/check.py sig-pipe sig-eq # the signal model's
     python3 verify/check.py --list          # what each configuration is
     python3 verify/check.py --trail eq-2r   # also print the counterexample's steps
 
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = os.path.join(HERE, "fence.pml")
+SIGNALS = "signals.pml"
 
 #: Seconds one step (spin -a, gcc, pan) may take before the check counts as failed.
 STEP_TIMEOUT_S = 300
@@ -46,6 +49,7 @@ class Config:
     expect: str  # "pass", or the kind of counterexample: deadlock, payload, arrival, abort, timeout, final, cycle
     what: str
     cycles: bool = False  # search for cycles (-DNP, pan -l) instead of safety violations
+    model: str = "fence.pml"  # which model under verify/
 
 
 C = Config
@@ -118,6 +122,60 @@ CONFIGS: tuple[Config, ...] = (
         "a flagged slot is an abort whatever its count (a completed fence fails)",
     ),
     C("nomark-2r", ("VS=2", "F=4", "ABORT", "BUG_NOMARK"), "deadlock", "an abort that sets no flags: peers hang"),
+    # ---- point-to-point signals (signals.pml): the pipelined transfer, replayed ----------------
+    C(
+        "sig-pipe",
+        ("R=2", "N=3", "K=2"),
+        "pass",
+        "ring of 2 tiles, 3 chunks per launch, 2 launches (replays): credits, counted waits",
+        model=SIGNALS,
+    ),
+    C("sig-pipe-r3", ("R=3", "N=4", "K=3"), "pass", "ring of 3 tiles, 4 chunks per launch, 3 launches", model=SIGNALS),
+    C(
+        "sig-ends",
+        ("R=2", "N=3", "K=2", "ABORT"),
+        "pass",
+        "sig-abort searched for cycles: every run ends, nothing spins forever",
+        cycles=True,
+        model=SIGNALS,
+    ),
+    C(
+        "sig-abort",
+        ("R=2", "N=3", "K=2", "ABORT"),
+        "pass",
+        "either rank may abort at any point: the other's signal wait ends",
+        model=SIGNALS,
+    ),
+    C(
+        "sig-abort-r3",
+        ("R=3", "N=4", "K=3", "ABORT"),
+        "pass",
+        "ring of 3, 4 chunks, 3 launches; either rank may abort",
+        model=SIGNALS,
+    ),
+    C("sig-relaxed", ("R=2", "N=3", "K=2", "BUG_RELAXED"), "payload", "put_signal without release", model=SIGNALS),
+    C("sig-eq", ("R=2", "N=3", "K=2", "BUG_EQ"), "deadlock", "counted wait compares == count", model=SIGNALS),
+    C(
+        "sig-abs",
+        ("R=2", "N=3", "K=2", "BUG_ABS"),
+        "payload",
+        "wait on the launch's own chunk number, no base: stale in a replay",
+        model=SIGNALS,
+    ),
+    C(
+        "sig-nocredit",
+        ("R=2", "N=3", "K=2", "BUG_NOCREDIT"),
+        "payload",
+        "no credit before reusing a tile",
+        model=SIGNALS,
+    ),
+    C(
+        "sig-noflag",
+        ("R=2", "N=3", "K=2", "ABORT", "BUG_NOFLAG"),
+        "deadlock",
+        "signal waits that ignore the abort flags: the peer of an aborted rank hangs",
+        model=SIGNALS,
+    ),
 )
 del C
 
@@ -154,7 +212,7 @@ def classify(output: str) -> tuple[str, str]:
             if "assertion violated" in line:
                 if "aflag[" in line:
                     return "abort", line
-                if "pay[" in line:
+                if "pay[" in line or "tile[" in line:
                     return "payload", line
                 if "sent[" in line:
                     return "arrival", line
@@ -175,11 +233,11 @@ def run_config(cfg: Config, keep: bool = False) -> Result:
     res = Result(cfg)
     work = tempfile.mkdtemp(prefix=f"symmsync-verify-{cfg.name}-")
     res.workdir = work
-    shutil.copy(MODEL, work)  # spin -a and the trail (fence.pml.trail) live in the work directory
+    shutil.copy(os.path.join(HERE, cfg.model), work)  # spin -a and the trail (<model>.trail) live there
     defines = [f"-D{f}" for f in cfg.flags]
     ccflags = ["-DNP"] if cfg.cycles else ["-DSAFETY"]
     steps = [
-        ["spin", "-a", *defines, "fence.pml"],
+        ["spin", "-a", *defines, cfg.model],
         ["gcc", "-O2", "-w", *ccflags, "-DCOLLAPSE", f"-DMEMLIM={MEMLIM_MB}", "-o", "pan", "pan.c"],
         ["./pan", f"-m{MAX_DEPTH}", *(["-l"] if cfg.cycles else [])],
     ]
@@ -224,19 +282,21 @@ def run_all(configs: list[Config], jobs: int, keep: bool = False) -> list[Result
 
 def trail(res: Result) -> str:
     """The counterexample (spin -t), one line per step: step, process, model line."""
-    if res.workdir is None or not os.path.exists(os.path.join(res.workdir, "fence.pml.trail")):
+    model = res.config.model
+    if res.workdir is None or not os.path.exists(os.path.join(res.workdir, model + ".trail")):
         return "(no trail)"
     defines = [f"-D{f}" for f in res.config.flags]
     p = subprocess.run(
-        ["spin", "-t", "-p", *defines, "fence.pml"],
+        ["spin", "-t", "-p", *defines, model],
         cwd=res.workdir,
         capture_output=True,
         text=True,
         timeout=STEP_TIMEOUT_S,
     )
-    with open(MODEL) as f:
+    with open(os.path.join(HERE, model)) as f:
         source = f.read().splitlines()
-    step = re.compile(r"^\s*(\d+):\s+proc\s+(\d+) \((\w+):\d+\) \S*fence\.pml:(\d+) \(state \d+\)\s*(.*)$")
+    name = re.escape(model)
+    step = re.compile(r"^\s*(\d+):\s+proc\s+(\d+) \((\w+):\d+\) \S*" + name + r":(\d+) \(state \d+\)\s*(.*)$")
     out, last = [], None
     for line in p.stdout.splitlines():
         m = step.match(line)
@@ -285,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.list:
         for c in CONFIGS:
-            print(f"{c.name:18} expect {c.expect:9} -D{' -D'.join(c.flags)}  {c.what}")
+            print(f"{c.name:18} {c.model:12} expect {c.expect:9} -D{' -D'.join(c.flags)}  {c.what}")
         return 0
     by_name = {c.name: c for c in CONFIGS}
     unknown = [n for n in args.names if n not in by_name]

@@ -39,8 +39,39 @@ SCRIPT = textwrap.dedent(
         q = ssl.translate(p, ptrs, 0, SIZE - 1)
         tl.store(q, tl.load(x))
 
+    @triton.jit
+    def signal_kernel(sig, me, timeout_ns, record, SIZE: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr):
+        ssl.signal(sig, me, 1 - me, 0, 1, ssl.ADD, NSLOTS)
+        ssl.signal(sig, me, 1 - me, 1, 7, ssl.SET, NSLOTS)
+
+    @triton.jit
+    def signal_wait_kernel(sig, me, timeout_ns, record, out, SIZE: tl.constexpr, NSLOTS: tl.constexpr,
+                           TRAP: tl.constexpr):
+        s = ssl.wait_count(sig, me, 1 - me, 0, 1, timeout_ns, record, SIZE, NSLOTS, TRAP)
+        s += ssl.wait_signal(sig, me, 1 - me, 1, 7, ssl.EQ, timeout_ns, record, SIZE, NSLOTS, TRAP)
+        tl.store(out, s + ssl.read_signal(sig, me, 1 - me, 1, NSLOTS))
+
+    @triton.jit
+    def put_signal_kernel(sig, me, x, NSLOTS: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        ssl.put_signal(sig, me, 1 - me, 256 + i * 4, tl.load(x + i), i < BLOCK, 2, NSLOTS)
+
+    @triton.jit
+    def grid_sync_kernel(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr):
+        ssl.grid_sync(ptrs, cell, me, timeout_ns, record, SIZE, True)
+
     target = GPUTarget("cuda", 90, 32)
     out = {}
+    ssig = {"sig": "*i64", "me": "i32", "timeout_ns": "i64", "record": "i64"}
+    sc = {"SIZE": 4, "NSLOTS": 4, "TRAP": True}
+    scs = {k: "constexpr" for k in sc}
+    out["signal"] = triton.compile(ASTSource(signal_kernel, {**ssig, **scs}, sc), target=target,
+                                   options={"num_warps": 4}).asm["ptx"]
+    out["signal_wait"] = triton.compile(ASTSource(signal_wait_kernel, {**ssig, "out": "*i64", **scs}, sc),
+                                        target=target, options={"num_warps": 4}).asm["ptx"]
+    src = ASTSource(put_signal_kernel, {"sig": "*i64", "me": "i32", "x": "*fp32", "NSLOTS": "constexpr",
+                                        "BLOCK": "constexpr"}, {"NSLOTS": 4, "BLOCK": 1024})
+    out["put_signal"] = triton.compile(src, target=target, options={"num_warps": 8}).asm["ptx"]
     sig = {"ptrs": "*i64", "cell": "i64", "me": "i32", "timeout_ns": "i64", "record": "i64"}
     for name, (arrive, wait) in {"fence": (True, True), "arrive": (True, False), "wait": (False, True)}.items():
         src = ASTSource(F._fence_kernel, {**sig, "SIZE": "constexpr", "ARRIVE": "constexpr", "WAIT": "constexpr",
@@ -51,6 +82,9 @@ SCRIPT = textwrap.dedent(
     k = triton.compile(ASTSource(tail_kernel, {**sig, "SIZE": "constexpr"}, {"SIZE": 4}), target=target,
                        options={"num_warps": 4})
     out["tail"] = k.asm["ptx"]
+    k = triton.compile(ASTSource(grid_sync_kernel, {**sig, "SIZE": "constexpr"}, {"SIZE": 4}), target=target,
+                       options={"num_warps": 4})
+    out["grid_sync"] = k.asm["ptx"]
     k = triton.compile(ASTSource(translate_kernel, {"ptrs": "*i64", "x": "*fp32", "SIZE": "constexpr"}, {"SIZE": 2}),
                        target=target, options={"num_warps": 1})
     out["translate"] = k.asm["ptx"]
@@ -165,3 +199,35 @@ def test_abort_marks_each_member_once_with_a_release_or_after_writing_its_reason
         assert "mov.u32 t, %tid.x; setp.eq.u32 q, t, 0;" in line and "@p red.release" in line, line
     assert abort.index("bar.sync") < abort.index("red.release.sys.global.or.b64")  # reason first
     assert not _lines(abort, "red.release.sys.global.add")  # the count is never touched
+
+
+def test_signal_adds_with_a_release_reduction_and_sets_with_a_release_store_from_thread_0(ptx):
+    text = ptx["signal"]
+    adds, sets = _lines(text, "red.release.sys.global.add.u64"), _lines(text, "st.release.sys.global.b64")
+    assert len(adds) == 1 and len(sets) == 1, (adds, sets)
+    for line in adds + sets:  # once per call from a 4-warp program
+        assert "mov.u32 t, %tid.x; setp.eq.u32 q, t, 0;" in line and "@q " in line, line
+    assert not _lines(text, "atom.")  # no reply awaited
+
+
+def test_signal_waits_poll_with_acquire_loads_and_trap_after_the_record(ptx):
+    text = ptx["signal_wait"]
+    assert _lines(text, "ld.acquire.sys.global.b64") and _lines(text, "%globaltimer")
+    assert text.index("fence.sc.sys") < text.index("trap;")
+    # the first poll of each wait is one acquire load before the clock: the flags only on the slow path
+    first = text[: text.index("%globaltimer")]
+    assert len(_lines(first, "ld.acquire.sys.global.b64")) == 1
+
+
+def test_put_signal_stores_the_tile_then_a_block_barrier_then_the_release_add(ptx):
+    text = ptx["put_signal"]
+    adds = _lines(text, "red.release.sys.global.add.u64")
+    assert len(adds) == 1, adds
+    store = max(text.find("st.global"), 0)
+    assert 0 < store < text.index("bar.sync") < text.index("red.release.sys.global.add.u64")
+
+
+def test_grid_sync_arrives_with_a_system_scope_atomic_and_every_program_waits(ptx):
+    text = ptx["grid_sync"]
+    assert any("atom" in line and "sys" in line and "add" in line for line in _lines(text, "atom"))
+    assert _lines(text, "red.release.sys") and _lines(text, "ld.acquire.sys") and _lines(text, "trap;")

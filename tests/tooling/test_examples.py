@@ -37,11 +37,16 @@ EXPECTED = {
     "05_runtime_cache.py": [
         f"rank {r}: 2 layers x 2 batches, in blocks from before and after the grow: OK" for r in (0, 1)
     ],
+    "07_signals.py": [
+        "pipeline: 8 chunks through a ring of 4 tiles to a slow consumer: every chunk exact; "
+        "chunk 0 was done before chunk 7 was sent"
+    ],
 }
 HOST_ONLY = {
     "01_buffer.py": [f"rank {r}: host backend, 1024 bytes on cpu" for r in (0, 1)],
     "02_fences.py": ["CUDA graph part not run: it needs GPUs (python examples/02_fences.py --backend cuda)"],
     "05_runtime_cache.py": [f"rank {r}: the cache grew from 3 to 16 blocks" for r in (0, 1)],
+    "07_signals.py": [f"ring exchange on {w} ranks: 3 rounds, every block exact" for w in (3, 4)],
 }
 CUDA_ONLY = {
     "01_buffer.py": [f"rank {r}: cuda backend, 1024 bytes on cuda:{r}" for r in (0, 1)],

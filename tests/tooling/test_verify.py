@@ -1,5 +1,6 @@
-"""The model-checked fence protocol (verify/fence.pml): every correct configuration
-verifies exhaustively with 0 errors, and every known-bug variant yields its counterexample.
+"""The model-checked protocols (verify/fence.pml, the fence; verify/signals.pml, the point-to-point
+signals and their pipelined transfer): every correct configuration verifies exhaustively with
+0 errors, and every known-bug variant yields its counterexample.
 
 Runs the same checks as ``make verify`` (verify/check.py). Needs Spin and gcc; without them the
 test fails, telling how to install Spin, unless SYMMSYNC_SKIP_VERIFY=1 opts out explicitly.
@@ -45,11 +46,24 @@ def test_the_bug_variants_are_the_correct_model_plus_one_flag():
 
 
 def test_both_sizes_and_several_fences_are_covered():
-    sizes = {f for n in CORRECT for f in CONFIGS[n].flags if f.startswith("VS=")}
+    fence = [n for n in CORRECT if CONFIGS[n].model == "fence.pml"]
+    sizes = {f for n in fence for f in CONFIGS[n].flags if f.startswith("VS=")}
     assert sizes == {"VS=2", "VS=3"}
-    for n in CORRECT:
+    for n in fence:
         fences = int(next(f for f in CONFIGS[n].flags if f.startswith("F="))[2:])
         assert fences >= 3, n  # wrap-around of the double buffer and a rank one fence ahead
+
+
+def test_the_signal_model_covers_replays_aborts_and_the_bugs_it_must_catch():
+    signal = {n: CONFIGS[n] for n in CONFIGS if CONFIGS[n].model == "signals.pml"}
+    for n, c in signal.items():
+        if c.expect == "pass":
+            launches = int(next(f for f in c.flags if f.startswith("K="))[2:])
+            assert launches >= 2, n  # a relative base is only tested across replays
+    bugs = {next(f for f in c.flags if f.startswith("BUG_")): c.expect for c in signal.values() if c.expect != "pass"}
+    # a missing release, and == where replays need >=, each yield their counterexample
+    assert bugs["BUG_RELAXED"] == "payload" and bugs["BUG_EQ"] == "deadlock" and bugs["BUG_ABS"] == "payload"
+    assert any("ABORT" in c.flags and c.expect == "pass" for c in signal.values())
 
 
 @pytest.mark.parametrize("name", CORRECT)

@@ -1,0 +1,473 @@
+"""Signals: per-peer int64 slots that kernels signal and wait on, point to point.
+
+A :class:`Signals` object is made collectively from a peer view. It gives each member
+``slots`` int64 slots per peer in memory of its own (a small symmsync buffer made over the
+view's buffer group, apart from every fence cell and from the user region), a
+device-resident base per (peer, slot) that makes counted waits replay safe, and a timeout
+record. Kernels take :attr:`Signals.kernel_args` and call the signal primitives of
+:mod:`symmsync.language`: :func:`~symmsync.language.signal` (ADD or SET, release at system
+scope), :func:`~symmsync.language.wait_signal` (EQ, NE, GE, GT, LE, LT; acquire at system
+scope), :func:`~symmsync.language.wait_count` (counters, replay safe),
+:func:`~symmsync.language.read_signal` and :func:`~symmsync.language.put_signal`
+(a tile store and its signal).
+
+Every wait is bounded by :attr:`Signals.timeout_s` on the clock of a fence's wait and fails
+closed: it writes a record naming this rank, the peer, the slot, the value and comparison
+awaited and the value observed; on GPUs it traps. :meth:`Signals.check` (host backend, after
+each launch) and :meth:`Signals.synchronize` (GPUs) raise :class:`~symmsync.SignalTimeout`
+from it. A member's abort (its ``close()``, an error, :meth:`~symmsync.PeerView.abort`) ends
+every signal wait on the view within a poll, with :class:`~symmsync.SignalAborted` naming it:
+the waits read the abort flags that the view's abort sets in its cells.
+
+:func:`launch_grid_sync` launches a kernel that calls :func:`symmsync.language.grid_sync`
+after checking that its programs can all be resident at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from . import cells
+from . import language as ssl
+from .checks import check_index, int_problem, is_int, require
+from .collective import barrier, gather, plain, raise_first, same
+from .errors import (
+    CLOSED_REASON,
+    BoundsError,
+    ClosedError,
+    ConfigError,
+    PeerAborted,
+    SignalAborted,
+    SignalTimeout,
+)
+from .mode import kernels_interpreted
+from .views import PeerView
+
+#: Most slots per peer a Signals object holds.
+MAX_SLOTS = 4096
+#: Largest wait budget, in seconds (the kernel counts int64 nanoseconds).
+MAX_TIMEOUT_S = 1e9
+
+_OPS = {"add": 0, "set": 1}
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+@triton.jit
+def _signal_kernel(sig, me, peer, slot, value, OP: tl.constexpr, NSLOTS: tl.constexpr):
+    ssl.signal(sig, me, peer, slot, value, OP, NSLOTS)
+
+
+@triton.jit
+def _wait_kernel(
+    sig,
+    me,
+    timeout_ns,
+    record,
+    peer,
+    slot,
+    value,
+    CMP: tl.constexpr,
+    COUNTED: tl.constexpr,
+    SIZE: tl.constexpr,
+    NSLOTS: tl.constexpr,
+    TRAP: tl.constexpr,
+):
+    if COUNTED:
+        ssl.wait_count(sig, me, peer, slot, value, timeout_ns, record, SIZE, NSLOTS, TRAP)
+    else:
+        ssl.wait_signal(sig, me, peer, slot, value, CMP, timeout_ns, record, SIZE, NSLOTS, TRAP)
+
+
+def _capturing() -> bool:
+    try:
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    except Exception:  # noqa: BLE001 - no driver: nothing is being captured
+        return False
+
+
+class Signals:
+    """Point-to-point signal slots among the members of a peer view (collective).
+
+    Args:
+        view: this rank's :class:`~symmsync.PeerView`. Every rank of the view's buffer group
+            constructs its Signals at the same point, each from its own view (as views are
+            made), with the same ``slots`` and ``timeout_s``.
+        slots: int64 slots per peer (1..MAX_SLOTS). Member ``p``'s slot ``s`` at this rank
+            counts (or holds) what ``p`` signalled on ``s``.
+        timeout_s: wait budget in seconds (default: the buffer's ``default_timeout_s``, as
+            for a :class:`~symmsync.Fence`).
+
+    Raises:
+        ConfigError: a bad argument on any rank, or ranks that disagree (raised on every
+            rank); the object made while a CUDA graph is being captured (create it before
+            capture).
+        ClosedError: the view's buffer is closed (raised on every rank).
+        PeerAborted: this rank aborted the view (raised on every rank).
+
+    Example::
+
+        sigs = ss.Signals(view, slots=4)
+        my_kernel[(1,)](*sigs.kernel_args, ..., **sigs.constexprs)
+        sigs.check()
+    """
+
+    def __init__(self, view: PeerView, slots: int = 1, *, timeout_s: float | None = None):
+        call = "Signals"
+        if _capturing():  # before any exchange: a collective inside a capture would break it
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise ConfigError(
+                f"rank {rank}: {call}: created while a CUDA graph is being captured; create Signals "
+                "(like buffers, views and fences) before capture and use its kernel_args inside"
+            )
+        good_view = isinstance(view, PeerView)
+        group = view.buffer.group if good_view else dist.group.WORLD
+        problem, kind = None, None
+        if not good_view:
+            problem = f"view must be a PeerView, got {type(view).__name__}"
+        elif view.buffer.closed:
+            problem, kind = "the view's buffer is closed", "closed"
+        elif view.aborted is not None:
+            problem, kind = f"this rank aborted the view ({view.aborted})", "aborted"
+        problem = problem or int_problem("slots", slots, minimum=1, maximum=MAX_SLOTS)
+        if problem is None and timeout_s is not None:
+            ok = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+            if not ok or not 0 < timeout_s <= MAX_TIMEOUT_S:
+                problem = f"timeout_s must be a positive number of seconds up to {MAX_TIMEOUT_S:g}, got {timeout_s!r}"
+        size = view.size if good_view else 0
+        mine = (problem, kind, view.aborted if good_view else None, plain(slots), plain(timeout_s), size)
+        everyone = gather(group, mine)
+        problems = [e[0] for e in everyone]
+        bad = [r for r, p in enumerate(problems) if p]
+        if bad:
+            first = everyone[bad[0]]
+            me = dist.get_rank(group)
+            error = {
+                "closed": ClosedError,
+                "aborted": lambda m: PeerAborted(
+                    m, rank=me, epoch=-1, late={}, channel=-1, aborted={bad[0]: first[2] or ""}
+                ),
+            }.get(first[1], ConfigError)
+            raise_first(problems, call=call, error=error)
+        same([e[3] for e in everyone], "slots", call=call)
+        same([e[4] for e in everyone], "timeout_s", call=call)
+
+        buf = view.buffer
+        caps = buf.capabilities
+        self.view = view
+        self.size = view.size
+        """Members of the view (the kernels' ``SIZE``)."""
+        self.slots = slots
+        """Slots per peer (the kernels' ``NSLOTS``)."""
+        self.timeout_s = float(caps.default_timeout_s if timeout_s is None else timeout_s)
+        self.timeout_ns = int(self.timeout_s * 1e9)
+        """Wait budget in ns (kernel argument)."""
+        self.traps = caps.traps
+        """Whether a failed wait traps (the kernels' ``TRAP``): on GPUs."""
+        self._caps = caps
+        from .buffer import SymmetricBuffer  # the buffer module imports views, which this module needs first
+
+        nbytes = max(cells.signal_memory_bytes(e[5], slots) for e in everyone)
+        self._memory = SymmetricBuffer(
+            nbytes, group=group, device=buf.device, backend=buf.backend, max_views=1, channels=1
+        )
+        mem = self._memory
+        mem.local_memory()[:nbytes].zero_()  # CUDA memory starts undefined; nobody signals before the barrier
+        if caps.streams:
+            torch.cuda.synchronize(buf.device)
+        members = list(view.ranks)
+        inbox = mem.ptrs.cpu()[members]
+        data = view.ptrs.cpu()
+        cell = view.signal_ptrs.cpu() + view.signal_offset(0)
+        header = [
+            buf.nbytes,
+            buf.rank,
+            self.size,
+            slots,
+            int(inbox[view.local_index]) + cells.inbox_bytes(self.size, slots),
+        ]
+        handle = torch.tensor(header, dtype=torch.int64)
+        self._handle = torch.cat([handle, inbox, data, cell]).to(buf.device)
+        assert self._handle.numel() == cells.handle_words(self.size)
+        self._record = torch.zeros(cells.SIGNAL_RECORD_WORDS, dtype=torch.int64, pin_memory=caps.pinned_record)
+        self.record = self._record.data_ptr()
+        """Address of the timeout record (kernel argument; pinned host memory on GPUs)."""
+        self._kernel_args = (self._handle, view.local_index, self.timeout_ns, self.record)
+        self._failed: SignalTimeout | PeerAborted | None = None
+        # Failure owner: view.failures.register(self) once views carry one (it calls fail()).
+        barrier(group)
+
+    # ------------------------------------------------------------------ kernel inputs
+    @property
+    def kernel_args(self) -> tuple[torch.Tensor, int, int, int]:
+        """What a kernel takes: ``(sig, me, timeout_ns, record)``.
+
+        ``sig`` is the handle (an int64 tensor on the buffer's device: the members' slot
+        arrays, their user-region bases, their abort cells; ``symmsync.cells`` has its
+        layout), ``me`` this rank's index in the view, ``timeout_ns`` the wait budget,
+        ``record`` the timeout record's address. Pass them first and :attr:`constexprs`
+        by name::
+
+            kernel[grid](*sigs.kernel_args, ..., **sigs.constexprs)
+
+        Raises :class:`~symmsync.PeerAborted` once this rank aborted the view, and this
+        rank's earlier signal error after one.
+        """
+        self._check_usable()
+        return self._kernel_args
+
+    @property
+    def constexprs(self) -> dict[str, Any]:
+        """The compile-time constants of the signal primitives: ``SIZE``, ``NSLOTS``, ``TRAP``."""
+        return {"SIZE": self.size, "NSLOTS": self.slots, "TRAP": self.traps}
+
+    @property
+    def handle(self) -> torch.Tensor:
+        """The handle alone (``kernel_args[0]``)."""
+        return self.kernel_args[0]
+
+    # ------------------------------------------------------------------ host side
+    def signal(self, peer: int, slot: int, value: int = 1, op: str = "add") -> None:
+        """Launch one :func:`~symmsync.language.signal` on the current stream: add ``value``
+        to (``op="add"``), or store it in (``"set"``), the slot this rank has at member
+        ``peer`` (a view index). Released after everything earlier on the stream."""
+        self._check_usable()
+        call = "Signals.signal"
+        peer, slot = self._target(peer, slot, call)
+        if op not in _OPS:
+            require(f"op must be 'add' or 'set', got {op!r}", rank=self.view.rank, call=call)
+        self._int64(value, "value", call)
+        _signal_kernel[(1,)](self._handle, self.view.local_index, peer, slot, value, OP=_OPS[op], NSLOTS=self.slots)
+
+    def wait(self, peer: int, slot: int, value: int, cmp: str = "GE") -> None:
+        """Launch one :func:`~symmsync.language.wait_signal` on the current stream: wait until
+        the slot member ``peer`` signals this rank on compares ``cmp`` (``"EQ"`` ... ``"LT"``)
+        to ``value``. Raises as :meth:`check` on the host backend (GPUs: at :meth:`synchronize`)."""
+        self._wait(peer, slot, value, cmp, False, "Signals.wait")
+
+    def wait_count(self, peer: int, slot: int, count: int = 1) -> None:
+        """Launch one :func:`~symmsync.language.wait_count`: wait for ``count`` more signals
+        from member ``peer`` on ``slot`` than counted waits consumed, then consume them."""
+        self._wait(peer, slot, count, "GE", True, "Signals.wait_count")
+
+    def _wait(self, peer: Any, slot: Any, value: Any, cmp: Any, counted: bool, call: str) -> None:
+        self._check_usable()
+        peer, slot = self._target(peer, slot, call)
+        if cmp not in cells.CMP_NAMES:
+            require(f"cmp must be one of {', '.join(cells.CMP_NAMES)}, got {cmp!r}", rank=self.view.rank, call=call)
+        self._int64(value, "count" if counted else "value", call, minimum=0 if counted else None)
+        _wait_kernel[(1,)](
+            *self._kernel_args,
+            peer,
+            slot,
+            value,
+            CMP=cells.CMP_NAMES.index(cmp),
+            COUNTED=counted,
+            **self.constexprs,
+        )
+        if self._caps.host_checks_status:
+            self.check()
+
+    def _target(self, peer: Any, slot: Any, call: str) -> tuple[int, int]:
+        me = self.view.rank
+        check_index("peer", peer, self.size, "the view's members", rank=me, call=call)
+        check_index("slot", slot, self.slots, "the Signals object's slots", rank=me, call=call)
+        return peer, slot
+
+    def _int64(self, v: Any, name: str, call: str, minimum: int | None = None) -> None:
+        if not is_int(v):
+            require(f"{name} must be an int, got {v!r}", rank=self.view.rank, call=call)
+        lo = _INT64[0] if minimum is None else minimum
+        if not lo <= v <= _INT64[1]:
+            require(
+                f"{name} {v} does not fit the slot (int64, from {lo} to {_INT64[1]})",
+                rank=self.view.rank,
+                call=call,
+                error=BoundsError,
+            )
+
+    def values(self) -> torch.Tensor:
+        """A copy of this rank's slots, ``[size, slots]`` int64: row ``p`` is what member ``p``
+        signalled here. (On GPUs it synchronizes the device first.)"""
+        return self._array(0)
+
+    def consumed(self) -> torch.Tensor:
+        """A copy of this rank's bases, ``[size, slots]``: what its counted waits consumed."""
+        return self._array(cells.inbox_bytes(self.size, self.slots))
+
+    def _array(self, start: int) -> torch.Tensor:
+        self._check_open()
+        if self._caps.streams:
+            torch.cuda.synchronize(self.view.buffer.device)
+        n = self.size * self.slots * 8
+        raw = self._memory.local_memory()[start : start + n]
+        return raw.view(torch.int64).view(self.size, self.slots).clone().cpu()
+
+    def check(self) -> None:
+        """Raise :class:`~symmsync.SignalTimeout` (or :class:`~symmsync.SignalAborted`) if a
+        wait failed; after each launch on the host backend, or use :meth:`synchronize`."""
+        self._check_usable()
+        err = self.timeout_error()
+        if err is not None:
+            self._failed = err
+            raise err
+
+    def synchronize(self) -> None:
+        """Wait for the device; turn a trapped signal wait into :class:`~symmsync.SignalTimeout`."""
+        if not self._caps.streams:
+            self.check()
+            return
+        self._check_usable()
+        try:
+            torch.cuda.synchronize(self.view.buffer.device)
+        except RuntimeError as e:
+            err = self.timeout_error()
+            if err is None:
+                raise
+            self._failed = err
+            raise err from e
+        self.check()
+
+    def timeout_error(self) -> SignalTimeout | None:
+        """The error this object's record describes, if a wait failed (else ``None``)."""
+        rec = cells.read_signal_record(self._record.tolist())
+        if rec is None:
+            return None
+        ranks = self.view.ranks
+        me, peer = ranks[rec.index], ranks[rec.peer]
+        cmp = cells.CMP_NAMES[rec.cmp]
+        if rec.counted:
+            want = (
+                f"{rec.value} more signal(s) from rank {peer} on slot {rec.slot} (the slot at >= "
+                f"{rec.base + rec.value}: {rec.base} consumed before)"
+            )
+        else:
+            want = f"rank {peer}'s slot {rec.slot} {cells.CMP_SYMBOLS[rec.cmp]} {rec.value} ({cmp})"
+        where = f"rank {me}: signal wait on view {list(ranks)}"
+        fields = dict(
+            rank=me, peer=peer, slot=rec.slot, cmp=cmp, observed=rec.observed, base=rec.base, counted=rec.counted
+        )
+        if rec.aborted and rec.aborter >= 0:
+            who = ranks[rec.aborter]
+            why = cells.decode_reason(rec.reason, closed=CLOSED_REASON)
+            what = "closed its buffer" if why == CLOSED_REASON else f"aborted: {why}"
+            msg = (
+                f"{where} gave up waiting for {want}: rank {who} {what}; the slot holds {rec.observed}. "
+                "Nothing after the wait ran (see that rank's log for the cause)."
+            )
+            return SignalAborted(msg, expected=rec.value, aborted={who: why}, **fields)
+        msg = (
+            f"{where} timed out after {self.timeout_s:g} s waiting for {want}; the slot holds {rec.observed}. "
+            f"Rank {peer} never signalled it (crashed, hung, took another path, or signalled another slot); "
+            "nothing after the wait ran."
+        )
+        return SignalTimeout(msg, expected=rec.value, **fields)
+
+    def fail(self, error: PeerAborted) -> None:
+        """Make every later host call raise ``error`` (the view's failure owner calls it)."""
+        if self._failed is None:
+            self._failed = error
+
+    def _check_open(self) -> None:
+        if self.view.buffer.closed or self._memory.closed:
+            raise ClosedError(f"rank {self.view.rank}: Signals used after its buffer was closed (or close())")
+
+    def _check_usable(self) -> None:
+        self._check_open()
+        if self.view.aborted is not None and self._failed is None:
+            self._failed = _aborted_error(self.view)("Signals")
+        if self._failed is not None:
+            raise self._failed
+
+    def close(self) -> None:
+        """Release the slots' memory on this rank (idempotent; needs no other rank).
+
+        A member still waiting on a slot this rank would signal runs into its budget,
+        unless the view is aborted too (``close()`` of the view's buffer does that)."""
+        self._memory.close()
+
+    def __repr__(self) -> str:
+        return f"Signals(view={list(self.view.ranks)}, slots={self.slots}, backend={self.view.buffer.backend})"
+
+
+def _aborted_error(view: PeerView):
+    def make(message: str) -> PeerAborted:
+        return PeerAborted(
+            f"rank {view.rank}: Signals on view {list(view.ranks)} used after this rank aborted the view "
+            f"({view.aborted}); its signals fail closed ({message})",
+            rank=view.rank,
+            epoch=-1,
+            late={},
+            channel=-1,
+            aborted={view.rank: view.aborted or ""},
+        )
+
+    return make
+
+
+def launch_grid_sync(kernel: Any, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:
+    """Launch ``kernel`` (which calls :func:`symmsync.language.grid_sync`) once its programs
+    are known to be co-resident.
+
+    Every program of such a kernel spins until the last one arrived, so all must be
+    resident on the device together. On GPUs the kernel is compiled first and the grid is
+    checked against the SM count times the blocks per SM the driver's occupancy calculator
+    gives for the compiled kernel; on the host backend the interpreter runs programs one
+    after another, so only a launch of one program can hold.
+
+    Args:
+        kernel: the ``@triton.jit`` kernel.
+        grid: the launch grid (up to 3 ints).
+        *args: the kernel's arguments, as for ``kernel[grid](*args, **kwargs)``.
+        **kwargs: its keyword arguments (constexprs, ``num_warps``).
+
+    Raises:
+        ConfigError: the grid cannot be co-resident here (nothing is launched).
+    """
+    grid = tuple(grid)
+    programs = math.prod(grid)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    call = "launch_grid_sync"
+    if kernels_interpreted():
+        if programs > 1:
+            raise ConfigError(
+                f"rank {rank}: {call}: a grid of {programs} programs on the host backend: Triton's interpreter "
+                "runs programs one after another, so they can never wait for each other; launch one program here"
+            )
+    else:
+        compiled = kernel.warmup(*args, grid=grid, **kwargs)
+        per_sm, sms = _occupancy(compiled, kwargs.get("num_warps", 4))
+        if programs > per_sm * sms:
+            raise ConfigError(
+                f"rank {rank}: {call}: a grid of {programs} programs cannot be co-resident: the device holds "
+                f"{per_sm} such program(s) per SM on {sms} SMs ({per_sm * sms} at once); a program that waits for "
+                f"the others would spin until the budget runs out. Launch at most {per_sm * sms} programs "
+                "(loop inside the kernel over the rest)"
+            )
+    kernel[grid](*args, **kwargs)
+
+
+def _occupancy(compiled: Any, num_warps: int) -> tuple[int, int]:
+    """(programs per SM, SMs) for a compiled kernel on the current device."""
+    from .driver import check, driver
+
+    dev = torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    compiled._init_handles()
+    warps = getattr(compiled, "num_warps", None) or compiled.metadata.num_warps or num_warps
+    shared = getattr(compiled.metadata, "shared", 0)
+    drv = driver()
+    per_sm = check(
+        drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            drv.CUfunction(init_value=compiled.function), 32 * warps, shared
+        ),
+        "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+        call="launch_grid_sync",
+    )
+    return int(per_sm), sms
