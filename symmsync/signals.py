@@ -199,8 +199,9 @@ class Signals:
         self.record = self._record.data_ptr()
         """Address of the timeout record (kernel argument; pinned host memory on GPUs)."""
         self._kernel_args = (self._handle, view.local_index, self.timeout_ns, self.record)
-        self._failed: SignalTimeout | PeerAborted | None = None
-        # Failure owner: view.failures.register(self) once views carry one (it calls fail()).
+        # The view's failure owner fails this object when the view is aborted, and keeps the
+        # error of a wait of its own that failed (check(), synchronize()).
+        view.failure.register(self, "signals")
         barrier(group)
 
     # ------------------------------------------------------------------ kernel inputs
@@ -315,7 +316,7 @@ class Signals:
         self._check_usable()
         err = self.timeout_error()
         if err is not None:
-            self._failed = err
+            self.view.failure.fail(self, err)
             raise err
 
     def synchronize(self) -> None:
@@ -330,7 +331,7 @@ class Signals:
             err = self.timeout_error()
             if err is None:
                 raise
-            self._failed = err
+            self.view.failure.fail(self, err)
             raise err from e
         self.check()
 
@@ -369,10 +370,10 @@ class Signals:
         )
         return SignalTimeout(msg, expected=rec.value, **fields)
 
-    def fail(self, error: PeerAborted) -> None:
-        """Make every later host call raise ``error`` (the view's failure owner calls it)."""
-        if self._failed is None:
-            self._failed = error
+    def abort_error(self, reason: str) -> PeerAborted:
+        """The error every host call raises once this rank aborted the view with ``reason``
+        (asked by the view's failure owner, :class:`symmsync.failure.ViewFailure`)."""
+        return _aborted_error(self.view, reason)("Signals")
 
     def _check_open(self) -> None:
         if self.view.buffer.closed or self._memory.closed:
@@ -380,10 +381,9 @@ class Signals:
 
     def _check_usable(self) -> None:
         self._check_open()
-        if self.view.aborted is not None and self._failed is None:
-            self._failed = _aborted_error(self.view)("Signals")
-        if self._failed is not None:
-            raise self._failed
+        failure = self.view.failure
+        if not failure.clean:
+            failure.check(self)
 
     def close(self) -> None:
         """Release the slots' memory on this rank (idempotent; needs no other rank).
@@ -396,16 +396,18 @@ class Signals:
         return f"Signals(view={list(self.view.ranks)}, slots={self.slots}, backend={self.view.buffer.backend})"
 
 
-def _aborted_error(view: PeerView):
+def _aborted_error(view: PeerView, reason: str | None = None):
+    why = view.aborted if reason is None else reason
+
     def make(message: str) -> PeerAborted:
         return PeerAborted(
             f"rank {view.rank}: Signals on view {list(view.ranks)} used after this rank aborted the view "
-            f"({view.aborted}); its signals fail closed ({message})",
+            f"({why}); its signals fail closed ({message})",
             rank=view.rank,
             epoch=-1,
             late={},
             channel=-1,
-            aborted={view.rank: view.aborted or ""},
+            aborted={view.rank: why or ""},
         )
 
     return make

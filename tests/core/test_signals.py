@@ -225,12 +225,13 @@ def timeouts(budget_s):
             sigs.wait(0, 1, 3, "GE")
         except ss.SignalTimeout as e:
             out["absolute"] = _fields(e, time.monotonic() - t0)
-        try:  # the failed object refuses more work (fails closed); a fresh one is made below
+        try:  # the failed object refuses more work (fails closed), and aborts the view
             sigs.wait_count(0, 2, 1)
         except ss.SignalTimeout as e:
             out["refused"] = type(e).__name__
     dist.barrier()
-    sigs2 = ss.Signals(view, slots=3, timeout_s=budget_s)
+    # A failed wait gave up on the view, as a failed fence does: a fresh view for the rest.
+    sigs2 = ss.Signals(buf.view([0, 1]), slots=3, timeout_s=budget_s)
     if buf.rank == 0:
         sigs2.signal(1, 2, 4)
     dist.barrier()

@@ -77,7 +77,7 @@ def fuzz_make(per_rank):
     view = buf.view([0, 1])
     arg = {"view": view, "junk": object(), "buffer": buf}.get(a["view"], view)
     if a["view"] == "aborted":
-        view._abort_quietly("fuzzed")
+        view.failure.abort_quietly("fuzzed")
     if a["view"] == "closed":
         buf.close()
 
