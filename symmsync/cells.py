@@ -1,17 +1,26 @@
-"""Where the signal cells and the timeout records keep each field: the one source of both.
+"""Where the signal cells, the timeout records and the signals' handle keep each field: the one source.
 
 The buffer places cells with :class:`SignalLayout`, the kernels of
 :mod:`symmsync.language` address their fields with the offsets below, and
 :class:`~symmsync.Fence` reads a failed wait's record with :func:`read_record`.
+docs/fences.md and docs/signals.md show the blocks below as written here.
 
-A cell (the same byte offset in every member's memory, one per view and channel)::
+A cell (the same byte offset in every member's memory, one per view and channel;
+``view.signal_offset(channel)``)::
 
-    cell + EPOCH      int64 epoch      this rank's epoch counter for the channel
-    cell + ARRIVALS   int64 arrivals   programs of the current launch that reached grid_fence()
-    cell + REASON     int64 reason[REASON_WORDS]
-                                       this rank's abort reason: code, text length, UTF-8 text
-    cell + SLOTS      int64 slot[n]    slot j: how many times member j published to this rank
-                                       (bits 0..62) | ABORT_FLAG once member j aborted
+    --8<-- [start:cell]
+    cell + EPOCH      (0)    int64 epoch      this rank's epoch counter for the channel
+    cell + ARRIVALS   (8)    int64 arrivals   grid_fence(): programs of the current launch
+                                              that arrived
+    cell + REASON     (16)   int64 reason[REASON_WORDS]
+                                              this rank's abort reason: code, text length,
+                                              then REASON_TEXT_BYTES of UTF-8 (14 words,
+                                              96 bytes of text; written once, before its
+                                              abort flags)
+    cell + SLOTS      (128)  int64 slot[n]    slot j: how many times member j published to
+                                              this rank (its epoch, bits 0..62), bit 63
+                                              (ABORT_FLAG) set once member j aborted
+    --8<-- [end:cell]
 
 The first line (``LINE`` bytes) is written by its own rank only; the slots follow on
 their own lines, so a peer's reduction never shares a cache line with the epoch.
@@ -19,6 +28,27 @@ their own lines, so a peer's reduction never shares a cache line with the epoch.
 A timeout record (int64 words, written by the kernel whose wait failed)::
 
     [flag, epoch, index, size, slot[0], ..., slot[size - 1], aborter, reason[REASON_WORDS]]
+
+The point-to-point signals of :class:`~symmsync.Signals` (symmsync/signals.py and the
+signal primitives of :mod:`symmsync.language`) touch no fence cell: their slots live in a
+buffer of their own. The handle a kernel takes (``Signals.kernel_args[0]``, int64 words, on
+the buffer's device), and each member's signal memory::
+
+    --8<-- [start:handle]
+    handle     [nbytes, rank, size, slots, bases, inbox[size], data[size], cell[size]]
+      nbytes     bytes of the view's user region (what debug mode checks peer offsets against)
+      rank       this rank's global rank (what debug mode reports)
+      bases      address of this member's own base array
+      inbox[p]   member p's slot array (in its signal memory); first after the header, so
+                 a signal or a wait finds a slot with one load from the handle
+      data[p]    member p's user-region base (view.ptrs[p])
+      cell[p]    member p's channel-0 cell of the view (its abort flags and reasons)
+    memory     two int64 arrays per member, each padded to whole lines:
+      inbox[q][s]  what member q signalled to this member on slot s (peers update it)
+      base[q][s]   how much of inbox[q][s] this member's wait_count consumed (only it writes)
+    --8<-- [end:handle]
+
+A failed signal wait's record is described where its word indices (``SREC_*``) are defined.
 """
 
 from __future__ import annotations
@@ -170,26 +200,7 @@ def read_record(words: list[int]) -> Record | None:
 
 
 # ---------------------------------------------------------------------- point-to-point signals
-# The geometry of :class:`~symmsync.Signals` (symmsync/signals.py and the signal primitives of
-# symmsync.language). Nothing here touches a fence cell: the slots live in a buffer of their own.
-#
-# The handle a kernel takes (``Signals.kernel_args[0]``, int64 words, on the buffer's device):
-#
-#     [nbytes, rank, size, slots, bases, inbox[size], data[size], cell[size]]
-#
-#     nbytes     bytes of the view's user region (what debug mode checks peer offsets against)
-#     rank       this rank's global rank (what debug mode reports)
-#     bases      address of this member's own base array (see below)
-#     inbox[p]   member p's slot array (in its signal memory)
-#     data[p]    member p's user-region base (view.ptrs[p])
-#     cell[p]    member p's channel-0 cell of the view (the abort flags and reasons live there)
-#
-# The inbox table comes first after the header, so a signal or a wait finds a slot with one
-# load from the handle. Each member's signal memory holds two int64 arrays, each padded to
-# whole lines:
-#
-#     inbox[q][s]   what member q signalled to this member on slot s (peers update it)
-#     base[q][s]    how much of inbox[q][s] this member's wait_count has consumed (only it writes)
+# The handle's and the signal memory's geometry: the module docstring has the layout.
 
 #: Word indices of the handle's header, and where its first table starts (plus the member index).
 HANDLE_NBYTES, HANDLE_RANK, HANDLE_SIZE, HANDLE_SLOTS, HANDLE_BASES = 0, 1, 2, 3, 4

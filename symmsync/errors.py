@@ -57,7 +57,8 @@ class BackendError(SymmSyncError):
 
 class FenceTimeout(SymmSyncError, TimeoutError):
     """A fence's wait failed: its time budget ran out, or a member gave up (see
-    :class:`PeerAborted`); nothing after it ran on stale data.
+    :class:`PeerAborted`). A wait that times out or sees an abort fails closed: nothing
+    after it may read peer data.
 
     Attributes:
         rank: global rank whose wait failed.
@@ -152,7 +153,8 @@ def _rebuild_rank_failure(message, rank, remote_traceback):
 class SignalTimeout(FenceTimeout):
     """A signal wait (:func:`symmsync.language.wait_signal` or
     :func:`~symmsync.language.wait_count`) gave up: its budget ran out before the slot met
-    the comparison; nothing after it ran on stale data.
+    the comparison. A wait that times out or sees an abort fails closed: nothing after it
+    may read peer data.
 
     The :class:`FenceTimeout` fields hold: ``rank`` (the waiting rank), ``epoch`` (the value
     the slot had to reach: ``base + count`` for a counted wait), ``late`` (``{peer rank:

@@ -11,10 +11,11 @@ and a captured CUDA graph advances the epoch on every replay.
 * :meth:`Fence.arrive` and :meth:`Fence.wait` split it into two launches, so work
   can run between them.
 
-Every wait is bounded by ``timeout_s`` and fails closed. On the host backend the
-host reads the kernel's record and raises :class:`~symmsync.FenceTimeout`. On a GPU
-the kernel writes the same record to pinned host memory and traps, so the stream
-never runs on stale data; :meth:`Fence.synchronize` (and :attr:`Fence.epoch`) turn
+Every wait is bounded by ``timeout_s``. A wait that times out or sees an abort fails
+closed: nothing after it may read peer data. On the host backend the host reads the
+kernel's record and raises :class:`~symmsync.FenceTimeout`. On a GPU the kernel writes
+the same record to pinned host memory and traps, so nothing after it on the stream
+runs; :meth:`Fence.synchronize` (and :attr:`Fence.epoch`) turn
 the resulting CUDA error into the same :class:`~symmsync.FenceTimeout`. Which of the
 two happens, and the default budget, are the buffer's
 :attr:`~symmsync.SymmetricBuffer.capabilities`, never its backend's name.

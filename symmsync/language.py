@@ -23,62 +23,82 @@ same tensor as ``view.ptrs``, so one table serves the payload and the signals, a
 a runtime's registered memory keeps its cells apart, and then a kernel takes both
 tables (``fence.kernel_args`` carries the signal table).
 
-Memory model (the contract, on both backends)::
+Memory model (the contract, on both backends; the one statement of it)::
 
-    e = publish(): advances this rank's epoch to e and releases it to every member: every
-                 write this rank made before it, from this kernel (after a block barrier)
-                 and from kernels earlier on the stream, happens-before any read by a
-                 member that observed slot >= e.                    [release, system scope]
-    wait(e):     returns 0 only once every other member's slot for this rank holds >= e;
-                 reads after it see everything those members wrote before publish(e).
-                                                                    [acquire, system scope]
-    epochs:      int64, only grow; compared with >=, never ==, so a member one fence ahead
-                 is harmless and nothing ever needs a reset. A slot counts the publishes of
-                 its member (bits 0..62), so it always equals that member's epoch.
-    abort:       mark_abort() writes a reason into this rank's own cell line, then sets the
-                 sign bit (ABORT_FLAG) of its slot at every other member [release, system
-                 scope]. wait(e) compares the COUNT (slot & COUNT_MASK) with e: a member whose
-                 count reached e arrived (its data is valid, flag or not); a member whose count
-                 is below e and whose flag is set aborted: wait returns 2 at once.
-
-A fence orders visibility; it does not stop a fast peer from overwriting memory a
-slow rank still reads: double-buffer reused payload (by epoch parity) or fence twice.
+    --8<-- [start:contract]   (docs/concepts.md and docs/fences.md show this block as written here)
+    e = publish()  advances this rank's epoch to e and releases it to every other member:
+                   every write this rank made before it (from the same kernel after a block
+                   barrier, and from kernels earlier on the stream) happens-before any read
+                   by a member that observed its slot >= e.        [release, system scope]
+    wait(e)        returns 0 only once every other member's slot for this rank counts >= e;
+                   reads after it see everything those members wrote before their
+                   publish(e).                                     [acquire, system scope]
+                   Bounded by a budget: 1 when it ran out, 2 at once when a member aborted
+                   before publishing e. A wait that times out or sees an abort fails
+                   closed: nothing after it may read peer data.
+    fence()        publish(); wait(e): on return every member reached the fence
+                   (Fence.fence() on the host, publish_and_wait() inside a kernel).
+    epochs         int64, only grow; compared with >=, never ==, so a member one fence
+                   ahead is harmless and nothing is ever reset. A slot counts its member's
+                   publishes (bits 0..62), so it always equals that member's epoch.
+    abort          mark_abort() writes a reason into this rank's own cell line, then sets
+                   the sign bit (ABORT_FLAG) of its slot at every other member [release,
+                   system scope]. wait(e) compares the count (slot & COUNT_MASK) with e: a
+                   member whose count reached e arrived (its data is valid, flag or not);
+                   one whose count is below e and whose flag is set aborted (status 2).
+    members        every member calls the same sequence of fences on a channel; a fence
+                   orders the members of its view on its channel only.
+    reuse          a fence orders visibility; it does not stop a fast member from
+                   overwriting memory a slow one still reads: double-buffer reused payload
+                   (by epoch parity) or fence twice.
+    --8<-- [end:contract]
 
 Point-to-point signals (a :class:`~symmsync.Signals` object gives their arguments,
 ``sigs.kernel_args`` = ``(sig, me, timeout_ns, record)`` and ``sigs.constexprs`` =
-``SIZE``, ``NSLOTS``, ``TRAP``)::
+``SIZE``, ``NSLOTS``, ``TRAP``) have the same memory model, one peer at a time::
 
-    signal(v, OP):   ADD v to, or SET v in, the slot this rank has at a peer   [release, system scope]
-    wait_signal:     returns 0 once the slot compares CMP (EQ NE GE GT LE LT) to a value;
-                     reads after it see the peer's writes before that signal   [acquire, system scope]
-    wait_count(n):   wait_signal(GE, base + n), then base += n; the base is device memory
-                     only the waiter advances, so counted waits are replay safe
-    put_signal:      a tile store, a block barrier, then the release add of 1
-    read_signal:     one acquire load of a slot
-    data_ptr:        peer_ptr through the handle (debug mode checks the user region)
+    --8<-- [start:signals-contract]   (docs/signals.md shows this block as written here)
+    signal(v)      ADD v to, or SET v in, the slot this rank has at a peer: every write this
+                   rank made before it (by this thread; by the block's other threads once
+                   they passed tl.debug_barrier(); by kernels earlier on the stream) is
+                   visible to the peer once it observes the value this signal produced.
+                                                                   [release, system scope]
+    wait_signal    returns 0 only once the slot compares CMP (EQ NE GE GT LE LT) to value;
+                   reads after it see every write the peer made before the signal that
+                   produced the value observed.                    [acquire, system scope]
+    wait_count(n)  as wait_signal(GE, base + n), then base += n. base is device memory that
+                   only this rank's counted waits advance: replay safe, never reset.
+    put_signal     the tile's stores by every thread, a block barrier, thread 0's release
+                   add of 1: the peer sees the whole tile once it sees the count. Call it
+                   from a whole program (every thread reaches the barrier).
+    read_signal    one acquire load of a slot.
+    budget         the same clock and budget as a fence's wait (clock_ns: %globaltimer on
+                   GPUs, time.monotonic_ns() under the interpreter): 1 when it ran out, 2 at
+                   once when a member aborted. A wait that times out or sees an abort fails
+                   closed: nothing after it may read peer data. It writes a record (this
+                   rank, the peer, the slot, the value and comparison awaited, the value
+                   observed) and traps with TRAP.
+    abort          a member's abort (its close(), an error, view.abort()) ends every signal
+                   wait on the view within a poll (status 2): the waits read the abort flags
+                   that the view's abort sets in its cells. A signal that arrived before the
+                   abort still counts.
+    reuse          a signal orders visibility only: a ring of reused tiles needs credits.
+    --8<-- [end:signals-contract]
 
-Every wait is bounded by the same budget and clock as :func:`wait`; a failed one writes a
-record (this rank, the peer, the slot, the value and comparison awaited, the value observed)
-and traps with ``TRAP``; a member's abort ends it within a poll (status 2). Peer atomics are
-Triton's own on a :func:`peer_ptr` (``tl.atomic_add(ptr, v, sem=..., scope="sys")``): pass
-``scope="sys"`` for a peer's memory (docs/signals.md lists each and its order).
+:func:`data_ptr` is :func:`peer_ptr` through the handle (debug mode checks the user region).
+Peer atomics are Triton's own on a :func:`peer_ptr` (``tl.atomic_add(ptr, v, sem=...,
+scope="sys")``): pass ``scope="sys"`` for a peer's memory (docs/signals.md lists each and
+its order).
 
 :func:`grid_sync` is a fence in which every program of a co-resident grid waits
 (:func:`symmsync.launch_grid_sync` checks the grid). With ``SYMMSYNC_DEBUG=1`` (:data:`DEBUG`)
 the kernels check that one program per launch publishes on a channel and that the offsets
 of :func:`data_ptr` and :func:`put_signal` lie inside the user region.
 
-The layout of a cell (the same byte offset ``cell`` in every member's memory; the
-offsets are defined in ``symmsync.cells`` and exported here as constants)::
-
-    cell + EPOCH      int64 epoch      this rank's epoch counter for the channel (device-resident)
-    cell + ARRIVALS   int64 arrivals   programs of the current launch that reached grid_fence()
-    cell + REASON     int64 reason[REASON_WORDS]
-                                       this rank's abort reason: code, text length, then
-                                       REASON_TEXT_BYTES of UTF-8 text (written once, before
-                                       its abort flags)
-    cell + SLOTS      int64 slot[n]    slot j: how many times member j published to this rank
-                                       (its epoch, bits 0..62) | ABORT_FLAG once member j aborted
+A cell is the same byte offset ``cell`` in every member's memory; its layout (epoch,
+arrivals, abort reason, slots) and the timeout record's are :mod:`symmsync.cells`'s, the
+one source of both, exported here as constants (:data:`EPOCH`, :data:`ARRIVALS`,
+:data:`REASON`, :data:`SLOTS`, ...).
 
 Backends. The same source runs compiled on NVIDIA GPUs and under Triton's
 interpreter on the host backend. The few primitives whose instructions differ live
@@ -325,8 +345,9 @@ def wait(ptrs, cell, me, epoch, timeout_ns, SIZE: tl.constexpr):
 
     Contract: after a 0, reads see every write the members made before they published
     ``epoch`` (see :func:`publish`), even if a member aborted after publishing it. After a
-    1 or a 2, nothing is guaranteed: write a record (:func:`write_timeout_record`) and
-    :func:`trap`, or report the status to the host. Graph-safe. Cost: one acquire load
+    1 or a 2: a wait that times out or sees an abort fails closed: nothing after it may read
+    peer data. Write a record (:func:`write_timeout_record`) and :func:`trap`, or
+    report the status to the host. Graph-safe. Cost: one acquire load
     per member per poll and a mask; the first poll usually succeeds when the members are
     in step, and it reads no flag, clock or reason.
     """
@@ -802,8 +823,9 @@ def wait_signal(
         return status
 
     Contract: after a 0, reads see every write ``peer`` made before the signal that
-    produced the value observed (release/acquire at system scope). After a 1 or a 2 nothing
-    is guaranteed: the record is written (``Signals.check()`` raises
+    produced the value observed (release/acquire at system scope). After a 1 or a 2: a wait
+    that times out or sees an abort fails closed: nothing after it may read peer data. The
+    record is written (``Signals.check()`` raises
     :class:`~symmsync.SignalTimeout` or :class:`~symmsync.SignalAborted` from it) and, with
     ``TRAP``, the kernel never returns. The comparison is absolute: a slot that only grows
     (``ADD``) compared with ``GE`` against a value computed on the device (a device epoch,

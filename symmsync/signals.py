@@ -11,9 +11,12 @@ scope), :func:`~symmsync.language.wait_count` (counters, replay safe),
 :func:`~symmsync.language.read_signal` and :func:`~symmsync.language.put_signal`
 (a tile store and its signal).
 
-Every wait is bounded by :attr:`Signals.timeout_s` on the clock of a fence's wait and fails
-closed: it writes a record naming this rank, the peer, the slot, the value and comparison
-awaited and the value observed; on GPUs it traps. :meth:`Signals.check` (host backend, after
+Every wait is bounded by :attr:`Signals.timeout_s` on the clock of a fence's wait. A wait
+that times out or sees an abort fails closed: nothing after it may read peer data. It writes
+a record naming this rank, the peer, the slot, the value and comparison awaited and the
+value observed; on GPUs it traps. The contract is :mod:`symmsync.language`'s (the signals'
+block of its module docstring; the layout of the handle and the slots is
+:mod:`symmsync.cells`'s). :meth:`Signals.check` (host backend, after
 each launch) and :meth:`Signals.synchronize` (GPUs) raise :class:`~symmsync.SignalTimeout`
 from it. A member's abort (its ``close()``, an error, :meth:`~symmsync.PeerView.abort`) ends
 every signal wait on the view within a poll, with :class:`~symmsync.SignalAborted` naming it:
