@@ -2,19 +2,20 @@
 
 :func:`_quantize_write_kernel` quantizes rows of bf16 inputs (``kv_c``, ``k_pe``,
 ``indexer_k``) and stores the final cache bytes of every row into each destination of a
-table of base addresses: a token's 656 main-KV bytes at ``main_off + block *
-main_bstride + offset * 656`` and its indexer-K values and scale field in its block of
-the indexer region (:mod:`symmsync.pcp.layout` gives the format). With ``FUSED`` its
-tail is a whole fence (:func:`symmsync.language.grid_fence`).
+table of base addresses: a token's main-KV bytes at ``main_off + block * main_bstride +
+offset * MainKVLayout.TOKEN_BYTES`` and its indexer-K values and scale field in its block
+of the indexer region (:mod:`symmsync.pcp.layout` states the bytes and the scale rules).
+With ``FUSED`` its tail is a whole fence (:func:`symmsync.language.grid_fence`).
 
-How the stores are shaped (docs/performance.md has the measurements):
+How the stores are shaped (the measurements: docs/performance.md, "The PCP writer on one
+GPU"):
 
-* A token's 656 main-KV bytes go out as two runs of 16-byte vector stores, each lane
-  storing 16 contiguous bytes: the 512 fp8 codes (a warp stores a whole row), then the
-  144 bytes of its 4 tile scales (one 16-byte store) and its 64 RoPE values. Its 128
-  indexer-K codes are one 128-byte line. Where slots are consecutive, neighbouring
-  tokens' stores fill whole 128-byte lines between them; scattered slots and padding
-  rows need no other path (a token's stores never depend on its neighbours').
+* A token's main KV goes out as two runs of 16-byte vector stores, each lane storing 16
+  contiguous bytes: its codes (a warp stores a whole row), then its tile scales (one
+  16-byte store) and its RoPE values together. Its indexer-K codes are one 128-byte line.
+  Where slots are consecutive, neighbouring tokens' stores fill whole 128-byte lines
+  between them; scattered slots and padding rows need no other path (a token's stores
+  never depend on its neighbours').
 * Every load of a work item (slots, the three input rows, 16 bytes per lane) is issued
   before its first store: the compiler cannot prove that inputs and caches do not
   alias, so a load after a store would wait for it. On a persistent grid

@@ -1,37 +1,42 @@
 """Byte layouts of the DeepSeek-V3.2 sparse-MLA caches on a packed symmetric backing.
 
-Slots: ``slot = block * block_size + offset`` (block size 64 by default); slot -1 is
-padding and is never written.
+The one statement of the writer's bytes: docs/pcp.md shows the two blocks below as written
+here; :mod:`symmsync.pcp.quant` computes them, :mod:`symmsync.pcp.kernels` stores them, and
+:class:`MainKVLayout` and :class:`IndexerKLayout` hold their numbers as constants.
 
-Main KV, "fp8_ds_mla", 656 bytes per token, at ``slot * 656`` in the layer's main region::
+Where a token's bytes go::
 
-    [0, 512)     512 kv_c values, float8_e4m3fn, in 4 tiles of 128
-    [512, 528)   4 fp32 tile scales, one per tile (``main_scale`` picks the rule)
-    [528, 656)   64 k_pe values, bf16, unquantized
+    --8<-- [start:bytes]
+    slots      slot = block * block_size + offset (block size 64 by default);
+               slot -1 is padding and is never written
+    main KV    "fp8_ds_mla", 656 bytes per token, at slot * 656 in the layer's main region:
+               [0, 512)     512 kv_c values, float8_e4m3fn, in 4 tiles of 128
+               [512, 528)   4 fp32 tile scales (little endian), one per tile
+               [528, 656)   64 k_pe values, bf16, copied bit for bit
+    indexer K  132 bytes per token, laid out per block in the layer's indexer region:
+               block * (block_size * 132) + offset * 128                    128 fp8 values
+               block * (block_size * 132) + block_size * 128 + offset * 4   its 4-byte scale field
+    backing    one layer's main region, then its indexer region, each padded to 128 bytes;
+               layers follow each other from base in the symmetric buffer
+    --8<-- [end:bytes]
 
-Indexer K, 132 bytes per token, laid out per block in the layer's indexer region::
+The scale rules (``CacheLayout(main_scale=..., indexer_scale=...)``; the defaults first)::
 
-    block * (block_size * 132) + offset * 128                      128 fp8 values
-    block * (block_size * 132) + block_size * 128 + offset * 4     4-byte scale field
-
-Scale formats (``CacheLayout(main_scale=..., indexer_scale=...)``); ``amax`` is the
-largest ``|x|`` of a tile (main KV) or token (indexer), divisions are IEEE fp32, and
-codes are ``e4m3fn(x / s)`` rounded to nearest even, saturating at +-448:
-
-``main_scale="pow2"`` (default; vLLM >= 0.33, FlashMLA; exact for the SM90 reader,
-which turns scales into bf16, and the SM100 reader, which turns them into E8M0)
-    ``s`` = the smallest power of two >= ``max(amax / 448, 1e-4)``.
-``main_scale="fp32"`` (vLLM <= 0.11)
-    ``s = max(amax / 448, FLT_MIN)``.
-``indexer_scale="ue8m0"`` (default; DeepSeek-V3.2)
-    ``s`` = the smallest power of two >= ``max(amax, 1e-4) / 448``, stored as fp32.
-``indexer_scale="fp32"`` (vLLM 0.33)
-    ``s = max(amax, 1e-4) / 448``, stored as fp32.
-``indexer_scale="mxfp8"`` (vLLM 0.33)
-    ``s`` as for ``"ue8m0"``; the field holds its biased exponent byte (E8M0) 4 times.
-
-One layer's backing is its main region then its indexer region, each padded to
-128 bytes; layers follow each other from ``base`` in the symmetric buffer.
+    --8<-- [start:scales]
+    amax              the largest |x| of a main-KV tile (128 values) or of an indexer-K
+                      token (128 values), in fp32 (a bf16 input widens exactly)
+    arithmetic        IEEE fp32 division, round to nearest; 448 and FLT_MIN = 2**-126 are
+                      exact, 1e-4 is the fp32 value nearest to it (bits 0x38D1B717)
+    codes             e4m3fn(x / s), rounded to nearest even, saturating at +-448
+    main "pow2"       s = the smallest power of two >= max(amax / 448, 1e-4) (the floor
+                      applies to the quotient); stored as fp32
+    main "fp32"       s = max(amax / 448, FLT_MIN); stored as fp32
+    indexer "ue8m0"   s = the smallest power of two >= m, m = max(amax, 1e-4) / 448 (the
+                      floor applies to amax; s = m when m is one already); stored as fp32
+    indexer "fp32"    s = max(amax, 1e-4) / 448; stored as fp32
+    indexer "mxfp8"   s as for "ue8m0"; the 4-byte field holds its biased exponent byte
+                      (E8M0, log2(s) + 127) four times
+    --8<-- [end:scales]
 """
 
 from __future__ import annotations

@@ -9,30 +9,13 @@ references define the expected bytes.
 
 Formats
 -------
-Main KV, "fp8_ds_mla", 656 bytes per token, built from ``kv_c[t]`` (512
-bf16 values) and ``k_pe[t]`` (64 bf16 values):
-
-* bytes ``[0, 512)``: the 512 ``kv_c`` values as float8_e4m3fn bit
-  patterns, in 4 tiles of 128. Value ``x`` of tile ``j`` is stored as
-  ``q = e4m3fn(x / s_j)``: ``x`` is converted to fp32 (exact), divided by
-  ``s_j`` (the IEEE round-to-nearest fp32 quotient), then rounded to e4m3fn
-  with round-to-nearest-even, saturating at +-448.
-* bytes ``[512, 528)``: the 4 tile scales ``s_j`` as little-endian fp32.
-  ``amax_j`` is the largest ``|x|`` of the tile in fp32 and ``amax_j / 448``
-  an IEEE round-to-nearest division. ``"pow2"`` (:data:`MAIN_SCALES`, vLLM
-  >= 0.33, FlashMLA): ``s_j`` = the smallest power of two
-  ``>= max(amax_j / 448, 1e-4)``. ``"fp32"`` (vLLM <= 0.11):
-  ``s_j = max(amax_j / 448, FLT_MIN)``, ``FLT_MIN = 2**-126``.
-* bytes ``[528, 656)``: the 64 ``k_pe`` values as bf16, copied bit for bit.
-
-Indexer K, 128 values per token from ``indexer_k[t]`` (bf16), one scale
-per token: ``m = max(amax, 1e-4) / 448`` (fp32, IEEE round-to-nearest
-division; ``1e-4`` is the fp32 value nearest to it, bits ``0x38D1B717``).
-``"ue8m0"``: ``s`` = the smallest power of two that is ``>= m`` (``s = m``
-when ``m`` is already a power of two), stored as fp32; ``"fp32"``: ``s = m``;
-``"mxfp8"``: ``s`` as ``"ue8m0"``, its 4-byte field holding the biased
-exponent byte of ``s`` four times (:func:`e8m0_word`). Codes are
-``q = e4m3fn(x / s)``.
+The bytes of both caches and the scale rules of each format are stated once, in
+:mod:`symmsync.pcp.layout` (docs/pcp.md shows them): codes ``e4m3fn(x / s)`` of fp32
+values, tile (main KV) or token (indexer K) scales from ``amax`` by IEEE fp32 division,
+``"pow2"`` and ``"fp32"`` main-KV scales (:data:`MAIN_SCALES`), ``"ue8m0"``, ``"fp32"`` and
+``"mxfp8"`` indexer scales (:data:`INDEXER_SCALES`; :func:`e8m0_word` builds the mxfp8
+field). The torch references here follow those rules; this module's docstring says how
+the Triton functions reach the same bytes on both backends.
 
 With a power-of-two scale the kernels multiply by its reciprocal
 (:func:`pow2_recip`, exact) instead of dividing: ``x * (1 / s)`` and the IEEE
