@@ -25,8 +25,8 @@ def clock_ns():
 def release_add(ptr, live):
     """``red.release.sys.global.add.u64 [ptr], 1`` from thread 0, when ``live``."""
     # A reduction, not an exchange or a store: atom.exch waits for a reply across
-    # NVLink, and red.release.sys measured faster than st.release.sys on 2x H200
-    # (benchmarks/fence.py: 1.95 against 2.38 us per fence in graph replay).
+    # NVLink, and a reduction measured faster per fence than a release store
+    # (docs/performance.md, "The publish instruction").
     # Exactly once per call: only thread 0 issues it; otherwise a program of W warps
     # would add once per thread or warp and a slot would run ahead of its member's
     # epoch. Nothing is sent when not ``live``.
@@ -96,8 +96,8 @@ def signal_add(ptr, value):
 def signal_set(ptr, value):
     """``st.release.sys.global.b64 [ptr], value`` from thread 0."""
     # A release store, not an exchange: the old value is not needed, and a store awaits no
-    # reply across NVLink (DESIGN.md's publish measurements: st.release.sys 3.09 against
-    # atom.exch.release.sys 3.71 us per fence).
+    # reply across NVLink, so it measured faster per fence (docs/performance.md, "The
+    # publish instruction").
     tl.inline_asm_elementwise(
         "{ .reg .pred q; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 q, t, 0; "
         "@q st.release.sys.global.b64 [$1], $2; }\n\tmov.u32 $0, 0;",

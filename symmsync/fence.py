@@ -325,7 +325,7 @@ class _ForkJoin:
     Two events made once and reused, recorded and waited on through the driver: eager,
     a fork or a join costs two driver calls, where ``Stream.wait_stream`` makes a fresh
     event each time and a stream context switch queries and sets the current stream
-    (together about 40 us of host time per :meth:`Fence.overlap` before this class). In a
+    (several times a launch's host time: docs/performance.md, "Fence.overlap()"). In a
     CUDA graph capture the record and the wait become the graph's fork and join edges,
     as torch's would. Streams are named to the driver through :func:`symmsync.launch.cu_stream`.
     """

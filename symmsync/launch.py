@@ -6,15 +6,15 @@ Public API, for consumers that launch their own kernels (:mod:`symmsync.pcp` doe
 :func:`current_stream` and :func:`cu_stream` (raw CUDA stream handles and their
 cuda-python objects).
 
-Triton's own launcher binds and specializes every argument in Python on every call
-(about 12 µs per launch on an H200 host). A fence runs once per layer, so symmsync
+Triton's own launcher binds and specializes every argument in Python on every call,
+which costs more host time than the launch itself (docs/performance.md, "The launch
+path (eager)"). A fence runs once per layer, so symmsync
 keeps the compiled kernel, packs the kernel parameters into a ctypes array, and
 launches with ``cuLaunchKernel`` from cuda-python on torch's current stream; a
 CUDA graph captures such a launch like any other.
 
 (A ctypes call of the driver's entry point, resolved with ``cuGetProcAddress``,
-measured slower than cuda-python's wrapper on 2x H200: 7.8 against 5.8 µs per
-empty-kernel launch; docs/performance.md.)
+measured slower than cuda-python's wrapper; the same page has the figures.)
 
 The fast path is taken only when it is exact: the kernel was compiled by Triton
 for these argument classes (pointer alignment, int width, the value 1), and it

@@ -100,9 +100,10 @@ class Tuning:
             next item before it stores the current one; ``0``: one program per work item.
 
     The defaults (8 rows, 4 warps, 3 programs per multiprocessor: as many as fit at
-    once) were the fastest of the sweep in benchmarks/pcp_local.py on one H200 with the
-    fence fused into the writer's tail (docs/performance.md): a persistent grid pays the
-    tail's arrival once per program, a grid of one program per work item once per item.
+    once) were the fastest of the sweep of benchmarks/pcp_local.py with the fence fused
+    into the writer's tail (docs/performance.md, "The PCP writer on one GPU"): a
+    persistent grid pays the tail's arrival once per program, a grid of one program per
+    work item once per item.
 
     Raises:
         ConfigError: a knob outside its range (the message names it).
