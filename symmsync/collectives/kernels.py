@@ -1,0 +1,192 @@
+"""The collectives' kernel: copy in, hand over (:mod:`.protocol`), sum or copy out.
+
+One kernel source serves every operation, picked by compile-time constants: the
+all-reduce (one-shot or two-shot), the all-gather and the reduce-scatter, each with
+its input copied into the workspace or already there (``SYMMETRIC``). Its programs
+share the elements in blocks of ``BLOCK``, program ``k`` taking blocks ``k, k + G, ...``
+in every phase, so that under the interpreter one program does the whole call.
+
+Sums are float32, in member order (0, 1, ..., size - 1), starting from member 0's
+value, so every member (and both all-reduce algorithms) produce the same bits:
+``sum = x_0; sum += x_1; ...; round once to the dtype`` (round to nearest even).
+Under Triton's interpreter (numpy has no bfloat16) bfloat16 travels as its int16
+bits and is converted with integer arithmetic that rounds as torch does.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+import symmsync.language as ssl
+
+from . import layout as L
+from . import protocol
+
+_HEADER_BYTES = tl.constexpr(L.HEADER_WORDS * 8)
+_ALL_REDUCE = tl.constexpr(L.ALL_REDUCE)
+_ALL_GATHER = tl.constexpr(L.ALL_GATHER)
+
+
+@triton.jit
+def _to_f32(v, BF16_BITS: tl.constexpr):
+    if BF16_BITS:
+        f = (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        f = v.to(tl.float32)
+    return f
+
+
+@triton.jit
+def _from_f32(acc, ELEM: tl.constexpr, BF16_BITS: tl.constexpr):
+    if BF16_BITS:
+        # float32 -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (as torch).
+        u = acc.to(tl.uint32, bitcast=True)
+        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.int32)
+        r = tl.where(acc != acc, 0x7FC0, r)
+        v = tl.where(r >= 32768, r - 65536, r).to(tl.int16)
+    else:
+        v = acc.to(ELEM)
+    return v
+
+
+@triton.jit
+def _sum_members(ptrs, src, idx, mask, ELEM: tl.constexpr, SIZE: tl.constexpr, BF16_BITS: tl.constexpr):
+    # Member order, from member 0's value: the same bits on every member and algorithm.
+    base = tl.multiple_of(ssl.peer_ptr(ptrs, 0, src, ELEM), 16)
+    acc = _to_f32(tl.load(base + idx, mask=mask, other=0), BF16_BITS)
+    for p in tl.static_range(1, SIZE):
+        base = tl.multiple_of(ssl.peer_ptr(ptrs, p, src, ELEM), 16)
+        acc += _to_f32(tl.load(base + idx, mask=mask, other=0), BF16_BITS)
+    return acc
+
+
+@triton.jit
+def _stall(ns):
+    # Tests only (ns > 0): hold this member between its wait and its reads.
+    start = ssl.clock_ns()
+    now = start
+    while now - start < ns:
+        now = ssl.clock_ns()
+
+
+@triton.jit
+def collective_kernel(
+    x,
+    out,
+    numel,
+    chunk,  # elements: the call's input; a member's chunk (two-shot, reduce-scatter)
+    ptrs,  # the view's pointer table (payload)
+    sptrs,
+    cell,
+    me,
+    timeout_ns,
+    record,  # the fence's arguments (Fence.kernel_args)
+    mism,  # the collective's own record (header mismatch, grid stall)
+    stall_ns,
+    headers,
+    counter_off,
+    inputs,
+    input_stride,
+    symmetric,
+    reduced,  # workspace offsets (layout.Workspace)
+    SIZE: tl.constexpr,
+    OP: tl.constexpr,
+    TWO_SHOT: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
+    NBUF: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TRAP: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    DTYPE_CODE: tl.constexpr,
+    ALGORITHM: tl.constexpr,
+):
+    ELEM: tl.constexpr = x.dtype.element_ty
+    PHASES: tl.constexpr = 2 if (TWO_SHOT or SYMMETRIC) else 1
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    lanes = tl.arange(0, BLOCK)
+    e = protocol.next_epoch(sptrs, cell, me)
+    header = headers + (e % 2) * _HEADER_BYTES
+    if SYMMETRIC:
+        src = symmetric + e * 0
+    else:
+        src = inputs + (e % NBUF) * input_stride  # NBUF 1: the parity removed (tests only)
+    counter = ssl.peer_ptr(ptrs, me, counter_off, tl.int64)
+
+    if not SYMMETRIC:  # copy in: this member's input into its own slot
+        mine = tl.multiple_of(ssl.peer_ptr(ptrs, me, src, ELEM), 16)
+        b = pid
+        while b * BLOCK < numel:
+            idx = b * BLOCK + lanes
+            m = idx < numel
+            tl.store(mine + idx, tl.load(x + idx, mask=m), mask=m)
+            b += G
+    if pid == 0:
+        protocol.write_header(ptrs, header, me, OP, numel, DTYPE_CODE, ALGORITHM, SYMMETRIC, e)
+    protocol.arrive(counter, G - 1, sptrs, cell, me, SIZE, PHASES == 1)
+    ok = protocol.wait(sptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
+    if ok:
+        ok = protocol.headers_agree(ptrs, header, me, e, mism, SIZE, TRAP)
+    if PHASES == 2:
+        if ok:
+            ok = protocol.grid_barrier(counter, G, e, timeout_ns, mism, me, SIZE, TRAP)
+    if ok:
+        if stall_ns > 0:
+            _stall(stall_ns)
+        if OP == _ALL_REDUCE:
+            if TWO_SHOT:  # reduce this member's chunk into its reduced slot (and the output)
+                lo = me * chunk
+                hi = tl.minimum(numel, lo + chunk)
+                red = tl.multiple_of(ssl.peer_ptr(ptrs, me, reduced, ELEM), 16)
+                b = pid
+                while lo + b * BLOCK < hi:
+                    i = b * BLOCK + lanes
+                    m = lo + i < hi
+                    v = _from_f32(_sum_members(ptrs, src, lo + i, m, ELEM, SIZE, BF16_BITS), ELEM, BF16_BITS)
+                    tl.store(red + i, v, mask=m)
+                    tl.store(out + lo + i, v, mask=m)
+                    b += G
+            else:
+                b = pid
+                while b * BLOCK < numel:
+                    idx = b * BLOCK + lanes
+                    m = idx < numel
+                    v = _from_f32(_sum_members(ptrs, src, idx, m, ELEM, SIZE, BF16_BITS), ELEM, BF16_BITS)
+                    tl.store(out + idx, v, mask=m)
+                    b += G
+        elif OP == _ALL_GATHER:
+            for p in tl.static_range(SIZE):
+                theirs = tl.multiple_of(ssl.peer_ptr(ptrs, p, src, ELEM), 16)
+                b = pid
+                while b * BLOCK < numel:
+                    idx = b * BLOCK + lanes
+                    m = idx < numel
+                    tl.store(out + p * numel + idx, tl.load(theirs + idx, mask=m), mask=m)
+                    b += G
+        else:  # reduce-scatter: this member's chunk of every member's input
+            b = pid
+            while b * BLOCK < chunk:
+                i = b * BLOCK + lanes
+                m = i < chunk
+                v = _from_f32(_sum_members(ptrs, src, me * chunk + i, m, ELEM, SIZE, BF16_BITS), ELEM, BF16_BITS)
+                tl.store(out + i, v, mask=m)
+                b += G
+        if PHASES == 2:
+            n = protocol.arrive(counter, 2 * G - 1, sptrs, cell, me, SIZE, True)
+            if TWO_SHOT:  # every program: gather the other members' reduced chunks
+                if protocol.wait(sptrs, cell, me, e + 1, timeout_ns, record, SIZE, TRAP):
+                    for p in tl.static_range(SIZE):
+                        if p != me:
+                            lo = p * chunk
+                            hi = tl.minimum(numel, lo + chunk)
+                            theirs = tl.multiple_of(ssl.peer_ptr(ptrs, p, reduced, ELEM), 16)
+                            b = pid
+                            while lo + b * BLOCK < hi:
+                                i = b * BLOCK + lanes
+                                m = lo + i < hi
+                                tl.store(out + lo + i, tl.load(theirs + i, mask=m), mask=m)
+                                b += G
+            else:  # symmetric input: the kernel ends once every member finished reading it
+                if n == 2 * G - 1:
+                    protocol.wait(sptrs, cell, me, e + 1, timeout_ns, record, SIZE, TRAP)

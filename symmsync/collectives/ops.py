@@ -1,0 +1,554 @@
+"""AllReduce, AllGather and ReduceScatter over a peer view: the host side.
+
+Each object is made collectively and owns a workspace in the view's buffer
+(:mod:`.layout`) and a :class:`~symmsync.Fence` channel of the view; a call is one
+kernel launch (:mod:`.kernels`), packed once per variant (:mod:`symmsync.launch`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+
+from .. import collective, mode
+from ..checks import int_problem, require
+from ..errors import BoundsError, ClosedError, ConfigError, FenceTimeout, InputError, SymmSyncError
+from ..fence import Fence
+from ..launch import BoundLaunch, Launcher
+from ..views import PeerView
+from . import layout as L
+from . import tuning
+from .kernels import collective_kernel
+
+#: The algorithms of :class:`AllReduce`.
+ALGORITHMS = ("auto", "one_shot", "two_shot")
+
+# Elements per block of a program (a power of two); warps per program.
+_BLOCK = 1024
+_NUM_WARPS = 4
+# Positions, in the kernel's runtime parameters, of what changes from call to call.
+_PER_CALL = (0, 1, 2, 3)
+_STALL = 11
+
+
+class CollectiveMismatch(InputError):
+    """The members of a view made different calls of a collective (size, dtype,
+    algorithm, input kind or operation); raised on every member, before anything was summed.
+
+    Attributes:
+        rank: this member's global rank.
+        epoch: the fence epoch of the refused call (the same on every member in step).
+        calls: ``{global rank: {field: value}}``: what each member called with.
+        differs: the fields that differ.
+    """
+
+    def __init__(self, message: str, *, rank: int, epoch: int, calls: dict[int, dict[str, Any]], differs: list[str]):
+        super().__init__(message)
+        self.rank = rank
+        self.epoch = epoch
+        self.calls = calls
+        self.differs = differs
+
+    def __reduce__(self):
+        return (_rebuild_mismatch, (str(self), self.rank, self.epoch, self.calls, self.differs))
+
+
+def _rebuild_mismatch(message, rank, epoch, calls, differs):
+    return CollectiveMismatch(message, rank=rank, epoch=epoch, calls=calls, differs=differs)
+
+
+class _Collective:
+    """What the three operations share: construction, the workspace, launches, failures."""
+
+    _OP = 0
+    _NAME = ""
+
+    def __init__(
+        self,
+        view: PeerView,
+        max_numel: int,
+        dtype: torch.dtype,
+        *,
+        algorithm: str | None,
+        offset: int,
+        channel: int,
+        timeout_s: float | None,
+        _parity: bool = True,
+    ):
+        call = self._NAME
+        if not isinstance(view, PeerView):
+            raise ConfigError(f"{call}: view must be a symmsync.PeerView, got {type(view).__name__}")
+        buf = view.buffer
+        if buf.closed:
+            raise ClosedError(f"rank {buf.rank}: {call}: the view's buffer is closed")
+        problem, error = None, ConfigError
+        ws = None
+        if dtype not in L.DTYPES:
+            problem = f"dtype must be one of {', '.join(map(str, L.DTYPES))}, got {dtype!r}"
+        else:
+            problem = int_problem("max_numel", max_numel, minimum=1) or int_problem("offset", offset, minimum=0)
+        if problem is None and offset % L.LINE:
+            problem, error = f"offset must be a multiple of {L.LINE} bytes, got {offset}", BoundsError
+        if problem is None and algorithm is not None and algorithm not in ALGORITHMS:
+            problem = f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}"
+        if problem is None:
+            ws = L.Workspace.plan(offset, max_numel, dtype, view.size, reduced=self._OP == L.ALL_REDUCE)
+            if offset + ws.nbytes > buf.nbytes:
+                problem, error = (
+                    (
+                        f"the workspace needs bytes [{offset}, {offset + ws.nbytes}) of the buffer, which holds "
+                        f"{buf.nbytes}: allocate symmsync.collectives.workspace_bytes(...) more, or lower max_numel"
+                    ),
+                    BoundsError,
+                )
+        fence = None
+        if problem is None:
+            try:  # a bad channel or timeout is agreed like the rest, so that every rank raises
+                fence = Fence(view, channel, timeout_s=timeout_s)
+            except ConfigError as e:
+                problem, error = str(e).removeprefix(f"rank {buf.rank}: "), type(e)
+        mine = (collective.plain(max_numel), str(dtype), algorithm, collective.plain(offset), collective.plain(channel))
+        everyone = collective.gather(buf.group, (mine, problem, error))
+        first_error = next((e for _, p, e in everyone if p), ConfigError)
+        collective.raise_first([p for _, p, _ in everyone], call=call, error=first_error)
+        members = list(view.ranks)
+        for i, what in enumerate(("max_numel", "the dtype", "the algorithm", "the offset", "the channel")):
+            collective.same(
+                [everyone[r][0][i] for r in members],
+                what,
+                call=call,
+                ranks=members,
+                hint=f"every member of the view {members} must pass the same",
+            )
+        self.view = view
+        self.size = view.size
+        self.max_numel = max_numel
+        self.dtype = dtype
+        self.fence = fence
+        """The :class:`~symmsync.Fence` whose channel the collective synchronizes on."""
+        self.workspace = ws
+        """Where the collective's bytes live in every member (:class:`~symmsync.collectives.layout.Workspace`)."""
+        self._buffer = buf
+        caps = buf.capabilities
+        self._traps = caps.traps
+        self._streams = caps.streams
+        self._host_checks = caps.host_checks_status
+        self._interp = mode.kernels_interpreted()
+        self._device_index = buf.device.index if caps.streams else -1
+        if caps.streams:  # one program per multiprocessor at most: every program resident at once
+            self._max_programs = torch.cuda.get_device_properties(buf.device).multi_processor_count
+        else:
+            self._max_programs = 1  # the interpreter runs programs one after another
+        self._record = torch.zeros(L.record_words(view.size), dtype=torch.int64, pin_memory=caps.pinned_record)
+        self._nbuf = 2 if _parity else 1
+        self._stall_ns = 0  # tests: hold this member inside the kernel, between its wait and its reads
+        self._failed: SymmSyncError | None = None
+        self._sym_bytes = buf.tensor(ws.symmetric, (ws.capacity,), torch.uint8)
+        self._sym_addr = self._sym_bytes.data_ptr()
+        self._limits = {d: ws.capacity // d.itemsize for d in L.DTYPES}
+        self._launchers: dict[tuple, Launcher] = {}
+        self._bound: dict[tuple, BoundLaunch] = {}
+        self._fixed = (
+            view.ptrs,
+            *fence.kernel_args,
+            self._record.data_ptr(),
+            0,
+            ws.headers,
+            ws.counter,
+            ws.inputs,
+            ws.input_stride,
+            ws.symmetric,
+            ws.reduced,
+        )
+
+    # ------------------------------------------------------------------ public
+    def input(self, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """This member's symmetric input: a tensor of ``numel`` elements to fill in place.
+
+        Passing it to a call skips the copy-in (the members read it where it lies). It is
+        the same memory on every call; the call returns (in stream order) only after
+        every member finished reading it, so it can be refilled at once.
+
+        Raises:
+            ConfigError: ``numel`` or ``dtype`` is not one the collective takes.
+        """
+        dtype = self.dtype if dtype is None else dtype
+        call = f"{self._NAME}.input"
+        if dtype not in self._limits:
+            require(f"dtype must be one of {', '.join(map(str, L.DTYPES))}, got {dtype!r}", rank=self.rank, call=call)
+        require(int_problem("numel", numel, minimum=0, maximum=self._limits[dtype]), rank=self.rank, call=call)
+        return self._sym_bytes[: numel * dtype.itemsize].view(dtype)
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return self._buffer.rank
+
+    def synchronize(self) -> None:
+        """Wait for the device; turn a trapped call into the error it recorded.
+
+        On GPUs a failed call (a wait that timed out or saw an abort, members whose calls
+        differ) records what it saw and traps; this raises that error
+        (:class:`~symmsync.FenceTimeout`, :class:`~symmsync.PeerAborted`,
+        :class:`CollectiveMismatch`). On the host backend calls raise by themselves.
+        """
+        if self._streams:
+            try:
+                torch.cuda.synchronize(self._buffer.device)
+            except RuntimeError as e:
+                err = self._recorded_error()
+                if err is None:
+                    raise
+                self._failed = err
+                raise err from e
+        self._check()
+
+    # ------------------------------------------------------------------ a call
+    def _launch(self, x: torch.Tensor, out: torch.Tensor, numel: int, chunk: int, algorithm: int) -> None:
+        if self._failed is not None:
+            self._raise_failed()
+        sym = x.data_ptr() == self._sym_addr
+        grid = min(self._max_programs, max(1, triton.cdiv(numel, _BLOCK)))
+        key = (x.dtype, algorithm, sym, grid)
+        bound = self._bound.get(key)
+        if self._interp and x.dtype is torch.bfloat16:  # numpy has no bfloat16: its bits travel
+            x, out = x.view(torch.int16), out.view(torch.int16)
+        if bound is None:
+            bound = self._bound[key] = self._launcher(key).bind(x, out, numel, chunk, *self._fixed, grid=(grid,))
+        elif self._interp:
+            bound.update((*_PER_CALL, _STALL), (x, out, numel, chunk, self._stall_ns))
+        else:
+            bound.update(_PER_CALL, (x, out, numel, chunk))
+        bound()
+        if self._host_checks:
+            self._check()
+
+    def _launcher(self, key: tuple) -> Launcher:
+        dtype, algorithm, sym, _grid = key
+        lk = key[:3]
+        launcher = self._launchers.get(lk)
+        if launcher is None:
+            launcher = self._launchers[lk] = Launcher(
+                collective_kernel,
+                (1,),
+                num_warps=_NUM_WARPS,
+                SIZE=self.size,
+                OP=self._OP,
+                TWO_SHOT=algorithm == L.ALGORITHM_CODES["two_shot"],
+                SYMMETRIC=sym,
+                NBUF=self._nbuf,
+                BLOCK=_BLOCK,
+                TRAP=self._traps,
+                BF16_BITS=self._interp and dtype is torch.bfloat16,
+                DTYPE_CODE=L.DTYPES[dtype],
+                ALGORITHM=algorithm,
+            )
+        return launcher
+
+    def _problem(self, x: Any, numel_ok: Any = None) -> str | None:
+        """What is wrong with an input tensor, or ``None`` (cheap when it is right)."""
+        if type(x) is not torch.Tensor:
+            return f"x must be a torch.Tensor, got {type(x).__name__}"
+        limit = self._limits.get(x.dtype)
+        if limit is None:
+            return f"x must be one of {', '.join(map(str, L.DTYPES))}, got {x.dtype}"
+        if x.get_device() != self._device_index or not (x.is_cuda or x.is_cpu):
+            return f"x is on {x.device}, the collective's memory on {self._buffer.device}"
+        if not x.is_contiguous():
+            return "x must be contiguous (call .contiguous())"
+        if x.numel() > limit:
+            return (
+                f"x has {x.numel()} elements, more than the {limit} {x.dtype} elements the workspace holds "
+                f"(max_numel={self.max_numel} of {self.dtype})"
+            )
+        return None
+
+    def _out_problem(self, out: Any, x: torch.Tensor, numel: int) -> str | None:
+        if type(out) is not torch.Tensor:
+            return f"out must be a torch.Tensor, got {type(out).__name__}"
+        if out.dtype != x.dtype or out.numel() != numel or not out.is_contiguous() or out.device != x.device:
+            return (
+                f"out must be a contiguous {x.dtype} tensor of {numel} elements on {x.device}, got "
+                f"{out.dtype} of {out.numel()} elements on {out.device}"
+                + ("" if out.is_contiguous() else ", not contiguous")
+            )
+        return None
+
+    def _refuse(self, problem: str) -> None:
+        """Refuse a bad call on this member: tell the members (they may wait in it already), raise."""
+        if self._buffer.closed:
+            raise ClosedError(f"rank {self.rank}: {self._NAME}: used after its buffer was closed")
+        self.fence.check_usable()
+        err = InputError(f"rank {self.rank}: {self._NAME}: {problem}")
+        # The members raise PeerAborted naming this rank and the reason at once, instead of
+        # waiting out their budget for a call this rank never makes. Nothing was written.
+        self.view.abort(str(err))
+        raise err
+
+    def _raise_failed(self) -> None:
+        self.fence.check_usable()  # closed buffer, aborted view, a failed wait: its own error first
+        err = self._failed
+        if self.view.aborted is None:
+            self.view._abort_quietly(f"rank {self.rank}: {type(err).__name__} in {self._NAME}")
+        raise err
+
+    # ------------------------------------------------------------------ failures
+    def _check(self) -> None:
+        """Raise the error a finished call recorded, if any."""
+        try:
+            self.fence.check()
+        except FenceTimeout as e:
+            self._failed = e
+            raise
+        err = self._mismatch_error()
+        if err is not None:
+            self._failed = err
+            raise err
+
+    def _recorded_error(self) -> SymmSyncError | None:
+        return self.fence.timeout_error() or self._mismatch_error()
+
+    def _mismatch_error(self) -> SymmSyncError | None:
+        words = self._record.tolist()
+        flag = words[L.R_FLAG]
+        if flag not in (L.MISMATCH, L.GRID_STALL):
+            return None
+        ranks = self.view.ranks
+        epoch, me = words[L.R_EPOCH], words[L.R_INDEX]
+        where = f"rank {ranks[me]}: {self._NAME} on view {list(ranks)} (the call of epoch {epoch})"
+        if flag == L.GRID_STALL:
+            return FenceTimeout(
+                f"{where}: only {words[L.R_HEADERS]} programs of its launch arrived within "
+                f"{self.fence.timeout_s:g} s: the launch's programs were not resident at once (another kernel held "
+                "the multiprocessors); nothing after it ran",
+                rank=ranks[me],
+                epoch=epoch,
+                late={},
+                channel=self.fence.channel,
+            )
+        calls = {}
+        for i, r in enumerate(ranks):
+            h = words[L.R_HEADERS + i * L.HEADER_WORDS : L.R_HEADERS + (i + 1) * L.HEADER_WORDS]
+            calls[r] = _describe(h, epoch)
+        fields = list(next(iter(calls.values())))
+        differs = [f for f in fields if len({repr(c[f]) for c in calls.values()}) > 1]
+        parts = [f"{f}: " + ", ".join(f"rank {r}: {c[f]}" for r, c in calls.items()) for f in differs]
+        msg = (
+            f"{where}: the members' calls differ ({'; '.join(parts)}). Every member must make the same call "
+            "(operation, size, dtype, algorithm, input kind) in the same order; nothing was summed, and the "
+            "collective fails from now on"
+        )
+        return CollectiveMismatch(msg, rank=ranks[me], epoch=epoch, calls=calls, differs=differs)
+
+
+def _describe(h: list[int], epoch: int) -> dict[str, Any]:
+    """A member's header, in words (what the error shows)."""
+    op = h[L.H_TAG] - L.TAG
+    if op not in L.OP_NAMES:
+        return {
+            "operation": "none (no call of this collective's at this epoch)",
+            "numel": "-",
+            "dtype": "-",
+            "algorithm": "-",
+            "input": "-",
+            "call": "-",
+        }
+    return {
+        "operation": L.OP_NAMES[op],
+        "numel": h[L.H_NUMEL],
+        "dtype": L.DTYPE_NAMES.get(h[L.H_DTYPE], f"code {h[L.H_DTYPE]}"),
+        "algorithm": L.ALGORITHM_NAMES.get(h[L.H_ALGORITHM], "-"),
+        "input": "symmetric" if h[L.H_SYMMETRIC] else "copied in",
+        "call": "this one" if h[L.H_EPOCH] == epoch else f"another (epoch {h[L.H_EPOCH]})",
+    }
+
+
+class AllReduce(_Collective):
+    """The elementwise sum over a peer view's members, the same bits on every member.
+
+    Args:
+        view: the members (a :class:`~symmsync.PeerView`).
+        max_numel: the largest call, in elements of ``dtype``.
+        dtype: ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``: the element
+            type the workspace is sized for (a call may use another of the three, up to
+            the same bytes).
+        algorithm: ``"one_shot"``, ``"two_shot"`` or ``"auto"`` (by size and view size:
+            :mod:`symmsync.collectives.tuning`).
+        offset: where the workspace starts in the view's buffer (a multiple of 128;
+            :func:`workspace_bytes` says how much it takes).
+        channel: the view's fence channel to synchronize on (one per collective object).
+        timeout_s: wait budget (default: the backend's).
+
+    Made collectively: every rank of the buffer's group constructs its object at the
+    same time, the members of a view with the same arguments, or every rank raises
+    :class:`~symmsync.ConfigError` (:class:`~symmsync.BoundsError` when the workspace
+    does not fit).
+    """
+
+    _OP = L.ALL_REDUCE
+    _NAME = "AllReduce"
+
+    def __init__(
+        self,
+        view: PeerView,
+        max_numel: int,
+        dtype: torch.dtype,
+        algorithm: str = "auto",
+        *,
+        offset: int = 0,
+        channel: int = 0,
+        timeout_s: float | None = None,
+        _parity: bool = True,
+    ):
+        super().__init__(
+            view,
+            max_numel,
+            dtype,
+            algorithm=algorithm,
+            offset=offset,
+            channel=channel,
+            timeout_s=timeout_s,
+            _parity=_parity,
+        )
+        self.algorithm = algorithm
+
+    def __call__(
+        self, x: torch.Tensor, out: torch.Tensor | None = None, *, algorithm: str | None = None
+    ) -> torch.Tensor:
+        """The sum of every member's ``x``, elementwise, accumulated in float32 in member order.
+
+        Args:
+            x: this member's input (contiguous, on the buffer's device), or the tensor
+                :meth:`input` returned, filled in place (no copy-in).
+            out: where to write the sum (``x``'s dtype and number of elements; may be ``x``).
+            algorithm: this call's algorithm (default: the object's).
+
+        Every member must make the same call (size, dtype, algorithm, input kind), in the
+        same order. Returns ``out`` (a new tensor of ``x``'s shape when not given).
+
+        Raises:
+            InputError: a bad argument on this member (its members raise
+                :class:`~symmsync.PeerAborted` naming it); :class:`CollectiveMismatch` on
+                every member when their calls differ.
+            FenceTimeout: a member did not arrive within the budget
+                (:class:`~symmsync.PeerAborted`: it aborted).
+        """
+        bad = self._problem(x)
+        if bad is None and algorithm is not None and algorithm not in ALGORITHMS:
+            bad = f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}"
+        if bad is None and out is not None:
+            bad = self._out_problem(out, x, x.numel())
+        if bad is not None:
+            self._refuse(bad)
+        numel = x.numel()
+        algo = algorithm or self.algorithm
+        if algo == "auto":
+            algo = tuning.choose(numel * x.element_size(), self.size)
+        if out is None:
+            out = torch.empty_like(x)
+        code = L.ALGORITHM_CODES[algo]
+        self._launch(x, out, numel, L.two_shot_chunk(numel, self.size) if code else 0, code)
+        return out
+
+
+class AllGather(_Collective):
+    """Every member's input, concatenated in view order, on every member.
+
+    Args: as :class:`AllReduce` (no algorithm). A call ``ag(x)`` returns a 1-D tensor of
+    ``view.size * x.numel()`` elements; ``x`` may be the tensor :meth:`input` returned.
+    """
+
+    _OP = L.ALL_GATHER
+    _NAME = "AllGather"
+
+    def __init__(
+        self,
+        view: PeerView,
+        max_numel: int,
+        dtype: torch.dtype,
+        *,
+        offset: int = 0,
+        channel: int = 0,
+        timeout_s: float | None = None,
+        _parity: bool = True,
+    ):
+        super().__init__(
+            view,
+            max_numel,
+            dtype,
+            algorithm=None,
+            offset=offset,
+            channel=channel,
+            timeout_s=timeout_s,
+            _parity=_parity,
+        )
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Gather every member's ``x`` (same numel and dtype on every member) into ``out``.
+
+        Raises: as :meth:`AllReduce.__call__`.
+        """
+        bad = self._problem(x)
+        if bad is None and out is not None:
+            bad = self._out_problem(out, x, self.size * x.numel())
+        if bad is not None:
+            self._refuse(bad)
+        numel = x.numel()
+        if out is None:
+            out = torch.empty(self.size * numel, dtype=x.dtype, device=x.device)
+        self._launch(x, out, numel, 0, -1)
+        return out
+
+
+class ReduceScatter(_Collective):
+    """Member ``i`` gets the sum over the members of chunk ``i`` of their inputs.
+
+    Args: as :class:`AllReduce` (no algorithm). A call ``rs(x)``, ``x.numel()`` a
+    multiple of ``view.size``, returns a 1-D tensor of ``x.numel() // view.size``
+    elements: chunk ``i`` of every member's ``x``, summed in float32 in member order.
+    """
+
+    _OP = L.REDUCE_SCATTER
+    _NAME = "ReduceScatter"
+
+    def __init__(
+        self,
+        view: PeerView,
+        max_numel: int,
+        dtype: torch.dtype,
+        *,
+        offset: int = 0,
+        channel: int = 0,
+        timeout_s: float | None = None,
+        _parity: bool = True,
+    ):
+        super().__init__(
+            view,
+            max_numel,
+            dtype,
+            algorithm=None,
+            offset=offset,
+            channel=channel,
+            timeout_s=timeout_s,
+            _parity=_parity,
+        )
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Reduce-scatter every member's ``x`` into ``out`` (this member's chunk of the sum).
+
+        Raises: as :meth:`AllReduce.__call__`.
+        """
+        bad = self._problem(x)
+        if bad is None and x.numel() % self.size:
+            bad = f"x has {x.numel()} elements, not a multiple of the view's {self.size} members"
+        if bad is None and out is not None:
+            bad = self._out_problem(out, x, x.numel() // self.size)
+        if bad is not None:
+            self._refuse(bad)
+        chunk = x.numel() // self.size
+        if out is None:
+            out = torch.empty(chunk, dtype=x.dtype, device=x.device)
+        self._launch(x, out, x.numel(), chunk, -1)
+        return out

@@ -1,0 +1,181 @@
+"""symmsync.collectives on the host backend: results against an independent oracle.
+
+The oracle gathers every member's input with torch.distributed (gloo) and sums in
+plain torch, in member order, in float32 (``acc = x_0; acc += x_1; ...``, then one
+rounding to the dtype); the all-gather is ``torch.cat`` of the inputs, the
+reduce-scatter chunk ``i`` of that sum. Results must be bit-identical on every member.
+
+* every operation, algorithm and dtype at sizes 1, 777, 4096 + 3 and ``max_numel``
+  (world 2; a smaller set at worlds 3 and 4), copied in and through the symmetric input;
+* 50 back-to-back calls (operations, algorithms, sizes and input kinds drawn at
+  random, fresh inputs each call) with a random delay on one member before each call
+  and inside its kernel, between its wait and its reads; results compared after the
+  loop, so the reference cannot act as a barrier; and the same loop with the epoch
+  parity of the input slots removed, which the oracle must catch.
+"""
+
+import random
+import secrets
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import symmsync as ss
+from symmsync import collectives as C
+from symmsync.testing import RankPool
+
+MAX_NUMEL = 4104  # a multiple of 2, 3 and 4: the largest reduce-scatter input too
+SIZES = (1, 777, 4096 + 3, MAX_NUMEL)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OPS = ("one_shot", "two_shot", "auto", "all_gather", "reduce_scatter")
+
+
+# ---------------------------------------------------------------------- the oracle
+def member_order_sum(inputs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    acc = inputs[0].to(torch.float32)
+    for x in inputs[1:]:
+        acc = acc + x.to(torch.float32)
+    return acc.to(dtype)
+
+
+def expected(op: str, inputs: list[torch.Tensor], rank: int) -> torch.Tensor:
+    dtype, size = inputs[0].dtype, len(inputs)
+    if op == "all_gather":
+        return torch.cat(inputs)
+    total = member_order_sum(inputs, dtype)
+    if op == "reduce_scatter":
+        k = inputs[0].numel() // size
+        return total[rank * k : (rank + 1) * k]
+    return total
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def gathered(x: torch.Tensor) -> list[torch.Tensor]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x)
+    return out
+
+
+# ---------------------------------------------------------------------- set-up on every rank
+def _objects(parity=True, timeout_s=None):
+    world = dist.get_world_size()
+    per = C.workspace_bytes(MAX_NUMEL, torch.float32, world)
+    buf = ss.SymmetricBuffer(3 * per, backend="host")
+    view = buf.view(list(range(world)))
+    kw = dict(timeout_s=timeout_s, _parity=parity)
+    ops = {
+        "all_reduce": C.AllReduce(view, MAX_NUMEL, torch.float32, "auto", offset=0, channel=0, **kw),
+        "all_gather": C.AllGather(view, MAX_NUMEL, torch.float32, offset=per, channel=1, **kw),
+        "reduce_scatter": C.ReduceScatter(view, MAX_NUMEL, torch.float32, offset=2 * per, channel=2, **kw),
+    }
+    return buf, view, ops
+
+
+def _call(ops, op, x, symmetric):
+    target = ops["all_reduce"] if op in ("one_shot", "two_shot", "auto") else ops[op]
+    if symmetric:
+        t = target.input(x.numel(), x.dtype)
+        t.copy_(x)
+        x = t
+    if target is ops["all_reduce"]:
+        return target(x, algorithm=op).clone()
+    return target(x).clone()
+
+
+def _numel(op, n, size):
+    return max(size, n // size * size) if op == "reduce_scatter" else n
+
+
+def every_case(cases, seed):
+    """Rank function: each (op, dtype, numel, symmetric) case once; per case, equal to the oracle?"""
+    buf, view, ops = _objects()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    got = []
+    for op, dtype, n, sym in cases:
+        x = torch.randn(_numel(op, n, size), generator=g).to(dtype)
+        got.append((x, _call(ops, op, x, sym)))
+    wrong = []
+    for (op, dtype, n, sym), (x, y) in zip(cases, got):
+        if not same_bits(y, expected(op, gathered(x), rank)):
+            wrong.append((op, str(dtype), n, sym))
+    buf.close()
+    return wrong
+
+
+@pytest.fixture(scope="module")
+def pools():
+    made = {}
+    yield lambda world: made.setdefault(world, RankPool(world, timeout_s=600))
+    for p in made.values():
+        p.close()
+
+
+def test_every_operation_algorithm_dtype_and_size_matches_the_member_order_float32_oracle_at_world_2(pools):
+    seed = secrets.randbits(16)
+    cases = [(op, dt, n, False) for op in OPS for dt in DTYPES for n in SIZES]
+    cases += [(op, torch.bfloat16, n, True) for op in OPS for n in (777, MAX_NUMEL)]
+    wrong = pools(2).call(every_case, cases, seed)
+    assert wrong == [[], []], f"seed {seed}: cases that differ from the oracle: {wrong}"
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_every_operation_and_dtype_matches_the_oracle_at_world(world, pools):
+    seed = secrets.randbits(16)
+    cases = [(op, dt, 4096 + 3, False) for op in OPS for dt in DTYPES]
+    cases += [(op, torch.bfloat16, 1, op == "two_shot") for op in OPS]
+    wrong = pools(world).call(every_case, cases, seed)
+    assert wrong == [[]] * world, f"seed {seed}: cases that differ from the oracle: {wrong}"
+
+
+# ---------------------------------------------------------------------- back to back
+STALLS_NS = (0, 0, 0, 1_000_000, 40_000_000, 120_000_000)
+
+
+def back_to_back(calls, seed, slow, parity=True, ops_drawn=OPS, symmetric_share=0.3):
+    """Rank function: ``calls`` calls with no host barrier; rank ``slow`` sleeps before each
+    call and stalls inside its kernel. Returns the calls whose result differs from the oracle."""
+    buf, view, ops = _objects(parity)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    draw = random.Random(seed)  # the same draws on every rank: the members make the same calls
+    delay = random.Random(seed * 7 + rank)
+    g = torch.Generator().manual_seed(seed + rank)
+    plan, results = [], []
+    for _ in range(calls):
+        op = draw.choice(ops_drawn)
+        dtype = draw.choice(DTYPES)
+        n = _numel(op, draw.choice((1, 777, 4096 + 3)), size)
+        sym = draw.random() < symmetric_share
+        x = torch.randn(n, generator=g).to(dtype)
+        if rank == slow:
+            time.sleep(delay.uniform(0, 0.01))
+            stall = delay.choice(STALLS_NS)
+            for o in ops.values():
+                o._stall_ns = stall
+        plan.append((op, x))
+        results.append(_call(ops, op, x, sym))
+    wrong = [
+        i for i, ((op, x), y) in enumerate(zip(plan, results)) if not same_bits(y, expected(op, gathered(x), rank))
+    ]
+    buf.close()
+    return wrong
+
+
+def test_fifty_back_to_back_calls_with_random_delays_all_match_the_oracle(pools):
+    seed = secrets.randbits(16)
+    wrong = pools(3).call(back_to_back, 50, seed, 2)
+    assert wrong == [[], [], []], f"seed {seed}: calls that differ from the oracle, per rank: {wrong}"
+
+
+def test_the_back_to_back_oracle_bites_without_the_parity_of_the_input_slots(pools):
+    # One-shot all-reduces only (a two-shot call's second fence protects its slots by itself),
+    # copied in, no symmetric input: a fast member's next copy-in lands in the slot the slow
+    # member is still reading.
+    seed = secrets.randbits(16)
+    wrong = pools(2).call(back_to_back, 50, seed, 1, False, ("one_shot",), 0.0)
+    assert wrong[1], f"seed {seed}: without the parity the slow member read no overwritten slot: {wrong}"
