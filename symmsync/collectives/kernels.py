@@ -51,14 +51,89 @@ def _from_f32(acc, ELEM: tl.constexpr, BF16_BITS: tl.constexpr):
 
 
 @triton.jit
-def _sum_members(ptrs, src, idx, mask, ELEM: tl.constexpr, SIZE: tl.constexpr, BF16_BITS: tl.constexpr):
+def _copy_block(dst, src, idx, n, FULL: tl.constexpr):
+    if FULL:  # no mask: loads and stores of 16 bytes per thread where the pointers allow
+        tl.store(dst + idx, tl.load(src + idx))
+    else:
+        m = idx < n
+        tl.store(dst + idx, tl.load(src + idx, mask=m), mask=m)
+
+
+@triton.jit
+def _copy(dst, src, n, pid, G, BLOCK: tl.constexpr):
+    """``dst[i] = src[i]`` for ``i < n``: this program's blocks (pid, pid + G, ...)."""
+    lanes = tl.arange(0, BLOCK)
+    b = pid
+    while b * BLOCK < n:
+        idx = b * BLOCK + lanes
+        if (b + 1) * BLOCK <= n:
+            _copy_block(dst, src, idx, n, True)
+        else:
+            _copy_block(dst, src, idx, n, False)
+        b += G
+
+
+@triton.jit
+def _sum_block(
+    ptrs, src, first, idx, n, ELEM: tl.constexpr, SIZE: tl.constexpr, BF16_BITS: tl.constexpr, FULL: tl.constexpr
+):
     # Member order, from member 0's value: the same bits on every member and algorithm.
-    base = tl.multiple_of(ssl.peer_ptr(ptrs, 0, src, ELEM), 16)
-    acc = _to_f32(tl.load(base + idx, mask=mask, other=0), BF16_BITS)
+    # ``src`` is a slot's (aligned) byte offset, ``first`` the element the block starts from.
+    m = idx < n
+    base = tl.multiple_of(ssl.peer_ptr(ptrs, 0, src, ELEM), 16) + first
+    if FULL:
+        acc = _to_f32(tl.load(base + idx), BF16_BITS)
+    else:
+        acc = _to_f32(tl.load(base + idx, mask=m, other=0), BF16_BITS)
     for p in tl.static_range(1, SIZE):
-        base = tl.multiple_of(ssl.peer_ptr(ptrs, p, src, ELEM), 16)
-        acc += _to_f32(tl.load(base + idx, mask=mask, other=0), BF16_BITS)
-    return acc
+        base = tl.multiple_of(ssl.peer_ptr(ptrs, p, src, ELEM), 16) + first
+        if FULL:
+            acc += _to_f32(tl.load(base + idx), BF16_BITS)
+        else:
+            acc += _to_f32(tl.load(base + idx, mask=m, other=0), BF16_BITS)
+    return _from_f32(acc, ELEM, BF16_BITS)
+
+
+@triton.jit
+def _store_block(dst, idx, v, n, FULL: tl.constexpr):
+    if FULL:
+        tl.store(dst + idx, v)
+    else:
+        tl.store(dst + idx, v, mask=idx < n)
+
+
+@triton.jit
+def _reduce(
+    ptrs,
+    src,
+    first,
+    n,
+    dst,
+    dst2,
+    pid,
+    G,
+    ELEM: tl.constexpr,
+    SIZE: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TWO: tl.constexpr,
+):
+    """``dst[i]`` (and ``dst2[i]``) ``= sum over members p of element first + i of p's slot at src``, i < n."""
+    lanes = tl.arange(0, BLOCK)
+    b = pid
+    while b * BLOCK < n:
+        idx = b * BLOCK + lanes
+        if (b + 1) * BLOCK <= n:
+            v = _sum_block(ptrs, src, first, idx, n, ELEM, SIZE, BF16_BITS, True)
+            _store_block(dst, idx, v, n, True)
+            if TWO:
+                _store_block(dst2, idx, v, n, True)
+        else:
+            v = _sum_block(ptrs, src, first, idx, n, ELEM, SIZE, BF16_BITS, False)
+            _store_block(dst, idx, v, n, False)
+            if TWO:
+                _store_block(dst2, idx, v, n, False)
+        b += G
 
 
 @triton.jit
@@ -105,7 +180,6 @@ def collective_kernel(
     PHASES: tl.constexpr = 2 if (TWO_SHOT or SYMMETRIC) else 1
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    lanes = tl.arange(0, BLOCK)
     e = protocol.next_epoch(sptrs, cell, me)
     header = headers + (e % 2) * _HEADER_BYTES
     if SYMMETRIC:
@@ -115,13 +189,7 @@ def collective_kernel(
     counter = ssl.peer_ptr(ptrs, me, counter_off, tl.int64)
 
     if not SYMMETRIC:  # copy in: this member's input into its own slot
-        mine = tl.multiple_of(ssl.peer_ptr(ptrs, me, src, ELEM), 16)
-        b = pid
-        while b * BLOCK < numel:
-            idx = b * BLOCK + lanes
-            m = idx < numel
-            tl.store(mine + idx, tl.load(x + idx, mask=m), mask=m)
-            b += G
+        _copy(tl.multiple_of(ssl.peer_ptr(ptrs, me, src, ELEM), 16), x, numel, pid, G, BLOCK)
     if pid == 0:
         protocol.write_header(ptrs, header, me, OP, numel, DTYPE_CODE, ALGORITHM, SYMMETRIC, e)
     protocol.arrive(counter, G - 1, sptrs, cell, me, SIZE, PHASES == 1)
@@ -137,56 +205,27 @@ def collective_kernel(
         if OP == _ALL_REDUCE:
             if TWO_SHOT:  # reduce this member's chunk into its reduced slot (and the output)
                 lo = me * chunk
-                hi = tl.minimum(numel, lo + chunk)
+                n = tl.maximum(tl.minimum(numel, lo + chunk) - lo, 0)
                 red = tl.multiple_of(ssl.peer_ptr(ptrs, me, reduced, ELEM), 16)
-                b = pid
-                while lo + b * BLOCK < hi:
-                    i = b * BLOCK + lanes
-                    m = lo + i < hi
-                    v = _from_f32(_sum_members(ptrs, src, lo + i, m, ELEM, SIZE, BF16_BITS), ELEM, BF16_BITS)
-                    tl.store(red + i, v, mask=m)
-                    tl.store(out + lo + i, v, mask=m)
-                    b += G
+                _reduce(ptrs, src, lo, n, red, out + lo, pid, G, ELEM, SIZE, BF16_BITS, BLOCK, True)
             else:
-                b = pid
-                while b * BLOCK < numel:
-                    idx = b * BLOCK + lanes
-                    m = idx < numel
-                    v = _from_f32(_sum_members(ptrs, src, idx, m, ELEM, SIZE, BF16_BITS), ELEM, BF16_BITS)
-                    tl.store(out + idx, v, mask=m)
-                    b += G
+                _reduce(ptrs, src, 0, numel, out, out, pid, G, ELEM, SIZE, BF16_BITS, BLOCK, False)
         elif OP == _ALL_GATHER:
             for p in tl.static_range(SIZE):
                 theirs = tl.multiple_of(ssl.peer_ptr(ptrs, p, src, ELEM), 16)
-                b = pid
-                while b * BLOCK < numel:
-                    idx = b * BLOCK + lanes
-                    m = idx < numel
-                    tl.store(out + p * numel + idx, tl.load(theirs + idx, mask=m), mask=m)
-                    b += G
+                _copy(out + p * numel, theirs, numel, pid, G, BLOCK)
         else:  # reduce-scatter: this member's chunk of every member's input
-            b = pid
-            while b * BLOCK < chunk:
-                i = b * BLOCK + lanes
-                m = i < chunk
-                v = _from_f32(_sum_members(ptrs, src, me * chunk + i, m, ELEM, SIZE, BF16_BITS), ELEM, BF16_BITS)
-                tl.store(out + i, v, mask=m)
-                b += G
+            _reduce(ptrs, src, me * chunk, chunk, out, out, pid, G, ELEM, SIZE, BF16_BITS, BLOCK, False)
         if PHASES == 2:
-            n = protocol.arrive(counter, 2 * G - 1, sptrs, cell, me, SIZE, True)
+            n_in = protocol.arrive(counter, 2 * G - 1, sptrs, cell, me, SIZE, True)
             if TWO_SHOT:  # every program: gather the other members' reduced chunks
                 if protocol.wait(sptrs, cell, me, e + 1, timeout_ns, record, SIZE, TRAP):
                     for p in tl.static_range(SIZE):
                         if p != me:
                             lo = p * chunk
-                            hi = tl.minimum(numel, lo + chunk)
+                            n = tl.maximum(tl.minimum(numel, lo + chunk) - lo, 0)
                             theirs = tl.multiple_of(ssl.peer_ptr(ptrs, p, reduced, ELEM), 16)
-                            b = pid
-                            while lo + b * BLOCK < hi:
-                                i = b * BLOCK + lanes
-                                m = lo + i < hi
-                                tl.store(out + lo + i, tl.load(theirs + i, mask=m), mask=m)
-                                b += G
+                            _copy(out + lo, theirs, n, pid, G, BLOCK)
             else:  # symmetric input: the kernel ends once every member finished reading it
-                if n == 2 * G - 1:
+                if n_in == 2 * G - 1:
                     protocol.wait(sptrs, cell, me, e + 1, timeout_ns, record, SIZE, TRAP)
