@@ -26,6 +26,7 @@ from . import protocol
 _HEADER_BYTES = tl.constexpr(L.HEADER_WORDS * 8)
 _ALL_REDUCE = tl.constexpr(L.ALL_REDUCE)
 _ALL_GATHER = tl.constexpr(L.ALL_GATHER)
+_TAG = tl.constexpr(L.TAG)
 
 
 @triton.jit
@@ -191,7 +192,7 @@ def collective_kernel(
     if not SYMMETRIC:  # copy in: this member's input into its own slot
         _copy(tl.multiple_of(ssl.peer_ptr(ptrs, me, src, ELEM), 16), x, numel, pid, G, BLOCK)
     if pid == 0:
-        protocol.write_header(ptrs, header, me, OP, numel, DTYPE_CODE, ALGORITHM, SYMMETRIC, e)
+        protocol.write_header(ptrs, header, me, _TAG + OP, numel, DTYPE_CODE, ALGORITHM, SYMMETRIC, e)
     protocol.arrive(counter, G - 1, sptrs, cell, me, SIZE, PHASES == 1)
     ok = protocol.wait(sptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
     if ok:

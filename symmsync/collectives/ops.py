@@ -253,7 +253,7 @@ class _Collective:
             return f"x must be a torch.Tensor, got {type(x).__name__}"
         limit = self._limits.get(x.dtype)
         if limit is None:
-            return f"x must be one of {', '.join(map(str, L.DTYPES))}, got {x.dtype}"
+            return f"x must be float32, bfloat16 or float16, got {x.dtype}"
         if x.get_device() != self._device_index or not (x.is_cuda or x.is_cpu):
             return f"x is on {x.device}, the collective's memory on {self._buffer.device}"
         if not x.is_contiguous():
@@ -284,7 +284,7 @@ class _Collective:
         err = InputError(f"rank {self.rank}: {self._NAME}: {problem}")
         # The members raise PeerAborted naming this rank and the reason at once, instead of
         # waiting out their budget for a call this rank never makes. Nothing was written.
-        self.view.abort(str(err))
+        self.view.abort(f"{self._NAME}: {problem}")  # its members name this rank themselves
         raise err
 
     def _raise_failed(self) -> None:
