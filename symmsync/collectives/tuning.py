@@ -15,10 +15,10 @@ reads win from a few hundred kilobytes.
 
 from __future__ import annotations
 
-#: Largest message (bytes) that ``"auto"`` sends one-shot, per view size. PROVISIONAL.
 ONE_SHOT_MAX_BYTES: dict[int, int] = {1: 1 << 62, 2: 4 << 20, 4: 512 << 10, 8: 256 << 10}
-#: The same for view sizes not listed. PROVISIONAL.
+"""Largest message (bytes) that ``"auto"`` sends one-shot, per view size. PROVISIONAL."""
 DEFAULT_ONE_SHOT_MAX_BYTES = 256 << 10
+"""The same for view sizes not listed. PROVISIONAL."""
 
 
 def choose(nbytes: int, size: int) -> str:
