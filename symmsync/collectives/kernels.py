@@ -27,6 +27,8 @@ _HEADER_BYTES = tl.constexpr(L.HEADER_WORDS * 8)
 _ALL_REDUCE = tl.constexpr(L.ALL_REDUCE)
 _ALL_GATHER = tl.constexpr(L.ALL_GATHER)
 _TAG = tl.constexpr(L.TAG)
+_CHUNK_ALIGN = tl.constexpr(L.CHUNK_ALIGN)
+_REDUCE_SCATTER = tl.constexpr(L.REDUCE_SCATTER)
 
 
 @triton.jit
@@ -150,8 +152,7 @@ def _stall(ns):
 def collective_kernel(
     x,
     out,
-    numel,
-    chunk,  # elements: the call's input; a member's chunk (two-shot, reduce-scatter)
+    count,  # elements of the call's input (reduce-scatter: of each member's chunk)
     ptrs,  # the view's pointer table (payload)
     sptrs,
     cell,
@@ -188,6 +189,15 @@ def collective_kernel(
     else:
         src = inputs + (e % NBUF) * input_stride  # NBUF 1: the parity removed (tests only)
     counter = ssl.peer_ptr(ptrs, me, counter_off, tl.int64)
+    # The reduce-scatter passes its chunk, so that Triton specializes the chunk's alignment
+    # (16-byte accesses) as it does any argument's.
+    if OP == _REDUCE_SCATTER:
+        numel = count * SIZE
+        chunk = count
+    else:
+        numel = count
+        # two-shot: a member's chunk, cdiv(numel, SIZE) rounded up to whole 16-byte groups
+        chunk = ((count + SIZE - 1) // SIZE + _CHUNK_ALIGN - 1) // _CHUNK_ALIGN * _CHUNK_ALIGN
 
     if not SYMMETRIC:  # copy in: this member's input into its own slot
         _copy(tl.multiple_of(ssl.peer_ptr(ptrs, me, src, ELEM), 16), x, numel, pid, G, BLOCK)

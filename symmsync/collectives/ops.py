@@ -10,13 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import triton
 
 from .. import collective, mode
 from ..checks import int_problem, require
 from ..errors import BoundsError, ClosedError, ConfigError, FenceTimeout, InputError, SymmSyncError
 from ..fence import Fence
-from ..launch import BoundLaunch, Launcher
+from ..launch import Launcher
 from ..views import PeerView
 from . import layout as L
 from . import tuning
@@ -29,8 +28,8 @@ ALGORITHMS = ("auto", "one_shot", "two_shot")
 _BLOCK = 1024
 _NUM_WARPS = 4
 # Positions, in the kernel's runtime parameters, of what changes from call to call.
-_PER_CALL = (0, 1, 2, 3)
-_STALL = 11
+_PER_CALL = (0, 1, 2)
+_STALL = 10
 
 
 class CollectiveMismatch(InputError):
@@ -149,7 +148,8 @@ class _Collective:
         self._sym_addr = self._sym_bytes.data_ptr()
         self._limits = {d: ws.capacity // d.itemsize for d in L.DTYPES}
         self._launchers: dict[tuple, Launcher] = {}
-        self._bound: dict[tuple, BoundLaunch] = {}
+        # variant -> [its bound launch, (input address, output address, numel) packed in it]
+        self._bound: dict[tuple, list] = {}
         self._fixed = (
             view.ptrs,
             *fence.kernel_args,
@@ -206,21 +206,27 @@ class _Collective:
         self._check()
 
     # ------------------------------------------------------------------ a call
-    def _launch(self, x: torch.Tensor, out: torch.Tensor, numel: int, chunk: int, algorithm: int) -> None:
+    def _launch(self, x: torch.Tensor, out: torch.Tensor, numel: int, algorithm: int, count: int = -1) -> None:
+        # The eager hot path: a few comparisons, at most one update of the packed arguments
+        # (none when the tensors are those of the last call of this variant), one launch.
         if self._failed is not None:
             self._raise_failed()
-        sym = x.data_ptr() == self._sym_addr
-        grid = min(self._max_programs, max(1, triton.cdiv(numel, _BLOCK)))
-        key = (x.dtype, algorithm, sym, grid)
-        bound = self._bound.get(key)
+        count = numel if count < 0 else count  # the kernel's element count (the reduce-scatter's chunk)
+        xp, op = x.data_ptr(), out.data_ptr()
+        grid = min(self._max_programs, max(1, -(-numel // _BLOCK)))  # (triton.cdiv costs microseconds)
+        key = (x.dtype, algorithm, xp == self._sym_addr, grid)
+        entry = self._bound.get(key)
         if self._interp and x.dtype is torch.bfloat16:  # numpy has no bfloat16: its bits travel
             x, out = x.view(torch.int16), out.view(torch.int16)
-        if bound is None:
-            bound = self._bound[key] = self._launcher(key).bind(x, out, numel, chunk, *self._fixed, grid=(grid,))
-        elif self._interp:
-            bound.update((*_PER_CALL, _STALL), (x, out, numel, chunk, self._stall_ns))
-        else:
-            bound.update(_PER_CALL, (x, out, numel, chunk))
+        if entry is None:
+            bound = self._launcher(key).bind(x, out, count, *self._fixed, grid=(grid,))
+            self._bound[key] = entry = [bound, (xp, op, count)]
+        bound = entry[0]
+        if self._interp:
+            bound.update((*_PER_CALL, _STALL), (x, out, count, self._stall_ns))
+        elif entry[1] != (xp, op, count):
+            bound.update(_PER_CALL, (x, out, count))
+            entry[1] = (xp, op, count)
         bound()
         if self._host_checks:
             self._check()
@@ -254,7 +260,8 @@ class _Collective:
         limit = self._limits.get(x.dtype)
         if limit is None:
             return f"x must be float32, bfloat16 or float16, got {x.dtype}"
-        if x.get_device() != self._device_index or not (x.is_cuda or x.is_cpu):
+        dev = x.get_device()  # -1 for CPU and for meta tensors: a tensor without memory never launches
+        if dev != self._device_index or (dev < 0 and not x.is_cpu):
             return f"x is on {x.device}, the collective's memory on {self._buffer.device}"
         if not x.is_contiguous():
             return "x must be contiguous (call .contiguous())"
@@ -268,7 +275,13 @@ class _Collective:
     def _out_problem(self, out: Any, x: torch.Tensor, numel: int) -> str | None:
         if type(out) is not torch.Tensor:
             return f"out must be a torch.Tensor, got {type(out).__name__}"
-        if out.dtype != x.dtype or out.numel() != numel or not out.is_contiguous() or out.device != x.device:
+        if (
+            out.dtype is not x.dtype
+            or out.numel() != numel
+            or not out.is_contiguous()
+            or out.get_device() != x.get_device()
+            or not (out.is_cuda or out.is_cpu)
+        ):
             return (
                 f"out must be a contiguous {x.dtype} tensor of {numel} elements on {x.device}, got "
                 f"{out.dtype} of {out.numel()} elements on {out.device}"
@@ -413,6 +426,8 @@ class AllReduce(_Collective):
             _parity=_parity,
         )
         self.algorithm = algorithm
+        self._codes = {**L.ALGORITHM_CODES, "auto": -1}
+        self._one_shot_max = tuning.ONE_SHOT_MAX_BYTES.get(view.size, tuning.DEFAULT_ONE_SHOT_MAX_BYTES)
 
     def __call__(
         self, x: torch.Tensor, out: torch.Tensor | None = None, *, algorithm: str | None = None
@@ -435,21 +450,39 @@ class AllReduce(_Collective):
             FenceTimeout: a member did not arrive within the budget
                 (:class:`~symmsync.PeerAborted`: it aborted).
         """
-        bad = self._problem(x)
-        if bad is None and algorithm is not None and algorithm not in ALGORITHMS:
-            bad = f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}"
-        if bad is None and out is not None:
-            bad = self._out_problem(out, x, x.numel())
-        if bad is not None:
-            self._refuse(bad)
-        numel = x.numel()
-        algo = algorithm or self.algorithm
-        if algo == "auto":
-            algo = tuning.choose(numel * x.element_size(), self.size)
+        # The eager hot path first: one test of everything a good call has (a few
+        # attribute reads); the sentences of _problem only for a call that fails it.
+        numel = x.numel() if type(x) is torch.Tensor else -1
+        code = self._codes.get(algorithm or self.algorithm)
+        if (
+            code is None
+            or not 0 <= numel <= self._limits.get(x.dtype, -1)
+            or x.get_device() != self._device_index
+            or not x.is_contiguous()
+            or (self._device_index < 0 and not x.is_cpu)
+            or (
+                out is not None
+                and (
+                    type(out) is not torch.Tensor
+                    or out.dtype is not x.dtype
+                    or out.numel() != numel
+                    or out.get_device() != self._device_index
+                    or not out.is_contiguous()
+                    or (self._device_index < 0 and not out.is_cpu)
+                )
+            )
+        ):
+            self._refuse(
+                self._problem(x)
+                or (None if code is not None else f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+                or self._out_problem(out, x, numel)
+                or "out is not a tensor this call can write"
+            )
+        if code < 0:  # auto
+            code = 0 if numel * x.element_size() <= self._one_shot_max else 1
         if out is None:
             out = torch.empty_like(x)
-        code = L.ALGORITHM_CODES[algo]
-        self._launch(x, out, numel, L.two_shot_chunk(numel, self.size) if code else 0, code)
+        self._launch(x, out, numel, code)
         return out
 
 
@@ -498,7 +531,7 @@ class AllGather(_Collective):
         numel = x.numel()
         if out is None:
             out = torch.empty(self.size * numel, dtype=x.dtype, device=x.device)
-        self._launch(x, out, numel, 0, -1)
+        self._launch(x, out, numel, -1)
         return out
 
 
@@ -550,5 +583,5 @@ class ReduceScatter(_Collective):
         chunk = x.numel() // self.size
         if out is None:
             out = torch.empty(chunk, dtype=x.dtype, device=x.device)
-        self._launch(x, out, x.numel(), chunk, -1)
+        self._launch(x, out, x.numel(), -1, chunk)
         return out
