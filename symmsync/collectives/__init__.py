@@ -16,7 +16,7 @@ in a CUDA graph, and refuse (on every member) calls that differ between members.
 """
 
 from .layout import Workspace, workspace_bytes
-from .ops import ALGORITHMS, AllGather, AllReduce, CollectiveMismatch, ReduceScatter
+from .ops import ALGORITHMS, MAX_HIDDEN, AllGather, AllReduce, CollectiveMismatch, ReduceScatter
 from .tuning import choose
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "AllGather",
     "AllReduce",
     "CollectiveMismatch",
+    "MAX_HIDDEN",
     "ReduceScatter",
     "Workspace",
     "choose",

@@ -140,6 +140,49 @@ def _reduce(
 
 
 @triton.jit
+def _rmsnorm_rows(
+    ptrs,
+    src,
+    numel,
+    hidden,
+    out,
+    residual,
+    weight,
+    res_out,
+    eps,
+    pid,
+    G,
+    ELEM: tl.constexpr,
+    SIZE: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    ROW: tl.constexpr,
+):
+    """The fused epilogue, one row of ``hidden`` elements per step (program ``pid`` takes rows
+    ``pid, pid + G, ...``)::
+
+        s = dtype(member-order float32 sum)                  # the all-reduce's own result
+        res_out = dtype(float32(s) + float32(residual))      # what torch's ``s + residual`` gives
+        h = float32(res_out)
+        out = dtype(h * rsqrt(mean(h * h) + eps) * float32(weight))
+    """
+    cols = tl.arange(0, ROW)
+    cm = cols < hidden
+    w = _to_f32(tl.load(weight + cols, mask=cm, other=0), BF16_BITS)
+    rows = numel // hidden
+    r = pid
+    while r < rows:
+        first = r * hidden
+        s = _sum_block(ptrs, src, first, cols, hidden, ELEM, SIZE, BF16_BITS, False)
+        h = _to_f32(s, BF16_BITS) + _to_f32(tl.load(residual + first + cols, mask=cm, other=0), BF16_BITS)
+        new_res = _from_f32(h, ELEM, BF16_BITS)
+        hr = tl.where(cm, _to_f32(new_res, BF16_BITS), 0.0)
+        inv = 1.0 / tl.sqrt(tl.sum(hr * hr, axis=0) / hidden + eps)
+        tl.store(res_out + first + cols, new_res, mask=cm)
+        tl.store(out + first + cols, _from_f32(hr * inv * w, ELEM, BF16_BITS), mask=cm)
+        r += G
+
+
+@triton.jit
 def _stall(ns):
     # Tests only (ns > 0): hold this member between its wait and its reads.
     start = ssl.clock_ns()
@@ -167,6 +210,11 @@ def collective_kernel(
     input_stride,
     symmetric,
     reduced,  # workspace offsets (layout.Workspace)
+    residual,
+    weight,
+    res_out,
+    hidden,
+    eps,  # the fused epilogue (EPILOGUE only)
     SIZE: tl.constexpr,
     OP: tl.constexpr,
     TWO_SHOT: tl.constexpr,
@@ -177,6 +225,8 @@ def collective_kernel(
     BF16_BITS: tl.constexpr,
     DTYPE_CODE: tl.constexpr,
     ALGORITHM: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    ROW: tl.constexpr,
 ):
     ELEM: tl.constexpr = x.dtype.element_ty
     PHASES: tl.constexpr = 2 if (TWO_SHOT or SYMMETRIC) else 1
@@ -202,7 +252,7 @@ def collective_kernel(
     if not SYMMETRIC:  # copy in: this member's input into its own slot
         _copy(tl.multiple_of(ssl.peer_ptr(ptrs, me, src, ELEM), 16), x, numel, pid, G, BLOCK)
     if pid == 0:
-        protocol.write_header(ptrs, header, me, _TAG + OP, numel, DTYPE_CODE, ALGORITHM, SYMMETRIC, e)
+        protocol.write_header(ptrs, header, me, _TAG + OP, numel, DTYPE_CODE, ALGORITHM, SYMMETRIC, e, hidden)
     protocol.arrive(counter, G - 1, sptrs, cell, me, SIZE, PHASES == 1)
     ok = protocol.wait(sptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
     if ok:
@@ -214,7 +264,11 @@ def collective_kernel(
         if stall_ns > 0:
             _stall(stall_ns)
         if OP == _ALL_REDUCE:
-            if TWO_SHOT:  # reduce this member's chunk into its reduced slot (and the output)
+            if EPILOGUE:  # one-shot with the residual add and the RMS norm: whole rows per program
+                _rmsnorm_rows(
+                    ptrs, src, numel, hidden, out, residual, weight, res_out, eps, pid, G, ELEM, SIZE, BF16_BITS, ROW
+                )
+            elif TWO_SHOT:  # reduce this member's chunk into its reduced slot (and the output)
                 lo = me * chunk
                 n = tl.maximum(tl.minimum(numel, lo + chunk) - lo, 0)
                 red = tl.multiple_of(ssl.peer_ptr(ptrs, me, reduced, ELEM), 16)

@@ -14,7 +14,9 @@ A header is written next to each member's payload before its publish and checked
 every member after its wait, so a call of another size, dtype, algorithm or operation
 is refused on every member before a byte is summed::
 
-    header = [tag | op, numel, dtype code, algorithm, symmetric, epoch, 0, 0]
+    header = [tag | op, numel, dtype code, algorithm, symmetric, epoch, epilogue, 0]
+
+(``epilogue``: the row length of a fused residual + RMS norm, 0 for none.)
 
 A refused call's kernel writes a record (pinned host memory on GPUs, then it traps)::
 
@@ -32,9 +34,9 @@ LINE = 128
 
 #: int64 words of a header, and its fields.
 HEADER_WORDS = 8
-H_TAG, H_NUMEL, H_DTYPE, H_ALGORITHM, H_SYMMETRIC, H_EPOCH = range(6)
-#: Fields compared across members (the first six words).
-HEADER_CHECKED = 6
+H_TAG, H_NUMEL, H_DTYPE, H_ALGORITHM, H_SYMMETRIC, H_EPOCH, H_EPILOGUE = range(7)
+#: Fields compared across members (the first seven words).
+HEADER_CHECKED = 7
 
 #: Byte offsets from the workspace's start.
 HEADERS = 0

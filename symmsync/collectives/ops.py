@@ -30,6 +30,9 @@ _NUM_WARPS = 4
 # Positions, in the kernel's runtime parameters, of what changes from call to call.
 _PER_CALL = (0, 1, 2)
 _STALL = 10
+_EPILOGUE = (17, 18, 19, 20, 21)  # residual, weight, res_out, hidden, eps
+#: The longest row the fused epilogue takes (one program holds a row).
+MAX_HIDDEN = 16384
 
 
 class CollectiveMismatch(InputError):
@@ -150,6 +153,12 @@ class _Collective:
         self._launchers: dict[tuple, Launcher] = {}
         # variant -> [its bound launch, (input address, output address, numel) packed in it]
         self._bound: dict[tuple, list] = {}
+        # The fused epilogue's arguments of a launch without it: unused, of the launch's dtype.
+        self._plain_tail = {}
+        for d in L.DTYPES:
+            dummy = torch.zeros(1, dtype=d, device=buf.device)
+            dummy = dummy.view(torch.int16) if self._interp and d is torch.bfloat16 else dummy
+            self._plain_tail[d] = (dummy, dummy, dummy, 0, 0.0)
         self._fixed = (
             view.ptrs,
             *fence.kernel_args,
@@ -206,23 +215,42 @@ class _Collective:
         self._check()
 
     # ------------------------------------------------------------------ a call
-    def _launch(self, x: torch.Tensor, out: torch.Tensor, numel: int, algorithm: int, count: int = -1) -> None:
+    def _launch(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        numel: int,
+        algorithm: int,
+        count: int = -1,
+        epilogue: tuple | None = None,
+    ) -> None:
         # The eager hot path: a few comparisons, at most one update of the packed arguments
         # (none when the tensors are those of the last call of this variant), one launch.
         if self._failed is not None:
             self._raise_failed()
         count = numel if count < 0 else count  # the kernel's element count (the reduce-scatter's chunk)
         xp, op = x.data_ptr(), out.data_ptr()
-        grid = min(self._max_programs, max(1, -(-numel // _BLOCK)))  # (triton.cdiv costs microseconds)
-        key = (x.dtype, algorithm, xp == self._sym_addr, grid)
+        if epilogue is None:
+            row = 0
+            grid = min(self._max_programs, max(1, -(-numel // _BLOCK)))  # (triton.cdiv costs microseconds)
+        else:  # whole rows per program
+            row = 1 << (epilogue[3] - 1).bit_length()
+            grid = min(self._max_programs, max(1, numel // epilogue[3]))
+        key = (x.dtype, algorithm, xp == self._sym_addr, grid, row)
         entry = self._bound.get(key)
         if self._interp and x.dtype is torch.bfloat16:  # numpy has no bfloat16: its bits travel
             x, out = x.view(torch.int16), out.view(torch.int16)
+            if epilogue is not None:
+                epilogue = tuple(t.view(torch.int16) for t in epilogue[:3]) + epilogue[3:]
         if entry is None:
-            bound = self._launcher(key).bind(x, out, count, *self._fixed, grid=(grid,))
+            tail = self._plain_tail[key[0]] if epilogue is None else epilogue
+            bound = self._launcher(key).bind(x, out, count, *self._fixed, *tail, grid=(grid,))
             self._bound[key] = entry = [bound, (xp, op, count)]
         bound = entry[0]
-        if self._interp:
+        if epilogue is not None:
+            bound.update((*_PER_CALL, *_EPILOGUE), (x, out, count, *epilogue))
+            entry[1] = None
+        elif self._interp:
             bound.update((*_PER_CALL, _STALL), (x, out, count, self._stall_ns))
         elif entry[1] != (xp, op, count):
             bound.update(_PER_CALL, (x, out, count))
@@ -232,14 +260,14 @@ class _Collective:
             self._check()
 
     def _launcher(self, key: tuple) -> Launcher:
-        dtype, algorithm, sym, _grid = key
-        lk = key[:3]
+        dtype, algorithm, sym, _grid, row = key
+        lk = (dtype, algorithm, sym, row)
         launcher = self._launchers.get(lk)
         if launcher is None:
             launcher = self._launchers[lk] = Launcher(
                 collective_kernel,
                 (1,),
-                num_warps=_NUM_WARPS,
+                num_warps=_NUM_WARPS if row <= 4096 else 2 * _NUM_WARPS,
                 SIZE=self.size,
                 OP=self._OP,
                 TWO_SHOT=algorithm == L.ALGORITHM_CODES["two_shot"],
@@ -250,6 +278,8 @@ class _Collective:
                 BF16_BITS=self._interp and dtype is torch.bfloat16,
                 DTYPE_CODE=L.DTYPES[dtype],
                 ALGORITHM=algorithm,
+                EPILOGUE=row > 0,
+                ROW=max(row, 1),
             )
         return launcher
 
@@ -345,7 +375,7 @@ class _Collective:
         for i, r in enumerate(ranks):
             h = words[L.R_HEADERS + i * L.HEADER_WORDS : L.R_HEADERS + (i + 1) * L.HEADER_WORDS]
             calls[r] = _describe(h, epoch)
-        fields = list(next(iter(calls.values())))
+        fields = list(_describe([L.TAG + L.ALL_REDUCE] + [0] * (L.HEADER_WORDS - 1), 0))
         differs = [f for f in fields if len({repr(c[f]) for c in calls.values()}) > 1]
         parts = [f"{f}: " + ", ".join(f"rank {r}: {c[f]}" for r, c in calls.items()) for f in differs]
         msg = (
@@ -360,20 +390,15 @@ def _describe(h: list[int], epoch: int) -> dict[str, Any]:
     """A member's header, in words (what the error shows)."""
     op = h[L.H_TAG] - L.TAG
     if op not in L.OP_NAMES:
-        return {
-            "operation": "none (no call of this collective's at this epoch)",
-            "numel": "-",
-            "dtype": "-",
-            "algorithm": "-",
-            "input": "-",
-            "call": "-",
-        }
+        fields = ("numel", "dtype", "algorithm", "input", "epilogue", "call")
+        return {"operation": "none (no call of this collective's at this epoch)", **dict.fromkeys(fields, "-")}
     return {
         "operation": L.OP_NAMES[op],
         "numel": h[L.H_NUMEL],
         "dtype": L.DTYPE_NAMES.get(h[L.H_DTYPE], f"code {h[L.H_DTYPE]}"),
         "algorithm": L.ALGORITHM_NAMES.get(h[L.H_ALGORITHM], "-"),
         "input": "symmetric" if h[L.H_SYMMETRIC] else "copied in",
+        "epilogue": f"residual + RMS norm over rows of {h[L.H_EPILOGUE]}" if h[L.H_EPILOGUE] else "none",
         "call": "this one" if h[L.H_EPOCH] == epoch else f"another (epoch {h[L.H_EPOCH]})",
     }
 
@@ -430,8 +455,16 @@ class AllReduce(_Collective):
         self._one_shot_max = tuning.ONE_SHOT_MAX_BYTES.get(view.size, tuning.DEFAULT_ONE_SHOT_MAX_BYTES)
 
     def __call__(
-        self, x: torch.Tensor, out: torch.Tensor | None = None, *, algorithm: str | None = None
-    ) -> torch.Tensor:
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor | None = None,
+        *,
+        algorithm: str | None = None,
+        residual: torch.Tensor | None = None,
+        norm_weight: torch.Tensor | None = None,
+        eps: float = 1e-6,
+        residual_out: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The sum of every member's ``x``, elementwise, accumulated in float32 in member order.
 
         Args:
@@ -439,9 +472,25 @@ class AllReduce(_Collective):
                 :meth:`input` returned, filled in place (no copy-in).
             out: where to write the sum (``x``'s dtype and number of elements; may be ``x``).
             algorithm: this call's algorithm (default: the object's).
+            residual: with ``norm_weight``, the fused epilogue of a decode layer, in the
+                same kernel: ``new_residual = sum + residual`` and
+                ``out = rms_norm(new_residual) * norm_weight`` over the last dimension
+                (``x.shape[-1]``, at most :data:`MAX_HIDDEN`); ``residual`` has ``x``'s
+                shape and dtype, ``norm_weight`` is ``[x.shape[-1]]`` of ``x``'s dtype.
+                Runs one-shot (``algorithm`` ``"auto"`` or ``"one_shot"``).
+            norm_weight: the RMS norm's weight (with ``residual``).
+            eps: the RMS norm's epsilon.
+            residual_out: where to write the new residual (may be ``residual``; default: a
+                new tensor).
 
-        Every member must make the same call (size, dtype, algorithm, input kind), in the
-        same order. Returns ``out`` (a new tensor of ``x``'s shape when not given).
+        Every member must make the same call (size, dtype, algorithm, input kind,
+        epilogue), in the same order. Returns ``out`` (a new tensor of ``x``'s shape when
+        not given); with the epilogue ``(out, residual_out)``. The epilogue's arithmetic::
+
+            s = dtype(member-order float32 sum)                # what the plain call returns
+            residual_out = dtype(float32(s) + float32(residual))
+            h = float32(residual_out)
+            out = dtype(h / sqrt(mean(h * h) + eps) * float32(norm_weight))
 
         Raises:
             InputError: a bad argument on this member (its members raise
@@ -450,6 +499,8 @@ class AllReduce(_Collective):
             FenceTimeout: a member did not arrive within the budget
                 (:class:`~symmsync.PeerAborted`: it aborted).
         """
+        if residual is not None or norm_weight is not None:
+            return self._fused(x, out, algorithm, residual, norm_weight, eps, residual_out)
         # The eager hot path first: one test of everything a good call has (a few
         # attribute reads); the sentences of _problem only for a call that fails it.
         numel = x.numel() if type(x) is torch.Tensor else -1
@@ -484,6 +535,42 @@ class AllReduce(_Collective):
             out = torch.empty_like(x)
         self._launch(x, out, numel, code)
         return out
+
+    def _fused(self, x, out, algorithm, residual, weight, eps, res_out) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call with the fused residual + RMS norm epilogue (one-shot, whole rows per program)."""
+        bad = self._problem(x)
+        if bad is None and (x.dim() == 0 or x.shape[-1] > MAX_HIDDEN):
+            bad = (
+                f"the fused epilogue needs rows of 1 to {MAX_HIDDEN} elements (x.shape[-1]), got x of {tuple(x.shape)}"
+            )
+        if bad is None and (algorithm or self.algorithm) not in ("auto", "one_shot"):
+            bad = f"the fused epilogue runs one-shot: algorithm must be 'auto' or 'one_shot', got {algorithm!r}"
+        hidden = x.shape[-1] if bad is None else 0
+        if bad is None:
+            for name, t, shape in (
+                ("residual", residual, tuple(x.shape)),
+                ("norm_weight", weight, (hidden,)),
+                ("residual_out", res_out, tuple(x.shape)),
+                ("out", out, tuple(x.shape)),
+            ):
+                if t is None and name in ("residual_out", "out"):
+                    continue
+                if type(t) is not torch.Tensor or t.dtype is not x.dtype or tuple(t.shape) != shape:
+                    bad = f"{name} must be a {x.dtype} tensor of shape {shape}, got " + (
+                        f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                    )
+                elif t.get_device() != self._device_index or not t.is_contiguous():
+                    bad = f"{name} must be contiguous, on {self._buffer.device}"
+                if bad:
+                    break
+        if bad is None and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0):
+            bad = f"eps must be a non-negative number, got {eps!r}"
+        if bad is not None:
+            self._refuse(bad)
+        out = torch.empty_like(x) if out is None else out
+        res_out = torch.empty_like(x) if res_out is None else res_out
+        self._launch(x, out, x.numel(), 0, epilogue=(residual, weight, res_out, hidden, float(eps)))
+        return out, res_out
 
 
 class AllGather(_Collective):

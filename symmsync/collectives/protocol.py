@@ -9,7 +9,7 @@ Pseudocode of one call, as every member runs it (``G`` programs, the epoch on th
 
     e = epoch + 1;  q = e % 2                      # parity of this call's slots (device-side)
     copy x into input[q] (unless the caller filled the symmetric input in place)
-    program 0: header[q] = (op, numel, dtype, algorithm, symmetric, e)
+    program 0: header[q] = (op, numel, dtype, algorithm, symmetric, e, epilogue)
     arrive(): the last program of the launch publishes e      [release, system scope]
     wait(e): every member published e                         [acquire, system scope]
     every member's header[q] equals this one's, or: record, trap (GPU) / report (host)
@@ -123,7 +123,7 @@ def grid_barrier(counter, target, epoch, timeout_ns, mism, me, SIZE: tl.constexp
 
 
 @triton.jit
-def write_header(ptrs, header_off, me, op, numel, dtype_code, algorithm, symmetric, epoch):
+def write_header(ptrs, header_off, me, op, numel, dtype_code, algorithm, symmetric, epoch, epilogue):
     """This member's header for the call of ``epoch``, at ``header_off`` in its own memory."""
     h = ssl.peer_ptr(ptrs, me, header_off, tl.int64)
     w = tl.arange(0, _HEADER_WORDS)
@@ -133,6 +133,7 @@ def write_header(ptrs, header_off, me, op, numel, dtype_code, algorithm, symmetr
     words = tl.where(w == 3, algorithm, words)
     words = tl.where(w == 4, symmetric, words)
     words = tl.where(w == 5, epoch, words)
+    words = tl.where(w == 6, epilogue, words)
     tl.store(h + w, words.to(tl.int64))
 
 

@@ -55,16 +55,21 @@ def differing_call(case):
             sym = True
         elif case == "operation":
             op = "ag"
+        elif case == "epilogue":
+            op = "ar_fused"
     ar(torch.ones(8, dtype=torch.float32))  # a good call first: the mismatch is the second
     x = torch.full((numel,), 1.0 + rank, dtype=dtype)
     if sym:
         t = (ar if op == "ar" else ag).input(numel, dtype)
         t.copy_(x)
         x = t
-    out = torch.full((numel,), -7.0, dtype=dtype) if op == "ar" else None
+    out = torch.full((numel,), -7.0, dtype=dtype) if op.startswith("ar") else None
     result = {}
     try:
-        if op == "ar":
+        if op == "ar_fused":
+            w = torch.ones(numel, dtype=dtype)
+            ar(x, out, residual=torch.zeros(numel, dtype=dtype), norm_weight=w)
+        elif op == "ar":
             ar(x, out, algorithm=algorithm)
         else:
             ag(x)
@@ -90,7 +95,14 @@ def pool3():
 
 @pytest.mark.parametrize(
     "case, field",
-    [("size", "numel"), ("dtype", "dtype"), ("algorithm", "algorithm"), ("input", "input"), ("operation", "operation")],
+    [
+        ("size", "numel"),
+        ("dtype", "dtype"),
+        ("algorithm", "algorithm"),
+        ("input", "input"),
+        ("operation", "operation"),
+        ("epilogue", "epilogue"),
+    ],
 )
 def test_a_call_that_differs_on_one_member_raises_on_every_member_naming_what_differs(case, field, pool3):
     results = pool3.call(differing_call, case)

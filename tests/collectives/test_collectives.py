@@ -179,3 +179,48 @@ def test_the_back_to_back_oracle_bites_without_the_parity_of_the_input_slots(poo
     seed = secrets.randbits(16)
     wrong = pools(2).call(back_to_back, 50, seed, 1, False, ("one_shot",), 0.0)
     assert wrong[1], f"seed {seed}: without the parity the slow member read no overwritten slot: {wrong}"
+
+
+# ---------------------------------------------------------------------- the fused epilogue
+def fused_epilogue(shapes, seed):
+    """Rank function: ``ar(x, residual=r, norm_weight=w)`` per (dtype, tokens, hidden); per case,
+    (the new residual equals the oracle's bits, the largest difference of the normed output,
+    every member got the same bits of both)."""
+    world = dist.get_world_size()
+    buf = ss.SymmetricBuffer(C.workspace_bytes(MAX_NUMEL, torch.float32, world), backend="host")
+    ar = C.AllReduce(buf.view(list(range(world))), MAX_NUMEL, torch.float32)
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(seed + rank)
+    shared = torch.Generator().manual_seed(seed)  # the residual and the weight: the same on every member
+    got = []
+    for dtype, tokens, hidden in shapes:
+        x = torch.randn(tokens, hidden, generator=g).to(dtype)
+        r = torch.randn(tokens, hidden, generator=shared).to(dtype)
+        w = (1 + 0.1 * torch.randn(hidden, generator=shared)).to(dtype)
+        y, new_r = ar(x, residual=r, norm_weight=w, eps=1e-5)
+        total = member_order_sum(gathered(x), dtype)
+        want_r = (total.float() + r.float()).to(dtype)  # torch's `total + r`
+        h = want_r.float()
+        want_y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()).to(dtype)
+        everyone = gathered(torch.cat([y.view(torch.uint8).flatten(), new_r.view(torch.uint8).flatten()]))
+        got.append(
+            (
+                same_bits(new_r, want_r),
+                float((y.float() - want_y.float()).abs().max()),
+                all(torch.equal(e, everyone[0]) for e in everyone),
+            )
+        )
+    buf.close()
+    return got
+
+
+def test_the_fused_residual_and_rms_norm_epilogue_matches_torch_and_is_the_same_on_every_member(pools):
+    seed = secrets.randbits(16)
+    shapes = [(dt, 3, 1000) for dt in DTYPES] + [(torch.bfloat16, 1, 1), (torch.bfloat16, 4, 1024)]
+    for rank, cases in enumerate(pools(3).call(fused_epilogue, shapes, seed)):
+        for (dt, _, _), (residual_ok, diff, same) in zip(shapes, cases):
+            assert residual_ok, (seed, rank, dt, "the new residual differs from the oracle")
+            # The normed output's float32 mean is a tree sum in the kernel, a torch reduction
+            # in the oracle: one rounding step of the dtype at most.
+            assert diff <= {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dt] * 8, (seed, dt, diff)
+            assert same, (seed, rank, dt, "members got different bits")

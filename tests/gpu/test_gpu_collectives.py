@@ -154,3 +154,39 @@ def test_a_size_mismatch_traps_and_every_member_raises_collective_mismatch():
     for r in run(size_mismatch_on_gpu, WORLD, backend="cuda", timeout_s=300):
         assert isinstance(r, dict) and r["differs"] == ["numel"], r
         assert "numel: rank 0: 512, rank 1: 513" in r["msg"], r
+
+
+def fused_epilogue_on_gpu(tokens, hidden, replays):
+    """Rank function: the fused residual + RMS norm, eagerly and in graph replay; (new residual
+    equal to torch's ``sum + residual``, largest normed difference, the same bits on every member)."""
+    buf, ops = _objects()
+    ar, rank = ops["all_reduce"], dist.get_rank()
+    g = torch.Generator(device=buf.device).manual_seed(rank)
+    shared = torch.Generator(device=buf.device).manual_seed(7)
+    x = torch.randn(tokens, hidden, generator=g, device=buf.device).to(torch.bfloat16)
+    r = torch.randn(tokens, hidden, generator=shared, device=buf.device).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(hidden, generator=shared, device=buf.device)).to(torch.bfloat16)
+    y, new_r = torch.empty_like(x), torch.empty_like(x)
+    graph = helpers.capture(lambda: ar(x, y, residual=r, norm_weight=w, residual_out=new_r))
+    for _ in range(replays):
+        graph.replay()
+    ar.synchronize()
+    total = _expected("one_shot", _gathered(x), rank)
+    want_r = (total.float() + r.cpu().float()).to(torch.bfloat16)
+    h = want_r.float()
+    want_y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w.cpu().float()).to(torch.bfloat16)
+    both = torch.cat([y.view(torch.uint8).flatten(), new_r.view(torch.uint8).flatten()])
+    everyone = _gathered(both)
+    result = (
+        _same(new_r.cpu(), want_r),
+        float((y.cpu().float() - want_y.float()).abs().max()),
+        all(torch.equal(e, everyone[0]) for e in everyone),
+    )
+    buf.close()
+    return result
+
+
+def test_the_fused_epilogue_in_graph_replay_matches_torch_on_every_member():
+    for residual_ok, diff, same in run(fused_epilogue_on_gpu, WORLD, 8, 4096, 100, backend="cuda", timeout_s=600):
+        assert residual_ok and same, (residual_ok, same)
+        assert diff <= 0.125, diff  # rsqrt and the mean's order: a rounding step of bfloat16 at most
