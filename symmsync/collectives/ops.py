@@ -21,8 +21,8 @@ from . import layout as L
 from . import tuning
 from .kernels import collective_kernel
 
-#: The algorithms of :class:`AllReduce`.
 ALGORITHMS = ("auto", "one_shot", "two_shot")
+"""The algorithms of :class:`AllReduce`."""
 
 # Elements per block of a program (a power of two); warps per program.
 _BLOCK = 1024
@@ -31,8 +31,8 @@ _NUM_WARPS = 4
 _PER_CALL = (0, 1, 2)
 _STALL = 10
 _EPILOGUE = (17, 18, 19, 20, 21)  # residual, weight, res_out, hidden, eps
-#: The longest row the fused epilogue takes (one program holds a row).
 MAX_HIDDEN = 16384
+"""The longest row (``x.shape[-1]``) the fused epilogue takes: one program holds a row."""
 
 
 class CollectiveMismatch(InputError):
