@@ -251,12 +251,13 @@ def collective_kernel(
 
     if not SYMMETRIC:  # copy in: this member's input into its own slot
         _copy(tl.multiple_of(ssl.peer_ptr(ptrs, me, src, ELEM), 16), x, numel, pid, G, BLOCK)
+    words = protocol.header_words(_TAG + OP, numel, DTYPE_CODE, ALGORITHM, SYMMETRIC, e, hidden)
     if pid == 0:
-        protocol.write_header(ptrs, header, me, _TAG + OP, numel, DTYPE_CODE, ALGORITHM, SYMMETRIC, e, hidden)
+        protocol.write_header(ptrs, header, me, words)
     protocol.arrive(counter, G - 1, sptrs, cell, me, SIZE, PHASES == 1)
     ok = protocol.wait(sptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
     if ok:
-        ok = protocol.headers_agree(ptrs, header, me, e, mism, SIZE, TRAP)
+        ok = protocol.headers_agree(ptrs, header, me, words, e, mism, SIZE, TRAP)
     if PHASES == 2:
         if ok:
             ok = protocol.grid_barrier(counter, G, e, timeout_ns, mism, me, SIZE, TRAP)

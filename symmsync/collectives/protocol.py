@@ -123,9 +123,8 @@ def grid_barrier(counter, target, epoch, timeout_ns, mism, me, SIZE: tl.constexp
 
 
 @triton.jit
-def write_header(ptrs, header_off, me, op, numel, dtype_code, algorithm, symmetric, epoch, epilogue):
-    """This member's header for the call of ``epoch``, at ``header_off`` in its own memory."""
-    h = ssl.peer_ptr(ptrs, me, header_off, tl.int64)
+def header_words(op, numel, dtype_code, algorithm, symmetric, epoch, epilogue):
+    """The ``HEADER_WORDS`` words of a call's header, as a block (see :mod:`.layout`)."""
     w = tl.arange(0, _HEADER_WORDS)
     words = tl.where(w == 0, op, 0)
     words = tl.where(w == 1, numel, words)
@@ -134,29 +133,37 @@ def write_header(ptrs, header_off, me, op, numel, dtype_code, algorithm, symmetr
     words = tl.where(w == 4, symmetric, words)
     words = tl.where(w == 5, epoch, words)
     words = tl.where(w == 6, epilogue, words)
-    tl.store(h + w, words.to(tl.int64))
+    return words.to(tl.int64)
 
 
 @triton.jit
-def headers_agree(ptrs, header_off, me, epoch, mism, SIZE: tl.constexpr, TRAP: tl.constexpr):
-    """True when every member's header for this call equals this member's.
+def write_header(ptrs, header_off, me, words):
+    """This member's header ``words`` at ``header_off`` in its own memory (one program, before it arrives)."""
+    tl.store(ssl.peer_ptr(ptrs, me, header_off, tl.int64) + tl.arange(0, _HEADER_WORDS), words)
 
-    Run after the wait for ``epoch`` (the headers were published with it). Every member
-    compares the same headers, so every member reaches the same verdict. On a
-    disagreement it copies every header into the record ``mism`` and traps (GPU).
+
+@triton.jit
+def headers_agree(ptrs, header_off, me, mine, epoch, mism, SIZE: tl.constexpr, TRAP: tl.constexpr):
+    """True when every other member's header for this call equals ``mine`` (this call's words).
+
+    Run after the wait for ``epoch`` (the headers were published with it). This member's
+    own words come from its arguments, not from its memory: program 0 writes them, and
+    another program of the launch may pass the wait before they land. Every member
+    compares the same calls, so every member reaches the same verdict. On a disagreement
+    it copies every header into the record ``mism`` and traps (GPU).
     """
     w = tl.arange(0, _HEADER_WORDS)
-    mine = tl.load(ssl.peer_ptr(ptrs, me, header_off, tl.int64) + w)
     bad = 0
     for p in tl.static_range(SIZE):
-        theirs = tl.load(ssl.peer_ptr(ptrs, p, header_off, tl.int64) + w)
-        bad += tl.sum(((theirs != mine) & (w < _HEADER_CHECKED)).to(tl.int32), axis=0)
+        if p != me:
+            theirs = tl.load(ssl.peer_ptr(ptrs, p, header_off, tl.int64) + w)
+            bad += tl.sum(((theirs != mine) & (w < _HEADER_CHECKED)).to(tl.int32), axis=0)
     ok = bad == 0
     if not ok:
         rec = mism.to(tl.pointer_type(tl.int64))
         for p in tl.static_range(SIZE):
             theirs = tl.load(ssl.peer_ptr(ptrs, p, header_off, tl.int64) + w)
-            tl.store(rec + _R_HEADERS + p * _HEADER_WORDS + w, theirs)
+            tl.store(rec + _R_HEADERS + p * _HEADER_WORDS + w, tl.where(p == me, mine, theirs))
         tl.store(rec + 1, epoch)
         tl.store(rec + 2, me)
         tl.store(rec + 3, SIZE)
