@@ -126,12 +126,15 @@ def test_a_size_mismatch_message_names_each_members_size():
 
 
 # ---------------------------------------------------------------------- aborts and timeouts
-def abort_in_the_middle(aborter, at, calls):
+def abort_in_the_middle(aborter, at, calls, how="abort"):
     buf, view, ar, ag = _setup()
     rank = dist.get_rank()
     for k in range(calls):
         if rank == aborter and k == at:
-            view.abort("the model hit a NaN")
+            if how == "close":
+                buf.close()
+            else:
+                view.abort("the model hit a NaN")
             return {"aborted_at": k}
         t0 = time.monotonic()
         try:
@@ -141,13 +144,14 @@ def abort_in_the_middle(aborter, at, calls):
     return "no abort seen"
 
 
-def test_an_abort_in_the_middle_of_a_run_reaches_every_member_at_once(pool3):
-    results = pool3.call(abort_in_the_middle, 1, 4, 8)
+@pytest.mark.parametrize("how, reason", [("abort", "the model hit a NaN"), ("close", "closed")])
+def test_an_abort_or_a_close_in_the_middle_of_a_run_reaches_every_member_at_once(how, reason, pool3):
+    results = pool3.call(abort_in_the_middle, 1, 4, 8, how)
     assert results[1] == {"aborted_at": 4}
     for rank in (0, 2):
         r = results[rank]
         assert isinstance(r, dict) and r["call"] == 4, (rank, r)
-        assert r["aborted"] == {1: "the model hit a NaN"}, (rank, r)
+        assert r["aborted"] == {1: reason}, (rank, r)
         assert r["elapsed"] < 30, (rank, r)  # within a poll, not the 60 s budget
 
 

@@ -133,6 +133,27 @@ def test_every_operation_and_dtype_matches_the_oracle_at_world(world, pools):
     assert wrong == [[]] * world, f"seed {seed}: cases that differ from the oracle: {wrong}"
 
 
+def auto_epochs(threshold, sizes):
+    """Rank function: the fence epochs each ``auto`` call takes, with one-shot up to ``threshold`` bytes."""
+    buf, view, ops = _objects()
+    ar = ops["all_reduce"]
+    ar._one_shot_max = threshold  # the threshold of this view size, made small enough for the interpreter
+    steps = []
+    for n in sizes:
+        before = ar.fence.epoch
+        ar(torch.ones(n))
+        steps.append(ar.fence.epoch - before)
+    buf.close()
+    return steps
+
+
+def test_auto_runs_one_shot_up_to_its_threshold_and_two_shot_above_it(pools):
+    # One-shot publishes once per call, two-shot twice: the fence's epoch tells them apart.
+    sizes = (1, 512, 513, 4096)  # float32: 4, 2048, 2052 and 16384 bytes
+    assert pools(2).call(auto_epochs, 2048, sizes) == [[1, 1, 2, 2]] * 2
+    assert C.choose(4 << 20, 2) == "one_shot" and C.choose((4 << 20) + 2, 2) == "two_shot"
+
+
 # ---------------------------------------------------------------------- back to back
 STALLS_NS = (0, 0, 0, 1_000_000, 40_000_000, 120_000_000)
 
