@@ -54,25 +54,33 @@ def _from_f32(acc, ELEM: tl.constexpr, BF16_BITS: tl.constexpr):
 
 
 @triton.jit
-def _copy_block(dst, src, idx, n, FULL: tl.constexpr):
-    if FULL:  # no mask: loads and stores of 16 bytes per thread where the pointers allow
-        tl.store(dst + idx, tl.load(src + idx))
-    else:
-        m = idx < n
-        tl.store(dst + idx, tl.load(src + idx, mask=m), mask=m)
+def _spread(go, idx):
+    # A uniform flag as a block mask. (Under the interpreter of triton 3.9 a mask that is a
+    # block ANDed with a scalar flag has an unsupported dtype; a full block ANDed with it has not.)
+    return tl.full(idx.shape, 1, tl.int1) & go
 
 
 @triton.jit
-def _copy(dst, src, n, pid, G, BLOCK: tl.constexpr):
-    """``dst[i] = src[i]`` for ``i < n``: this program's blocks (pid, pid + G, ...)."""
+def _copy_block(dst, src, idx, n, go, FULL: tl.constexpr):
+    # ``go`` (uniform) holds back the stores, never the loads.
+    if FULL:  # no mask but go: loads and stores of 16 bytes per thread where the pointers allow
+        tl.store(dst + idx, tl.load(src + idx), mask=_spread(go, idx))
+    else:
+        m = idx < n
+        tl.store(dst + idx, tl.load(src + idx, mask=m), mask=m & _spread(go, idx))
+
+
+@triton.jit
+def _copy(dst, src, n, pid, G, go, BLOCK: tl.constexpr):
+    """``dst[i] = src[i]`` for ``i < n``: this program's blocks (pid, pid + G, ...); stored only if ``go``."""
     lanes = tl.arange(0, BLOCK)
     b = pid
     while b * BLOCK < n:
         idx = b * BLOCK + lanes
         if (b + 1) * BLOCK <= n:
-            _copy_block(dst, src, idx, n, True)
+            _copy_block(dst, src, idx, n, go, True)
         else:
-            _copy_block(dst, src, idx, n, False)
+            _copy_block(dst, src, idx, n, go, False)
         b += G
 
 
@@ -98,11 +106,11 @@ def _sum_block(
 
 
 @triton.jit
-def _store_block(dst, idx, v, n, FULL: tl.constexpr):
+def _store_block(dst, idx, v, n, go, FULL: tl.constexpr):
     if FULL:
-        tl.store(dst + idx, v)
+        tl.store(dst + idx, v, mask=_spread(go, idx))
     else:
-        tl.store(dst + idx, v, mask=idx < n)
+        tl.store(dst + idx, v, mask=(idx < n) & _spread(go, idx))
 
 
 @triton.jit
@@ -115,6 +123,7 @@ def _reduce(
     dst2,
     pid,
     G,
+    go,
     ELEM: tl.constexpr,
     SIZE: tl.constexpr,
     BF16_BITS: tl.constexpr,
@@ -128,14 +137,14 @@ def _reduce(
         idx = b * BLOCK + lanes
         if (b + 1) * BLOCK <= n:
             v = _sum_block(ptrs, src, first, idx, n, ELEM, SIZE, BF16_BITS, True)
-            _store_block(dst, idx, v, n, True)
+            _store_block(dst, idx, v, n, go, True)
             if TWO:
-                _store_block(dst2, idx, v, n, True)
+                _store_block(dst2, idx, v, n, go, True)
         else:
             v = _sum_block(ptrs, src, first, idx, n, ELEM, SIZE, BF16_BITS, False)
-            _store_block(dst, idx, v, n, False)
+            _store_block(dst, idx, v, n, go, False)
             if TWO:
-                _store_block(dst2, idx, v, n, False)
+                _store_block(dst2, idx, v, n, go, False)
         b += G
 
 
@@ -152,6 +161,7 @@ def _rmsnorm_rows(
     eps,
     pid,
     G,
+    go,
     ELEM: tl.constexpr,
     SIZE: tl.constexpr,
     BF16_BITS: tl.constexpr,
@@ -177,8 +187,9 @@ def _rmsnorm_rows(
         new_res = _from_f32(h, ELEM, BF16_BITS)
         hr = tl.where(cm, _to_f32(new_res, BF16_BITS), 0.0)
         inv = 1.0 / tl.sqrt(tl.sum(hr * hr, axis=0) / hidden + eps)
-        tl.store(res_out + first + cols, new_res, mask=cm)
-        tl.store(out + first + cols, _from_f32(hr * inv * w, ELEM, BF16_BITS), mask=cm)
+        keep = cm & _spread(go, cols)
+        tl.store(res_out + first + cols, new_res, mask=keep)
+        tl.store(out + first + cols, _from_f32(hr * inv * w, ELEM, BF16_BITS), mask=keep)
         r += G
 
 
@@ -250,48 +261,74 @@ def collective_kernel(
         chunk = ((count + SIZE - 1) // SIZE + _CHUNK_ALIGN - 1) // _CHUNK_ALIGN * _CHUNK_ALIGN
 
     if not SYMMETRIC:  # copy in: this member's input into its own slot
-        _copy(tl.multiple_of(ssl.peer_ptr(ptrs, me, src, ELEM), 16), x, numel, pid, G, BLOCK)
+        _copy(tl.multiple_of(ssl.peer_ptr(ptrs, me, src, ELEM), 16), x, numel, pid, G, pid >= 0, BLOCK)
     words = protocol.header_words(_TAG + OP, numel, DTYPE_CODE, ALGORITHM, SYMMETRIC, e, hidden)
     if pid == 0:
         protocol.write_header(ptrs, header, me, words)
     protocol.arrive(counter, G - 1, sptrs, cell, me, SIZE, PHASES == 1)
     ok = protocol.wait(sptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
     if ok:
-        ok = protocol.headers_agree(ptrs, header, me, words, e, mism, SIZE, TRAP)
-    if PHASES == 2:
-        if ok:
-            ok = protocol.grid_barrier(counter, G, e, timeout_ns, mism, me, SIZE, TRAP)
-    if ok:
-        if stall_ns > 0:
-            _stall(stall_ns)
-        if OP == _ALL_REDUCE:
-            if EPILOGUE:  # one-shot with the residual add and the RMS norm: whole rows per program
-                _rmsnorm_rows(
-                    ptrs, src, numel, hidden, out, residual, weight, res_out, eps, pid, G, ELEM, SIZE, BF16_BITS, ROW
-                )
-            elif TWO_SHOT:  # reduce this member's chunk into its reduced slot (and the output)
-                lo = me * chunk
-                n = tl.maximum(tl.minimum(numel, lo + chunk) - lo, 0)
-                red = tl.multiple_of(ssl.peer_ptr(ptrs, me, reduced, ELEM), 16)
-                _reduce(ptrs, src, lo, n, red, out + lo, pid, G, ELEM, SIZE, BF16_BITS, BLOCK, True)
-            else:
-                _reduce(ptrs, src, 0, numel, out, out, pid, G, ELEM, SIZE, BF16_BITS, BLOCK, False)
-        elif OP == _ALL_GATHER:
-            for p in tl.static_range(SIZE):
-                theirs = tl.multiple_of(ssl.peer_ptr(ptrs, p, src, ELEM), 16)
-                _copy(out + p * numel, theirs, numel, pid, G, BLOCK)
-        else:  # reduce-scatter: this member's chunk of every member's input
-            _reduce(ptrs, src, me * chunk, chunk, out, out, pid, G, ELEM, SIZE, BF16_BITS, BLOCK, False)
+        # The verdict on the headers is loads only: a one-phase call issues its first payload
+        # loads while the header loads are in flight (one round trip for both) and stores
+        # nothing unless every member's call is its own (``go``).
+        go = protocol.headers_match(ptrs, header, me, words, SIZE)
         if PHASES == 2:
-            n_in = protocol.arrive(counter, 2 * G - 1, sptrs, cell, me, SIZE, True)
-            if TWO_SHOT:  # every program: gather the other members' reduced chunks
-                if protocol.wait(sptrs, cell, me, e + 1, timeout_ns, record, SIZE, TRAP):
-                    for p in tl.static_range(SIZE):
-                        if p != me:
-                            lo = p * chunk
-                            n = tl.maximum(tl.minimum(numel, lo + chunk) - lo, 0)
-                            theirs = tl.multiple_of(ssl.peer_ptr(ptrs, p, reduced, ELEM), 16)
-                            _copy(out + lo, theirs, n, pid, G, BLOCK)
-            else:  # symmetric input: the kernel ends once every member finished reading it
-                if n_in == 2 * G - 1:
-                    protocol.wait(sptrs, cell, me, e + 1, timeout_ns, record, SIZE, TRAP)
+            if go:
+                go = protocol.grid_barrier(counter, G, e, timeout_ns, mism, me, SIZE, TRAP)
+            else:
+                protocol.report_mismatch(ptrs, header, me, words, e, mism, SIZE, TRAP)
+            run = go
+        else:
+            run = ok
+        if run:
+            if stall_ns > 0:
+                _stall(stall_ns)
+            if OP == _ALL_REDUCE:
+                if EPILOGUE:  # one-shot with the residual add and the RMS norm: whole rows per program
+                    _rmsnorm_rows(
+                        ptrs,
+                        src,
+                        numel,
+                        hidden,
+                        out,
+                        residual,
+                        weight,
+                        res_out,
+                        eps,
+                        pid,
+                        G,
+                        go,
+                        ELEM,
+                        SIZE,
+                        BF16_BITS,
+                        ROW,
+                    )
+                elif TWO_SHOT:  # reduce this member's chunk into its reduced slot (and the output)
+                    lo = me * chunk
+                    n = tl.maximum(tl.minimum(numel, lo + chunk) - lo, 0)
+                    red = tl.multiple_of(ssl.peer_ptr(ptrs, me, reduced, ELEM), 16)
+                    _reduce(ptrs, src, lo, n, red, out + lo, pid, G, go, ELEM, SIZE, BF16_BITS, BLOCK, True)
+                else:
+                    _reduce(ptrs, src, 0, numel, out, out, pid, G, go, ELEM, SIZE, BF16_BITS, BLOCK, False)
+            elif OP == _ALL_GATHER:
+                for p in tl.static_range(SIZE):
+                    theirs = tl.multiple_of(ssl.peer_ptr(ptrs, p, src, ELEM), 16)
+                    _copy(out + p * numel, theirs, numel, pid, G, go, BLOCK)
+            else:  # reduce-scatter: this member's chunk of every member's input
+                _reduce(ptrs, src, me * chunk, chunk, out, out, pid, G, go, ELEM, SIZE, BF16_BITS, BLOCK, False)
+            if PHASES == 1:
+                if not go:
+                    protocol.report_mismatch(ptrs, header, me, words, e, mism, SIZE, TRAP)
+            else:
+                n_in = protocol.arrive(counter, 2 * G - 1, sptrs, cell, me, SIZE, True)
+                if TWO_SHOT:  # every program: gather the other members' reduced chunks
+                    if protocol.wait(sptrs, cell, me, e + 1, timeout_ns, record, SIZE, TRAP):
+                        for p in tl.static_range(SIZE):
+                            if p != me:
+                                lo = p * chunk
+                                n = tl.maximum(tl.minimum(numel, lo + chunk) - lo, 0)
+                                theirs = tl.multiple_of(ssl.peer_ptr(ptrs, p, reduced, ELEM), 16)
+                                _copy(out + lo, theirs, n, pid, G, go, BLOCK)
+                else:  # symmetric input: the kernel ends once every member finished reading it
+                    if n_in == 2 * G - 1:
+                        protocol.wait(sptrs, cell, me, e + 1, timeout_ns, record, SIZE, TRAP)

@@ -143,14 +143,15 @@ def write_header(ptrs, header_off, me, words):
 
 
 @triton.jit
-def headers_agree(ptrs, header_off, me, mine, epoch, mism, SIZE: tl.constexpr, TRAP: tl.constexpr):
+def headers_match(ptrs, header_off, me, mine, SIZE: tl.constexpr):
     """True when every other member's header for this call equals ``mine`` (this call's words).
 
-    Run after the wait for ``epoch`` (the headers were published with it). This member's
-    own words come from its arguments, not from its memory: program 0 writes them, and
+    Run after the wait (the headers were published with the epoch). This member's own
+    words come from its arguments, not from its memory: program 0 writes them, and
     another program of the launch may pass the wait before they land. Every member
-    compares the same calls, so every member reaches the same verdict. On a disagreement
-    it copies every header into the record ``mism`` and traps (GPU).
+    compares the same calls, so every member reaches the same verdict. Loads only, no
+    branch: a kernel may issue its first payload loads before the verdict arrives and
+    hold back its stores (:func:`report_mismatch` after them).
     """
     w = tl.arange(0, _HEADER_WORDS)
     bad = 0
@@ -158,19 +159,32 @@ def headers_agree(ptrs, header_off, me, mine, epoch, mism, SIZE: tl.constexpr, T
         if p != me:
             theirs = tl.load(ssl.peer_ptr(ptrs, p, header_off, tl.int64) + w)
             bad += tl.sum(((theirs != mine) & (w < _HEADER_CHECKED)).to(tl.int32), axis=0)
-    ok = bad == 0
+    return bad == 0
+
+
+@triton.jit
+def report_mismatch(ptrs, header_off, me, mine, epoch, mism, SIZE: tl.constexpr, TRAP: tl.constexpr):
+    """Copy every member's header into the record ``mism``, then trap (GPU): the calls differ."""
+    w = tl.arange(0, _HEADER_WORDS)
+    rec = mism.to(tl.pointer_type(tl.int64))
+    for p in tl.static_range(SIZE):
+        theirs = tl.load(ssl.peer_ptr(ptrs, p, header_off, tl.int64) + w)
+        tl.store(rec + _R_HEADERS + p * _HEADER_WORDS + w, tl.where(p == me, mine, theirs))
+    tl.store(rec + 1, epoch)
+    tl.store(rec + 2, me)
+    tl.store(rec + 3, SIZE)
+    # The flag last, with a release at system scope: the host (or, after a trap, a host
+    # reading pinned memory) that sees the flag sees the headers.
+    tl.debug_barrier()
+    tl.atomic_xchg(rec, _MISMATCH, sem="release", scope="sys")
+    if TRAP:
+        ssl.trap()
+
+
+@triton.jit
+def headers_agree(ptrs, header_off, me, mine, epoch, mism, SIZE: tl.constexpr, TRAP: tl.constexpr):
+    """:func:`headers_match`, then :func:`report_mismatch` when the calls differ. Returns the verdict."""
+    ok = headers_match(ptrs, header_off, me, mine, SIZE)
     if not ok:
-        rec = mism.to(tl.pointer_type(tl.int64))
-        for p in tl.static_range(SIZE):
-            theirs = tl.load(ssl.peer_ptr(ptrs, p, header_off, tl.int64) + w)
-            tl.store(rec + _R_HEADERS + p * _HEADER_WORDS + w, tl.where(p == me, mine, theirs))
-        tl.store(rec + 1, epoch)
-        tl.store(rec + 2, me)
-        tl.store(rec + 3, SIZE)
-        # The flag last, with a release at system scope: the host (or, after a trap, a
-        # host reading pinned memory) that sees the flag sees the headers.
-        tl.debug_barrier()
-        tl.atomic_xchg(rec, _MISMATCH, sem="release", scope="sys")
-        if TRAP:
-            ssl.trap()
+        report_mismatch(ptrs, header_off, me, mine, epoch, mism, SIZE, TRAP)
     return ok
