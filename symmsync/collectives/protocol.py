@@ -12,8 +12,8 @@ Pseudocode of one call, as every member runs it (``G`` programs, the epoch on th
     program 0: header[q] = (op, numel, dtype, algorithm, symmetric, e, epilogue)
     arrive(): the last program of the launch publishes e      [release, system scope]
     wait(e): every member published e                         [acquire, system scope]
-    every member's header[q] equals this one's, or: record, trap (GPU) / report (host)
-    read the members' input[q] (sum in member order in float32, or copy)
+    read the members' input[q] (sum in member order in float32, or copy), storing only
+        if every member's header[q] is this call's; else record, trap (GPU) / report (host)
     two-shot / symmetric input: grid_barrier(); arrive(): publish e + 1; wait(e + 1)
 
 Why a slot is never overwritten while a member still reads it:
