@@ -57,7 +57,8 @@ ALGORITHM_NAMES = {v: k for k, v in ALGORITHM_CODES.items()}
 DTYPES: dict[torch.dtype, int] = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 DTYPE_NAMES = {v: str(k).removeprefix("torch.") for k, v in DTYPES.items()}
 
-#: Elements a two-shot chunk is rounded up to (16-byte aligned chunks for every dtype).
+#: Elements a two-shot chunk is rounded up to (16-byte aligned chunks for every dtype): a member's
+#: chunk is ``cdiv(numel, size)`` rounded up to it (the kernel computes it).
 CHUNK_ALIGN = 64
 
 #: Record flags: the members' headers disagree ("SYMMMISM"); the programs of one launch
@@ -75,11 +76,6 @@ def round_up(x: int, m: int) -> int:
 def record_words(size: int) -> int:
     """int64 words of the record of a view of ``size`` members."""
     return R_HEADERS + size * HEADER_WORDS
-
-
-def two_shot_chunk(numel: int, size: int) -> int:
-    """Elements of each member's chunk in a two-shot all-reduce of ``numel`` elements."""
-    return round_up(-(-numel // size), CHUNK_ALIGN)
 
 
 @dataclass(frozen=True)

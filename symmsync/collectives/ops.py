@@ -283,7 +283,7 @@ class _Collective:
             )
         return launcher
 
-    def _problem(self, x: Any, numel_ok: Any = None) -> str | None:
+    def _problem(self, x: Any) -> str | None:
         """What is wrong with an input tensor, or ``None`` (cheap when it is right)."""
         if type(x) is not torch.Tensor:
             return f"x must be a torch.Tensor, got {type(x).__name__}"
@@ -452,7 +452,7 @@ class AllReduce(_Collective):
         )
         self.algorithm = algorithm
         self._codes = {**L.ALGORITHM_CODES, "auto": -1}
-        self._one_shot_max = tuning.ONE_SHOT_MAX_BYTES.get(view.size, tuning.DEFAULT_ONE_SHOT_MAX_BYTES)
+        self._one_shot_max = tuning.one_shot_max_bytes(view.size)  # auto: one-shot up to this many bytes
 
     def __call__(
         self,

@@ -21,7 +21,11 @@ DEFAULT_ONE_SHOT_MAX_BYTES = 256 << 10
 """The same for view sizes not listed. PROVISIONAL."""
 
 
+def one_shot_max_bytes(size: int) -> int:
+    """The largest message ``"auto"`` sends one-shot over ``size`` members."""
+    return ONE_SHOT_MAX_BYTES.get(size, DEFAULT_ONE_SHOT_MAX_BYTES)
+
+
 def choose(nbytes: int, size: int) -> str:
     """The algorithm ``"auto"`` runs for a message of ``nbytes`` over ``size`` members."""
-    limit = ONE_SHOT_MAX_BYTES.get(size, DEFAULT_ONE_SHOT_MAX_BYTES)
-    return "one_shot" if nbytes <= limit else "two_shot"
+    return "one_shot" if nbytes <= one_shot_max_bytes(size) else "two_shot"
