@@ -37,6 +37,7 @@ EXPECTED = {
     "05_runtime_cache.py": [
         f"rank {r}: 2 layers x 2 batches, in blocks from before and after the grow: OK" for r in (0, 1)
     ],
+    "06_all_reduce.py": [f"rank {r}: 11 all-reduces of 4x512 bfloat16: the rank-order float32 sums" for r in (0, 1)],
     "07_signals.py": [
         "pipeline: 8 chunks through a ring of 4 tiles to a slow consumer: every chunk exact; "
         "chunk 0 was done before chunk 7 was sent"
@@ -52,6 +53,7 @@ CUDA_ONLY = {
     "01_buffer.py": [f"rank {r}: cuda backend, 1024 bytes on cuda:{r}" for r in (0, 1)],
     "02_fences.py": [f"rank {r}: CUDA graph: 100 replays, epoch +200, 0 wrong" for r in (0, 1)],
     "05_runtime_cache.py": [f"rank {r}: the cache grew from 20 to 128 blocks" for r in (0, 1)],
+    "06_all_reduce.py": [f"rank {r}: CUDA graph: 100 replays, 0 wrong" for r in (0, 1)],
 }
 
 

@@ -1,0 +1,304 @@
+"""Collectives: symmsync's all-reduce, all-gather and reduce-scatter against NCCL and torch symmetric memory.
+
+Run on a machine with 2 or more NVLinked GPUs (one process per GPU is spawned)::
+
+    python benchmarks/collectives.py [--world 2] [--out benchmarks/results] [--reps 7] [--max-mb 64]
+
+Measures, in one run on the same GPUs, bf16 messages of 1 KB to 64 MB (the all-reduce's
+input; the all-gather's output and the reduce-scatter's input have the same bytes), the
+time per call, eagerly and in CUDA-graph replay, medians of ``--reps`` runs:
+  * symmsync ``AllReduce`` with ``one_shot``, ``two_shot`` and ``auto``; ``AllGather``;
+    ``ReduceScatter``;
+  * NCCL through torch.distributed: ``all_reduce``, ``all_gather_into_tensor``,
+    ``reduce_scatter_tensor``;
+  * torch symmetric memory's ``one_shot_all_reduce`` and ``two_shot_all_reduce_`` (never
+    its multimem variants: multicast is off on these machines);
+  * the host time of an eager symmsync all-reduce call (the clock stops when the call
+    returns), against the 8 µs target.
+Prints a table of µs and ratios, the size from which two-shot beats one-shot (the
+crossover that ``symmsync.collectives.tuning`` should hold), the targets, and writes
+``collectives_<machine>.json`` and ``.png`` into ``--out``. Refuses on fewer than 2 GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+KB = 1024
+TARGET_EAGER_HOST_US = 8.0
+TARGET_16K_US = 4.0
+
+SYMMSYNC_AR = ("one_shot", "two_shot", "auto")
+ROWS_AR = [
+    ("ss_one_shot", "symmsync one_shot"),
+    ("ss_two_shot", "symmsync two_shot"),
+    ("ss_auto", "symmsync auto"),
+    ("torch_one_shot", "torch symm one_shot_all_reduce"),
+    ("torch_two_shot", "torch symm two_shot_all_reduce_"),
+    ("nccl_all_reduce", "NCCL all_reduce"),
+]
+SHORT_AR = ("ss 1shot", "ss 2shot", "ss auto", "th 1shot", "th 2shot", "nccl")
+ROWS_OTHER = [
+    ("ss_all_gather", "symmsync AllGather"),
+    ("nccl_all_gather", "NCCL all_gather_into_tensor"),
+    ("ss_reduce_scatter", "symmsync ReduceScatter"),
+    ("nccl_reduce_scatter", "NCCL reduce_scatter_tensor"),
+]
+SHORT_OTHER = ("ss gather", "nccl gather", "ss rs", "nccl rs")
+
+
+def sizes(max_mb: int) -> list[int]:
+    out, b = [], KB
+    while b <= max_mb * KB * KB:
+        out.append(b)
+        b *= 2
+    return out
+
+
+def iters_for(nbytes: int, base: int) -> int:
+    """Calls per timed run: fewer for large messages (about 50 ms of data movement each)."""
+    return max(10, min(base, (64 << 20) // nbytes * 8))
+
+
+def worker(rank: int, world: int, args: argparse.Namespace) -> None:
+    dev = common.init_worker(rank, world, 29533)
+    import torch.distributed._symmetric_memory as symm_mem
+
+    import symmsync as ss
+    from symmsync import collectives as C
+
+    group = dist.group.WORLD
+    max_numel = args.max_mb * KB * KB // 2
+    per = C.workspace_bytes(max_numel, torch.bfloat16, world)
+    buf = ss.SymmetricBuffer(3 * per, backend="cuda")
+    view = buf.view(list(range(world)))
+    ar = C.AllReduce(view, max_numel, torch.bfloat16)
+    ag = C.AllGather(view, max_numel, torch.bfloat16, offset=per, channel=1)
+    rs = C.ReduceScatter(view, max_numel, torch.bfloat16, offset=2 * per, channel=2)
+    symm = symm_mem.empty(max_numel, dtype=torch.bfloat16, device=dev)
+    symm_mem.rendezvous(symm, group.group_name)
+    ops = torch.ops.symm_mem
+    R: dict[str, float | None] = {}
+    same_bits: dict[int, bool] = {}
+    reps = args.reps
+
+    def measure(name: str, fn, nbytes: int) -> None:
+        it = iters_for(nbytes, args.iters)
+        try:
+            R[f"{name}.{nbytes}.eager"] = common.eager_us(fn, iters=it, reps=reps, warmup=5)
+            R[f"{name}.{nbytes}.graph"] = common.graph_us(fn, iters=it, reps=reps)
+        except Exception as e:  # noqa: BLE001 - a baseline that cannot run at a size is reported, not fatal
+            print(f"rank {rank}: {name} at {nbytes} B failed: {e!r}", flush=True)
+            R[f"{name}.{nbytes}.eager"] = R[f"{name}.{nbytes}.graph"] = None
+            torch.cuda.synchronize()
+            dist.barrier()
+
+    def one_size(nbytes: int) -> None:
+        n = nbytes // 2
+        x = torch.randn(n, device=dev).to(torch.bfloat16)
+        out = torch.empty_like(x)
+        a, b = ar(x, algorithm="one_shot").clone(), ar(x, algorithm="two_shot").clone()
+        ar.synchronize()
+        same_bits[nbytes] = bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
+        for algo in SYMMSYNC_AR:
+            measure(f"ss_{algo}", lambda algo=algo: ar(x, out, algorithm=algo), nbytes)
+        t = symm.narrow(0, 0, n)
+        t.copy_(x)
+        measure("torch_one_shot", lambda: ops.one_shot_all_reduce(t, "sum", group.group_name), nbytes)
+        measure("torch_two_shot", lambda: ops.two_shot_all_reduce_(t, "sum", group.group_name), nbytes)
+        y = x.clone()
+        measure("nccl_all_reduce", lambda: dist.all_reduce(y, group=group), nbytes)
+        part = x[: n // world]  # the all-gather's input: its output has the message's bytes
+        gathered = torch.empty(world * part.numel(), dtype=x.dtype, device=dev)
+        measure("ss_all_gather", lambda: ag(part, gathered), nbytes)
+        measure("nccl_all_gather", lambda: dist.all_gather_into_tensor(gathered, part, group=group), nbytes)
+        chunk = torch.empty(n // world, dtype=x.dtype, device=dev)
+        xr = x[: world * (n // world)]
+        measure("ss_reduce_scatter", lambda: rs(xr, chunk), nbytes)
+        measure("nccl_reduce_scatter", lambda: dist.reduce_scatter_tensor(chunk, xr, group=group), nbytes)
+        if nbytes == 16 * KB:
+            R["ss_auto_host.16384.eager"] = common.eager_us(
+                lambda: ar(x, out), iters=args.iters, reps=reps, warmup=50, host_only=True
+            )
+
+    for nbytes in sizes(args.max_mb):
+        one_size(nbytes)
+    R["launch_path"] = next(iter(ar._bound.values()))[0].launcher.path  # type: ignore[assignment]
+    gathered_r: list = [None] * world
+    dist.all_gather_object(gathered_r, (R, same_bits))
+    if rank == 0:
+        report(gathered_r, args)
+    dist.barrier()
+    buf.close()
+    dist.destroy_process_group()
+
+
+def _max(per_rank: list, key: str) -> float | None:
+    vals = [r[key] for r in per_rank if r.get(key) is not None]
+    return max(vals) if len(vals) == len(per_rank) else None  # the slower rank sets the pace
+
+
+def crossover(res: dict, mode: str, all_sizes: list[int]) -> int | None:
+    """The smallest size from which two-shot is faster than one-shot at every larger size."""
+    found = None
+    for b in reversed(all_sizes):
+        one, two = res.get(f"ss_one_shot.{b}.{mode}"), res.get(f"ss_two_shot.{b}.{mode}")
+        if one is None or two is None or two >= one:
+            break
+        found = b
+    return found
+
+
+def _fmt(v: float | None) -> str:
+    return f"{v:9.2f}" if v is not None else f"{'-':>9s}"
+
+
+def _size(b: int) -> str:
+    return f"{b // (KB * KB)} MB" if b >= KB * KB else f"{b // KB} KB"
+
+
+def report(per_rank: list, args: argparse.Namespace) -> None:
+    info = common.machine()
+    stats = [r for r, _ in per_rank]
+    keys = {k for r in stats for k, v in r.items() if isinstance(v, float) or v is None}
+    res = {k: _max(stats, k) for k in sorted(keys)}
+    all_sizes = sizes(args.max_mb)
+    lines = [
+        f"collectives, {args.world} ranks, bf16, µs per call (max over ranks of the median of {args.reps} runs); "
+        f"{info['gpu_count']}× {info['gpus'][0]}, torch {info['torch']}, triton {info['triton']}",
+    ]
+    for mode in ("graph", "eager"):
+        lines.append(f"all-reduce, {mode}:")
+        lines.append(f"{'size':>7s} " + " ".join(f"{c:>9s}" for c in SHORT_AR) + "  auto/best-torch  NCCL/auto")
+        for b in all_sizes:
+            vals = [res.get(f"{k}.{b}.{mode}") for k, _ in ROWS_AR]
+            auto, t1, t2, nccl = vals[2], vals[3], vals[4], vals[5]
+            best_torch = min(v for v in (t1, t2) if v is not None) if (t1 or t2) else None
+            r1 = f"{auto / best_torch:6.2f}×" if auto and best_torch else "     -"
+            r2 = f"{nccl / auto:6.2f}×" if auto and nccl else "     -"
+            lines.append(f"{_size(b):>7s} " + " ".join(_fmt(v) for v in vals) + f"  {r1:>15s}  {r2:>9s}")
+        lines.append(f"all-gather and reduce-scatter, {mode}:")
+        lines.append(f"{'size':>7s} " + " ".join(f"{c:>11s}" for c in SHORT_OTHER) + "   NCCL/ss (ag, rs)")
+        for b in all_sizes:
+            vals = [res.get(f"{k}.{b}.{mode}") for k, _ in ROWS_OTHER]
+            ra = f"{vals[1] / vals[0]:5.2f}×" if vals[0] and vals[1] else "    -"
+            rr = f"{vals[3] / vals[2]:5.2f}×" if vals[2] and vals[3] else "    -"
+            lines.append(f"{_size(b):>7s} " + " ".join(f"{_fmt(v):>11s}" for v in vals) + f"   {ra}, {rr}")
+    cross = {m: crossover(res, m, all_sizes) for m in ("graph", "eager")}
+    lines.append(
+        "one-shot / two-shot crossover (two-shot faster from this size on): "
+        + ", ".join(f"{m}: {_size(c) if c else 'none up to ' + _size(all_sizes[-1])}" for m, c in cross.items())
+        + f"; put the graph one into symmsync/collectives/tuning.py for {args.world} members"
+    )
+    bits = all(sb for _, s in per_rank for sb in s.values())
+    lines.append(f"one-shot and two-shot gave the same bits at every size on every rank: {bits}")
+    lines.append("targets (graph replay, bf16):")
+    miss = []
+    for b in all_sizes:
+        auto = res.get(f"ss_auto.{b}.graph")
+        t1, t2 = res.get(f"torch_one_shot.{b}.graph"), res.get(f"torch_two_shot.{b}.graph")
+        nccl = res.get(f"nccl_all_reduce.{b}.graph")
+        if auto is None:
+            continue
+        best = min(v for v in (t1, t2, float("inf")) if v is not None)
+        if b <= 8 * KB * KB and auto > best:
+            miss.append(f"{_size(b)}: {auto:.2f} > torch {best:.2f}")
+        if b <= 256 * KB and nccl and nccl / auto < 2:
+            miss.append(f"{_size(b)}: only {nccl / auto:.2f}× NCCL")
+    lines.append("  at most the faster torch algorithm up to 8 MB, 2× NCCL up to 256 KB: " + ("; ".join(miss) or "met"))
+    a16 = res.get(f"ss_auto.{16 * KB}.graph")
+    if a16 is not None:
+        lines.append(
+            f"  at most {TARGET_16K_US} µs at 16 KB: {a16:.2f} µs ({'met' if a16 <= TARGET_16K_US else 'MISSED'})"
+        )
+    big = all_sizes[-1]
+    a_big, n_big = res.get(f"ss_auto.{big}.graph"), res.get(f"nccl_all_reduce.{big}.graph")
+    if a_big and n_big:
+        frac = n_big / a_big
+        lines.append(
+            f"  at least 90% of NCCL's bandwidth at {_size(big)}: {frac:.0%} ({'met' if frac >= 0.9 else 'MISSED'})"
+        )
+    host = res.get("ss_auto_host.16384.eager")
+    if host is not None:
+        lines.append(
+            f"  host time per eager call (16 KB, auto) at most {TARGET_EAGER_HOST_US} µs: {host:.2f} µs "
+            f"({'met' if host <= TARGET_EAGER_HOST_US else 'MISSED'})"
+        )
+    lines.append(f"launch path: {per_rank[0][0].get('launch_path')}")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    name = f"collectives_{common.slug(info)}"
+    if args.world != 2:
+        name += f"_w{args.world}"
+    payload = {
+        "machine": info,
+        "world": args.world,
+        "results_us": res,
+        "per_rank_us": stats,
+        "crossover_bytes": cross,
+        "reps": args.reps,
+        "table": text,
+    }
+    common.write_json(os.path.join(args.out, name + ".json"), payload)
+    plot(res, info, all_sizes, os.path.join(args.out, name + ".png"), args.world)
+    print(f"wrote {os.path.join(args.out, name)}.json and .png", flush=True)
+
+
+def plot(res: dict, info: dict, all_sizes: list[int], path: str, world: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, mode in zip(axes, ("graph", "eager")):
+        for key, label in ROWS_AR + ROWS_OTHER:
+            pts = [(b, res.get(f"{key}.{b}.{mode}")) for b in all_sizes]
+            pts = [(b, v) for b, v in pts if v is not None]
+            if pts:
+                style = "-" if key.startswith("ss_") else "--"
+                ax.plot([b for b, _ in pts], [v for _, v in pts], style, marker=".", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("message bytes (bf16)")
+        ax.set_ylabel("µs per call (log)")
+        ax.set_title(f"{'CUDA graph replay' if mode == 'graph' else 'eager'}", fontsize=10)
+        ax.grid(True, which="both", lw=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(
+        f"Collectives, {world} ranks, {info['gpu_count']}× {info['gpus'][0]} ({info.get('link_gpu0_gpu1', '?')}), "
+        f"torch {info['torch']}, triton {info['triton']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--world", type=int, default=2, help="GPUs (one process each)")
+    parser.add_argument("--iters", type=int, default=500, help="calls per timed run at small sizes")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--max-mb", type=int, default=64, help="largest message, MB")
+    args = parser.parse_args()
+    n = torch.cuda.device_count()
+    if n < 2 or args.world < 2 or n < args.world:
+        sys.exit(
+            f"benchmarks/collectives.py measures collectives between GPUs: it needs --world >= 2 GPUs and this "
+            f"machine has {n} (asked for --world {args.world}). Run it on a machine with 2 or more NVLinked GPUs."
+        )
+    args.tp = 1
+    common.spawn(worker, args, "benchmarks/collectives.py")
+
+
+if __name__ == "__main__":
+    main()

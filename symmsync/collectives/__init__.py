@@ -1,0 +1,32 @@
+"""Collectives over a peer view: all-reduce, all-gather and reduce-scatter.
+
+Built only on symmsync's public API (like :mod:`symmsync.pcp`): a buffer's peer view,
+a :class:`~symmsync.Fence` channel (its device-resident epoch and kernel arguments),
+the device primitives of :mod:`symmsync.language`, the launcher of
+:mod:`symmsync.launch` and the agreement of :mod:`symmsync.collective`::
+
+    from symmsync import collectives
+
+    buf = ss.SymmetricBuffer(collectives.workspace_bytes(n, torch.bfloat16, world))
+    ar = collectives.AllReduce(buf.view(list(range(world))), n, torch.bfloat16)
+    y = ar(x)                        # the sum over the members, the same bits on every member
+
+Calls are one kernel launch each, need no host barrier between them, can be captured
+in a CUDA graph, and refuse (on every member) calls that differ between members.
+"""
+
+from .layout import Workspace, workspace_bytes
+from .ops import ALGORITHMS, MAX_HIDDEN, AllGather, AllReduce, CollectiveMismatch, ReduceScatter
+from .tuning import choose
+
+__all__ = [
+    "ALGORITHMS",
+    "AllGather",
+    "AllReduce",
+    "CollectiveMismatch",
+    "MAX_HIDDEN",
+    "ReduceScatter",
+    "Workspace",
+    "choose",
+    "workspace_bytes",
+]

@@ -1,0 +1,334 @@
+"""The collectives' kernel: copy in, hand over (:mod:`.protocol`), sum or copy out.
+
+One kernel source serves every operation, picked by compile-time constants: the
+all-reduce (one-shot or two-shot), the all-gather and the reduce-scatter, each with
+its input copied into the workspace or already there (``SYMMETRIC``). Its programs
+share the elements in blocks of ``BLOCK``, program ``k`` taking blocks ``k, k + G, ...``
+in every phase, so that under the interpreter one program does the whole call.
+
+Sums are float32, in member order (0, 1, ..., size - 1), starting from member 0's
+value, so every member (and both all-reduce algorithms) produce the same bits:
+``sum = x_0; sum += x_1; ...; round once to the dtype`` (round to nearest even).
+Under Triton's interpreter (numpy has no bfloat16) bfloat16 travels as its int16
+bits and is converted with integer arithmetic that rounds as torch does.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+import symmsync.language as ssl
+
+from . import layout as L
+from . import protocol
+
+_HEADER_BYTES = tl.constexpr(L.HEADER_WORDS * 8)
+_ALL_REDUCE = tl.constexpr(L.ALL_REDUCE)
+_ALL_GATHER = tl.constexpr(L.ALL_GATHER)
+_TAG = tl.constexpr(L.TAG)
+_CHUNK_ALIGN = tl.constexpr(L.CHUNK_ALIGN)
+_REDUCE_SCATTER = tl.constexpr(L.REDUCE_SCATTER)
+
+
+@triton.jit
+def _to_f32(v, BF16_BITS: tl.constexpr):
+    if BF16_BITS:
+        f = (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        f = v.to(tl.float32)
+    return f
+
+
+@triton.jit
+def _from_f32(acc, ELEM: tl.constexpr, BF16_BITS: tl.constexpr):
+    if BF16_BITS:
+        # float32 -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (as torch).
+        u = acc.to(tl.uint32, bitcast=True)
+        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.int32)
+        r = tl.where(acc != acc, 0x7FC0, r)
+        v = tl.where(r >= 32768, r - 65536, r).to(tl.int16)
+    else:
+        v = acc.to(ELEM)
+    return v
+
+
+@triton.jit
+def _spread(go, idx):
+    # A uniform flag as a block mask. (Under the interpreter of triton 3.9 a mask that is a
+    # block ANDed with a scalar flag has an unsupported dtype; a full block ANDed with it has not.)
+    return tl.full(idx.shape, 1, tl.int1) & go
+
+
+@triton.jit
+def _copy_block(dst, src, idx, n, go, FULL: tl.constexpr):
+    # ``go`` (uniform) holds back the stores, never the loads.
+    if FULL:  # no mask but go: loads and stores of 16 bytes per thread where the pointers allow
+        tl.store(dst + idx, tl.load(src + idx), mask=_spread(go, idx))
+    else:
+        m = idx < n
+        tl.store(dst + idx, tl.load(src + idx, mask=m), mask=m & _spread(go, idx))
+
+
+@triton.jit
+def _copy(dst, src, n, pid, G, go, BLOCK: tl.constexpr):
+    """``dst[i] = src[i]`` for ``i < n``: this program's blocks (pid, pid + G, ...); stored only if ``go``."""
+    lanes = tl.arange(0, BLOCK)
+    b = pid
+    while b * BLOCK < n:
+        idx = b * BLOCK + lanes
+        if (b + 1) * BLOCK <= n:
+            _copy_block(dst, src, idx, n, go, True)
+        else:
+            _copy_block(dst, src, idx, n, go, False)
+        b += G
+
+
+@triton.jit
+def _sum_block(
+    ptrs, src, first, idx, n, ELEM: tl.constexpr, SIZE: tl.constexpr, BF16_BITS: tl.constexpr, FULL: tl.constexpr
+):
+    # Member order, from member 0's value: the same bits on every member and algorithm.
+    # ``src`` is a slot's (aligned) byte offset, ``first`` the element the block starts from.
+    m = idx < n
+    base = tl.multiple_of(ssl.peer_ptr(ptrs, 0, src, ELEM), 16) + first
+    if FULL:
+        acc = _to_f32(tl.load(base + idx), BF16_BITS)
+    else:
+        acc = _to_f32(tl.load(base + idx, mask=m, other=0), BF16_BITS)
+    for p in tl.static_range(1, SIZE):
+        base = tl.multiple_of(ssl.peer_ptr(ptrs, p, src, ELEM), 16) + first
+        if FULL:
+            acc += _to_f32(tl.load(base + idx), BF16_BITS)
+        else:
+            acc += _to_f32(tl.load(base + idx, mask=m, other=0), BF16_BITS)
+    return _from_f32(acc, ELEM, BF16_BITS)
+
+
+@triton.jit
+def _store_block(dst, idx, v, n, go, FULL: tl.constexpr):
+    if FULL:
+        tl.store(dst + idx, v, mask=_spread(go, idx))
+    else:
+        tl.store(dst + idx, v, mask=(idx < n) & _spread(go, idx))
+
+
+@triton.jit
+def _reduce(
+    ptrs,
+    src,
+    first,
+    n,
+    dst,
+    dst2,
+    pid,
+    G,
+    go,
+    ELEM: tl.constexpr,
+    SIZE: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TWO: tl.constexpr,
+):
+    """``dst[i]`` (and ``dst2[i]``) ``= sum over members p of element first + i of p's slot at src``, i < n."""
+    lanes = tl.arange(0, BLOCK)
+    b = pid
+    while b * BLOCK < n:
+        idx = b * BLOCK + lanes
+        if (b + 1) * BLOCK <= n:
+            v = _sum_block(ptrs, src, first, idx, n, ELEM, SIZE, BF16_BITS, True)
+            _store_block(dst, idx, v, n, go, True)
+            if TWO:
+                _store_block(dst2, idx, v, n, go, True)
+        else:
+            v = _sum_block(ptrs, src, first, idx, n, ELEM, SIZE, BF16_BITS, False)
+            _store_block(dst, idx, v, n, go, False)
+            if TWO:
+                _store_block(dst2, idx, v, n, go, False)
+        b += G
+
+
+@triton.jit
+def _rmsnorm_rows(
+    ptrs,
+    src,
+    numel,
+    hidden,
+    out,
+    residual,
+    weight,
+    res_out,
+    eps,
+    pid,
+    G,
+    go,
+    ELEM: tl.constexpr,
+    SIZE: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    ROW: tl.constexpr,
+):
+    """The fused epilogue, one row of ``hidden`` elements per step (program ``pid`` takes rows
+    ``pid, pid + G, ...``)::
+
+        s = dtype(member-order float32 sum)                  # the all-reduce's own result
+        res_out = dtype(float32(s) + float32(residual))      # what torch's ``s + residual`` gives
+        h = float32(res_out)
+        out = dtype(h * rsqrt(mean(h * h) + eps) * float32(weight))
+    """
+    cols = tl.arange(0, ROW)
+    cm = cols < hidden
+    w = _to_f32(tl.load(weight + cols, mask=cm, other=0), BF16_BITS)
+    rows = numel // hidden
+    r = pid
+    while r < rows:
+        first = r * hidden
+        s = _sum_block(ptrs, src, first, cols, hidden, ELEM, SIZE, BF16_BITS, False)
+        h = _to_f32(s, BF16_BITS) + _to_f32(tl.load(residual + first + cols, mask=cm, other=0), BF16_BITS)
+        new_res = _from_f32(h, ELEM, BF16_BITS)
+        hr = tl.where(cm, _to_f32(new_res, BF16_BITS), 0.0)
+        inv = 1.0 / tl.sqrt(tl.sum(hr * hr, axis=0) / hidden + eps)
+        keep = cm & _spread(go, cols)
+        tl.store(res_out + first + cols, new_res, mask=keep)
+        tl.store(out + first + cols, _from_f32(hr * inv * w, ELEM, BF16_BITS), mask=keep)
+        r += G
+
+
+@triton.jit
+def _stall(ns):
+    # Tests only (ns > 0): hold this member between its wait and its reads.
+    start = ssl.clock_ns()
+    now = start
+    while now - start < ns:
+        now = ssl.clock_ns()
+
+
+@triton.jit
+def collective_kernel(
+    x,
+    out,
+    count,  # elements of the call's input (reduce-scatter: of each member's chunk)
+    ptrs,  # the view's pointer table (payload)
+    sptrs,
+    cell,
+    me,
+    timeout_ns,
+    record,  # the fence's arguments (Fence.kernel_args)
+    mism,  # the collective's own record (header mismatch, grid stall)
+    stall_ns,
+    headers,
+    counter_off,
+    inputs,
+    input_stride,
+    symmetric,
+    reduced,  # workspace offsets (layout.Workspace)
+    residual,
+    weight,
+    res_out,
+    hidden,
+    eps,  # the fused epilogue (EPILOGUE only)
+    SIZE: tl.constexpr,
+    OP: tl.constexpr,
+    TWO_SHOT: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
+    NBUF: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TRAP: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    DTYPE_CODE: tl.constexpr,
+    ALGORITHM: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    ROW: tl.constexpr,
+):
+    ELEM: tl.constexpr = x.dtype.element_ty
+    PHASES: tl.constexpr = 2 if (TWO_SHOT or SYMMETRIC) else 1
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    e = protocol.next_epoch(sptrs, cell, me)
+    header = headers + (e % 2) * _HEADER_BYTES
+    if SYMMETRIC:
+        src = symmetric + e * 0
+    else:
+        src = inputs + (e % NBUF) * input_stride  # NBUF 1: the parity removed (tests only)
+    counter = ssl.peer_ptr(ptrs, me, counter_off, tl.int64)
+    # The reduce-scatter passes its chunk, so that Triton specializes the chunk's alignment
+    # (16-byte accesses) as it does any argument's.
+    if OP == _REDUCE_SCATTER:
+        numel = count * SIZE
+        chunk = count
+    else:
+        numel = count
+        # two-shot: a member's chunk, cdiv(numel, SIZE) rounded up to whole 16-byte groups
+        chunk = ((count + SIZE - 1) // SIZE + _CHUNK_ALIGN - 1) // _CHUNK_ALIGN * _CHUNK_ALIGN
+
+    if not SYMMETRIC:  # copy in: this member's input into its own slot
+        _copy(tl.multiple_of(ssl.peer_ptr(ptrs, me, src, ELEM), 16), x, numel, pid, G, pid >= 0, BLOCK)
+    words = protocol.header_words(_TAG + OP, numel, DTYPE_CODE, ALGORITHM, SYMMETRIC, e, hidden)
+    if pid == 0:
+        protocol.write_header(ptrs, header, me, words)
+    protocol.arrive(counter, G - 1, sptrs, cell, me, SIZE, PHASES == 1)
+    ok = protocol.wait(sptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
+    if ok:
+        # The verdict on the headers is loads only: a one-phase call issues its first payload
+        # loads while the header loads are in flight (one round trip for both) and stores
+        # nothing unless every member's call is its own (``go``).
+        go = protocol.headers_match(ptrs, header, me, words, SIZE)
+        if PHASES == 2:
+            if go:
+                go = protocol.grid_barrier(counter, G, e, timeout_ns, mism, me, SIZE, TRAP)
+            else:
+                protocol.report_mismatch(ptrs, header, me, words, e, mism, SIZE, TRAP)
+            run = go
+        else:
+            run = ok
+        if run:
+            if stall_ns > 0:
+                _stall(stall_ns)
+            if OP == _ALL_REDUCE:
+                if EPILOGUE:  # one-shot with the residual add and the RMS norm: whole rows per program
+                    _rmsnorm_rows(
+                        ptrs,
+                        src,
+                        numel,
+                        hidden,
+                        out,
+                        residual,
+                        weight,
+                        res_out,
+                        eps,
+                        pid,
+                        G,
+                        go,
+                        ELEM,
+                        SIZE,
+                        BF16_BITS,
+                        ROW,
+                    )
+                elif TWO_SHOT:  # reduce this member's chunk into its reduced slot (and the output)
+                    lo = me * chunk
+                    n = tl.maximum(tl.minimum(numel, lo + chunk) - lo, 0)
+                    red = tl.multiple_of(ssl.peer_ptr(ptrs, me, reduced, ELEM), 16)
+                    _reduce(ptrs, src, lo, n, red, out + lo, pid, G, go, ELEM, SIZE, BF16_BITS, BLOCK, True)
+                else:
+                    _reduce(ptrs, src, 0, numel, out, out, pid, G, go, ELEM, SIZE, BF16_BITS, BLOCK, False)
+            elif OP == _ALL_GATHER:
+                for p in tl.static_range(SIZE):
+                    theirs = tl.multiple_of(ssl.peer_ptr(ptrs, p, src, ELEM), 16)
+                    _copy(out + p * numel, theirs, numel, pid, G, go, BLOCK)
+            else:  # reduce-scatter: this member's chunk of every member's input
+                _reduce(ptrs, src, me * chunk, chunk, out, out, pid, G, go, ELEM, SIZE, BF16_BITS, BLOCK, False)
+            if PHASES == 1:
+                if not go:
+                    protocol.report_mismatch(ptrs, header, me, words, e, mism, SIZE, TRAP)
+            else:
+                n_in = protocol.arrive(counter, 2 * G - 1, sptrs, cell, me, SIZE, True)
+                if TWO_SHOT:  # every program: gather the other members' reduced chunks
+                    if protocol.wait(sptrs, cell, me, e + 1, timeout_ns, record, SIZE, TRAP):
+                        for p in tl.static_range(SIZE):
+                            if p != me:
+                                lo = p * chunk
+                                n = tl.maximum(tl.minimum(numel, lo + chunk) - lo, 0)
+                                theirs = tl.multiple_of(ssl.peer_ptr(ptrs, p, reduced, ELEM), 16)
+                                _copy(out + lo, theirs, n, pid, G, go, BLOCK)
+                else:  # symmetric input: the kernel ends once every member finished reading it
+                    if n_in == 2 * G - 1:
+                        protocol.wait(sptrs, cell, me, e + 1, timeout_ns, record, SIZE, TRAP)

@@ -1,0 +1,140 @@
+"""Where a collective keeps its bytes in every member's memory, and what its headers say.
+
+A collective owns one workspace in the view's buffer, at the same byte offset in every
+member (``offset``, a multiple of 128). Pull model: each member leaves its input in its
+own workspace and reads the others' inputs through the view's pointer table::
+
+    offset + HEADERS   int64 header[2][HEADER_WORDS]   what this member's call is, by parity
+    offset + COUNTER   int64 arrivals                  programs of this member's launch that arrived
+    offset + INPUT     input[2][capacity bytes]        copied-in inputs, by epoch parity
+    + SYMMETRIC        input[capacity bytes]           the caller's own input (``input()``), no copy-in
+    + REDUCED          reduced[...]                    two-shot only: this member's reduced chunk
+
+A header is written next to each member's payload before its publish and checked by
+every member after its wait, so a call of another size, dtype, algorithm or operation
+is refused on every member before a byte is summed::
+
+    header = [tag | op, numel, dtype code, algorithm, symmetric, epoch, epilogue, 0]
+
+(``epilogue``: the row length of a fused residual + RMS norm, 0 for none.)
+
+A refused call's kernel writes a record (pinned host memory on GPUs, then it traps)::
+
+    record = [flag, epoch, index, size, header[0], ..., header[size - 1]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: Bytes of a line: regions start on lines of their own.
+LINE = 128
+
+#: int64 words of a header, and its fields.
+HEADER_WORDS = 8
+H_TAG, H_NUMEL, H_DTYPE, H_ALGORITHM, H_SYMMETRIC, H_EPOCH, H_EPILOGUE = range(7)
+#: Fields compared across members (the first seven words).
+HEADER_CHECKED = 7
+
+#: Byte offsets from the workspace's start.
+HEADERS = 0
+COUNTER = 2 * HEADER_WORDS * 8
+INPUT = COUNTER + LINE
+
+#: word 0 of a header: ``TAG + op``, so that a header never written (zeros) matches nothing.
+TAG = 0x434F_4C4C_0000  # "COLL" << 16
+#: Operations.
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = 1, 2, 3
+OP_NAMES = {ALL_REDUCE: "AllReduce", ALL_GATHER: "AllGather", REDUCE_SCATTER: "ReduceScatter"}
+
+#: Algorithm codes in a header (-1: the operation has one).
+ALGORITHM_CODES = {"one_shot": 0, "two_shot": 1}
+ALGORITHM_NAMES = {v: k for k, v in ALGORITHM_CODES.items()}
+
+#: The element types every operation takes, and their codes in a header.
+DTYPES: dict[torch.dtype, int] = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+DTYPE_NAMES = {v: str(k).removeprefix("torch.") for k, v in DTYPES.items()}
+
+#: Elements a two-shot chunk is rounded up to (16-byte aligned chunks for every dtype): a member's
+#: chunk is ``cdiv(numel, size)`` rounded up to it (the kernel computes it).
+CHUNK_ALIGN = 64
+
+#: Record flags: the members' headers disagree ("SYMMMISM"); the programs of one launch
+#: were not all resident at once and a grid barrier ran out of time ("SYMMGRID").
+MISMATCH = 0x5359_4D4D_4D49_534D
+GRID_STALL = 0x5359_4D4D_4752_4944
+R_FLAG, R_EPOCH, R_INDEX, R_SIZE, R_HEADERS = range(5)
+
+
+def round_up(x: int, m: int) -> int:
+    """``x`` rounded up to a multiple of ``m``."""
+    return (x + m - 1) // m * m
+
+
+def record_words(size: int) -> int:
+    """int64 words of the record of a view of ``size`` members."""
+    return R_HEADERS + size * HEADER_WORDS
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """The byte offsets of one collective's regions (the same in every member).
+
+    Attributes:
+        offset: where the workspace starts in the buffer's user region.
+        capacity: bytes of one input slot (``max_numel`` elements of the dtype).
+        input_stride: bytes from one parity's input slot to the other's.
+        symmetric: offset of the symmetric input (:meth:`input` of the collectives).
+        reduced: offset of the two-shot reduced chunk (0 bytes for other operations).
+        nbytes: bytes of the whole workspace.
+    """
+
+    offset: int
+    capacity: int
+    input_stride: int
+    symmetric: int
+    reduced: int
+    nbytes: int
+
+    @classmethod
+    def plan(cls, offset: int, max_numel: int, dtype: torch.dtype, size: int, reduced: bool) -> Workspace:
+        """The workspace of ``max_numel`` elements of ``dtype`` over ``size`` members at ``offset``."""
+        capacity = max_numel * dtype.itemsize
+        stride = round_up(capacity, LINE)
+        inputs = offset + INPUT
+        symmetric = inputs + 2 * stride
+        red = symmetric + stride
+        # The largest chunk any call fits: cdiv(capacity / itemsize, size) elements rounded
+        # up to CHUNK_ALIGN, for the smallest and the largest itemsize.
+        red_bytes = round_up(-(-capacity // size) + CHUNK_ALIGN * 4, LINE) if reduced else 0
+        return cls(offset, capacity, stride, symmetric, red, red + red_bytes - offset)
+
+    @property
+    def headers(self) -> int:
+        """Offset of the two headers."""
+        return self.offset + HEADERS
+
+    @property
+    def counter(self) -> int:
+        """Offset of the arrival counter."""
+        return self.offset + COUNTER
+
+    @property
+    def inputs(self) -> int:
+        """Offset of the parity-0 input slot."""
+        return self.offset + INPUT
+
+
+def workspace_bytes(max_numel: int, dtype: torch.dtype, size: int, op: str = "all_reduce") -> int:
+    """Bytes a collective's workspace takes in every member's buffer.
+
+    Args:
+        max_numel: the largest call, in elements of ``dtype``.
+        dtype: the element type the collective is built for.
+        size: members of the view.
+        op: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"`` (only the
+            all-reduce keeps a reduced chunk for its two-shot algorithm).
+    """
+    return Workspace.plan(0, max_numel, dtype, size, reduced=op == "all_reduce").nbytes

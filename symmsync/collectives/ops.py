@@ -1,0 +1,674 @@
+"""AllReduce, AllGather and ReduceScatter over a peer view: the host side.
+
+Each object is made collectively and owns a workspace in the view's buffer
+(:mod:`.layout`) and a :class:`~symmsync.Fence` channel of the view; a call is one
+kernel launch (:mod:`.kernels`), packed once per variant (:mod:`symmsync.launch`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import collective, mode
+from ..checks import int_problem, require
+from ..errors import BoundsError, ClosedError, ConfigError, FenceTimeout, InputError, SymmSyncError
+from ..fence import Fence
+from ..launch import Launcher
+from ..views import PeerView
+from . import layout as L
+from . import tuning
+from .kernels import collective_kernel
+
+ALGORITHMS = ("auto", "one_shot", "two_shot")
+"""The algorithms of :class:`AllReduce`."""
+
+# Elements per block of a program (a power of two); warps per program.
+_BLOCK = 1024
+_NUM_WARPS = 4
+# Positions, in the kernel's runtime parameters, of what changes from call to call.
+_PER_CALL = (0, 1, 2)
+_STALL = 10
+_EPILOGUE = (17, 18, 19, 20, 21)  # residual, weight, res_out, hidden, eps
+MAX_HIDDEN = 16384
+"""The longest row (``x.shape[-1]``) the fused epilogue takes: one program holds a row."""
+
+
+class CollectiveMismatch(InputError):
+    """The members of a view made different calls of a collective (size, dtype,
+    algorithm, input kind or operation); raised on every member, before anything was summed.
+
+    Attributes:
+        rank: this member's global rank.
+        epoch: the fence epoch of the refused call (the same on every member in step).
+        calls: ``{global rank: {field: value}}``: what each member called with.
+        differs: the fields that differ.
+    """
+
+    def __init__(self, message: str, *, rank: int, epoch: int, calls: dict[int, dict[str, Any]], differs: list[str]):
+        super().__init__(message)
+        self.rank = rank
+        self.epoch = epoch
+        self.calls = calls
+        self.differs = differs
+
+    def __reduce__(self):
+        return (_rebuild_mismatch, (str(self), self.rank, self.epoch, self.calls, self.differs))
+
+
+def _rebuild_mismatch(message, rank, epoch, calls, differs):
+    return CollectiveMismatch(message, rank=rank, epoch=epoch, calls=calls, differs=differs)
+
+
+class _Collective:
+    """What the three operations share: construction, the workspace, launches, failures."""
+
+    _OP = 0
+    _NAME = ""
+
+    def __init__(
+        self,
+        view: PeerView,
+        max_numel: int,
+        dtype: torch.dtype,
+        *,
+        algorithm: str | None,
+        offset: int,
+        channel: int,
+        timeout_s: float | None,
+        _parity: bool = True,
+    ):
+        call = self._NAME
+        if not isinstance(view, PeerView):
+            raise ConfigError(f"{call}: view must be a symmsync.PeerView, got {type(view).__name__}")
+        buf = view.buffer
+        if buf.closed:
+            raise ClosedError(f"rank {buf.rank}: {call}: the view's buffer is closed")
+        problem, error = None, ConfigError
+        ws = None
+        if dtype not in L.DTYPES:
+            problem = f"dtype must be one of {', '.join(map(str, L.DTYPES))}, got {dtype!r}"
+        else:
+            problem = int_problem("max_numel", max_numel, minimum=1) or int_problem("offset", offset, minimum=0)
+        if problem is None and offset % L.LINE:
+            problem, error = f"offset must be a multiple of {L.LINE} bytes, got {offset}", BoundsError
+        if problem is None and algorithm is not None and algorithm not in ALGORITHMS:
+            problem = f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}"
+        if problem is None:
+            ws = L.Workspace.plan(offset, max_numel, dtype, view.size, reduced=self._OP == L.ALL_REDUCE)
+            if offset + ws.nbytes > buf.nbytes:
+                problem, error = (
+                    (
+                        f"the workspace needs bytes [{offset}, {offset + ws.nbytes}) of the buffer, which holds "
+                        f"{buf.nbytes}: allocate symmsync.collectives.workspace_bytes(...) more, or lower max_numel"
+                    ),
+                    BoundsError,
+                )
+        fence = None
+        if problem is None:
+            try:  # a bad channel or timeout is agreed like the rest, so that every rank raises
+                fence = Fence(view, channel, timeout_s=timeout_s)
+            except ConfigError as e:
+                problem, error = str(e).removeprefix(f"rank {buf.rank}: "), type(e)
+        mine = (collective.plain(max_numel), str(dtype), algorithm, collective.plain(offset), collective.plain(channel))
+        everyone = collective.gather(buf.group, (mine, problem, error))
+        first_error = next((e for _, p, e in everyone if p), ConfigError)
+        collective.raise_first([p for _, p, _ in everyone], call=call, error=first_error)
+        members = list(view.ranks)
+        for i, what in enumerate(("max_numel", "the dtype", "the algorithm", "the offset", "the channel")):
+            collective.same(
+                [everyone[r][0][i] for r in members],
+                what,
+                call=call,
+                ranks=members,
+                hint=f"every member of the view {members} must pass the same",
+            )
+        self.view = view
+        self.size = view.size
+        self.max_numel = max_numel
+        self.dtype = dtype
+        self.fence = fence
+        """The :class:`~symmsync.Fence` whose channel the collective synchronizes on."""
+        self.workspace = ws
+        """Where the collective's bytes live in every member (:class:`~symmsync.collectives.layout.Workspace`)."""
+        self._buffer = buf
+        caps = buf.capabilities
+        self._traps = caps.traps
+        self._streams = caps.streams
+        self._host_checks = caps.host_checks_status
+        self._interp = mode.kernels_interpreted()
+        self._device_index = buf.device.index if caps.streams else -1
+        if caps.streams:  # one program per multiprocessor at most: every program resident at once
+            self._max_programs = torch.cuda.get_device_properties(buf.device).multi_processor_count
+        else:
+            self._max_programs = 1  # the interpreter runs programs one after another
+        self._record = torch.zeros(L.record_words(view.size), dtype=torch.int64, pin_memory=caps.pinned_record)
+        self._nbuf = 2 if _parity else 1
+        self._stall_ns = 0  # tests: hold this member inside the kernel, between its wait and its reads
+        self._failed: SymmSyncError | None = None
+        self._sym_bytes = buf.tensor(ws.symmetric, (ws.capacity,), torch.uint8)
+        self._sym_addr = self._sym_bytes.data_ptr()
+        self._limits = {d: ws.capacity // d.itemsize for d in L.DTYPES}
+        self._launchers: dict[tuple, Launcher] = {}
+        # variant -> [its bound launch, (input address, output address, numel) packed in it]
+        self._bound: dict[tuple, list] = {}
+        # The fused epilogue's arguments of a launch without it: unused, of the launch's dtype.
+        self._plain_tail = {}
+        for d in L.DTYPES:
+            dummy = torch.zeros(1, dtype=d, device=buf.device)
+            dummy = dummy.view(torch.int16) if self._interp and d is torch.bfloat16 else dummy
+            self._plain_tail[d] = (dummy, dummy, dummy, 0, 0.0)
+        self._fixed = (
+            view.ptrs,
+            *fence.kernel_args,
+            self._record.data_ptr(),
+            0,
+            ws.headers,
+            ws.counter,
+            ws.inputs,
+            ws.input_stride,
+            ws.symmetric,
+            ws.reduced,
+        )
+
+    # ------------------------------------------------------------------ public
+    def input(self, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """This member's symmetric input: a tensor of ``numel`` elements to fill in place.
+
+        Passing it to a call skips the copy-in (the members read it where it lies). It is
+        the same memory on every call; the call returns (in stream order) only after
+        every member finished reading it, so it can be refilled at once.
+
+        Raises:
+            ConfigError: ``numel`` or ``dtype`` is not one the collective takes.
+        """
+        dtype = self.dtype if dtype is None else dtype
+        call = f"{self._NAME}.input"
+        if dtype not in self._limits:
+            require(f"dtype must be one of {', '.join(map(str, L.DTYPES))}, got {dtype!r}", rank=self.rank, call=call)
+        require(int_problem("numel", numel, minimum=0, maximum=self._limits[dtype]), rank=self.rank, call=call)
+        return self._sym_bytes[: numel * dtype.itemsize].view(dtype)
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return self._buffer.rank
+
+    def synchronize(self) -> None:
+        """Wait for the device; turn a trapped call into the error it recorded.
+
+        On GPUs a failed call (a wait that timed out or saw an abort, members whose calls
+        differ) records what it saw and traps; this raises that error
+        (:class:`~symmsync.FenceTimeout`, :class:`~symmsync.PeerAborted`,
+        :class:`CollectiveMismatch`). On the host backend calls raise by themselves.
+        """
+        if self._streams:
+            try:
+                torch.cuda.synchronize(self._buffer.device)
+            except RuntimeError as e:
+                err = self._recorded_error()
+                if err is None:
+                    raise
+                self._failed = err
+                raise err from e
+        self._check()
+
+    # ------------------------------------------------------------------ a call
+    def _launch(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        numel: int,
+        algorithm: int,
+        count: int = -1,
+        epilogue: tuple | None = None,
+    ) -> None:
+        # The eager hot path: a few comparisons, at most one update of the packed arguments
+        # (none when the tensors are those of the last call of this variant), one launch.
+        if self._failed is not None:
+            self._raise_failed()
+        count = numel if count < 0 else count  # the kernel's element count (the reduce-scatter's chunk)
+        xp, op = x.data_ptr(), out.data_ptr()
+        if epilogue is None:
+            row = 0
+            grid = min(self._max_programs, max(1, -(-numel // _BLOCK)))  # (triton.cdiv costs microseconds)
+        else:  # whole rows per program
+            row = 1 << (epilogue[3] - 1).bit_length()
+            grid = min(self._max_programs, max(1, numel // epilogue[3]))
+        key = (x.dtype, algorithm, xp == self._sym_addr, grid, row)
+        entry = self._bound.get(key)
+        if self._interp and x.dtype is torch.bfloat16:  # numpy has no bfloat16: its bits travel
+            x, out = x.view(torch.int16), out.view(torch.int16)
+            if epilogue is not None:
+                epilogue = tuple(t.view(torch.int16) for t in epilogue[:3]) + epilogue[3:]
+        if entry is None:
+            tail = self._plain_tail[key[0]] if epilogue is None else epilogue
+            bound = self._launcher(key).bind(x, out, count, *self._fixed, *tail, grid=(grid,))
+            self._bound[key] = entry = [bound, (xp, op, count)]
+        bound = entry[0]
+        if epilogue is not None:
+            bound.update((*_PER_CALL, *_EPILOGUE), (x, out, count, *epilogue))
+            entry[1] = None
+        elif self._interp:
+            bound.update((*_PER_CALL, _STALL), (x, out, count, self._stall_ns))
+        elif entry[1] != (xp, op, count):
+            bound.update(_PER_CALL, (x, out, count))
+            entry[1] = (xp, op, count)
+        bound()
+        if self._host_checks:
+            self._check()
+
+    def _launcher(self, key: tuple) -> Launcher:
+        dtype, algorithm, sym, _grid, row = key
+        lk = (dtype, algorithm, sym, row)
+        launcher = self._launchers.get(lk)
+        if launcher is None:
+            launcher = self._launchers[lk] = Launcher(
+                collective_kernel,
+                (1,),
+                num_warps=_NUM_WARPS if row <= 4096 else 2 * _NUM_WARPS,
+                SIZE=self.size,
+                OP=self._OP,
+                TWO_SHOT=algorithm == L.ALGORITHM_CODES["two_shot"],
+                SYMMETRIC=sym,
+                NBUF=self._nbuf,
+                BLOCK=_BLOCK,
+                TRAP=self._traps,
+                BF16_BITS=self._interp and dtype is torch.bfloat16,
+                DTYPE_CODE=L.DTYPES[dtype],
+                ALGORITHM=algorithm,
+                EPILOGUE=row > 0,
+                ROW=max(row, 1),
+            )
+        return launcher
+
+    def _problem(self, x: Any) -> str | None:
+        """What is wrong with an input tensor, or ``None`` (cheap when it is right)."""
+        if type(x) is not torch.Tensor:
+            return f"x must be a torch.Tensor, got {type(x).__name__}"
+        limit = self._limits.get(x.dtype)
+        if limit is None:
+            return f"x must be float32, bfloat16 or float16, got {x.dtype}"
+        dev = x.get_device()  # -1 for CPU and for meta tensors: a tensor without memory never launches
+        if dev != self._device_index or (dev < 0 and not x.is_cpu):
+            return f"x is on {x.device}, the collective's memory on {self._buffer.device}"
+        if not x.is_contiguous():
+            return "x must be contiguous (call .contiguous())"
+        if x.numel() > limit:
+            return (
+                f"x has {x.numel()} elements, more than the {limit} {x.dtype} elements the workspace holds "
+                f"(max_numel={self.max_numel} of {self.dtype})"
+            )
+        return None
+
+    def _out_problem(self, out: Any, x: torch.Tensor, numel: int) -> str | None:
+        if type(out) is not torch.Tensor:
+            return f"out must be a torch.Tensor, got {type(out).__name__}"
+        if (
+            out.dtype is not x.dtype
+            or out.numel() != numel
+            or not out.is_contiguous()
+            or out.get_device() != x.get_device()
+            or not (out.is_cuda or out.is_cpu)
+        ):
+            return (
+                f"out must be a contiguous {x.dtype} tensor of {numel} elements on {x.device}, got "
+                f"{out.dtype} of {out.numel()} elements on {out.device}"
+                + ("" if out.is_contiguous() else ", not contiguous")
+            )
+        return None
+
+    def _refuse(self, problem: str) -> None:
+        """Refuse a bad call on this member: tell the members (they may wait in it already), raise."""
+        if self._buffer.closed:
+            raise ClosedError(f"rank {self.rank}: {self._NAME}: used after its buffer was closed")
+        self.fence.check_usable()
+        err = InputError(f"rank {self.rank}: {self._NAME}: {problem}")
+        # The members raise PeerAborted naming this rank and the reason at once, instead of
+        # waiting out their budget for a call this rank never makes. Nothing was written.
+        self.view.abort(f"{self._NAME}: {problem}")  # its members name this rank themselves
+        raise err
+
+    def _raise_failed(self) -> None:
+        self.fence.check_usable()  # closed buffer, aborted view, a failed wait: its own error first
+        err = self._failed
+        if self.view.aborted is None:
+            self.view._abort_quietly(f"rank {self.rank}: {type(err).__name__} in {self._NAME}")
+        raise err
+
+    # ------------------------------------------------------------------ failures
+    def _check(self) -> None:
+        """Raise the error a finished call recorded, if any."""
+        try:
+            self.fence.check()
+        except FenceTimeout as e:
+            self._failed = e
+            raise
+        err = self._mismatch_error()
+        if err is not None:
+            self._failed = err
+            raise err
+
+    def _recorded_error(self) -> SymmSyncError | None:
+        return self.fence.timeout_error() or self._mismatch_error()
+
+    def _mismatch_error(self) -> SymmSyncError | None:
+        words = self._record.tolist()
+        flag = words[L.R_FLAG]
+        if flag not in (L.MISMATCH, L.GRID_STALL):
+            return None
+        ranks = self.view.ranks
+        epoch, me = words[L.R_EPOCH], words[L.R_INDEX]
+        where = f"rank {ranks[me]}: {self._NAME} on view {list(ranks)} (the call of epoch {epoch})"
+        if flag == L.GRID_STALL:
+            return FenceTimeout(
+                f"{where}: only {words[L.R_HEADERS]} programs of its launch arrived within "
+                f"{self.fence.timeout_s:g} s: the launch's programs were not resident at once (another kernel held "
+                "the multiprocessors); nothing after it ran",
+                rank=ranks[me],
+                epoch=epoch,
+                late={},
+                channel=self.fence.channel,
+            )
+        calls = {}
+        for i, r in enumerate(ranks):
+            h = words[L.R_HEADERS + i * L.HEADER_WORDS : L.R_HEADERS + (i + 1) * L.HEADER_WORDS]
+            calls[r] = _describe(h, epoch)
+        fields = list(_describe([L.TAG + L.ALL_REDUCE] + [0] * (L.HEADER_WORDS - 1), 0))
+        differs = [f for f in fields if len({repr(c[f]) for c in calls.values()}) > 1]
+        parts = [f"{f}: " + ", ".join(f"rank {r}: {c[f]}" for r, c in calls.items()) for f in differs]
+        msg = (
+            f"{where}: the members' calls differ ({'; '.join(parts)}). Every member must make the same call "
+            "(operation, size, dtype, algorithm, input kind) in the same order; nothing was summed, and the "
+            "collective fails from now on"
+        )
+        return CollectiveMismatch(msg, rank=ranks[me], epoch=epoch, calls=calls, differs=differs)
+
+
+def _describe(h: list[int], epoch: int) -> dict[str, Any]:
+    """A member's header, in words (what the error shows)."""
+    op = h[L.H_TAG] - L.TAG
+    if op not in L.OP_NAMES:
+        fields = ("numel", "dtype", "algorithm", "input", "epilogue", "call")
+        return {"operation": "none (no call of this collective's at this epoch)", **dict.fromkeys(fields, "-")}
+    return {
+        "operation": L.OP_NAMES[op],
+        "numel": h[L.H_NUMEL],
+        "dtype": L.DTYPE_NAMES.get(h[L.H_DTYPE], f"code {h[L.H_DTYPE]}"),
+        "algorithm": L.ALGORITHM_NAMES.get(h[L.H_ALGORITHM], "-"),
+        "input": "symmetric" if h[L.H_SYMMETRIC] else "copied in",
+        "epilogue": f"residual + RMS norm over rows of {h[L.H_EPILOGUE]}" if h[L.H_EPILOGUE] else "none",
+        "call": "this one" if h[L.H_EPOCH] == epoch else f"another (epoch {h[L.H_EPOCH]})",
+    }
+
+
+class AllReduce(_Collective):
+    """The elementwise sum over a peer view's members, the same bits on every member.
+
+    Args:
+        view: the members (a :class:`~symmsync.PeerView`).
+        max_numel: the largest call, in elements of ``dtype``.
+        dtype: ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``: the element
+            type the workspace is sized for (a call may use another of the three, up to
+            the same bytes).
+        algorithm: ``"one_shot"``, ``"two_shot"`` or ``"auto"`` (by size and view size:
+            :mod:`symmsync.collectives.tuning`).
+        offset: where the workspace starts in the view's buffer (a multiple of 128;
+            :func:`workspace_bytes` says how much it takes).
+        channel: the view's fence channel to synchronize on (one per collective object).
+        timeout_s: wait budget (default: the backend's).
+
+    Made collectively: every rank of the buffer's group constructs its object at the
+    same time, the members of a view with the same arguments, or every rank raises
+    :class:`~symmsync.ConfigError` (:class:`~symmsync.BoundsError` when the workspace
+    does not fit).
+    """
+
+    _OP = L.ALL_REDUCE
+    _NAME = "AllReduce"
+
+    def __init__(
+        self,
+        view: PeerView,
+        max_numel: int,
+        dtype: torch.dtype,
+        algorithm: str = "auto",
+        *,
+        offset: int = 0,
+        channel: int = 0,
+        timeout_s: float | None = None,
+        _parity: bool = True,
+    ):
+        super().__init__(
+            view,
+            max_numel,
+            dtype,
+            algorithm=algorithm,
+            offset=offset,
+            channel=channel,
+            timeout_s=timeout_s,
+            _parity=_parity,
+        )
+        self.algorithm = algorithm
+        self._codes = {**L.ALGORITHM_CODES, "auto": -1}
+        self._one_shot_max = tuning.one_shot_max_bytes(view.size)  # auto: one-shot up to this many bytes
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor | None = None,
+        *,
+        algorithm: str | None = None,
+        residual: torch.Tensor | None = None,
+        norm_weight: torch.Tensor | None = None,
+        eps: float = 1e-6,
+        residual_out: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The sum of every member's ``x``, elementwise, accumulated in float32 in member order.
+
+        Args:
+            x: this member's input (contiguous, on the buffer's device), or the tensor
+                :meth:`input` returned, filled in place (no copy-in).
+            out: where to write the sum (``x``'s dtype and number of elements; may be ``x``).
+            algorithm: this call's algorithm (default: the object's).
+            residual: with ``norm_weight``, the fused epilogue of a decode layer, in the
+                same kernel: ``new_residual = sum + residual`` and
+                ``out = rms_norm(new_residual) * norm_weight`` over the last dimension
+                (``x.shape[-1]``, at most :data:`MAX_HIDDEN`); ``residual`` has ``x``'s
+                shape and dtype, ``norm_weight`` is ``[x.shape[-1]]`` of ``x``'s dtype.
+                Runs one-shot (``algorithm`` ``"auto"`` or ``"one_shot"``).
+            norm_weight: the RMS norm's weight (with ``residual``).
+            eps: the RMS norm's epsilon.
+            residual_out: where to write the new residual (may be ``residual``; default: a
+                new tensor).
+
+        Every member must make the same call (size, dtype, algorithm, input kind,
+        epilogue), in the same order. Returns ``out`` (a new tensor of ``x``'s shape when
+        not given); with the epilogue ``(out, residual_out)``. The epilogue's arithmetic::
+
+            s = dtype(member-order float32 sum)                # what the plain call returns
+            residual_out = dtype(float32(s) + float32(residual))
+            h = float32(residual_out)
+            out = dtype(h / sqrt(mean(h * h) + eps) * float32(norm_weight))
+
+        Raises:
+            InputError: a bad argument on this member (its members raise
+                :class:`~symmsync.PeerAborted` naming it); :class:`CollectiveMismatch` on
+                every member when their calls differ.
+            FenceTimeout: a member did not arrive within the budget
+                (:class:`~symmsync.PeerAborted`: it aborted).
+        """
+        if residual is not None or norm_weight is not None:
+            return self._fused(x, out, algorithm, residual, norm_weight, eps, residual_out)
+        # The eager hot path first: one test of everything a good call has (a few
+        # attribute reads); the sentences of _problem only for a call that fails it.
+        numel = x.numel() if type(x) is torch.Tensor else -1
+        code = self._codes.get(algorithm or self.algorithm)
+        if (
+            code is None
+            or not 0 <= numel <= self._limits.get(x.dtype, -1)
+            or x.get_device() != self._device_index
+            or not x.is_contiguous()
+            or (self._device_index < 0 and not x.is_cpu)
+            or (
+                out is not None
+                and (
+                    type(out) is not torch.Tensor
+                    or out.dtype is not x.dtype
+                    or out.numel() != numel
+                    or out.get_device() != self._device_index
+                    or not out.is_contiguous()
+                    or (self._device_index < 0 and not out.is_cpu)
+                )
+            )
+        ):
+            self._refuse(
+                self._problem(x)
+                or (None if code is not None else f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+                or self._out_problem(out, x, numel)
+                or "out is not a tensor this call can write"
+            )
+        if code < 0:  # auto
+            code = 0 if numel * x.element_size() <= self._one_shot_max else 1
+        if out is None:
+            out = torch.empty_like(x)
+        self._launch(x, out, numel, code)
+        return out
+
+    def _fused(self, x, out, algorithm, residual, weight, eps, res_out) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call with the fused residual + RMS norm epilogue (one-shot, whole rows per program)."""
+        bad = self._problem(x)
+        if bad is None and (x.dim() == 0 or x.shape[-1] > MAX_HIDDEN):
+            bad = (
+                f"the fused epilogue needs rows of 1 to {MAX_HIDDEN} elements (x.shape[-1]), got x of {tuple(x.shape)}"
+            )
+        if bad is None and (algorithm or self.algorithm) not in ("auto", "one_shot"):
+            bad = f"the fused epilogue runs one-shot: algorithm must be 'auto' or 'one_shot', got {algorithm!r}"
+        hidden = x.shape[-1] if bad is None else 0
+        if bad is None:
+            for name, t, shape in (
+                ("residual", residual, tuple(x.shape)),
+                ("norm_weight", weight, (hidden,)),
+                ("residual_out", res_out, tuple(x.shape)),
+                ("out", out, tuple(x.shape)),
+            ):
+                if t is None and name in ("residual_out", "out"):
+                    continue
+                if type(t) is not torch.Tensor or t.dtype is not x.dtype or tuple(t.shape) != shape:
+                    bad = f"{name} must be a {x.dtype} tensor of shape {shape}, got " + (
+                        f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                    )
+                elif t.get_device() != self._device_index or not t.is_contiguous():
+                    bad = f"{name} must be contiguous, on {self._buffer.device}"
+                if bad:
+                    break
+        if bad is None and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0):
+            bad = f"eps must be a non-negative number, got {eps!r}"
+        if bad is not None:
+            self._refuse(bad)
+        out = torch.empty_like(x) if out is None else out
+        res_out = torch.empty_like(x) if res_out is None else res_out
+        self._launch(x, out, x.numel(), 0, epilogue=(residual, weight, res_out, hidden, float(eps)))
+        return out, res_out
+
+
+class AllGather(_Collective):
+    """Every member's input, concatenated in view order, on every member.
+
+    Args: as :class:`AllReduce` (no algorithm). A call ``ag(x)`` returns a 1-D tensor of
+    ``view.size * x.numel()`` elements; ``x`` may be the tensor :meth:`input` returned.
+    """
+
+    _OP = L.ALL_GATHER
+    _NAME = "AllGather"
+
+    def __init__(
+        self,
+        view: PeerView,
+        max_numel: int,
+        dtype: torch.dtype,
+        *,
+        offset: int = 0,
+        channel: int = 0,
+        timeout_s: float | None = None,
+        _parity: bool = True,
+    ):
+        super().__init__(
+            view,
+            max_numel,
+            dtype,
+            algorithm=None,
+            offset=offset,
+            channel=channel,
+            timeout_s=timeout_s,
+            _parity=_parity,
+        )
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Gather every member's ``x`` (same numel and dtype on every member) into ``out``.
+
+        Raises: as :meth:`AllReduce.__call__`.
+        """
+        bad = self._problem(x)
+        if bad is None and out is not None:
+            bad = self._out_problem(out, x, self.size * x.numel())
+        if bad is not None:
+            self._refuse(bad)
+        numel = x.numel()
+        if out is None:
+            out = torch.empty(self.size * numel, dtype=x.dtype, device=x.device)
+        self._launch(x, out, numel, -1)
+        return out
+
+
+class ReduceScatter(_Collective):
+    """Member ``i`` gets the sum over the members of chunk ``i`` of their inputs.
+
+    Args: as :class:`AllReduce` (no algorithm). A call ``rs(x)``, ``x.numel()`` a
+    multiple of ``view.size``, returns a 1-D tensor of ``x.numel() // view.size``
+    elements: chunk ``i`` of every member's ``x``, summed in float32 in member order.
+    """
+
+    _OP = L.REDUCE_SCATTER
+    _NAME = "ReduceScatter"
+
+    def __init__(
+        self,
+        view: PeerView,
+        max_numel: int,
+        dtype: torch.dtype,
+        *,
+        offset: int = 0,
+        channel: int = 0,
+        timeout_s: float | None = None,
+        _parity: bool = True,
+    ):
+        super().__init__(
+            view,
+            max_numel,
+            dtype,
+            algorithm=None,
+            offset=offset,
+            channel=channel,
+            timeout_s=timeout_s,
+            _parity=_parity,
+        )
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Reduce-scatter every member's ``x`` into ``out`` (this member's chunk of the sum).
+
+        Raises: as :meth:`AllReduce.__call__`.
+        """
+        bad = self._problem(x)
+        if bad is None and x.numel() % self.size:
+            bad = f"x has {x.numel()} elements, not a multiple of the view's {self.size} members"
+        if bad is None and out is not None:
+            bad = self._out_problem(out, x, x.numel() // self.size)
+        if bad is not None:
+            self._refuse(bad)
+        chunk = x.numel() // self.size
+        if out is None:
+            out = torch.empty(chunk, dtype=x.dtype, device=x.device)
+        self._launch(x, out, x.numel(), -1, chunk)
+        return out

@@ -1,0 +1,190 @@
+"""How the members of a collective hand their slots to each other: the one place of its synchronization.
+
+Everything the collectives' kernels need to order their memory lives here, built on the
+public primitives of :mod:`symmsync.language` and the view's fence cell (its
+device-resident epoch). Replacing these few functions (with per-peer signals, for
+example) changes the protocol of every operation at once.
+
+Pseudocode of one call, as every member runs it (``G`` programs, the epoch on the device)::
+
+    e = epoch + 1;  q = e % 2                      # parity of this call's slots (device-side)
+    copy x into input[q] (unless the caller filled the symmetric input in place)
+    program 0: header[q] = (op, numel, dtype, algorithm, symmetric, e, epilogue)
+    arrive(): the last program of the launch publishes e      [release, system scope]
+    wait(e): every member published e                         [acquire, system scope]
+    read the members' input[q] (sum in member order in float32, or copy), storing only
+        if every member's header[q] is this call's; else record, trap (GPU) / report (host)
+    two-shot / symmetric input: grid_barrier(); arrive(): publish e + 1; wait(e + 1)
+
+Why a slot is never overwritten while a member still reads it:
+
+* a member reads another member's slot of epoch ``f`` only between its wait(f) and its
+  own next publish (f + 1): the reads of a launch complete before the launch ends, and
+  a publish is a release, ordered after them;
+* a member writes a slot of parity ``f % 2`` for epoch ``f`` only after its wait(f - 1)
+  returned, and the slot's previous contents were for epoch ``f - 2`` or earlier: every
+  member published ``f - 1``, so every member finished reading them.
+  A one-shot call publishes once, so its slots alternate by parity; a two-shot call
+  publishes twice, and its reduced chunk is read before the next call's first publish.
+* the symmetric input has one slot (the caller's tensor does not move between calls),
+  so a call that reads it publishes a second time after its reads and waits for every
+  member's second publish before the kernel ends: the caller may refill it at once.
+
+Co-residency (GPUs): every program of a launch waits for the members, and a two-phase
+call also waits for every program of its own launch (:func:`grid_barrier`), so the
+launch's programs must be resident at once. The collectives launch at most one
+program per multiprocessor. Under Triton's interpreter the programs of a launch run
+one after another, so the collectives launch one program there.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+import symmsync.language as ssl
+
+from . import layout as L
+
+_HEADER_WORDS = tl.constexpr(L.HEADER_WORDS)
+_HEADER_CHECKED = tl.constexpr(L.HEADER_CHECKED)
+_MISMATCH = tl.constexpr(L.MISMATCH)
+_GRID_STALL = tl.constexpr(L.GRID_STALL)
+_R_HEADERS = tl.constexpr(L.R_HEADERS)
+
+
+@triton.jit
+def next_epoch(sptrs, cell, me):
+    """The epoch this launch's first publish will return (read before any program arrives)."""
+    return tl.load(ssl.epoch_ptr(sptrs, cell, me)) + 1
+
+
+@triton.jit
+def arrive(counter, last, sptrs, cell, me, SIZE: tl.constexpr, RESET: tl.constexpr):
+    """Count this program's arrival; the program that arrives as number ``last`` publishes.
+
+    Pseudocode::
+
+        block_barrier()                               # this program's writes first
+        n = atomic_add_acq_rel_sys(counter, 1)
+        if n == last:
+            if RESET: counter = 0                     # the launch's final phase
+            publish()
+
+    Contract: each program's writes precede its release on the counter; the publishing
+    program acquired every earlier arrival, and :func:`symmsync.language.publish`'s release
+    is cumulative, so a member that observes the epoch observes every program's writes
+    (the argument of :func:`symmsync.language.grid_fence`, with a counter of the
+    collective's own, so that one launch may arrive twice). Returns ``n``.
+    """
+    tl.debug_barrier()
+    n = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys")
+    if n == last:
+        if RESET:
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        ssl.publish(sptrs, cell, me, SIZE)
+    return n
+
+
+@triton.jit
+def wait(sptrs, cell, me, epoch, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.constexpr):
+    """Bounded wait until every member published ``epoch``; on failure the fence's record
+    and a trap (GPU), as :func:`symmsync.language.wait_or_trap`. Returns True on success."""
+    return ssl.wait_or_trap(sptrs, cell, me, epoch, timeout_ns, record, SIZE, TRAP) == 0
+
+
+@triton.jit
+def grid_barrier(counter, target, epoch, timeout_ns, mism, me, SIZE: tl.constexpr, TRAP: tl.constexpr):
+    """Wait until ``target`` programs of this launch arrived at ``counter`` (bounded).
+
+    Needs every program of the launch resident at once (see the module). Run between a
+    launch's two phases, so that no program's second arrival is counted as a first.
+    On a timeout it writes a ``GRID_STALL`` record and traps (GPU). Returns True on success.
+    """
+    n = tl.atomic_add(counter, 0, sem="acquire", scope="sys")
+    ok = n >= target
+    if not ok:
+        start = ssl.clock_ns()
+        elapsed = start - start
+        while (n < target) & (elapsed <= timeout_ns):
+            n = tl.atomic_add(counter, 0, sem="acquire", scope="sys")
+            elapsed = ssl.clock_ns() - start
+        ok = n >= target
+        if not ok:
+            rec = mism.to(tl.pointer_type(tl.int64))
+            tl.store(rec + 1, epoch)
+            tl.store(rec + 2, me)
+            tl.store(rec + 3, SIZE)
+            tl.store(rec + 4, n)
+            tl.atomic_xchg(rec, _GRID_STALL, sem="release", scope="sys")
+            if TRAP:
+                ssl.trap()
+    return ok
+
+
+@triton.jit
+def header_words(op, numel, dtype_code, algorithm, symmetric, epoch, epilogue):
+    """The ``HEADER_WORDS`` words of a call's header, as a block (see :mod:`.layout`)."""
+    w = tl.arange(0, _HEADER_WORDS)
+    words = tl.where(w == 0, op, 0)
+    words = tl.where(w == 1, numel, words)
+    words = tl.where(w == 2, dtype_code, words)
+    words = tl.where(w == 3, algorithm, words)
+    words = tl.where(w == 4, symmetric, words)
+    words = tl.where(w == 5, epoch, words)
+    words = tl.where(w == 6, epilogue, words)
+    return words.to(tl.int64)
+
+
+@triton.jit
+def write_header(ptrs, header_off, me, words):
+    """This member's header ``words`` at ``header_off`` in its own memory (one program, before it arrives)."""
+    tl.store(ssl.peer_ptr(ptrs, me, header_off, tl.int64) + tl.arange(0, _HEADER_WORDS), words)
+
+
+@triton.jit
+def headers_match(ptrs, header_off, me, mine, SIZE: tl.constexpr):
+    """True when every other member's header for this call equals ``mine`` (this call's words).
+
+    Run after the wait (the headers were published with the epoch). This member's own
+    words come from its arguments, not from its memory: program 0 writes them, and
+    another program of the launch may pass the wait before they land. Every member
+    compares the same calls, so every member reaches the same verdict. Loads only, no
+    branch: a kernel may issue its first payload loads before the verdict arrives and
+    hold back its stores (:func:`report_mismatch` after them).
+    """
+    w = tl.arange(0, _HEADER_WORDS)
+    bad = 0
+    for p in tl.static_range(SIZE):
+        if p != me:
+            theirs = tl.load(ssl.peer_ptr(ptrs, p, header_off, tl.int64) + w)
+            bad += tl.sum(((theirs != mine) & (w < _HEADER_CHECKED)).to(tl.int32), axis=0)
+    return bad == 0
+
+
+@triton.jit
+def report_mismatch(ptrs, header_off, me, mine, epoch, mism, SIZE: tl.constexpr, TRAP: tl.constexpr):
+    """Copy every member's header into the record ``mism``, then trap (GPU): the calls differ."""
+    w = tl.arange(0, _HEADER_WORDS)
+    rec = mism.to(tl.pointer_type(tl.int64))
+    for p in tl.static_range(SIZE):
+        theirs = tl.load(ssl.peer_ptr(ptrs, p, header_off, tl.int64) + w)
+        tl.store(rec + _R_HEADERS + p * _HEADER_WORDS + w, tl.where(p == me, mine, theirs))
+    tl.store(rec + 1, epoch)
+    tl.store(rec + 2, me)
+    tl.store(rec + 3, SIZE)
+    # The flag last, with a release at system scope: the host (or, after a trap, a host
+    # reading pinned memory) that sees the flag sees the headers.
+    tl.debug_barrier()
+    tl.atomic_xchg(rec, _MISMATCH, sem="release", scope="sys")
+    if TRAP:
+        ssl.trap()
+
+
+@triton.jit
+def headers_agree(ptrs, header_off, me, mine, epoch, mism, SIZE: tl.constexpr, TRAP: tl.constexpr):
+    """:func:`headers_match`, then :func:`report_mismatch` when the calls differ. Returns the verdict."""
+    ok = headers_match(ptrs, header_off, me, mine, SIZE)
+    if not ok:
+        report_mismatch(ptrs, header_off, me, mine, epoch, mism, SIZE, TRAP)
+    return ok

@@ -1,0 +1,275 @@
+"""symmsync.collectives on the host backend: calls that differ, aborts, timeouts, bad arguments.
+
+* members whose calls differ in size, dtype, algorithm, input kind or operation: every
+  member raises ``CollectiveMismatch`` naming the members and what differs, nothing is
+  summed (the output keeps its bytes), no member hangs, and later calls fail too;
+* an abort in the middle of a run of calls reaches every member at once; a member that
+  never calls makes the others time out naming it;
+* bad arguments: at construction ``ConfigError`` / ``BoundsError`` on every rank; in a
+  call ``InputError`` on the caller and ``PeerAborted`` naming it on the others.
+"""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import symmsync as ss
+from symmsync import collectives as C
+from symmsync.testing import RankPool, run
+
+N = 1024
+
+
+def _setup(timeout_s=60, n=N):
+    world = dist.get_world_size()
+    per = C.workspace_bytes(n, torch.float32, world)
+    buf = ss.SymmetricBuffer(2 * per, backend="host")
+    view = buf.view(list(range(world)))
+    ar = C.AllReduce(view, n, torch.float32, "one_shot", timeout_s=timeout_s)
+    # The same channel: their calls form one sequence, so a member calling the other
+    # operation is seen by the headers.
+    ag = C.AllGather(view, n, torch.float32, offset=per, channel=0, timeout_s=timeout_s)
+    return buf, view, ar, ag
+
+
+def _error(e):
+    return {"type": type(e).__name__, "msg": str(e), "differs": getattr(e, "differs", None)}
+
+
+# ---------------------------------------------------------------------- calls that differ
+def differing_call(case):
+    buf, view, ar, ag = _setup()
+    rank = dist.get_rank()
+    odd = rank == dist.get_world_size() - 1  # the last member calls differently
+    numel, dtype, algorithm, sym, op = 512, torch.bfloat16, "one_shot", False, "ar"
+    if odd:
+        if case == "size":
+            numel = 513
+        elif case == "dtype":
+            dtype = torch.float16
+        elif case == "algorithm":
+            algorithm = "two_shot"
+        elif case == "input":
+            sym = True
+        elif case == "operation":
+            op = "ag"
+        elif case == "epilogue":
+            op = "ar_fused"
+    ar(torch.ones(8, dtype=torch.float32))  # a good call first: the mismatch is the second
+    x = torch.full((numel,), 1.0 + rank, dtype=dtype)
+    if sym:
+        t = (ar if op == "ar" else ag).input(numel, dtype)
+        t.copy_(x)
+        x = t
+    out = torch.full((numel,), -7.0, dtype=dtype) if op.startswith("ar") else None
+    result = {}
+    try:
+        if op == "ar_fused":
+            w = torch.ones(numel, dtype=dtype)
+            ar(x, out, residual=torch.zeros(numel, dtype=dtype), norm_weight=w)
+        elif op == "ar":
+            ar(x, out, algorithm=algorithm)
+        else:
+            ag(x)
+        result["first"] = "returned"
+    except C.CollectiveMismatch as e:
+        result["first"] = _error(e)
+    if out is not None:
+        result["out_untouched"] = bool((out == -7.0).all())
+    try:
+        ar(torch.ones(8, dtype=torch.float32))
+        result["later"] = "returned"
+    except ss.SymmSyncError as e:
+        result["later"] = _error(e)
+    buf.close()
+    return result
+
+
+@pytest.fixture(scope="module")
+def pool3():
+    with RankPool(3, timeout_s=300) as p:
+        yield p
+
+
+@pytest.mark.parametrize(
+    "case, field",
+    [
+        ("size", "numel"),
+        ("dtype", "dtype"),
+        ("algorithm", "algorithm"),
+        ("input", "input"),
+        ("operation", "operation"),
+        ("epilogue", "epilogue"),
+    ],
+)
+def test_a_call_that_differs_on_one_member_raises_on_every_member_naming_what_differs(case, field, pool3):
+    results = pool3.call(differing_call, case)
+    for rank, r in enumerate(results):
+        first = r["first"]
+        assert isinstance(first, dict) and first["type"] == "CollectiveMismatch", (rank, r)
+        assert field in first["differs"], (rank, first)
+        assert f"rank {rank}: AllReduce on view [0, 1, 2]" in first["msg"] or case == "operation", first["msg"]
+        assert "rank 0: " in first["msg"] and "rank 2: " in first["msg"], first["msg"]
+        assert r.get("out_untouched", True), (rank, "a refused call wrote its output")
+        assert r["later"]["type"] in ("CollectiveMismatch", "PeerAborted"), (rank, r["later"])
+
+
+def test_a_size_mismatch_message_names_each_members_size():
+    results = run(differing_call, 2, "size", timeout_s=180)
+    for r in results:
+        msg = r["first"]["msg"]
+        assert r["first"]["differs"] == ["numel"], r
+        assert "numel: rank 0: 512, rank 1: 513" in msg, msg
+        assert "nothing was summed" in msg, msg
+
+
+# ---------------------------------------------------------------------- aborts and timeouts
+def abort_in_the_middle(aborter, at, calls, how="abort"):
+    buf, view, ar, ag = _setup()
+    rank = dist.get_rank()
+    for k in range(calls):
+        if rank == aborter and k == at:
+            if how == "close":
+                buf.close()
+            else:
+                view.abort("the model hit a NaN")
+            return {"aborted_at": k}
+        t0 = time.monotonic()
+        try:
+            ar(torch.full((N,), float(rank)))
+        except ss.PeerAborted as e:
+            return {"call": k, "aborted": e.aborted, "elapsed": time.monotonic() - t0, "msg": str(e)}
+    return "no abort seen"
+
+
+@pytest.mark.parametrize("how, reason", [("abort", "the model hit a NaN"), ("close", "closed")])
+def test_an_abort_or_a_close_in_the_middle_of_a_run_reaches_every_member_at_once(how, reason, pool3):
+    results = pool3.call(abort_in_the_middle, 1, 4, 8, how)
+    assert results[1] == {"aborted_at": 4}
+    for rank in (0, 2):
+        r = results[rank]
+        assert isinstance(r, dict) and r["call"] == 4, (rank, r)
+        assert r["aborted"] == {1: reason}, (rank, r)
+        assert r["elapsed"] < 30, (rank, r)  # within a poll, not the 60 s budget
+
+
+def never_calls(absent, budget):
+    buf, view, ar, ag = _setup(timeout_s=budget)
+    ar(torch.ones(4))
+    if dist.get_rank() == absent:
+        time.sleep(budget + 8)  # alive, but never makes the second call
+        return "absent"
+    try:
+        ar(torch.ones(4))
+    except ss.FenceTimeout as e:
+        return {"type": type(e).__name__, "late": e.late}
+    return "returned"
+
+
+def test_a_member_that_never_calls_makes_the_others_time_out_naming_it():
+    results = run(never_calls, 2, 1, 2.0, timeout_s=180)
+    assert results[1] == "absent"
+    assert results[0] == {"type": "FenceTimeout", "late": {1: 1}}, results
+
+
+# ---------------------------------------------------------------------- bad arguments
+def bad_construction(case):
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    buf = ss.SymmetricBuffer(C.workspace_bytes(N, torch.float32, world), backend="host")
+    view = buf.view(list(range(world)))
+    kw = {"max_numel": N, "dtype": torch.float32}
+    if case == "zero_numel" and rank == 1:
+        kw["max_numel"] = 0
+    if case == "max_numel_differs" and rank == 1:
+        kw["max_numel"] = N // 2
+    if case == "too_big":
+        kw["max_numel"] = 4 * N
+    if case == "dtype" and rank == 0:
+        kw["dtype"] = torch.int32
+    try:
+        C.AllReduce(view, **kw)
+        return "built"
+    except ss.ConfigError as e:
+        return (type(e).__name__, str(e))
+    finally:
+        buf.close()
+
+
+@pytest.mark.parametrize(
+    "case, kind, text",
+    [
+        ("zero_numel", "ConfigError", "rank 1: max_numel must be positive"),
+        ("max_numel_differs", "ConfigError", "max_numel differs across ranks (rank 0: 1024, rank 1: 512)"),
+        ("too_big", "BoundsError", "allocate symmsync.collectives.workspace_bytes"),
+        ("dtype", "ConfigError", "rank 0: dtype must be one of"),
+    ],
+)
+def test_a_bad_construction_argument_raises_on_every_rank(case, kind, text):
+    results = run(bad_construction, 2, case, timeout_s=180)
+    for r in results:
+        assert r[0] == kind and text in r[1], r
+
+
+def bad_call(case):
+    buf, view, ar, ag = _setup()
+    rank = dist.get_rank()
+    x = torch.ones(N // 2)
+    if rank == 1:
+        x = {
+            "dtype": torch.ones(8, dtype=torch.int32),
+            "too_many": torch.ones(N + 1),
+            "not_contiguous": torch.ones(16, 2)[:, 0],
+            "not_a_tensor": [1.0, 2.0],
+        }[case]
+    try:
+        ar(x)
+        return "returned"
+    except ss.PeerAborted as e:
+        return {"type": "PeerAborted", "aborted": e.aborted}
+    except ss.InputError as e:
+        return {"type": type(e).__name__, "msg": str(e)}
+    finally:
+        buf.close()
+
+
+@pytest.mark.parametrize(
+    "case, text",
+    [
+        ("dtype", "x must be float32, bfloat16 or float16, got torch.int32"),
+        ("too_many", "x has 1025 elements, more than the 1024 torch.float32 elements the workspace holds"),
+        ("not_contiguous", "x must be contiguous"),
+        ("not_a_tensor", "x must be a torch.Tensor, got list"),
+    ],
+)
+def test_a_bad_call_raises_input_error_on_the_caller_and_peer_aborted_naming_it_on_the_others(case, text, pool3):
+    results = pool3.call(bad_call, case)
+    assert results[1]["type"] == "InputError" and f"rank 1: AllReduce: {text}" in results[1]["msg"], results[1]
+    for rank in (0, 2):
+        assert results[rank]["type"] == "PeerAborted", results[rank]
+        # The reason the peers see is cut to the 96 bytes of an abort reason.
+        assert f"AllReduce: {text}"[:90] in results[rank]["aborted"][1], results[rank]
+
+
+def test_a_reduce_scatter_input_must_split_into_one_chunk_per_member():
+    results = run(rs_not_divisible, 2, timeout_s=180)
+    assert results[1]["type"] == "InputError", results
+    assert "x has 7 elements, not a multiple of the view's 2 members" in results[1]["msg"], results
+    assert results[0]["type"] == "PeerAborted", results
+
+
+def rs_not_divisible():
+    world = dist.get_world_size()
+    buf = ss.SymmetricBuffer(C.workspace_bytes(N, torch.float32, world), backend="host")
+    rs = C.ReduceScatter(buf.view(list(range(world))), N, torch.float32)
+    try:
+        rs(torch.ones(8 if dist.get_rank() == 0 else 7))
+        return "returned"
+    except ss.PeerAborted as e:
+        return {"type": "PeerAborted", "aborted": e.aborted}
+    except ss.InputError as e:
+        return {"type": "InputError", "msg": str(e)}
+    finally:
+        buf.close()

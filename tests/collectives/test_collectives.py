@@ -1,0 +1,247 @@
+"""symmsync.collectives on the host backend: results against an independent oracle.
+
+The oracle gathers every member's input with torch.distributed (gloo) and sums in
+plain torch, in member order, in float32 (``acc = x_0; acc += x_1; ...``, then one
+rounding to the dtype); the all-gather is ``torch.cat`` of the inputs, the
+reduce-scatter chunk ``i`` of that sum. Results must be bit-identical on every member.
+
+* every operation, algorithm and dtype at sizes 1, 777, 4096 + 3 and ``max_numel``
+  (world 2; a smaller set at worlds 3 and 4), copied in and through the symmetric input;
+* 50 back-to-back calls (operations, algorithms, sizes and input kinds drawn at
+  random, fresh inputs each call) with a random delay on one member before each call
+  and inside its kernel, between its wait and its reads; results compared after the
+  loop, so the reference cannot act as a barrier; and the same loop with the epoch
+  parity of the input slots removed, which the oracle must catch.
+"""
+
+import random
+import secrets
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import symmsync as ss
+from symmsync import collectives as C
+from symmsync.testing import RankPool
+
+MAX_NUMEL = 4104  # a multiple of 2, 3 and 4: the largest reduce-scatter input too
+SIZES = (1, 777, 4096 + 3, MAX_NUMEL)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OPS = ("one_shot", "two_shot", "auto", "all_gather", "reduce_scatter")
+
+
+# ---------------------------------------------------------------------- the oracle
+def member_order_sum(inputs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    acc = inputs[0].to(torch.float32)
+    for x in inputs[1:]:
+        acc = acc + x.to(torch.float32)
+    return acc.to(dtype)
+
+
+def expected(op: str, inputs: list[torch.Tensor], rank: int) -> torch.Tensor:
+    dtype, size = inputs[0].dtype, len(inputs)
+    if op == "all_gather":
+        return torch.cat(inputs)
+    total = member_order_sum(inputs, dtype)
+    if op == "reduce_scatter":
+        k = inputs[0].numel() // size
+        return total[rank * k : (rank + 1) * k]
+    return total
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def gathered(x: torch.Tensor) -> list[torch.Tensor]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x)
+    return out
+
+
+# ---------------------------------------------------------------------- set-up on every rank
+def _objects(parity=True, timeout_s=None):
+    world = dist.get_world_size()
+    per = C.workspace_bytes(MAX_NUMEL, torch.float32, world)
+    buf = ss.SymmetricBuffer(3 * per, backend="host")
+    view = buf.view(list(range(world)))
+    kw = dict(timeout_s=timeout_s, _parity=parity)
+    ops = {
+        "all_reduce": C.AllReduce(view, MAX_NUMEL, torch.float32, "auto", offset=0, channel=0, **kw),
+        "all_gather": C.AllGather(view, MAX_NUMEL, torch.float32, offset=per, channel=1, **kw),
+        "reduce_scatter": C.ReduceScatter(view, MAX_NUMEL, torch.float32, offset=2 * per, channel=2, **kw),
+    }
+    return buf, view, ops
+
+
+def _call(ops, op, x, symmetric):
+    target = ops["all_reduce"] if op in ("one_shot", "two_shot", "auto") else ops[op]
+    if symmetric:
+        t = target.input(x.numel(), x.dtype)
+        t.copy_(x)
+        x = t
+    if target is ops["all_reduce"]:
+        return target(x, algorithm=op).clone()
+    return target(x).clone()
+
+
+def _numel(op, n, size):
+    return max(size, n // size * size) if op == "reduce_scatter" else n
+
+
+def every_case(cases, seed):
+    """Rank function: each (op, dtype, numel, symmetric) case once; per case, equal to the oracle?"""
+    buf, view, ops = _objects()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    got = []
+    for op, dtype, n, sym in cases:
+        x = torch.randn(_numel(op, n, size), generator=g).to(dtype)
+        got.append((x, _call(ops, op, x, sym)))
+    wrong = []
+    for (op, dtype, n, sym), (x, y) in zip(cases, got):
+        if not same_bits(y, expected(op, gathered(x), rank)):
+            wrong.append((op, str(dtype), n, sym))
+    buf.close()
+    return wrong
+
+
+@pytest.fixture(scope="module")
+def pools():
+    made = {}
+    yield lambda world: made.setdefault(world, RankPool(world, timeout_s=600))
+    for p in made.values():
+        p.close()
+
+
+def test_every_operation_algorithm_dtype_and_size_matches_the_member_order_float32_oracle_at_world_2(pools):
+    seed = secrets.randbits(16)
+    cases = [(op, dt, n, False) for op in OPS for dt in DTYPES for n in SIZES]
+    cases += [(op, torch.bfloat16, n, True) for op in OPS for n in (777, MAX_NUMEL)]
+    wrong = pools(2).call(every_case, cases, seed)
+    assert wrong == [[], []], f"seed {seed}: cases that differ from the oracle: {wrong}"
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_every_operation_and_dtype_matches_the_oracle_at_world(world, pools):
+    seed = secrets.randbits(16)
+    cases = [(op, dt, 4096 + 3, False) for op in OPS for dt in DTYPES]
+    cases += [(op, torch.bfloat16, 1, op == "two_shot") for op in OPS]
+    wrong = pools(world).call(every_case, cases, seed)
+    assert wrong == [[]] * world, f"seed {seed}: cases that differ from the oracle: {wrong}"
+
+
+def auto_epochs(threshold, sizes):
+    """Rank function: the fence epochs each ``auto`` call takes, with one-shot up to ``threshold`` bytes."""
+    buf, view, ops = _objects()
+    ar = ops["all_reduce"]
+    ar._one_shot_max = threshold  # the threshold of this view size, made small enough for the interpreter
+    steps = []
+    for n in sizes:
+        before = ar.fence.epoch
+        ar(torch.ones(n))
+        steps.append(ar.fence.epoch - before)
+    buf.close()
+    return steps
+
+
+def test_auto_runs_one_shot_up_to_its_threshold_and_two_shot_above_it(pools):
+    # One-shot publishes once per call, two-shot twice: the fence's epoch tells them apart.
+    sizes = (1, 512, 513, 4096)  # float32: 4, 2048, 2052 and 16384 bytes
+    assert pools(2).call(auto_epochs, 2048, sizes) == [[1, 1, 2, 2]] * 2
+    assert C.choose(4 << 20, 2) == "one_shot" and C.choose((4 << 20) + 2, 2) == "two_shot"
+
+
+# ---------------------------------------------------------------------- back to back
+STALLS_NS = (0, 0, 0, 1_000_000, 40_000_000, 120_000_000)
+
+
+def back_to_back(calls, seed, slow, parity=True, ops_drawn=OPS, symmetric_share=0.3):
+    """Rank function: ``calls`` calls with no host barrier; rank ``slow`` sleeps before each
+    call and stalls inside its kernel. Returns the calls whose result differs from the oracle."""
+    buf, view, ops = _objects(parity)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    draw = random.Random(seed)  # the same draws on every rank: the members make the same calls
+    delay = random.Random(seed * 7 + rank)
+    g = torch.Generator().manual_seed(seed + rank)
+    plan, results = [], []
+    for _ in range(calls):
+        op = draw.choice(ops_drawn)
+        dtype = draw.choice(DTYPES)
+        n = _numel(op, draw.choice((1, 777, 4096 + 3)), size)
+        sym = draw.random() < symmetric_share
+        x = torch.randn(n, generator=g).to(dtype)
+        if rank == slow:
+            time.sleep(delay.uniform(0, 0.01))
+            stall = delay.choice(STALLS_NS)
+            for o in ops.values():
+                o._stall_ns = stall
+        plan.append((op, x))
+        results.append(_call(ops, op, x, sym))
+    wrong = [
+        i for i, ((op, x), y) in enumerate(zip(plan, results)) if not same_bits(y, expected(op, gathered(x), rank))
+    ]
+    buf.close()
+    return wrong
+
+
+def test_fifty_back_to_back_calls_with_random_delays_all_match_the_oracle(pools):
+    seed = secrets.randbits(16)
+    wrong = pools(3).call(back_to_back, 50, seed, 2)
+    assert wrong == [[], [], []], f"seed {seed}: calls that differ from the oracle, per rank: {wrong}"
+
+
+def test_the_back_to_back_oracle_bites_without_the_parity_of_the_input_slots(pools):
+    # One-shot all-reduces only (a two-shot call's second fence protects its slots by itself),
+    # copied in, no symmetric input: a fast member's next copy-in lands in the slot the slow
+    # member is still reading.
+    seed = secrets.randbits(16)
+    wrong = pools(2).call(back_to_back, 50, seed, 1, False, ("one_shot",), 0.0)
+    assert wrong[1], f"seed {seed}: without the parity the slow member read no overwritten slot: {wrong}"
+
+
+# ---------------------------------------------------------------------- the fused epilogue
+def fused_epilogue(shapes, seed):
+    """Rank function: ``ar(x, residual=r, norm_weight=w)`` per (dtype, tokens, hidden); per case,
+    (the new residual equals the oracle's bits, the largest difference of the normed output,
+    every member got the same bits of both)."""
+    world = dist.get_world_size()
+    buf = ss.SymmetricBuffer(C.workspace_bytes(MAX_NUMEL, torch.float32, world), backend="host")
+    ar = C.AllReduce(buf.view(list(range(world))), MAX_NUMEL, torch.float32)
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(seed + rank)
+    shared = torch.Generator().manual_seed(seed)  # the residual and the weight: the same on every member
+    got = []
+    for dtype, tokens, hidden in shapes:
+        x = torch.randn(tokens, hidden, generator=g).to(dtype)
+        r = torch.randn(tokens, hidden, generator=shared).to(dtype)
+        w = (1 + 0.1 * torch.randn(hidden, generator=shared)).to(dtype)
+        y, new_r = ar(x, residual=r, norm_weight=w, eps=1e-5)
+        total = member_order_sum(gathered(x), dtype)
+        want_r = (total.float() + r.float()).to(dtype)  # torch's `total + r`
+        h = want_r.float()
+        want_y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()).to(dtype)
+        everyone = gathered(torch.cat([y.view(torch.uint8).flatten(), new_r.view(torch.uint8).flatten()]))
+        got.append(
+            (
+                same_bits(new_r, want_r),
+                float((y.float() - want_y.float()).abs().max()),
+                all(torch.equal(e, everyone[0]) for e in everyone),
+            )
+        )
+    buf.close()
+    return got
+
+
+def test_the_fused_residual_and_rms_norm_epilogue_matches_torch_and_is_the_same_on_every_member(pools):
+    seed = secrets.randbits(16)
+    shapes = [(dt, 3, 1000) for dt in DTYPES] + [(torch.bfloat16, 1, 1), (torch.bfloat16, 4, 1024)]
+    for rank, cases in enumerate(pools(3).call(fused_epilogue, shapes, seed)):
+        for (dt, _, _), (residual_ok, diff, same) in zip(shapes, cases):
+            assert residual_ok, (seed, rank, dt, "the new residual differs from the oracle")
+            # The normed output's float32 mean is a tree sum in the kernel, a torch reduction
+            # in the oracle: one rounding step of the dtype at most.
+            assert diff <= {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dt] * 8, (seed, dt, diff)
+            assert same, (seed, rank, dt, "members got different bits")

@@ -1,0 +1,192 @@
+"""symmsync.collectives on GPUs: every operation and algorithm, eagerly and in CUDA-graph replay.
+
+Marker ``gpu``: skipped where fewer than 2 GPUs exist, unless ``SYMMSYNC_SHARE_GPUS=1``
+(the ranks then share the GPUs there are: a smoke run on one GPU). The oracle is the
+one of tests/collectives/test_collectives.py, written again here (test modules do not
+import each other): every member's inputs gathered with torch.distributed and summed
+in member order in float32 (``acc = x_0; acc += x_1; ...``, one rounding to the dtype);
+``torch.cat`` for the all-gather. Results are compared bit for bit.
+"""
+
+import helpers
+import pytest
+import torch
+import torch.distributed as dist
+
+import symmsync as ss
+from symmsync import collectives as C
+from symmsync.testing import run
+
+pytestmark = pytest.mark.gpu
+WORLD = 2
+MAX_NUMEL = 1 << 21
+OPS = ("one_shot", "two_shot", "auto", "all_gather", "reduce_scatter")
+
+
+def _expected(op, inputs, rank):
+    if op == "all_gather":
+        return torch.cat(inputs)
+    acc = inputs[0].float()
+    for x in inputs[1:]:
+        acc = acc + x.float()
+    total = acc.to(inputs[0].dtype)
+    if op == "reduce_scatter":
+        k = inputs[0].numel() // len(inputs)
+        return total[rank * k : (rank + 1) * k]
+    return total
+
+
+def _same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _gathered(x):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x.cpu())
+    return out
+
+
+def _objects():
+    world = dist.get_world_size()
+    per = C.workspace_bytes(MAX_NUMEL, torch.float32, world)
+    buf = ss.SymmetricBuffer(3 * per, backend="cuda")
+    view = buf.view(list(range(world)))
+    ops = {
+        "all_reduce": C.AllReduce(view, MAX_NUMEL, torch.float32, timeout_s=60),
+        "all_gather": C.AllGather(view, MAX_NUMEL, torch.float32, offset=per, channel=1, timeout_s=60),
+        "reduce_scatter": C.ReduceScatter(view, MAX_NUMEL, torch.float32, offset=2 * per, channel=2, timeout_s=60),
+    }
+    return buf, ops
+
+
+def _call(ops, op, x, out=None, symmetric=False):
+    target = ops["all_reduce"] if op in ("one_shot", "two_shot", "auto") else ops[op]
+    if symmetric:
+        t = target.input(x.numel(), x.dtype)
+        t.copy_(x)
+        x = t
+    if target is ops["all_reduce"]:
+        return target(x, out, algorithm=op)
+    return target(x, out)
+
+
+def eager_back_to_back(sizes, dtypes, calls_each):
+    """Rank function: every (op, dtype, size, input kind) ``calls_each`` times back to back, fresh
+    inputs each call, no host barrier; the cases that differ from the oracle, after the loop."""
+    buf, ops = _objects()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator(device=buf.device).manual_seed(rank)
+    done = []
+    for op in OPS:
+        for dtype in dtypes:
+            for n in sizes:
+                n = max(size, n // size * size) if op == "reduce_scatter" else n
+                for k in range(calls_each):
+                    sym = k % 3 == 2
+                    x = torch.randn(n, generator=g, device=buf.device).to(dtype)
+                    done.append(((op, str(dtype), n, sym), x, _call(ops, op, x, symmetric=sym).clone()))
+    ops["all_reduce"].synchronize()
+    torch.cuda.synchronize()
+    wrong = sorted({case for case, x, y in done if not _same(y.cpu(), _expected(case[0], _gathered(x), rank))})
+    buf.close()
+    return wrong
+
+
+def test_every_operation_and_algorithm_matches_the_oracle_eagerly_back_to_back():
+    sizes = (1, 777, 4096 + 3, 1 << 16, MAX_NUMEL)
+    dtypes = (torch.bfloat16, torch.float32, torch.float16)
+    for wrong in run(eager_back_to_back, WORLD, sizes, dtypes, 4, backend="cuda", timeout_s=600):
+        assert wrong == [], wrong
+
+
+def graph_batches(op, symmetric, numel, batches, per_batch):
+    """Rank function: one call captured in a CUDA graph over static tensors; per batch, fresh
+    inputs, ``per_batch`` replays back to back, then the output's bytes against the oracle."""
+    buf, ops = _objects()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    target = ops["all_reduce"] if op in ("one_shot", "two_shot", "auto") else ops[op]
+    if symmetric:
+        x = target.input(numel, torch.bfloat16)
+    else:
+        x = torch.empty(numel, dtype=torch.bfloat16, device=buf.device)
+    n_out = {"all_gather": size * numel, "reduce_scatter": numel // size}.get(op, numel)
+    out = torch.empty(n_out, dtype=torch.bfloat16, device=buf.device)
+    x.copy_(torch.randn(numel, device=buf.device))
+    graph = helpers.capture(lambda: _call(ops, op, x, out))
+    log = []
+    for b in range(batches):
+        g = torch.Generator(device=buf.device).manual_seed(1000 * b + rank)
+        torch.cuda.synchronize()
+        dist.barrier()  # every member finished reading the inputs of the last batch
+        x.copy_(torch.randn(numel, generator=g, device=buf.device).to(torch.bfloat16))
+        torch.cuda.synchronize()
+        dist.barrier()
+        for _ in range(per_batch):
+            graph.replay()
+        target.synchronize()
+        log.append(_same(out.cpu(), _expected(op, _gathered(x), rank)))
+    buf.close()
+    return log
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["copied_in", "symmetric_input"])
+@pytest.mark.parametrize("op", OPS)
+def test_every_operation_in_cuda_graph_replay_keeps_the_oracle_after_every_batch(op, symmetric):
+    numel = 8192 * WORLD  # 16 KB of bfloat16 per member and more: a decode-sized message
+    for log in run(graph_batches, WORLD, op, symmetric, numel, 5, 200, backend="cuda", timeout_s=600):
+        assert log == [True] * 5, log
+
+
+def size_mismatch_on_gpu():
+    buf, ops = _objects()
+    ar = ops["all_reduce"]
+    ar(torch.ones(64, device=buf.device))
+    ar(torch.ones(512 + dist.get_rank(), device=buf.device))
+    try:
+        ar.synchronize()
+        return "returned"
+    except C.CollectiveMismatch as e:
+        return {"differs": e.differs, "msg": str(e)}
+    # The trap made this process's CUDA context unusable: no close() (the process ends).
+
+
+def test_a_size_mismatch_traps_and_every_member_raises_collective_mismatch():
+    for r in run(size_mismatch_on_gpu, WORLD, backend="cuda", timeout_s=300):
+        assert isinstance(r, dict) and r["differs"] == ["numel"], r
+        assert "numel: rank 0: 512, rank 1: 513" in r["msg"], r
+
+
+def fused_epilogue_on_gpu(tokens, hidden, replays):
+    """Rank function: the fused residual + RMS norm, eagerly and in graph replay; (new residual
+    equal to torch's ``sum + residual``, largest normed difference, the same bits on every member)."""
+    buf, ops = _objects()
+    ar, rank = ops["all_reduce"], dist.get_rank()
+    g = torch.Generator(device=buf.device).manual_seed(rank)
+    shared = torch.Generator(device=buf.device).manual_seed(7)
+    x = torch.randn(tokens, hidden, generator=g, device=buf.device).to(torch.bfloat16)
+    r = torch.randn(tokens, hidden, generator=shared, device=buf.device).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(hidden, generator=shared, device=buf.device)).to(torch.bfloat16)
+    y, new_r = torch.empty_like(x), torch.empty_like(x)
+    graph = helpers.capture(lambda: ar(x, y, residual=r, norm_weight=w, residual_out=new_r))
+    for _ in range(replays):
+        graph.replay()
+    ar.synchronize()
+    total = _expected("one_shot", _gathered(x), rank)
+    want_r = (total.float() + r.cpu().float()).to(torch.bfloat16)
+    h = want_r.float()
+    want_y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w.cpu().float()).to(torch.bfloat16)
+    both = torch.cat([y.view(torch.uint8).flatten(), new_r.view(torch.uint8).flatten()])
+    everyone = _gathered(both)
+    result = (
+        _same(new_r.cpu(), want_r),
+        float((y.cpu().float() - want_y.float()).abs().max()),
+        all(torch.equal(e, everyone[0]) for e in everyone),
+    )
+    buf.close()
+    return result
+
+
+def test_the_fused_epilogue_in_graph_replay_matches_torch_on_every_member():
+    for residual_ok, diff, same in run(fused_epilogue_on_gpu, WORLD, 8, 4096, 100, backend="cuda", timeout_s=600):
+        assert residual_ok and same, (residual_ok, same)
+        assert diff <= 0.125, diff  # rsqrt and the mean's order: a rounding step of bfloat16 at most
