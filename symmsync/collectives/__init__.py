@@ -16,7 +16,8 @@ in a CUDA graph, and refuse (on every member) calls that differ between members.
 """
 
 from .layout import Workspace, workspace_bytes
-from .ops import ALGORITHMS, MAX_HIDDEN, AllGather, AllReduce, CollectiveMismatch, ReduceScatter
+from .mismatch import CollectiveMismatch
+from .ops import ALGORITHMS, MAX_HIDDEN, AllGather, AllReduce, ReduceScatter
 from .tuning import choose
 
 __all__ = [

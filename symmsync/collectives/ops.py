@@ -20,6 +20,7 @@ from ..views import PeerView
 from . import layout as L
 from . import tuning
 from .kernels import collective_kernel
+from .mismatch import mismatch_error, out_problem
 
 ALGORITHMS = ("auto", "one_shot", "two_shot")
 """The algorithms of :class:`AllReduce`."""
@@ -27,38 +28,14 @@ ALGORITHMS = ("auto", "one_shot", "two_shot")
 # Elements per block of a program (a power of two); warps per program.
 _BLOCK = 1024
 _NUM_WARPS = 4
-# Positions, in the kernel's runtime parameters, of what changes from call to call.
-_PER_CALL = (0, 1, 2)
-_STALL = 10
-_EPILOGUE = (17, 18, 19, 20, 21)  # residual, weight, res_out, hidden, eps
+# What changes from call to call, by the kernel's parameter names; their positions in the
+# runtime parameters come from the first launcher (Launcher.names), so no position is
+# written here and the kernel's signature can change.
+_PER_CALL = ("x", "out", "count")
+_STALL = "stall_ns"
+_EPILOGUE = ("residual", "weight", "res_out", "hidden", "eps")
 MAX_HIDDEN = 16384
 """The longest row (``x.shape[-1]``) the fused epilogue takes: one program holds a row."""
-
-
-class CollectiveMismatch(InputError):
-    """The members of a view made different calls of a collective (size, dtype,
-    algorithm, input kind or operation); raised on every member, before anything was summed.
-
-    Attributes:
-        rank: this member's global rank.
-        epoch: the fence epoch of the refused call (the same on every member in step).
-        calls: ``{global rank: {field: value}}``: what each member called with.
-        differs: the fields that differ.
-    """
-
-    def __init__(self, message: str, *, rank: int, epoch: int, calls: dict[int, dict[str, Any]], differs: list[str]):
-        super().__init__(message)
-        self.rank = rank
-        self.epoch = epoch
-        self.calls = calls
-        self.differs = differs
-
-    def __reduce__(self):
-        return (_rebuild_mismatch, (str(self), self.rank, self.epoch, self.calls, self.differs))
-
-
-def _rebuild_mismatch(message, rank, epoch, calls, differs):
-    return CollectiveMismatch(message, rank=rank, epoch=epoch, calls=calls, differs=differs)
 
 
 class _Collective:
@@ -247,13 +224,14 @@ class _Collective:
             bound = self._launcher(key).bind(x, out, count, *self._fixed, *tail, grid=(grid,))
             self._bound[key] = entry = [bound, (xp, op, count)]
         bound = entry[0]
+        per_call, stall, fused = self._positions
         if epilogue is not None:
-            bound.update((*_PER_CALL, *_EPILOGUE), (x, out, count, *epilogue))
+            bound.update(per_call + fused, (x, out, count, *epilogue))
             entry[1] = None
         elif self._interp:
-            bound.update((*_PER_CALL, _STALL), (x, out, count, self._stall_ns))
+            bound.update(per_call + stall, (x, out, count, self._stall_ns))
         elif entry[1] != (xp, op, count):
-            bound.update(_PER_CALL, (x, out, count))
+            bound.update(per_call, (x, out, count))
             entry[1] = (xp, op, count)
         bound()
         if self._host_checks:
@@ -281,6 +259,8 @@ class _Collective:
                 EPILOGUE=row > 0,
                 ROW=max(row, 1),
             )
+            names = launcher.names
+            self._positions = tuple(tuple(names.index(n) for n in group) for group in (_PER_CALL, (_STALL,), _EPILOGUE))
         return launcher
 
     def _problem(self, x: Any) -> str | None:
@@ -302,23 +282,6 @@ class _Collective:
             )
         return None
 
-    def _out_problem(self, out: Any, x: torch.Tensor, numel: int) -> str | None:
-        if type(out) is not torch.Tensor:
-            return f"out must be a torch.Tensor, got {type(out).__name__}"
-        if (
-            out.dtype is not x.dtype
-            or out.numel() != numel
-            or not out.is_contiguous()
-            or out.get_device() != x.get_device()
-            or not (out.is_cuda or out.is_cpu)
-        ):
-            return (
-                f"out must be a contiguous {x.dtype} tensor of {numel} elements on {x.device}, got "
-                f"{out.dtype} of {out.numel()} elements on {out.device}"
-                + ("" if out.is_contiguous() else ", not contiguous")
-            )
-        return None
-
     def _refuse(self, problem: str) -> None:
         """Refuse a bad call on this member: tell the members (they may wait in it already), raise."""
         if self._buffer.closed:
@@ -334,7 +297,7 @@ class _Collective:
         self.fence.check_usable()  # closed buffer, aborted view, a failed wait: its own error first
         err = self._failed
         if self.view.aborted is None:
-            self.view._abort_quietly(f"rank {self.rank}: {type(err).__name__} in {self._NAME}")
+            self.view.failure.abort_quietly(f"rank {self.rank}: {type(err).__name__} in {self._NAME}")
         raise err
 
     # ------------------------------------------------------------------ failures
@@ -354,53 +317,9 @@ class _Collective:
         return self.fence.timeout_error() or self._mismatch_error()
 
     def _mismatch_error(self) -> SymmSyncError | None:
-        words = self._record.tolist()
-        flag = words[L.R_FLAG]
-        if flag not in (L.MISMATCH, L.GRID_STALL):
-            return None
-        ranks = self.view.ranks
-        epoch, me = words[L.R_EPOCH], words[L.R_INDEX]
-        where = f"rank {ranks[me]}: {self._NAME} on view {list(ranks)} (the call of epoch {epoch})"
-        if flag == L.GRID_STALL:
-            return FenceTimeout(
-                f"{where}: only {words[L.R_HEADERS]} programs of its launch arrived within "
-                f"{self.fence.timeout_s:g} s: the launch's programs were not resident at once (another kernel held "
-                "the multiprocessors); nothing after it ran",
-                rank=ranks[me],
-                epoch=epoch,
-                late={},
-                channel=self.fence.channel,
-            )
-        calls = {}
-        for i, r in enumerate(ranks):
-            h = words[L.R_HEADERS + i * L.HEADER_WORDS : L.R_HEADERS + (i + 1) * L.HEADER_WORDS]
-            calls[r] = _describe(h, epoch)
-        fields = list(_describe([L.TAG + L.ALL_REDUCE] + [0] * (L.HEADER_WORDS - 1), 0))
-        differs = [f for f in fields if len({repr(c[f]) for c in calls.values()}) > 1]
-        parts = [f"{f}: " + ", ".join(f"rank {r}: {c[f]}" for r, c in calls.items()) for f in differs]
-        msg = (
-            f"{where}: the members' calls differ ({'; '.join(parts)}). Every member must make the same call "
-            "(operation, size, dtype, algorithm, input kind) in the same order; nothing was summed, and the "
-            "collective fails from now on"
+        return mismatch_error(
+            self._record.tolist(), self._NAME, self.view.ranks, self.fence.timeout_s, self.fence.channel
         )
-        return CollectiveMismatch(msg, rank=ranks[me], epoch=epoch, calls=calls, differs=differs)
-
-
-def _describe(h: list[int], epoch: int) -> dict[str, Any]:
-    """A member's header, in words (what the error shows)."""
-    op = h[L.H_TAG] - L.TAG
-    if op not in L.OP_NAMES:
-        fields = ("numel", "dtype", "algorithm", "input", "epilogue", "call")
-        return {"operation": "none (no call of this collective's at this epoch)", **dict.fromkeys(fields, "-")}
-    return {
-        "operation": L.OP_NAMES[op],
-        "numel": h[L.H_NUMEL],
-        "dtype": L.DTYPE_NAMES.get(h[L.H_DTYPE], f"code {h[L.H_DTYPE]}"),
-        "algorithm": L.ALGORITHM_NAMES.get(h[L.H_ALGORITHM], "-"),
-        "input": "symmetric" if h[L.H_SYMMETRIC] else "copied in",
-        "epilogue": f"residual + RMS norm over rows of {h[L.H_EPILOGUE]}" if h[L.H_EPILOGUE] else "none",
-        "call": "this one" if h[L.H_EPOCH] == epoch else f"another (epoch {h[L.H_EPOCH]})",
-    }
 
 
 class AllReduce(_Collective):
@@ -526,7 +445,7 @@ class AllReduce(_Collective):
             self._refuse(
                 self._problem(x)
                 or (None if code is not None else f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-                or self._out_problem(out, x, numel)
+                or out_problem(out, x, numel)
                 or "out is not a tensor this call can write"
             )
         if code < 0:  # auto
@@ -612,7 +531,7 @@ class AllGather(_Collective):
         """
         bad = self._problem(x)
         if bad is None and out is not None:
-            bad = self._out_problem(out, x, self.size * x.numel())
+            bad = out_problem(out, x, self.size * x.numel())
         if bad is not None:
             self._refuse(bad)
         numel = x.numel()
@@ -664,7 +583,7 @@ class ReduceScatter(_Collective):
         if bad is None and x.numel() % self.size:
             bad = f"x has {x.numel()} elements, not a multiple of the view's {self.size} members"
         if bad is None and out is not None:
-            bad = self._out_problem(out, x, x.numel() // self.size)
+            bad = out_problem(out, x, x.numel() // self.size)
         if bad is not None:
             self._refuse(bad)
         chunk = x.numel() // self.size

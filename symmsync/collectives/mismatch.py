@@ -1,0 +1,115 @@
+"""What is wrong with a collective call: an output tensor that does not fit, members whose calls
+differ, a launch that stalled (read from the collective's record)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..errors import FenceTimeout, InputError, SymmSyncError
+from . import layout as L
+
+
+class CollectiveMismatch(InputError):
+    """The members of a view made different calls of a collective (size, dtype,
+    algorithm, input kind or operation); raised on every member, before anything was summed.
+
+    Attributes:
+        rank: this member's global rank.
+        epoch: the fence epoch of the refused call (the same on every member in step).
+        calls: ``{global rank: {field: value}}``: what each member called with.
+        differs: the fields that differ.
+    """
+
+    def __init__(self, message: str, *, rank: int, epoch: int, calls: dict[int, dict[str, Any]], differs: list[str]):
+        super().__init__(message)
+        self.rank = rank
+        self.epoch = epoch
+        self.calls = calls
+        self.differs = differs
+
+    def __reduce__(self):
+        return (_rebuild_mismatch, (str(self), self.rank, self.epoch, self.calls, self.differs))
+
+
+def _rebuild_mismatch(message, rank, epoch, calls, differs):
+    return CollectiveMismatch(message, rank=rank, epoch=epoch, calls=calls, differs=differs)
+
+
+def mismatch_error(
+    words: list[int], name: str, ranks: Sequence[int], timeout_s: float, channel: int
+) -> SymmSyncError | None:
+    """The error a collective's record ``words`` describes (``None`` when it holds none).
+
+    Args:
+        words: the record, as written by the kernel (``layout.R_*`` words).
+        name: the collective, as its errors name it (``"AllReduce"``).
+        ranks: the view's members' global ranks, in view order.
+        timeout_s, channel: the fence's budget and channel (named in a stall's error).
+    """
+    flag = words[L.R_FLAG]
+    if flag not in (L.MISMATCH, L.GRID_STALL):
+        return None
+    epoch, me = words[L.R_EPOCH], words[L.R_INDEX]
+    where = f"rank {ranks[me]}: {name} on view {list(ranks)} (the call of epoch {epoch})"
+    if flag == L.GRID_STALL:
+        return FenceTimeout(
+            f"{where}: only {words[L.R_HEADERS]} programs of its launch arrived within "
+            f"{timeout_s:g} s: the launch's programs were not resident at once (another kernel held "
+            "the multiprocessors); nothing after it ran",
+            rank=ranks[me],
+            epoch=epoch,
+            late={},
+            channel=channel,
+        )
+    calls = {}
+    for i, r in enumerate(ranks):
+        h = words[L.R_HEADERS + i * L.HEADER_WORDS : L.R_HEADERS + (i + 1) * L.HEADER_WORDS]
+        calls[r] = _describe(h, epoch)
+    fields = list(_describe([L.TAG + L.ALL_REDUCE] + [0] * (L.HEADER_WORDS - 1), 0))
+    differs = [f for f in fields if len({repr(c[f]) for c in calls.values()}) > 1]
+    parts = [f"{f}: " + ", ".join(f"rank {r}: {c[f]}" for r, c in calls.items()) for f in differs]
+    msg = (
+        f"{where}: the members' calls differ ({'; '.join(parts)}). Every member must make the same call "
+        "(operation, size, dtype, algorithm, input kind) in the same order; nothing was summed, and the "
+        "collective fails from now on"
+    )
+    return CollectiveMismatch(msg, rank=ranks[me], epoch=epoch, calls=calls, differs=differs)
+
+
+def _describe(h: list[int], epoch: int) -> dict[str, Any]:
+    """A member's header, in words (what the error shows)."""
+    op = h[L.H_TAG] - L.TAG
+    if op not in L.OP_NAMES:
+        fields = ("numel", "dtype", "algorithm", "input", "epilogue", "call")
+        return {"operation": "none (no call of this collective's at this epoch)", **dict.fromkeys(fields, "-")}
+    return {
+        "operation": L.OP_NAMES[op],
+        "numel": h[L.H_NUMEL],
+        "dtype": L.DTYPE_NAMES.get(h[L.H_DTYPE], f"code {h[L.H_DTYPE]}"),
+        "algorithm": L.ALGORITHM_NAMES.get(h[L.H_ALGORITHM], "-"),
+        "input": "symmetric" if h[L.H_SYMMETRIC] else "copied in",
+        "epilogue": f"residual + RMS norm over rows of {h[L.H_EPILOGUE]}" if h[L.H_EPILOGUE] else "none",
+        "call": "this one" if h[L.H_EPOCH] == epoch else f"another (epoch {h[L.H_EPOCH]})",
+    }
+
+
+def out_problem(out: Any, x: torch.Tensor, numel: int) -> str | None:
+    """What is wrong with an output tensor for ``numel`` elements of ``x``'s dtype and device, or ``None``."""
+    if type(out) is not torch.Tensor:
+        return f"out must be a torch.Tensor, got {type(out).__name__}"
+    if (
+        out.dtype is not x.dtype
+        or out.numel() != numel
+        or not out.is_contiguous()
+        or out.get_device() != x.get_device()
+        or not (out.is_cuda or out.is_cpu)
+    ):
+        return (
+            f"out must be a contiguous {x.dtype} tensor of {numel} elements on {x.device}, got "
+            f"{out.dtype} of {out.numel()} elements on {out.device}"
+            + ("" if out.is_contiguous() else ", not contiguous")
+        )
+    return None
