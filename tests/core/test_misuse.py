@@ -62,7 +62,7 @@ def construct_while_one_rank_captures(how, prefix_env):
     else:
         out = _outcome(lambda: _make(how, rt))
     dist.barrier()
-    left = glob.glob(f"/dev/shm/{os.environ[prefix_env]}-*")
+    left = [n for n in glob.glob(f"/dev/shm/{os.environ[prefix_env]}-*") if "-rt-" not in n]  # not the runtime's
     return out, left
 
 
