@@ -636,7 +636,8 @@ class SymmetricBuffer:
             view.failure.abort_quietly(CLOSED_REASON)
         self._closed = True
         self._finalizer.detach()
-        self._memory.close_cells()
+        if not backends.capturing(self._device):  # a store during capture would join the user's graph
+            self._memory.close_cells()
         for view in list(self._views):
             view.release_tables()  # and its fences': only what users kept holds the mappings now
         self._ptrs = self._signal_ptrs = None
