@@ -1,4 +1,8 @@
-"""A tensor taken from a buffer outlives close(): it keeps its memory mapped, never dangles.
+"""A tensor or a pointer table taken from a buffer outlives close(): it keeps its memory mapped, never dangles.
+
+Pointer tables (``buf.ptrs``, ``buf.signal_ptrs``, a view's) and ``fence.kernel_args`` kept
+past close() hold their mappings (and the fence's record) alive the same way, and a fence
+wait launched through kept arguments fails closed.
 
 Reading such a tensor used to unmap-then-read (a segfault), so the read runs in a
 subprocess whose exit status is checked. The mapping must still go: with the last
