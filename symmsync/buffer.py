@@ -8,15 +8,24 @@ of base addresses (:attr:`SymmetricBuffer.ptrs`).
 Each rank's allocation is laid out as::
 
     [0, nbytes)                  the user region: what tensor() and kernels address
+    [nbytes, signal_base)        slack and a guard (memory.GUARD_BYTES) nobody reads or writes
     [signal_base, + signal_size) signal cells of the peer views' fences (see views.py)
 
-so user offsets are the same on every rank and never touch a fence's slots. A
-growable buffer (``max_nbytes``) reserves address space for ``max_nbytes`` and keeps
-its cells after that reservation's user part, so growing never moves them. Memory a
-runtime registers (:meth:`SymmetricBuffer.register`) holds only the runtime's bytes:
-the cells then live in a small allocation of symmsync's own, addressed through
-:attr:`SymmetricBuffer.signal_ptrs`. Each of these kinds of memory is one object of
-:mod:`symmsync.memory`, which also holds the collective steps that map them.
+so user offsets are the same on every rank and never touch a fence's slots, and a
+kernel that stores past the user region never reaches a cell (the host backend makes
+the guard inaccessible: such a store faults). A growable buffer (``max_nbytes``)
+reserves address space for ``max_nbytes`` and keeps its cells after that
+reservation's user part and a guard that is never mapped, so growing never moves
+them. Memory a runtime registers (:meth:`SymmetricBuffer.register`) holds only the
+runtime's bytes: the cells then live in a small allocation of symmsync's own,
+addressed through :attr:`SymmetricBuffer.signal_ptrs`. Each of these kinds of memory
+is one object of :mod:`symmsync.memory`, which also holds the collective steps that
+map them.
+
+The pointer tables (:attr:`~SymmetricBuffer.ptrs`, :attr:`~SymmetricBuffer.signal_ptrs`,
+a view's) hold the mappings they name alive, as tensors from
+:meth:`~SymmetricBuffer.tensor` do: one kept past :meth:`~SymmetricBuffer.close` never
+names unmapped memory (see :meth:`~SymmetricBuffer.close`).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ import torch.distributed as dist
 from . import backends, memory
 from .cells import LINE, SignalLayout
 from .checks import check_index, int_problem, is_int, positive_int_problem, require
-from .collective import gather, plain, raise_first, same
+from .collective import capture_flag, gather, plain, raise_first, raise_if_capturing, same
 from .errors import CLOSED_REASON, BoundsError, ClosedError, ConfigError, SizeMismatchError
 from .views import PeerView, create_view
 
@@ -64,6 +73,8 @@ class SymmetricBuffer:
 
     Raises:
         ConfigError: a bad argument on any rank (raised on every rank).
+        CaptureError: a rank's current stream was capturing a CUDA graph (raised on every
+            rank, before any device work: create buffers before capture).
         SizeMismatchError: ranks asked for different sizes (raised on every rank).
         BackendError: a rank could not allocate or map (raised on every rank; nothing
             stays mapped).
@@ -98,6 +109,7 @@ class SymmetricBuffer:
         if problem is None and not isinstance(backend_options, (dict, type(None))):
             problem = f"backend_options must be a dict, got {backend_options!r}"
         info = {
+            "capturing": capture_flag(self._group, dev, call="SymmetricBuffer"),
             "nbytes": plain(nbytes),
             "max_nbytes": plain(max_nbytes),
             "backend": plain(name),
@@ -131,9 +143,10 @@ class SymmetricBuffer:
     def _finish(self, kind: memory.Kind) -> None:
         self._memory = kind
         self._signals = kind.signals
-        self._ptrs = torch.tensor(kind.data.ptrs, dtype=torch.int64, device=self._device)
-        cells = kind.signal_ptrs()
-        self._signal_ptrs = self._ptrs if cells is None else torch.tensor(cells, dtype=torch.int64, device=self._device)
+        # Tables that hold what they name: a kernel launched through one kept past close()
+        # still finds every mapping (memory.address_table).
+        self._ptrs: torch.Tensor | None = memory.address_table(kind.data, self._device)
+        self._signal_ptrs = self._ptrs if kind.cells is None else memory.address_table(kind.cells, self._device)
         self._finalizer = weakref.finalize(self, memory.release, kind.shared())
 
     # ---------------------------------------------------------------- adoption
@@ -169,7 +182,26 @@ class SymmetricBuffer:
                 handles are unavailable.
 
         The runtime keeps ownership: :meth:`close` releases nothing it adopted.
+
+        Raises (on every rank): ConfigError, SizeMismatchError for bad or differing
+        arguments; CaptureError during CUDA graph capture; BackendError.
         """
+        call = "SymmetricBuffer.from_peer_addresses"
+        return cls._adopt(ptrs, nbytes, group, device, signals, max_views, channels, backend_options, call)
+
+    @classmethod
+    def _adopt(
+        cls,
+        ptrs: Sequence[int],
+        nbytes: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device | str | None,
+        signals: str,
+        max_views: int,
+        channels: int,
+        backend_options: dict[str, Any] | None,
+        call: str,
+    ) -> SymmetricBuffer:
         self = cls.__new__(cls)
         self._join(group)
         problem = cls._check_args(nbytes, max_views, channels, None)
@@ -194,13 +226,14 @@ class SymmetricBuffer:
         if problem is None and signals == "tail" and nbytes < probe.size + LINE:
             problem = f"{nbytes} bytes cannot hold symmsync's {probe.size} bytes of signal cells; adopt a larger region"
         info = {
+            "capturing": capture_flag(self._group, dev, call=call),
             "nbytes": plain(nbytes),
             "backend": dev.type,
             "signals": plain(signals),
             "max_views": plain(max_views),
             "channels": plain(channels),
         }
-        self._raise_on_bad_args(gather(self._group, (info, problem)))
+        self._raise_on_bad_args(gather(self._group, (info, problem)), call=call)
         self._device = dev
         kind, self._nbytes = memory.Adopted.build(
             self._group, dev, ptrs, nbytes, signals, max_views, channels, backend_options or {}
@@ -213,10 +246,25 @@ class SymmetricBuffer:
         """Adopt a ``torch.distributed._symmetric_memory`` rendezvous handle (collective).
 
         Uses the handle's buffer (``buffer_ptrs``, ``buffer_size``); torch's own signal
-        pads stay torch's. See :meth:`from_peer_addresses` for where symmsync keeps its cells.
+        pads stay torch's. See :meth:`from_peer_addresses` for where symmsync keeps its
+        cells, its keyword arguments and its errors.
         """
         device = torch.device("cuda", torch.cuda.current_device())
-        return cls.from_peer_addresses(list(handle.buffer_ptrs), int(handle.buffer_size), group, device, **kwargs)
+        options = {"signals": "separate", "max_views": 16, "channels": 4, "backend_options": None, **kwargs}
+        unknown = sorted(set(options) - {"signals", "max_views", "channels", "backend_options"})
+        if unknown:
+            raise TypeError(f"SymmetricBuffer.from_torch() got unexpected keyword arguments {unknown}")
+        return cls._adopt(
+            list(handle.buffer_ptrs),
+            int(handle.buffer_size),
+            group,
+            device,
+            options["signals"],
+            options["max_views"],
+            options["channels"],
+            options["backend_options"],
+            "SymmetricBuffer.from_torch",
+        )
 
     @classmethod
     def register(
@@ -263,6 +311,7 @@ class SymmetricBuffer:
         Raises:
             BackendError: on every rank, when any rank's memory cannot be shared or mapped.
             ConfigError, SizeMismatchError: on every rank, for bad or differing arguments.
+            CaptureError: on every rank, when a rank's current stream was capturing a CUDA graph.
         """
         self = cls.__new__(cls)
         self._join(group)
@@ -275,6 +324,7 @@ class SymmetricBuffer:
             problem = f"backend_options must be a dict, got {backend_options!r}"
         kind = dev.type if dev is not None else "?"
         info = {
+            "capturing": capture_flag(self._group, dev, call="SymmetricBuffer.register"),
             "nbytes": plain(nbytes),
             "max_nbytes": plain(max_nbytes),
             "backend": kind,
@@ -303,9 +353,10 @@ class SymmetricBuffer:
         return problem
 
     def _raise_on_bad_args(self, everyone: list[tuple[dict, str | None]], call: str = "SymmetricBuffer") -> None:
-        """Raise on every rank if any rank had a problem or the ranks disagree."""
-        raise_first([p for _, p in everyone], call=call)
+        """Raise on every rank if any rank captured, had a problem, or the ranks disagree."""
         infos = [i for i, _ in everyone]
+        raise_if_capturing([i["capturing"] for i in infos], call=call)
+        raise_first([p for _, p in everyone], call=call)
         for key in ("backend", "signals", "max_views", "channels"):
             if key in infos[0]:
                 same([i[key] for i in infos], key, call=call)
@@ -330,6 +381,8 @@ class SymmetricBuffer:
 
         Raises (on every rank):
             ClosedError: a rank closed its buffer.
+            CaptureError: a rank's current stream was capturing a CUDA graph (no commit
+                during capture: grow before capturing, or between replays).
             BoundsError: ``nbytes`` is past ``max_nbytes``, or below the current size.
             SizeMismatchError: ranks asked for different sizes.
             BackendError: a rank could not commit or map; every rank then unmaps what
@@ -344,10 +397,12 @@ class SymmetricBuffer:
             problem = "the buffer is not growable: create it with max_nbytes="
         elif problem is None and not self._nbytes <= nbytes <= self.max_nbytes:
             bounds = f"nbytes={nbytes} is outside [{self._nbytes}, {self.max_nbytes}] (the size now, max_nbytes)"
-        everyone = gather(self._group, (plain(nbytes), problem, bounds, closed))
-        raise_first([c for *_, c in everyone], call=call, error=ClosedError)
-        raise_first([p for _, p, _, _ in everyone], call=call)
-        raise_first([b for _, _, b, _ in everyone], call=call, error=BoundsError)
+        capturing = capture_flag(self._group, self._device, call=call)
+        everyone = gather(self._group, (plain(nbytes), problem, bounds, closed, capturing))
+        raise_first([c for *_, c, _ in everyone], call=call, error=ClosedError)
+        raise_if_capturing([f for *_, f in everyone], call=call)
+        raise_first([p for _, p, *_ in everyone], call=call)
+        raise_first([b for _, _, b, *_ in everyone], call=call, error=BoundsError)
         same([n for n, *_ in everyone], "nbytes", call=call, error=SizeMismatchError)
         self._memory.grow(self._group, self._nbytes, nbytes)
         self._nbytes = nbytes
@@ -405,7 +460,12 @@ class SymmetricBuffer:
 
     @property
     def ptrs(self) -> torch.Tensor:
-        """int64 tensor ``[world_size]`` of every rank's base address, on :attr:`device`."""
+        """int64 tensor ``[world_size]`` of every rank's base address, on :attr:`device`.
+
+        The same tensor for the buffer's life. It holds every mapping it names alive: a
+        table (or a slice or view of it) kept past :meth:`close` still names mapped
+        memory (see :meth:`close`); a copy (``tolist()``, ``clone()``) holds nothing.
+        """
         self._check_open("ptrs")
         return self._ptrs
 
@@ -415,7 +475,8 @@ class SymmetricBuffer:
 
         :attr:`ptrs` itself (the same tensor) for memory symmsync allocated, or adopted
         with ``signals="tail"``; the bases of symmsync's own cell allocations for
-        registered memory and ``signals="separate"``.
+        registered memory and ``signals="separate"``. Like :attr:`ptrs`, it holds the
+        mappings it names alive.
         """
         self._check_open("signal_ptrs")
         return self._signal_ptrs
@@ -436,13 +497,19 @@ class SymmetricBuffer:
             raise ClosedError(f"rank {self._rank}: SymmetricBuffer.{what} used after close()")
 
     def local_memory(self) -> torch.Tensor:
-        """``uint8`` tensor over this rank's user region (:attr:`nbytes` bytes), and for
-        memory symmsync allocated without ``max_nbytes``, its signal cells after it."""
+        """``uint8`` tensor over this rank's user region (:attr:`nbytes` bytes).
+
+        The signal cells are never part of it: they live apart (:meth:`signal_memory`).
+        """
         self._check_open("local_memory")
         return self._memory.local_memory(self._nbytes)
 
     def signal_memory(self) -> torch.Tensor:
-        """``uint8`` tensor from this rank's :attr:`signal_ptrs` base: cell ``c`` is at ``[c, c + cell_bytes)``."""
+        """``uint8`` tensor from this rank's :attr:`signal_ptrs` base: cell ``c`` is at ``[c, c + cell_bytes)``.
+
+        Index the cells only: where they share the base with the user region, the bytes
+        between the two are a guard that is not mapped, or not accessible.
+        """
         self._check_open("signal_memory")
         return self._memory.signal_memory()
 
@@ -525,7 +592,7 @@ class SymmetricBuffer:
         :func:`symmsync.views.create_view`, where views are made.
         """
         self._check_open("view")
-        view = create_view(self, ranks)
+        view = create_view(self, ranks)  # raises CaptureError on every rank during capture
         self._views.add(view)  # close() aborts every view of the buffer
         return view
 
@@ -547,6 +614,21 @@ class SymmetricBuffer:
 
         Registered memory: the peers' mappings go (with their last tensors, as above);
         the runtime's own memory is never released.
+
+        Pointer tables and fence arguments kept past close (:attr:`ptrs`,
+        :attr:`signal_ptrs`, a view's ``ptrs`` and ``signal_ptrs``, ``Fence.kernel_args``,
+        taken before closing) are kept the same way: each table holds every mapping it
+        names (this rank's memory, its mappings of the peers', the signal cells) until
+        the last reference to it is gone, and a fence's arguments hold its timeout
+        record, so a kernel launched through them after close (also after the peers
+        closed) touches mapped memory and never crashes. Its fence waits fail closed:
+        close sets every epoch of this rank's cells past any count a peer can publish
+        (:data:`symmsync.memory.CLOSED_EPOCH`), so such a wait times out, or reports an
+        abort, and never passes. Its publishes still count at the peers that map this
+        rank's cells, as the writes before them still land. symmsync's own objects drop
+        their references here: a buffer, view or fence that stays alive after close holds
+        nothing mapped. The runtime's own registered or adopted memory is never kept: a
+        table entry naming it is the runtime's to keep valid.
         """
         if self._closed:
             return
@@ -554,6 +636,11 @@ class SymmetricBuffer:
             view.failure.abort_quietly(CLOSED_REASON)
         self._closed = True
         self._finalizer.detach()
+        if not backends.capturing(self._device):  # a store during capture would join the user's graph
+            self._memory.close_cells()
+        for view in list(self._views):
+            view.release_tables()  # and its fences': only what users kept holds the mappings now
+        self._ptrs = self._signal_ptrs = None
         memory.release(self._memory.shared())
 
     def __enter__(self) -> SymmetricBuffer:

@@ -23,9 +23,11 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from .errors import BackendError, ConfigError, SymmSyncError
+from . import backends
+from .errors import BackendError, CaptureError, ConfigError, SymmSyncError
 
 
 def gather(group: Any, obj: Any) -> list[Any]:
@@ -117,6 +119,52 @@ def same(
     if len({repr(v) for v in values}) > 1:
         per = ", ".join(f"rank {r}: {v!r}" for r, v in zip(ranks, values))
         raise error(f"{call}: {what} differs across ranks ({per}); {hint}")
+
+
+def _capture_text() -> str:
+    return (
+        "called while a CUDA graph was being captured on its current stream; creating a buffer, "
+        "view or fence (or growing a buffer) allocates, maps or copies memory, which a capture cannot record. "
+        "Create them before capture: the launches through them (fences, your kernels) can be captured"
+    )
+
+
+def _exchange_on_device(group: Any) -> bool:
+    """Whether the group's object exchange runs on a CUDA device (an NCCL group), where a
+    capture on the current stream would record it, or break."""
+    try:
+        from torch.distributed.distributed_c10d import _get_object_coll_device
+
+        return _get_object_coll_device(group) != "cpu"
+    except Exception:  # noqa: BLE001 - a private helper of torch: fall back to the backend's name
+        return "nccl" in str(dist.get_backend(group)) and "cpu" not in str(dist.get_backend(group))
+
+
+def capture_flag(group: Any, device: torch.device | None, *, call: str) -> bool:
+    """This rank's part of a collective call's check for CUDA graph capture, taken before
+    any device work: True when ``device``'s current stream is capturing
+    (:func:`symmsync.backends.capturing`). The caller sends it in the call's argument
+    exchange and every rank raises with :func:`raise_if_capturing`.
+
+    Where that exchange would itself run on the device (the object collectives of an
+    NCCL group), it cannot run during capture: this rank raises
+    :class:`~symmsync.errors.CaptureError` here, before the exchange (ranks that capture
+    the same code raise the same; one that did not capture waits in the exchange until
+    the group's timeout, as for a rank that left).
+    """
+    if not backends.capturing(device):
+        return False
+    if _exchange_on_device(group):
+        raise CaptureError(f"rank {dist.get_rank(group)}: {call}: {_capture_text()}")
+    return True
+
+
+def raise_if_capturing(flags: Sequence[bool], *, call: str) -> None:
+    """Raise :class:`~symmsync.errors.CaptureError` on every rank when any rank's
+    :func:`capture_flag` was True (``flags[r]`` is rank ``r``'s), naming those ranks."""
+    bad = [r for r, f in enumerate(flags) if f]
+    if bad:
+        raise CaptureError(f"{call}: {ranks_text(bad)}: {_capture_text()}")
 
 
 log = logging.getLogger("symmsync")

@@ -13,6 +13,7 @@ One class per kind of mistake (:mod:`symmsync.checks` words them):
   layer, bytes past a region, a misaligned offset): :class:`BoundsError`;
 * ranks that disagree: :class:`SizeMismatchError` (sizes), :class:`ViewError` (views),
   else :class:`ConfigError` naming what differs;
+* a creation during CUDA graph capture: :class:`CaptureError`;
 * a consumer kernel's tensor inputs: :class:`InputError`.
 """
 
@@ -41,6 +42,14 @@ class BoundsError(ConfigError):
 
 class ViewError(ConfigError):
     """A peer view's rank list is invalid or inconsistent across its members."""
+
+
+class CaptureError(ConfigError):
+    """A buffer, view or fence was created (or a buffer grown) while a CUDA graph was being
+    captured on the current stream. Creating one allocates, maps or copies memory, which
+    a capture cannot record: create them before capture; launches through them (fences,
+    your kernels) can be captured. Raised before any device work, so the capture goes on
+    unharmed; collective calls raise it on every rank."""
 
 
 class ClosedError(SymmSyncError):

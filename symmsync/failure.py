@@ -57,6 +57,11 @@ class Waiter(Protocol):
         """The error its operations raise once this rank aborted the view with ``reason``."""
         ...
 
+    def release_tables(self) -> None:
+        """Optional: drop the buffer's tables it holds (its kernel arguments, bound launches),
+        called when the buffer closes, so that only what users kept holds the mappings."""
+        ...
+
 
 @dataclass(slots=True)
 class _Entry:
@@ -120,6 +125,13 @@ class ViewFailure:
         if operation and self._reason is None:
             self.abort_quietly(f"rank {self._view.rank}: {type(entry.error).__name__} on {entry.where}")
         raise entry.error
+
+    def release_tables(self) -> None:
+        """The buffer closed: every waiter that holds its tables drops them (:meth:`Waiter.release_tables`)."""
+        for waiter in list(self._waiters):
+            release = getattr(waiter, "release_tables", None)
+            if release is not None:
+                release()
 
     # ------------------------------------------------------------------ abort
     def abort(self, reason: str) -> None:

@@ -41,11 +41,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cells
+from . import backends, cells, memory
 from . import driver as cuda
 from . import language as ssl
 from .checks import require
-from .errors import CLOSED_REASON, ClosedError, FenceTimeout, PeerAborted
+from .errors import CLOSED_REASON, CaptureError, ClosedError, FenceTimeout, PeerAborted
 from .launch import Launcher, cu_stream, current_stream
 from .views import PeerView
 
@@ -82,9 +82,23 @@ class Fence:
 
     Every member of the view must create its fence for the same channel and call
     the same sequence of ``fence`` / ``arrive`` / ``wait``.
+
+    Raises:
+        ConfigError: a bad channel or budget.
+        CaptureError: this rank's current stream is capturing a CUDA graph (creating a
+            fence allocates and compiles: create it before capture). Raised on this rank,
+            before any device work; creating a fence is not collective, so a member that
+            did not capture is not told (ranks that capture the same code all raise).
+        ClosedError: the buffer is closed.
     """
 
     def __init__(self, view: PeerView, channel: int = 0, *, timeout_s: float | None = None):
+        if backends.capturing(view.buffer.device):
+            raise CaptureError(
+                f"rank {view.rank}: Fence: called while a CUDA graph was being captured on its current stream; "
+                "creating a fence allocates its record and compiles its kernels, which a capture cannot record. "
+                "Create fences before capture: their fence(), arrive() and wait() can be captured"
+            )
         self.cell = view.signal_offset(channel)  # checks the channel first
         """Byte offset of this fence's cell in every member's memory (kernel argument)."""
         buf = view.buffer
@@ -108,21 +122,30 @@ class Fence:
         self._record = torch.zeros(cells.record_words(view.size), dtype=torch.int64, pin_memory=caps.pinned_record)
         self.record = self._record.data_ptr()
         """Address of the timeout record (kernel argument; pinned host memory on GPUs)."""
-        self._kernel_args = (view.signal_ptrs, self.cell, view.local_index, self.timeout_ns, self.record)
+        # The signal table holds the record too: every launch through kernel_args passes the
+        # table, so a kernel launched through arguments kept past close() (or past this
+        # fence) writes a record that still exists.
+        table = memory.keep_alive(view.signal_ptrs, self._record)
+        self._kernel_args: tuple[torch.Tensor, int, int, int, int] | None = (
+            table,
+            self.cell,
+            view.local_index,
+            self.timeout_ns,
+            self.record,
+        )
         epoch = self.cell + cells.EPOCH
-        self._epoch_word = buf.signal_memory()[epoch : epoch + 8].view(torch.int64)
+        self._epoch_word: torch.Tensor | None = buf.signal_memory()[epoch : epoch + 8].view(torch.int64)
         self._failure = view.failure
         self._failure.register(self, f"channel {channel}")
         self._side: _ForkJoin | None = None
         self._buffer = buf
         self._streams = caps.streams
         self._host_checks = caps.host_checks_status
-        self._launch = []
-        for _kind, (arrive, wait) in ((_FENCE, (True, True)), (_ARRIVE, (True, False)), (_WAIT, (False, True))):
-            launcher = Launcher(
-                _fence_kernel, (1,), num_warps=1, SIZE=view.size, ARRIVE=arrive, WAIT=wait, TRAP=caps.traps
-            )
-            self._launch.append(launcher.bind(*self._kernel_args))
+        self._launchers = [
+            Launcher(_fence_kernel, (1,), num_warps=1, SIZE=view.size, ARRIVE=arrive, WAIT=wait, TRAP=caps.traps)
+            for _kind, (arrive, wait) in ((_FENCE, (True, True)), (_ARRIVE, (True, False)), (_WAIT, (False, True)))
+        ]
+        self._launch = [launcher.bind(*self._kernel_args) for launcher in self._launchers]
 
     @property
     def kernel_args(self) -> tuple[torch.Tensor, int, int, int, int]:
@@ -134,7 +157,15 @@ class Fence:
         (``SIZE`` is ``view.size``)::
 
             my_kernel[grid](*fence.kernel_args, ..., SIZE=view.size)
+
+        Arguments kept past ``close()`` stay safe to launch: the table holds the cells it
+        names and this fence's record alive (also once the fence is gone), and a wait
+        through them after ``close()`` fails closed, never passes
+        (:meth:`~symmsync.SymmetricBuffer.close`). Raises :class:`~symmsync.ClosedError`
+        when asked after ``close()``.
         """
+        if self._kernel_args is None:
+            self._check_usable()
         return self._kernel_args
 
     # ------------------------------------------------------------------ operations
@@ -171,6 +202,8 @@ class Fence:
             yield
             self.wait()
             return
+        if self._buffer.closed:
+            self._check_usable(operation=True)
         if self._side is None:
             self._side = _ForkJoin(self._buffer.device)
         side = self._side
@@ -196,6 +229,13 @@ class Fence:
             raise ClosedError(f"rank {self.view.rank}: Fence(channel={self.channel}) used after its buffer was closed")
         # After this rank's own fence error, an operation aborts the view first (once), then raises.
         self._failure.check(self, operation)
+
+    def release_tables(self) -> None:
+        """Drop the buffer's tables this fence holds (the buffer's ``close()`` calls it, through
+        the view's failure owner): its kernel arguments, bound launches and epoch word."""
+        self._kernel_args = None
+        self._launch = []
+        self._epoch_word = None
 
     def check_usable(self) -> None:
         """Raise if this fence cannot take part in another operation; cheap when it can.
@@ -244,7 +284,7 @@ class Fence:
     @property
     def launch_path(self) -> str:
         """How the last fence launch went: ``"cuda-python"`` or ``"triton"``."""
-        return self._launch[_FENCE].launcher.path
+        return self._launchers[_FENCE].path
 
     def check(self) -> None:
         """Raise :class:`~symmsync.FenceTimeout` if a wait of this fence timed out."""

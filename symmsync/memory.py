@@ -2,11 +2,21 @@
 
 A buffer's memory is one of four kinds, chosen at construction, each one object::
 
-    kind         the bytes are   the signal cells live      grow                   close releases
-    Allocated    symmsync's      after the user region      (cannot grow)          every mapping
-    Growable     symmsync's      after the reservation      commits, maps chunks   every mapping
-    Adopted      the runtime's   at its tail, or apart      (cannot grow)          symmsync's cells only
-    Registered   the runtime's   apart                      maps what it grew by   the peers' mappings, the cells
+    kind         the bytes are   the signal cells live           grow                  close releases
+    Allocated    symmsync's      past the user region, a guard   (cannot grow)         every mapping
+    Growable     symmsync's      past the reservation, a guard   commits, maps chunks  every mapping
+    Adopted      the runtime's   apart, or at its tail, a gap    (cannot grow)         symmsync's cells only
+    Registered   the runtime's   apart                           maps what it grew by  the peers' mappings, the cells
+
+No store past a user region lands in a cell: the cells live in an allocation of their
+own, or behind a guard (:data:`GUARD_BYTES` that nobody reads or writes, made
+inaccessible where the backend can: :meth:`~symmsync.backends.Backend.protect`), so a
+kernel that overruns the user region can never make a fence's wait pass. Only
+``signals="tail"`` adoption, where the runtime gives symmsync the last bytes of its own
+memory, keeps a plain gap (:data:`TAIL_GAP_BYTES`) between the two.
+
+The pointer tables (:func:`address_table`) hold every mapping they name alive, as the
+mappings' own tensors do: a table kept past ``close()`` never names unmapped memory.
 
 Every step that maps memory on every rank is a step of one
 :class:`~symmsync.collective.Transaction`: all or nothing, the same
@@ -18,7 +28,9 @@ are those steps, in the order :mod:`symmsync.backends.base` gives for the backen
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -26,13 +38,48 @@ import torch.distributed as dist
 
 from . import backends
 from .backends import Backend, LocalExport, Memory, Piece
-from .cells import LINE, SignalLayout, round_up
+from .cells import EPOCH, LINE, SignalLayout, round_up
 from .checks import is_int
 from .collective import Transaction, barrier, gather, ranks_text
 from .errors import BackendError, ConfigError
 
+log = logging.getLogger("symmsync")
+
 #: What a failed construction leaves, in its error.
 RELEASED = "every rank released what it had mapped"
+
+#: Bytes between the end of a user region (rounded up to them) and the signal cells of
+#: memory symmsync maps: never read or written, inaccessible where the backend can make
+#: it so (the host backend: a store there faults), mapped but unused where it cannot.
+GUARD_BYTES = 64 << 10
+#: Bytes left unused between the user region and the cells of ``signals="tail"`` adoption
+#: (fewer when the adopted memory is too small for them; the user region keeps a line).
+TAIL_GAP_BYTES = 4096
+#: The epoch ``close()`` leaves in every cell of this rank: past any count a peer can
+#: publish, so a wait through arguments kept past ``close()`` never passes.
+CLOSED_EPOCH = 1 << 62
+
+
+def _drop(_owners: tuple[Any, ...]) -> None:
+    """What a table's finalizer does: nothing, once it dropped its references."""
+
+
+def keep_alive(table: torch.Tensor, *owners: Any) -> torch.Tensor:
+    """Make ``table``'s storage hold ``owners`` (mapping tensors, records) alive; return it.
+
+    The references go when the storage does, that is after the last tensor over it
+    (``table``, a slice or a view of it: they share the storage). A copy (``clone()``,
+    ``.to()``, indexing with a list, ``tolist()``) holds nothing.
+    """
+    weakref.finalize(table.untyped_storage(), _drop, owners).atexit = False
+    return table
+
+
+def address_table(shared: Shared, device: torch.device) -> torch.Tensor:
+    """int64 tensor of every rank's base address in ``shared``, on ``device``, that holds
+    each of those mappings alive for as long as it lives (:func:`keep_alive`)."""
+    table = torch.tensor(shared.ptrs, dtype=torch.int64, device=device)
+    return keep_alive(table, *[m.tensor for m in shared.peers])
 
 
 class Shared:
@@ -231,11 +278,27 @@ class Kind:
         return None if self.cells is None else self.cells.ptrs
 
     def local_memory(self, nbytes: int) -> torch.Tensor:
-        """This rank's user region of ``nbytes``, with what else this kind maps after it."""
-        return self.data.own.tensor
+        """This rank's user region of ``nbytes`` (never the cells: they live apart)."""
+        return self.data.own.tensor[:nbytes]
 
     def signal_memory(self) -> torch.Tensor:
         return self._signal_home.own.tensor
+
+    def close_cells(self) -> None:
+        """Set every epoch of this rank's cells to :data:`CLOSED_EPOCH` (``close()``).
+
+        A wait of this rank then waits for a count no peer reaches, so a kernel launched
+        after ``close()`` through kept arguments fails closed (times out, or sees an abort)
+        instead of passing. Peers never read this rank's epochs. On a GPU the store is
+        ordered on the current stream, after the work queued before ``close()``. Best
+        effort: a CUDA context that a trap made unusable takes no store, and runs nothing.
+        """
+        sig = self.signals
+        try:
+            words = self.signal_memory()[sig.base : sig.base + sig.size].view(torch.int64)
+            words[EPOCH // 8 :: sig.cell_bytes // 8].fill_(CLOSED_EPOCH)
+        except Exception as e:  # noqa: BLE001 - close() must not raise for it
+            log.warning("close(): could not mark this rank's signal cells closed: %s", e)
 
     def room(self, nbytes: int) -> int:
         """Bytes from this rank's base that a runtime's tensors may span (reserved ones included)."""
@@ -248,19 +311,30 @@ class Kind:
 
 
 class Allocated(Kind):
-    """Memory symmsync allocated, its signal cells after the user region."""
+    """Memory symmsync allocated: the user region, a guard of :data:`GUARD_BYTES`, the cells.
+
+    One allocation per rank, laid out ``[user | slack | guard | cells]``: the user region
+    rounded up to a multiple of :data:`GUARD_BYTES` (the slack is mapped and unused), then
+    the guard, made inaccessible in every mapping of it where the backend can
+    (:meth:`~symmsync.backends.Backend.protect`), then the cells.
+    """
 
     @classmethod
     def build(cls, group: Any, be: Backend, nbytes: int, max_views: int, channels: int) -> Allocated:
-        signals = SignalLayout(round_up(nbytes, LINE), dist.get_world_size(group), max_views, channels)
+        start = round_up(nbytes, GUARD_BYTES)
+        signals = SignalLayout(start + GUARD_BYTES, dist.get_world_size(group), max_views, channels)
         with Transaction(group, "SymmetricBuffer", kept=RELEASED) as tx:
             data = allocate(tx, be, signals.base + signals.size)
+        for m in data.peers:  # this rank's memory and its mapping of every peer's
+            be.protect(m, start, GUARD_BYTES)
         return cls(data, signals)
 
 
 class Growable(Kind):
     """Memory symmsync allocated in address space reserved for ``max_nbytes``; the cells
-    after that reservation's user part, so growing never moves them."""
+    after that reservation's user part and a guard of :data:`GUARD_BYTES` of address space
+    that is never mapped, so growing never moves them and no store past the user region
+    reaches them."""
 
     def __init__(self, data: Shared, signals: SignalLayout, max_nbytes: int, committed: int):
         super().__init__(data, signals)
@@ -270,15 +344,13 @@ class Growable(Kind):
     @classmethod
     def build(cls, group: Any, be: Backend, nbytes: int, max_nbytes: int, max_views: int, channels: int) -> Growable:
         g = be.granularity
-        signals = SignalLayout(round_up(max_nbytes, g), dist.get_world_size(group), max_views, channels)
+        guard = round_up(GUARD_BYTES, g)
+        signals = SignalLayout(round_up(max_nbytes, g) + guard, dist.get_world_size(group), max_views, channels)
         total = signals.base + round_up(signals.size, g)
         with Transaction(group, "SymmetricBuffer", kept=RELEASED) as tx:
             data = reserve(tx, be, total)
             share_chunks(tx, data, [(signals.base, total - signals.base), (0, round_up(nbytes, g))])
         return cls(data, signals, max_nbytes, round_up(nbytes, g))
-
-    def local_memory(self, nbytes: int) -> torch.Tensor:
-        return self.data.own.tensor[:nbytes]
 
     def grow(self, group: Any, nbytes_now: int, nbytes: int) -> None:
         end = round_up(nbytes, self.data.backend.granularity)
@@ -318,7 +390,9 @@ class Adopted(Kind):
             if be.capabilities.streams:
                 torch.cuda.synchronize(dev)
             barrier(group)  # no rank fences before every rank's cells are zero
-            return cls(data, layout), base
+            # A gap between the user region and the cells: a short overrun of the user
+            # region lands in bytes nobody reads (the runtime's memory cannot be protected).
+            return cls(data, layout), max(LINE, base - TAIL_GAP_BYTES)
         layout = SignalLayout(0, world, max_views, channels)
         cells_be = create_backend(group, backends.name_for(dev), dev, dict(options))
         with Transaction(group, "SymmetricBuffer.from_peer_addresses", kept=RELEASED) as tx:
@@ -373,9 +447,6 @@ class Registered(Kind):
             export = share_local(tx, data, nbytes, 0, max_nbytes)
         be.forget_local(export)  # every peer mapped: what only served the exchange can go
         return cls(data, signals, cells, max_nbytes, nbytes, export.end)
-
-    def local_memory(self, nbytes: int) -> torch.Tensor:
-        return self.data.own.tensor[:nbytes]
 
     def grow(self, group: Any, nbytes_now: int, nbytes: int) -> None:
         if nbytes > self.committed:

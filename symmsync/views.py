@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import memory
 from .checks import check_index, is_int, require
-from .collective import gather, raise_first
+from .collective import capture_flag, gather, raise_first, raise_if_capturing
 from .errors import ClosedError, ConfigError, ViewError
 from .failure import ViewFailure
 
@@ -49,9 +50,11 @@ class PeerView:
         self.size = len(ranks)
         self.local_index = ranks.index(buffer.rank)
         self.region = region
-        self._ptrs = buffer.ptrs[list(ranks)].contiguous()
+        # A subset of the buffer's tables, holding the buffer's (and so every mapping they name).
+        table = buffer.ptrs
+        self._ptrs: torch.Tensor | None = memory.keep_alive(table[list(ranks)].contiguous(), table)
         cells = buffer.signal_ptrs
-        self._signal_ptrs = self._ptrs if cells is buffer.ptrs else cells[list(ranks)].contiguous()
+        self._signal_ptrs = self._ptrs if cells is table else memory.keep_alive(cells[list(ranks)].contiguous(), cells)
         self.failure = ViewFailure(self)
 
     # ------------------------------------------------------------------ kernel inputs
@@ -62,7 +65,11 @@ class PeerView:
 
     @property
     def ptrs(self) -> torch.Tensor:
-        """int64 tensor ``[size]`` of the members' base addresses, on the buffer's device."""
+        """int64 tensor ``[size]`` of the members' base addresses, on the buffer's device.
+
+        Like the buffer's :attr:`~symmsync.SymmetricBuffer.ptrs`, it holds the mappings it
+        names alive: kept past ``close()`` it still names mapped memory.
+        """
         self._check_open("ptrs")
         return self._ptrs
 
@@ -73,10 +80,17 @@ class PeerView:
         Signal primitives (:mod:`symmsync.language`) take this table with
         :meth:`signal_offset`. It is :attr:`ptrs` itself (the same tensor) for memory
         symmsync allocated; registered memory keeps its cells apart from the runtime's
-        bytes, so there the two tables differ.
+        bytes, so there the two tables differ. It holds the cells alive, as :attr:`ptrs`
+        holds the memory.
         """
         self._check_open("signal_ptrs")
         return self._signal_ptrs
+
+    def release_tables(self) -> None:
+        """Drop this view's tables and its waiters' (the buffer's ``close()`` calls it):
+        after it, only references users kept hold the mappings."""
+        self._ptrs = self._signal_ptrs = None
+        self.failure.release_tables()
 
     def _check_open(self, what: str) -> None:
         if self.buffer.closed:
@@ -171,8 +185,10 @@ def create_view(buffer: SymmetricBuffer, ranks: Sequence[int], problem: str | No
     req: tuple[int, ...] = ()
     if problem is None:
         req, problem = _parse_request(ranks, me, world)
-    requests = gather(buffer.group, (req, problem))
-    _raise_on_bad_requests(requests)
+    capturing = capture_flag(buffer.group, buffer.device, call="view")
+    requests = gather(buffer.group, (req, problem, capturing))
+    raise_if_capturing([c for *_, c in requests], call="view")
+    _raise_on_bad_requests([(r, p) for r, p, _ in requests])
     region = buffer.signals.take_region()
     if region is None:
         raise ViewError(

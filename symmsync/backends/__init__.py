@@ -43,6 +43,7 @@ __all__ = [
     "adopted",
     "as_device",
     "capabilities_for",
+    "capturing",
     "create",
     "default_device",
     "name_for",
@@ -68,6 +69,22 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def capturing(device: torch.device | None) -> bool:
+    """True when ``device`` is a CUDA device whose current stream is capturing a CUDA graph.
+
+    What a buffer, a view or a fence does at creation (allocate, map, copy a table to
+    the device, compile) is what a capture cannot record, so they refuse to be made then
+    (:class:`~symmsync.errors.CaptureError`). Asks torch only (no device work); False for any
+    other device, and where CUDA was never initialized in this process.
+    """
+    if device is None or device.type != "cuda" or not torch.cuda.is_initialized():
+        return False
+    if device.index is None or device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def as_device(device: Any) -> torch.device:

@@ -99,6 +99,8 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_libc.mprotect.restype = ctypes.c_int
+_libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _MAP_FIXED = 0x10  # Linux and macOS; PROT_NONE is 0
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -226,6 +228,14 @@ class HostBackend(Backend):
 
     def all_mapped(self, mem: Memory) -> None:
         _unlink(mem.state.name)
+
+    def protect(self, mem: Memory, offset: int, nbytes: int) -> bool:
+        # PROT_NONE (0) pages of a shared segment: never touched, so never backed by memory.
+        if _libc.mprotect(mem.ptr + offset, nbytes, 0):
+            err = ctypes.get_errno()
+            warnings.warn(f"mprotect of a guard of {nbytes} bytes failed: {os.strerror(err)}", stacklevel=2)
+            return False
+        return True
 
     def abandon(self, handle: Segment) -> None:
         # A peer killed before it unlinked its name would leave the segment in /dev/shm.

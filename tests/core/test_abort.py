@@ -38,7 +38,7 @@ def _setup(channels=1, budget=BUDGET_S):
 
 def _raw_slots(buf, fence, view):
     """This rank's slot words of the fence's cell, read with torch (count | flag)."""
-    local = buf.local_memory()
+    local = buf.signal_memory()
     start = fence.cell + cells.SLOTS
     return local[start : start + 8 * view.size].view(torch.int64).tolist()
 

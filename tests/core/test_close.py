@@ -1,4 +1,8 @@
-"""A tensor taken from a buffer outlives close(): it keeps its memory mapped, never dangles.
+"""A tensor or a pointer table taken from a buffer outlives close(): it keeps its memory mapped, never dangles.
+
+Pointer tables (``buf.ptrs``, ``buf.signal_ptrs``, a view's) and ``fence.kernel_args`` kept
+past close() hold their mappings (and the fence's record) alive the same way, and a fence
+wait launched through kept arguments fails closed.
 
 Reading such a tensor used to unmap-then-read (a segfault), so the read runs in a
 subprocess whose exit status is checked. The mapping must still go: with the last
@@ -12,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -22,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Three lines a user writes (a tensor kept past close()), on 2 ranks, with a tensor over the peer's memory too.
 KEPT_PAST_CLOSE = """
+import pytest
 import torch
 import symmsync as ss
 from symmsync.testing import run
@@ -57,8 +63,8 @@ def test_tensors_kept_past_close_read_their_values_and_the_process_exits_cleanly
 def _mapped_segments() -> int:
     """How many of this job's shared-memory segments this process maps now."""
     prefix = "/dev/shm/" + os.environ["SYMMSYNC_SHM_PREFIX"]
-    with open("/proc/self/maps") as f:
-        return sum(prefix in line for line in f)
+    with open("/proc/self/maps") as f:  # a segment whose guard is protected shows as several lines
+        return len({line.split()[-2 if line.rstrip().endswith("(deleted)") else -1] for line in f if prefix in line})
 
 
 def mapping_lifetime():
@@ -91,3 +97,143 @@ def test_the_mapping_goes_with_the_last_tensor_and_cycles_leave_nothing_mapped()
             "tensor dropped": 0,
             "after 20 cycles": 0,
         }, counts
+
+
+# Pointer tables and fence arguments kept past close() by a user's code, on 2 ranks: a kernel
+# launched through each after both ranks closed (and after the buffer, view and fence objects
+# are gone) must run on mapped memory, and the fence wait through the kept arguments must fail
+# closed. argv: the kind of memory, then "plain", "no keep-alive" or "no closed epoch" (the
+# last two remove what is under test, to show that the test sees it).
+KEPT_TABLES = """
+import ctypes
+import gc
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+import symmsync as ss
+import symmsync.language as ssl
+from symmsync import cells, memory
+from symmsync.runtime_alloc import HostCacheAllocator
+from symmsync.testing import run
+
+
+@triton.jit
+def touch(table, out, SIZE: tl.constexpr, WRITE: tl.constexpr):
+    # Every member's first word through the table: read it (an atomic, as a kernel's signal
+    # would), and write it where the table names user memory.
+    for p in tl.static_range(SIZE):
+        word = ssl.peer_ptr(table, p, 0, tl.int64)
+        tl.store(out + p, tl.atomic_add(word, 0))
+        if WRITE:
+            tl.store(word, 100 + p)
+
+
+@triton.jit
+def arrive(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr):
+    ssl.publish(ptrs, cell, me, SIZE)
+
+
+@triton.jit
+def wait(ptrs, cell, me, timeout_ns, record, status, SIZE: tl.constexpr):
+    e = tl.load(ssl.epoch_ptr(ptrs, cell, me))
+    tl.store(status, ssl.wait_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, False))
+
+
+def make(kind):
+    if kind == "allocated":
+        return ss.SymmetricBuffer(4096, backend="host"), None
+    if kind == "growable":
+        buf = ss.SymmetricBuffer(4096, backend="host", max_nbytes=1 << 20)
+        buf.grow(64 << 10)
+        return buf, None
+    rt = HostCacheAllocator(1 << 20, chunk=64 << 10)
+    rt.commit(1)
+    return ss.SymmetricBuffer.register(rt.base, 64 << 10, max_nbytes=1 << 20, device="cpu"), rt
+
+
+def kept(kind, plant):
+    if plant == "no keep-alive":
+        memory.keep_alive = lambda table, *owners: table
+    if plant == "no closed epoch":
+        memory.Kind.close_cells = lambda self: None
+    buf, runtime = make(kind)
+    view = buf.view([0, 1])
+    fence = ss.Fence(view, timeout_s=0.5)
+    fence.fence()
+    tables = {
+        "buf.ptrs": (buf.ptrs, True),
+        "buf.signal_ptrs": (buf.signal_ptrs, buf.signal_ptrs is buf.ptrs),
+        "view.ptrs": (view.ptrs, True),
+        "view.signal_ptrs": (view.signal_ptrs, view.signal_ptrs is view.ptrs),
+    }
+    args = fence.kernel_args
+    buf.close()
+    dist.barrier()  # the peer closed too
+    del buf, view, fence
+    gc.collect()
+    out = {}
+    for name, (table, write) in tables.items():
+        seen = torch.full((2,), -1, dtype=torch.int64)
+        touch[(1,)](table, seen, SIZE=2, WRITE=write)
+        out[name] = seen.tolist()
+    dist.barrier()
+    arrive[(1,)](*args, SIZE=2)  # every rank publishes through its kept arguments ...
+    dist.barrier()
+    status = torch.full((1,), -1, dtype=torch.int32)
+    wait[(1,)](*args, status, SIZE=2)  # ... before either waits
+    flag = ctypes.c_int64.from_address(args[4]).value  # the record, kept by the arguments
+    out["wait"] = int(status.item()), {cells.TIMED_OUT: "timed out", cells.ABORTED: "aborted"}.get(flag, flag)
+    return out
+
+
+if __name__ == "__main__":
+    for rank, out in enumerate(run(kept, 2, sys.argv[1], sys.argv[2])):
+        print(f"rank {rank}: {out}")
+"""
+
+
+def _run_kept(tmp_path, kind, plant):
+    script = tmp_path / "kept_tables.py"
+    script.write_text(KEPT_TABLES)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(script), kind, plant]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _results(proc):
+    return [eval(line.split(": ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("rank ")]  # noqa: S307
+
+
+@pytest.mark.parametrize("kind", ["allocated", "growable", "registered"])
+def test_tables_and_fence_arguments_kept_past_close_launch_on_mapped_memory_and_the_wait_fails_closed(tmp_path, kind):
+    proc = _run_kept(tmp_path, kind, "plain")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = _results(proc)
+    assert len(results) == 2, proc.stdout
+    for out in results:
+        for name in ("buf.ptrs", "buf.signal_ptrs", "view.ptrs", "view.signal_ptrs"):
+            assert len(out[name]) == 2 and -1 not in out[name], (name, out)
+        # The first user words were written through the first table, then read through the
+        # others: each rank's memory (own and peer's) reads what a kernel stored there.
+        assert out["view.ptrs"] == [100, 101], out
+        status, why = out["wait"]
+        assert status in (1, 2) and why in ("timed out", "aborted"), out  # never 0: never passes
+
+
+def test_without_the_keep_alive_a_launch_through_kept_tables_crashes_the_rank(tmp_path):
+    # What the test above would see if the tables did not hold their mappings.
+    proc = _run_kept(tmp_path, "allocated", "no keep-alive")
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "exited with code -11" in proc.stderr or "SIGSEGV" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_without_the_closed_epoch_the_kept_wait_would_pass(tmp_path):
+    # What the first test would see if close() left the epochs as they were.
+    proc = _run_kept(tmp_path, "allocated", "no closed epoch")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert [out["wait"][0] for out in _results(proc)] == [0, 0]
