@@ -26,6 +26,7 @@ from .buffer import SymmetricBuffer  # noqa: E402
 from .errors import (  # noqa: E402
     BackendError,
     BoundsError,
+    CaptureError,
     ClosedError,
     ConfigError,
     DebugCheckError,
@@ -48,6 +49,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendError",
     "BoundsError",
+    "CaptureError",
     "ClosedError",
     "ConfigError",
     "DebugCheckError",

@@ -124,7 +124,7 @@ def same(
 def _capture_text() -> str:
     return (
         "called while a CUDA graph was being captured on its current stream; creating a buffer, "
-        "view or fence (or growing a buffer) allocates, maps or copies memory, which a capture cannot record. "
+        "view, fence or Signals (or growing a buffer) allocates, maps or copies memory, which a capture cannot record. "
         "Create them before capture: the launches through them (fences, your kernels) can be captured"
     )
 

@@ -40,7 +40,7 @@ import triton.language as tl
 from . import cells
 from . import language as ssl
 from .checks import check_index, int_problem, is_int, require
-from .collective import barrier, gather, plain, raise_first, same
+from .collective import barrier, capture_flag, gather, plain, raise_first, raise_if_capturing, same
 from .errors import (
     CLOSED_REASON,
     BoundsError,
@@ -50,6 +50,7 @@ from .errors import (
     SignalAborted,
     SignalTimeout,
 )
+from .memory import keep_alive
 from .mode import kernels_interpreted
 from .views import PeerView
 
@@ -88,13 +89,6 @@ def _wait_kernel(
         ssl.wait_signal(sig, me, peer, slot, value, CMP, timeout_ns, record, SIZE, NSLOTS, TRAP)
 
 
-def _capturing() -> bool:
-    try:
-        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-    except Exception:  # noqa: BLE001 - no driver: nothing is being captured
-        return False
-
-
 class Signals:
     """Point-to-point signal slots among the members of a peer view (collective).
 
@@ -123,12 +117,6 @@ class Signals:
 
     def __init__(self, view: PeerView, slots: int = 1, *, timeout_s: float | None = None):
         call = "Signals"
-        if _capturing():  # before any exchange: a collective inside a capture would break it
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            raise ConfigError(
-                f"rank {rank}: {call}: created while a CUDA graph is being captured; create Signals "
-                "(like buffers, views and fences) before capture and use its kernel_args inside"
-            )
         good_view = isinstance(view, PeerView)
         group = view.buffer.group if good_view else dist.group.WORLD
         problem, kind = None, None
@@ -144,8 +132,11 @@ class Signals:
             if not ok or not 0 < timeout_s <= MAX_TIMEOUT_S:
                 problem = f"timeout_s must be a positive number of seconds up to {MAX_TIMEOUT_S:g}, got {timeout_s!r}"
         size = view.size if good_view else 0
-        mine = (problem, kind, view.aborted if good_view else None, plain(slots), plain(timeout_s), size)
+        # Before any device work, and sent in the exchange: every rank raises CaptureError.
+        capturing = capture_flag(group, view.buffer.device if good_view else None, call=call)
+        mine = (problem, kind, view.aborted if good_view else None, plain(slots), plain(timeout_s), size, capturing)
         everyone = gather(group, mine)
+        raise_if_capturing([e[6] for e in everyone], call=call)
         problems = [e[0] for e in everyone]
         bad = [r for r, p in enumerate(problems) if p]
         if bad:
@@ -199,6 +190,10 @@ class Signals:
         self._handle = torch.cat([handle, inbox, data, cell]).to(buf.device)
         assert self._handle.numel() == cells.handle_words(self.size)
         self._record = torch.zeros(cells.SIGNAL_RECORD_WORDS, dtype=torch.int64, pin_memory=caps.pinned_record)
+        # The handle names the slots' memory, the view's user regions and cells, and the
+        # record: a kernel launched through kernel_args kept past close() finds them all
+        # still mapped (as tensors kept past close() do), never freed memory.
+        keep_alive(self._handle, mem.ptrs, view.ptrs, view.signal_ptrs, self._record)
         self.record = self._record.data_ptr()
         """Address of the timeout record (kernel argument; pinned host memory on GPUs)."""
         self._kernel_args = (self._handle, view.local_index, self.timeout_ns, self.record)
@@ -372,6 +367,11 @@ class Signals:
             "nothing after the wait ran."
         )
         return SignalTimeout(msg, expected=rec.value, **fields)
+
+    def release_tables(self) -> None:
+        """The view's buffer closed: drop the tables this object holds (the buffer's ``close()``
+        calls it through the view's failure owner); only a kept ``kernel_args`` holds them now."""
+        self._kernel_args = None
 
     def abort_error(self, reason: str) -> PeerAborted:
         """The error every host call raises once this rank aborted the view with ``reason``
