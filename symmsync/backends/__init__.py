@@ -77,14 +77,18 @@ def capturing(device: torch.device | None) -> bool:
     What a buffer, a view or a fence does at creation (allocate, map, copy a table to
     the device, compile) is what a capture cannot record, so they refuse to be made then
     (:class:`~symmsync.errors.CaptureError`). Asks torch only (no device work); False for any
-    other device, and where CUDA was never initialized in this process.
+    other device, where CUDA was never initialized in this process, and where the context
+    is unusable (after a trap), so that ``close()`` never raises for asking.
     """
     if device is None or device.type != "cuda" or not torch.cuda.is_initialized():
         return False
-    if device.index is None or device.index == torch.cuda.current_device():
-        return torch.cuda.is_current_stream_capturing()
-    with torch.cuda.device(device):
-        return torch.cuda.is_current_stream_capturing()
+    try:
+        if device.index is None or device.index == torch.cuda.current_device():
+            return torch.cuda.is_current_stream_capturing()
+        with torch.cuda.device(device):
+            return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:  # a context a trap made unusable answers with its error: no capture runs there
+        return False
 
 
 def as_device(device: Any) -> torch.device:

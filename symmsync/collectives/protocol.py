@@ -118,6 +118,7 @@ def grid_barrier(counter, target, epoch, timeout_ns, mism, me, SIZE: tl.constexp
             tl.store(rec + 4, n)
             tl.atomic_xchg(rec, _GRID_STALL, sem="release", scope="sys")
             if TRAP:
+                tl.debug_barrier()  # no thread traps before the flag's exchange has its reply
                 ssl.trap()
     return ok
 
@@ -178,6 +179,10 @@ def report_mismatch(ptrs, header_off, me, mine, epoch, mism, SIZE: tl.constexpr,
     tl.debug_barrier()
     tl.atomic_xchg(rec, _MISMATCH, sem="release", scope="sys")
     if TRAP:
+        # No thread of the program traps before the flag's exchange has its reply: a trap
+        # ends the kernel at once, and a flag still in flight never reaches the host (a GPU
+        # run of the size-mismatch test got the raw launch failure without a record).
+        tl.debug_barrier()
         ssl.trap()
 
 
