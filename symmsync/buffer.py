@@ -12,8 +12,8 @@ Each rank's allocation is laid out as::
     [signal_base, + signal_size) signal cells of the peer views' fences (see views.py)
 
 so user offsets are the same on every rank and never touch a fence's slots, and a
-kernel that stores past the user region never reaches a cell (the host backend makes
-the guard inaccessible: such a store faults). A growable buffer (``max_nbytes``)
+kernel that stores past the user region by less than the slack and the 64 KiB guard
+after it never reaches a cell. A growable buffer (``max_nbytes``)
 reserves address space for ``max_nbytes`` and keeps its cells after that
 reservation's user part and a guard that is never mapped, so growing never moves
 them. Memory a runtime registers (:meth:`SymmetricBuffer.register`) holds only the

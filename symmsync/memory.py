@@ -9,9 +9,9 @@ A buffer's memory is one of four kinds, chosen at construction, each one object:
     Registered   the runtime's   apart                           maps what it grew by  the peers' mappings, the cells
 
 No store past a user region lands in a cell: the cells live in an allocation of their
-own, or behind a guard (:data:`GUARD_BYTES` that nobody reads or writes, made
-inaccessible where the backend can: :meth:`~symmsync.backends.Backend.protect`), so a
-kernel that overruns the user region can never make a fence's wait pass. Only
+own, or behind a guard (:data:`GUARD_BYTES` that nobody reads or writes), so a kernel
+that overruns the user region by less than the slack and the guard can never make a
+fence's wait pass. Only
 ``signals="tail"`` adoption, where the runtime gives symmsync the last bytes of its own
 memory, keeps a plain gap (:data:`TAIL_GAP_BYTES`) between the two.
 
@@ -49,8 +49,9 @@ log = logging.getLogger("symmsync")
 RELEASED = "every rank released what it had mapped"
 
 #: Bytes between the end of a user region (rounded up to them) and the signal cells of
-#: memory symmsync maps: never read or written, inaccessible where the backend can make
-#: it so (the host backend: a store there faults), mapped but unused where it cannot.
+#: memory symmsync maps: never read or written. They stay accessible (a tensor's storage
+#: spans them, and torch.compile's functionalization reads whole storages: a
+#: ``PROT_NONE`` guard made it fault), so they absorb a stray store instead of faulting.
 GUARD_BYTES = 64 << 10
 #: Bytes left unused between the user region and the cells of ``signals="tail"`` adoption
 #: (fewer when the adopted memory is too small for them; the user region keeps a line).
@@ -315,8 +316,7 @@ class Allocated(Kind):
 
     One allocation per rank, laid out ``[user | slack | guard | cells]``: the user region
     rounded up to a multiple of :data:`GUARD_BYTES` (the slack is mapped and unused), then
-    the guard, made inaccessible in every mapping of it where the backend can
-    (:meth:`~symmsync.backends.Backend.protect`), then the cells.
+    the guard (mapped, never read or written), then the cells.
     """
 
     @classmethod
@@ -325,8 +325,6 @@ class Allocated(Kind):
         signals = SignalLayout(start + GUARD_BYTES, dist.get_world_size(group), max_views, channels)
         with Transaction(group, "SymmetricBuffer", kept=RELEASED) as tx:
             data = allocate(tx, be, signals.base + signals.size)
-        for m in data.peers:  # this rank's memory and its mapping of every peer's
-            be.protect(m, start, GUARD_BYTES)
         return cls(data, signals)
 
 

@@ -181,13 +181,6 @@ class Backend(abc.ABC):
     def release(self, mem: Memory) -> None:
         """Unmap (peer) or free (own) memory. Called at most once per :class:`Memory`."""
 
-    def protect(self, mem: Memory, offset: int, nbytes: int) -> bool:
-        """Make ``[offset, offset + nbytes)`` of ``mem`` (this rank's own or its mapping of a
-        peer's) inaccessible, so a stray store there faults instead of landing in the
-        bytes after it; both multiples of every page size (64 KiB). Return whether it
-        did: the default leaves the range mapped (it is then only unused)."""
-        return False
-
     def abandon(self, handle: Any) -> None:  # noqa: B027 - optional hook
         """The exchange failed (a peer may have died): drop what ``handle`` names and only
         its owner would otherwise drop. Called for every handle received, own included."""

@@ -229,14 +229,6 @@ class HostBackend(Backend):
     def all_mapped(self, mem: Memory) -> None:
         _unlink(mem.state.name)
 
-    def protect(self, mem: Memory, offset: int, nbytes: int) -> bool:
-        # PROT_NONE (0) pages of a shared segment: never touched, so never backed by memory.
-        if _libc.mprotect(mem.ptr + offset, nbytes, 0):
-            err = ctypes.get_errno()
-            warnings.warn(f"mprotect of a guard of {nbytes} bytes failed: {os.strerror(err)}", stacklevel=2)
-            return False
-        return True
-
     def abandon(self, handle: Segment) -> None:
         # A peer killed before it unlinked its name would leave the segment in /dev/shm.
         try:

@@ -63,7 +63,7 @@ def test_tensors_kept_past_close_read_their_values_and_the_process_exits_cleanly
 def _mapped_segments() -> int:
     """How many of this job's shared-memory segments this process maps now."""
     prefix = "/dev/shm/" + os.environ["SYMMSYNC_SHM_PREFIX"]
-    with open("/proc/self/maps") as f:  # a segment whose guard is protected shows as several lines
+    with open("/proc/self/maps") as f:  # a segment may show as several lines
         return len({line.split()[-2 if line.rstrip().endswith("(deleted)") else -1] for line in f if prefix in line})
 
 

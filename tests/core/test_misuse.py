@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import symmsync as ss
-from symmsync import backends, cells, collective, memory
+from symmsync import backends, cells, collective
 from symmsync.runtime_alloc import HostCacheAllocator
 from symmsync.testing import run
 
@@ -189,37 +189,21 @@ def stray_stores(kind, over_cells):
         except ss.FenceTimeout as err:
             last = type(err).__name__, err.late
     dist.barrier()
-    guard = _guard_pages(buf) if kind == "allocated" else None
     buf.close()
     if keep is not None:
         keep.close()
-    return errors, last, guard
-
-
-def _guard_pages(buf):
-    """The protection of this rank's own bytes [signal_base - GUARD_BYTES, signal_base), from /proc/self/maps."""
-    lo = int(buf.ptrs[buf.rank]) + buf.signals.base - memory.GUARD_BYTES
-    hi = lo + memory.GUARD_BYTES
-    with open("/proc/self/maps") as f:
-        for line in f:
-            span, perms = line.split()[:2]
-            a, b = (int(x, 16) for x in span.split("-"))
-            if a <= lo and hi <= b:
-                return perms
-    return "not mapped"
+    return errors, last
 
 
 @pytest.mark.parametrize("kind", ["allocated", "growable", "tail"])
 def test_stores_past_the_user_region_never_make_a_fence_pass_early(kind):
-    for rank, (errors, last, guard) in enumerate(run(stray_stores, 2, kind, False)):
+    for rank, (errors, last) in enumerate(run(stray_stores, 2, kind, False)):
         assert errors == 0  # every fence waited for the late rank's payload
         if rank == 0:
             assert last == ("FenceTimeout", {1: ROUNDS}), last  # and one it never reached timed out
-        if kind == "allocated":
-            assert guard[:3] == "---", guard  # the guard before the cells: a store there faults
 
 
 def test_the_same_garbage_over_the_cells_makes_the_fence_pass_early_and_the_oracle_sees_it():
-    for rank, (errors, last, _) in enumerate(run(stray_stores, 2, "allocated", True)):
+    for rank, (errors, last) in enumerate(run(stray_stores, 2, "allocated", True)):
         if rank == 0:
             assert errors > 0 and last == "passed", (errors, last)
