@@ -50,10 +50,10 @@ class _Collective:
         max_numel: int,
         dtype: torch.dtype,
         *,
-        algorithm: str | None,
-        offset: int,
-        channel: int,
-        timeout_s: float | None,
+        algorithm: str | None = None,
+        offset: int = 0,
+        channel: int = 0,
+        timeout_s: float | None = None,
         _parity: bool = True,
     ):
         call = self._NAME
@@ -282,6 +282,15 @@ class _Collective:
             )
         return None
 
+    def _output(self, x: torch.Tensor, out: Any, numel: int, bad: str | None) -> torch.Tensor:
+        """``out`` checked for ``numel`` elements of ``x``'s kind (a new tensor when ``None``),
+        after refusing the call if ``bad`` (the input's problem) or the output's says so."""
+        if bad is None and out is not None:
+            bad = out_problem(out, x, numel)
+        if bad is not None:
+            self._refuse(bad)
+        return torch.empty(numel, dtype=x.dtype, device=x.device) if out is None else out
+
     def _refuse(self, problem: str) -> None:
         """Refuse a bad call on this member: tell the members (they may wait in it already), raise."""
         if self._buffer.closed:
@@ -502,42 +511,14 @@ class AllGather(_Collective):
     _OP = L.ALL_GATHER
     _NAME = "AllGather"
 
-    def __init__(
-        self,
-        view: PeerView,
-        max_numel: int,
-        dtype: torch.dtype,
-        *,
-        offset: int = 0,
-        channel: int = 0,
-        timeout_s: float | None = None,
-        _parity: bool = True,
-    ):
-        super().__init__(
-            view,
-            max_numel,
-            dtype,
-            algorithm=None,
-            offset=offset,
-            channel=channel,
-            timeout_s=timeout_s,
-            _parity=_parity,
-        )
-
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Gather every member's ``x`` (same numel and dtype on every member) into ``out``.
 
         Raises: as :meth:`AllReduce.__call__`.
         """
         bad = self._problem(x)
-        if bad is None and out is not None:
-            bad = out_problem(out, x, self.size * x.numel())
-        if bad is not None:
-            self._refuse(bad)
-        numel = x.numel()
-        if out is None:
-            out = torch.empty(self.size * numel, dtype=x.dtype, device=x.device)
-        self._launch(x, out, numel, -1)
+        out = self._output(x, out, self.size * x.numel() if bad is None else 0, bad)
+        self._launch(x, out, x.numel(), -1)
         return out
 
 
@@ -552,28 +533,6 @@ class ReduceScatter(_Collective):
     _OP = L.REDUCE_SCATTER
     _NAME = "ReduceScatter"
 
-    def __init__(
-        self,
-        view: PeerView,
-        max_numel: int,
-        dtype: torch.dtype,
-        *,
-        offset: int = 0,
-        channel: int = 0,
-        timeout_s: float | None = None,
-        _parity: bool = True,
-    ):
-        super().__init__(
-            view,
-            max_numel,
-            dtype,
-            algorithm=None,
-            offset=offset,
-            channel=channel,
-            timeout_s=timeout_s,
-            _parity=_parity,
-        )
-
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Reduce-scatter every member's ``x`` into ``out`` (this member's chunk of the sum).
 
@@ -582,12 +541,7 @@ class ReduceScatter(_Collective):
         bad = self._problem(x)
         if bad is None and x.numel() % self.size:
             bad = f"x has {x.numel()} elements, not a multiple of the view's {self.size} members"
-        if bad is None and out is not None:
-            bad = out_problem(out, x, x.numel() // self.size)
-        if bad is not None:
-            self._refuse(bad)
-        chunk = x.numel() // self.size
-        if out is None:
-            out = torch.empty(chunk, dtype=x.dtype, device=x.device)
+        chunk = x.numel() // self.size if bad is None else 0
+        out = self._output(x, out, chunk, bad)
         self._launch(x, out, x.numel(), -1, chunk)
         return out
