@@ -18,7 +18,9 @@ random permutation of the cache's slots) it measures
     host's, whichever is longer);
   * ``host_us``: host time of one eager ``write()``, the GPU running behind it
     (``host_new_inputs_us``: the same when every call's inputs are other tensors than
-    the last call's, which repacks their addresses in the launch).
+    the last call's, which repacks their addresses in the launch); and, once per run,
+    ``launch_floor_us``: the same timing of an empty kernel's launch through
+    :mod:`symmsync.launch`, the part of a ``write()`` that is the driver's.
 
 The writer runs with its defaults (``DirectKVWriter(view, layout)``: the fused fence
 tail, one launch per layer). Before timing, the writer's bytes are compared with the
@@ -87,6 +89,21 @@ def _floor_kernel(kv, pe, ix, slots, out_main, out_idx, T, BLOCK_T: tl.constexpr
     tl.store(out_idx + (block * 64 * 132 + off * 128)[:, None] + c[None, :], qi, mask=live[:, None])
     scale = (out_idx + block * 64 * 132 + 64 * 128 + off * 4).to(tl.pointer_type(tl.float32), bitcast=True)
     tl.store(scale, si, mask=live)
+
+
+@triton.jit
+def _empty_kernel(x):
+    pass
+
+
+def launch_floor_us() -> float:
+    """Host time of launching an empty kernel through symmsync's launch path, timed as
+    ``host_us`` is: the part of a write() that no Python of the writer's can remove."""
+    from symmsync.launch import Launcher
+
+    bound = Launcher(_empty_kernel, (1,)).bind(torch.zeros(4, device="cuda"))
+    bound()
+    return common.eager_us(bound, iters=40, reps=25, host_only=True)
 
 
 class Case:
@@ -189,16 +206,15 @@ def measure(case: Case, writer_tuning: dict) -> dict:
 
 
 SWEEP = [  # Tuning fields (and fused=False: the writer kernel, then a fence launch)
-    {"block_rows": 8, "num_warps": 4, "programs_per_sm": 3},
-    {"block_rows": 8, "num_warps": 4, "programs_per_sm": 4},
-    {"block_rows": 8, "num_warps": 2, "programs_per_sm": 4},
-    {"block_rows": 16, "num_warps": 4, "programs_per_sm": 2},
     {"block_rows": 4, "num_warps": 1, "programs_per_sm": 8},
-    {"block_rows": 16, "num_warps": 4, "programs_per_sm": 0},
-    {"block_rows": 8, "num_warps": 4, "programs_per_sm": 0},
+    {"block_rows": 4, "num_warps": 2, "programs_per_sm": 8},
+    {"block_rows": 8, "num_warps": 2, "programs_per_sm": 4},
+    {"block_rows": 8, "num_warps": 4, "programs_per_sm": 3},
     {"block_rows": 4, "num_warps": 1, "programs_per_sm": 0},
-    {"block_rows": 8, "num_warps": 4, "programs_per_sm": 3, "fused": False},
-    {"block_rows": 16, "num_warps": 4, "programs_per_sm": 0, "fused": False},
+    {"block_rows": 8, "num_warps": 2, "programs_per_sm": 0},
+    {"block_rows": 16, "num_warps": 4, "programs_per_sm": 0},
+    {"block_rows": 16, "num_warps": 8, "programs_per_sm": 0},
+    {"block_rows": 4, "num_warps": 1, "programs_per_sm": 8, "fused": False},
 ]
 
 
@@ -296,6 +312,7 @@ def main() -> None:
             rows.append(measure(case, {}))
             print(table(rows[-1:]).splitlines()[1], flush=True)
             cases.append(case)
+    floor_launch = launch_floor_us()
     swept = sweep(cases) if args.sweep else []
     for case in cases:
         case.close()
@@ -310,6 +327,7 @@ def main() -> None:
             "what": "PCP1 (local replica only): writer defaults vs a minimal quantize-and-insert floor",
             "units": "µs per layer; writer_us and floor_us in graph replay, host_us per eager write()",
             "writer_tuning": dataclasses.asdict(pcp.Tuning()),
+            "launch_floor_us": floor_launch,
             "rows": rows,
             "sweep": swept,
             "table": text,
@@ -323,6 +341,7 @@ def main() -> None:
             print(f"  {r['tokens']:>6} {r['slots']:>10} {r['writer_us']:7.1f}  {cfg}")
     print(f"\n{info['gpus'][0]} ({info['host']}), torch {info['torch']}, triton {info['triton']}")
     print(text)
+    print(f"host time of an empty kernel's launch through symmsync.launch, timed as host: {floor_launch:.2f} µs")
     print(f"wrote {os.path.join(args.out, name)}.json and .png", flush=True)
 
 

@@ -43,7 +43,7 @@ def grid_sync(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.c
 
         block_barrier()                                    # this program's writes first
         e = mem[me].cell.epoch + 1                         # read before arriving: see below
-        n = atomic_add_acq_rel_sys(&mem[me].cell.arrivals, 1)
+        n = atomic_add_acq_rel_gpu(&mem[me].cell.arrivals, 1)
         if n == num_programs - 1:                          # last one in
             mem[me].cell.arrivals = 0
             publish()                                      # advances the epoch to e
@@ -52,8 +52,9 @@ def grid_sync(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.c
     Why it is correct: each program reads the epoch before its arrival (a release), and the
     last program advances it only after acquiring every arrival, so every program reads the
     epoch of before the launch and waits for the same ``e``. The publish is released after
-    every program's writes (as in :func:`grid_fence`), and each program's acquire of the
-    members' slots at ``e`` makes their writes before their ``grid_sync`` visible to it.
+    every program's writes (as in :func:`grid_fence`, whose arrivals also need only GPU
+    scope), and each program's acquire of the members' slots at ``e`` makes their writes
+    before their ``grid_sync`` visible to it.
     Writes of this rank's other programs are not covered (they need no fence: use the
     launch's own order, or a second kernel). (The Spin models in ``verify/`` do not cover
     this multi-program arrival, as they do not cover :func:`grid_fence`'s.)
@@ -72,7 +73,7 @@ def grid_sync(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.c
     e = tl.load(epoch_ptr(ptrs, cell, me)) + 1
     counter = (tl.load(ptrs + me) + cell + ARRIVALS).to(tl.pointer_type(tl.int64))
     nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    n = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys")
+    n = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if n == nprog - 1:
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
         _publish(ptrs, cell, me, SIZE)

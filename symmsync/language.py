@@ -175,6 +175,7 @@ __all__ = [
     "publish_and_wait",
     "put_signal",
     "read_signal",
+    "record_barrier",
     "signal",
     "translate",
     "trap",
@@ -330,10 +331,16 @@ def _publish(ptrs, cell, me, SIZE: tl.constexpr):
     # The reductions go first: a release waits for this thread's earlier writes, and the
     # epoch store is one it need not wait for (a slot counts publishes, so the value
     # sent does not depend on the epoch).
+    _release_slots(ptrs, cell, me, SIZE)
+    return _advance_epoch(ptrs, cell, me)
+
+
+@triton.jit
+def _release_slots(ptrs, cell, me, SIZE: tl.constexpr):
+    # The release reductions of a publish: one to each other member's slot for this rank.
     for p in tl.static_range(SIZE):
         dst = (tl.load(ptrs + p) + cell + SLOTS).to(tl.pointer_type(tl.int64)) + me
         _prims.release_add(dst, p != me)
-    return _advance_epoch(ptrs, cell, me)
 
 
 @triton.jit
@@ -488,6 +495,26 @@ def trap():
 
 
 @triton.jit
+def record_barrier():
+    """A fence at system scope in every thread, for records the host reads (GPU: ``fence.sc.sys``).
+
+    Pseudocode::
+
+        fence_sc_sys()                 # every thread; nothing on the host backend
+
+    Contract: this thread's writes before it are performed for every observer, the host
+    reading pinned memory included, before its writes after it; and before a
+    :func:`trap` that follows it, since the fence waits for them. Write a record's words,
+    ``tl.debug_barrier()``, ``record_barrier()``, its flag word, ``record_barrier()``,
+    then trap: the host that sees the flag sees the words, and the flag is not lost to the
+    trap (:func:`write_timeout_record` writes its record so). Use plain stores for
+    records in pinned host memory: a GPU atomic on host memory needs PCIe atomics, which
+    a machine may lack. Cost: a system fence per thread. Graph-safe.
+    """
+    _prims.memory_barrier_sys()
+
+
+@triton.jit
 def clock_ns():
     """Nanoseconds from a monotonic clock, as an int64 scalar: the clock of :func:`wait`'s budget.
 
@@ -542,31 +569,55 @@ def grid_fence(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.
 
     Pseudocode::
 
+        if SIZE == 1:                                      # a view of this rank alone
+            program 0: ++mem[me].cell.epoch; return 0      # stream order is the whole fence
         block_barrier()                                    # this program's writes first
-        n = atomic_add_acq_rel_sys(&mem[me].cell.arrivals, 1)
+        e = mem[me].cell.epoch + 1                         # read before arriving
+        n = atomic_add_acq_rel_gpu(&mem[me].cell.arrivals, 1)
         if n == num_programs - 1:                          # last one in
             mem[me].cell.arrivals = 0                      # ready for the next launch
-            e = publish(); wait_or_trap(e)
+            publish(e); wait_or_trap(e)                    # publish() storing epoch e
 
-    Why it is correct: each program's peer writes precede its release (acq_rel, system
-    scope) on the arrival counter; the last program acquires every earlier increment;
+    Why it is correct: each program's writes, to peers' memory or its own, precede its
+    release on the arrival counter; the last program acquires every earlier increment;
     the block barrier that hands the counter's value to its other threads orders that
     acquire before the release reductions of :func:`publish` (issued by thread 0), and
-    release is cumulative over that chain, so a member that observes its slot at ``e`` observes
-    every program's writes. (The Spin model in ``verify/`` covers single-program
-    fences, not this multi-program arrival.) Graph-safe. Cost: one local atomic per
-    program, one publish and one wait in total. Returns the wait status (last
-    program) or 0.
+    release is cumulative over that chain, so a member that observes its slot at ``e``
+    observes every program's writes. The arrivals need only GPU scope: the programs that
+    synchronize through the counter all run on this GPU, and causality order is
+    transitive across scopes (each link is morally strong: GPU scope between this GPU's
+    programs, system scope between the publish and a member's acquire). A system-scope
+    arrival per program cost up to 3 µs per launch on an H200 (docs/performance.md,
+    "The PCP writer on one GPU"). Each program reads the epoch before it arrives, and
+    only the last advances it, after acquiring every arrival, so the last one's ``e`` is
+    the epoch before the launch plus one. A view of one member has nobody to tell: its
+    kernels after this launch see its writes by stream order, so the tail only advances
+    the epoch (as a fence of one member's does), at no cost. (The Spin model in
+    ``verify/`` covers single-program fences, not this multi-program arrival.)
+    Graph-safe. Cost: one GPU-scope atomic per program, one publish and one wait in
+    total (with one member: one load and store). Returns the wait status (last program)
+    or 0.
     """
-    tl.debug_barrier()
-    counter = (tl.load(ptrs + me) + cell + ARRIVALS).to(tl.pointer_type(tl.int64))
-    nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    n = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys")
-    status = (n * 0).to(tl.int32)
-    if n == nprog - 1:
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-        e = _publish(ptrs, cell, me, SIZE)
-        status = wait_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
+    ep = epoch_ptr(ptrs, cell, me)
+    status = (me * 0).to(tl.int32)
+    if SIZE == 1:
+        # A view of one member: nobody to publish to or wait for, and stream order shows
+        # this launch's writes to the kernels after it. The epoch advances as in any fence.
+        if tl.program_id(0) + tl.program_id(1) + tl.program_id(2) == 0:
+            tl.store(ep, tl.load(ep) + 1)
+    else:
+        tl.debug_barrier()
+        # Read before arriving (the load overlaps the arrival): only the last program
+        # advances the epoch, after every program arrived.
+        e = tl.load(ep) + 1
+        counter = (tl.load(ptrs + me) + cell + ARRIVALS).to(tl.pointer_type(tl.int64))
+        nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        n = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if n == nprog - 1:
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            _release_slots(ptrs, cell, me, SIZE)
+            tl.store(ep, e)
+            status = wait_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
     return status
 
 

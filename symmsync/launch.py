@@ -54,6 +54,10 @@ _CTYPES = {
 }
 
 
+def _int_width(v: int) -> str:
+    return "i32" if -(2**31) <= v < 2**31 else ("i64" if -(2**63) <= v < 2**63 else "u64")
+
+
 def _arg_class(v: Any) -> tuple:
     """The part of an argument that decides which compiled variant Triton picks."""
     if isinstance(v, torch.Tensor):
@@ -61,8 +65,7 @@ def _arg_class(v: Any) -> tuple:
     if isinstance(v, bool):
         return ("b",)
     if isinstance(v, int):
-        width = "i32" if -(2**31) <= v < 2**31 else ("i64" if -(2**63) <= v < 2**63 else "u64")
-        return ("i", width, v == 1, v % 16 == 0)
+        return ("i", _int_width(v), v == 1, v % 16 == 0)
     if isinstance(v, float):
         return ("f",)
     return ("o", type(v))
@@ -252,14 +255,19 @@ class _NotExact(Exception):
 class BoundLaunch:
     """A launch whose arguments are packed: calling it costs one ``cuLaunchKernel``."""
 
-    __slots__ = ("launcher", "args", "_packed", "_classes", "_gx", "_gy", "_gz")
+    __slots__ = ("launcher", "_args", "_packed", "_classes", "_gx", "_gy", "_gz")
 
     def __init__(self, launcher: Launcher, args: Sequence[Any], grid: Sequence[int] | None = None):
         self.launcher = launcher
-        self.args = tuple(args)
-        self._packed = launcher._packer(self.args)
-        self._classes = [_arg_class(a) for a in self.args]
+        self._args = list(args)
+        self._packed = launcher._packer(self._args)
+        self._classes = [_arg_class(a) for a in self._args]
         self._gx, self._gy, self._gz = launcher.grid if grid is None else _grid3(grid)
+
+    @property
+    def args(self) -> tuple:
+        """The runtime arguments this launch passes, in the kernel's parameter order."""
+        return tuple(self._args)
 
     @property
     def packed(self) -> bool:
@@ -280,26 +288,40 @@ class BoundLaunch:
         for the compiled variant those values select (or goes through Triton's launcher
         once to compile it). The caller keeps tensors alive until the launch ran.
         """
-        args = list(self.args)
+        # The hot path of a layer: the class of each new value is tested against the old
+        # one's without building a new class tuple (ints: width, == 1, multiple of 16;
+        # tensors: dtype, 16-byte alignment), and each value's cell is set once.
+        args = self._args
+        classes = self._classes
+        raw = []
+        changed = False
         for i, v in zip(indices, values):
             args[i] = v
-        self.args = tuple(args)
-        packed = self._packed
-        classes = self._classes
-        if packed is None:  # not packed yet: the next call goes through Triton's launcher
-            for i, v in zip(indices, values):
+            old = classes[i]
+            if type(v) is torch.Tensor:
+                addr = v.data_ptr()
+                same = old[0] == "t" and old[1] is v.dtype and old[2] == (addr % 16 == 0)
+            elif type(v) is int:
+                addr = v
+                same = old[0] == "i" and old[2] == (v == 1) and old[3] == (v % 16 == 0) and old[1] == _int_width(v)
+            else:
+                addr = v
+                same = _arg_class(v) == old
+            if not same:
                 classes[i] = _arg_class(v)
+                changed = True
+            raw.append(addr)
+        packed = self._packed
+        if packed is None:  # not packed yet: the next call goes through Triton's launcher
             return
-        for i, v in zip(indices, values):
-            if _arg_class(v) != classes[i]:
-                self._classes = [_arg_class(a) for a in self.args]
-                self._packed = self.launcher._packer(self.args)
-                return
+        if changed:
+            self._packed = self.launcher._packer(args)
+            return
         cells = packed.cells
-        for i, v in zip(indices, values):
+        for i, addr in zip(indices, raw):
             cell = cells.get(i)
             if cell is not None:
-                cell.value = v.data_ptr() if isinstance(v, torch.Tensor) else v
+                cell.value = addr
 
     def __call__(self, stream: int | None = None) -> None:
         """Launch on torch's current stream, or on the raw CUDA stream handle ``stream``.

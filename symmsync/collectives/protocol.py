@@ -66,7 +66,7 @@ def arrive(counter, last, sptrs, cell, me, SIZE: tl.constexpr, RESET: tl.constex
     Pseudocode::
 
         block_barrier()                               # this program's writes first
-        n = atomic_add_acq_rel_sys(counter, 1)
+        n = atomic_add_acq_rel_gpu(counter, 1)
         if n == last:
             if RESET: counter = 0                     # the launch's final phase
             publish()
@@ -75,10 +75,11 @@ def arrive(counter, last, sptrs, cell, me, SIZE: tl.constexpr, RESET: tl.constex
     program acquired every earlier arrival, and :func:`symmsync.language.publish`'s release
     is cumulative, so a member that observes the epoch observes every program's writes
     (the argument of :func:`symmsync.language.grid_fence`, with a counter of the
-    collective's own, so that one launch may arrive twice). Returns ``n``.
+    collective's own, so that one launch may arrive twice; GPU scope suffices there
+    too, as every program that arrives runs on this GPU). Returns ``n``.
     """
     tl.debug_barrier()
-    n = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys")
+    n = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if n == last:
         if RESET:
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
@@ -101,13 +102,13 @@ def grid_barrier(counter, target, epoch, timeout_ns, mism, me, SIZE: tl.constexp
     launch's two phases, so that no program's second arrival is counted as a first.
     On a timeout it writes a ``GRID_STALL`` record and traps (GPU). Returns True on success.
     """
-    n = tl.atomic_add(counter, 0, sem="acquire", scope="sys")
+    n = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
     ok = n >= target
     if not ok:
         start = ssl.clock_ns()
         elapsed = start - start
         while (n < target) & (elapsed <= timeout_ns):
-            n = tl.atomic_add(counter, 0, sem="acquire", scope="sys")
+            n = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
             elapsed = ssl.clock_ns() - start
         ok = n >= target
         if not ok:
@@ -116,11 +117,34 @@ def grid_barrier(counter, target, epoch, timeout_ns, mism, me, SIZE: tl.constexp
             tl.store(rec + 2, me)
             tl.store(rec + 3, SIZE)
             tl.store(rec + 4, n)
-            tl.atomic_xchg(rec, _GRID_STALL, sem="release", scope="sys")
-            if TRAP:
-                tl.debug_barrier()  # no thread traps before the flag's exchange has its reply
-                ssl.trap()
+            flag_then_trap(rec, _GRID_STALL, TRAP)
     return ok
+
+
+@triton.jit
+def flag_then_trap(rec, flag, TRAP: tl.constexpr):
+    """Set a record's flag word, last, then (``TRAP``) trap once the flag has landed.
+
+    Pseudocode::
+
+        block_barrier(); record_barrier()     # every thread's words of the record first
+        rec[0] = flag; record_barrier()       # the flag, performed before anything after it
+        block_barrier(); if TRAP: trap()
+
+    The host (or, after a trap, a host reading pinned memory) that sees the flag sees the
+    record's other words, and no thread traps before the flag is out: a trap ends the
+    kernel at once, and a write still in flight then never reaches the host. Plain
+    stores, not an atomic: the record is pinned host memory, and a GPU atomic there
+    needs PCIe atomics, which a machine may lack (the fence's timeout record is written
+    the same way).
+    """
+    tl.debug_barrier()
+    ssl.record_barrier()
+    tl.store(rec.to(tl.pointer_type(tl.int64)), flag)
+    ssl.record_barrier()
+    tl.debug_barrier()
+    if TRAP:
+        ssl.trap()
 
 
 @triton.jit
@@ -174,16 +198,7 @@ def report_mismatch(ptrs, header_off, me, mine, epoch, mism, SIZE: tl.constexpr,
     tl.store(rec + 1, epoch)
     tl.store(rec + 2, me)
     tl.store(rec + 3, SIZE)
-    # The flag last, with a release at system scope: the host (or, after a trap, a host
-    # reading pinned memory) that sees the flag sees the headers.
-    tl.debug_barrier()
-    tl.atomic_xchg(rec, _MISMATCH, sem="release", scope="sys")
-    if TRAP:
-        # No thread of the program traps before the flag's exchange has its reply: a trap
-        # ends the kernel at once, and a flag still in flight never reaches the host (a GPU
-        # run of the size-mismatch test got the raw launch failure without a record).
-        tl.debug_barrier()
-        ssl.trap()
+    flag_then_trap(rec, _MISMATCH, TRAP)
 
 
 @triton.jit

@@ -10,9 +10,9 @@ With ``FUSED`` its tail is a whole fence (:func:`symmsync.language.grid_fence`).
 How the stores are shaped (the measurements: docs/performance.md, "The PCP writer on one
 GPU"):
 
-* A token's main KV goes out as two runs of 16-byte vector stores, each lane storing 16
-  contiguous bytes: its codes (a warp stores a whole row), then its tile scales (one
-  16-byte store) and its RoPE values together. Its indexer-K codes are one 128-byte line.
+* A token's main KV goes out as three runs of 16-byte vector stores, each lane storing 16
+  contiguous bytes: its codes (a warp stores a whole row), its 4 tile scales (one 16-byte
+  store) and its RoPE values (copied as they are). Its indexer-K codes are one 128-byte line.
   Where slots are consecutive, neighbouring tokens' stores fill whole 128-byte lines
   between them; scattered slots and padding rows need no other path (a token's stores
   never depend on its neighbours').
@@ -58,15 +58,13 @@ _MAIN_SCALES = tl.constexpr(MainKVLayout.SCALES_OFFSET)  # its fp32 tile scales,
 _TILE = tl.constexpr(MainKVLayout.TILE)  # values per main-KV tile (one scale each)
 _TILES = tl.constexpr(MainKVLayout.NUM_TILES)
 _IDX_SCALE = tl.constexpr(IndexerKLayout.SCALE_BYTES)  # a token's indexer scale field
-# The tail of a token's main KV: its 4 fp32 tile scales (16 bytes), then its 64 RoPE
-# values (128 bytes), padded to a power of two for the kernel's tensor shape. Handled as
-# bytes, so that an input row need only be 2-byte aligned (aligned rows vectorize).
-_SCALE_BYTES = tl.constexpr(4 * MainKVLayout.NUM_TILES)
-_TAIL_BYTES = tl.constexpr(MainKVLayout.TOKEN_BYTES - MainKVLayout.SCALES_OFFSET)  # 144
-_TAIL_SHAPE = tl.constexpr(256)
+# After a token's codes: its 4 fp32 tile scales (one 16-byte store), then its 64 RoPE
+# values (copied as they are, never converted).
+_ROPE_AT = tl.constexpr(MainKVLayout.ROPE_OFFSET)
+_C4 = tl.constexpr(MainKVLayout.NUM_TILES)
 assert MainKVLayout.ROPE_OFFSET == MainKVLayout.SCALES_OFFSET + 4 * MainKVLayout.NUM_TILES, "scales, then RoPE"
 assert MainKVLayout.TOKEN_BYTES % 16 == 0 and MainKVLayout.SCALES_OFFSET % 16 == 0, "16-byte runs"
-assert MainKVLayout.TOKEN_BYTES - MainKVLayout.SCALES_OFFSET <= 256, "the tail fits its shape"
+assert MainKVLayout.ROPE_OFFSET % 16 == 0 and MainKVLayout.NUM_TILES == 4, "one 16-byte store of scales"
 
 
 @triton.jit
@@ -77,15 +75,11 @@ def _load_item(item, n_rows, slots, kv_c, k_pe, idx_k, kv_stride, pe_stride, ix_
     in_range = rows < n_rows
     c_nope = tl.arange(0, _NOPE)
     c_idx = tl.arange(0, _IDX)
-    c_tail = tl.arange(0, _TAIL_SHAPE)
-    in_pe = (c_tail >= _SCALE_BYTES) & (c_tail < _TAIL_BYTES)
+    c_pe = tl.arange(0, _ROPE)
     slot = tl.load(slots + rows, mask=in_range, other=-1)
     x = tl.load(kv_c + rows[:, None] * kv_stride + c_nope[None, :], mask=in_range[:, None], other=0)
     xi = tl.load(idx_k + rows[:, None] * ix_stride + c_idx[None, :], mask=in_range[:, None], other=0)
-    # RoPE values are copied as bytes (never a value conversion), into bytes 16.. of the
-    # token's tail (bytes 0-15 are the tile scales).
-    pe_row = (k_pe + rows[:, None] * pe_stride).to(tl.pointer_type(tl.uint8))
-    pe = tl.load(pe_row + (c_tail - _SCALE_BYTES)[None, :], mask=in_range[:, None] & in_pe[None, :], other=0)
+    pe = tl.load(k_pe + rows[:, None] * pe_stride + c_pe[None, :], mask=in_range[:, None], other=0)
     return slot, x, xi, pe
 
 
@@ -131,7 +125,8 @@ def _quantize_write_kernel(
     step = tl.num_programs(0)
     c_nope = tl.arange(0, _NOPE)
     c_idx = tl.arange(0, _IDX)
-    c_tail = tl.arange(0, _TAIL_SHAPE)
+    c_pe = tl.arange(0, _ROPE)
+    c4 = tl.arange(0, _C4)
     args = (n_rows, slots, kv_c, k_pe, idx_k, kv_stride, pe_stride, ix_stride)
     if PREFETCH:  # four loop-carried tensors, not one tuple
         slot_n, x_n, xi_n, pe_n = _load_item(item, *args, BLOCK_T)
@@ -154,16 +149,7 @@ def _quantize_write_kernel(
             s = mla_tile_scale(amax)
             q = to_e4m3(tl.math.div_rn(x3, s[:, :, None]))
         codes = tl.reshape(q, (BLOCK_T, _NOPE))
-        # The tail: the 4 scales as 16 little-endian bytes (one 16-byte store), then RoPE.
-        # Byte b of the scales is repeated at every column c with c % 16 == b, so columns
-        # 0-15 hold them in order.
-        bits = s.to(tl.int32, bitcast=True)
-        lo, hi = bits & 0xFFFF, (bits >> 16) & 0xFFFF
-        four = tl.join(tl.join(lo & 0xFF, lo >> 8), tl.join(hi & 0xFF, hi >> 8))  # [rows, tile, half, byte]
-        scale_bytes = tl.reshape(tl.permute(four, (0, 1, 3, 2)), (BLOCK_T, _SCALE_BYTES)).to(tl.uint8)
-        reps: tl.constexpr = _TAIL_SHAPE // _SCALE_BYTES
-        repeated = tl.broadcast_to(scale_bytes[:, None, :], (BLOCK_T, reps, _SCALE_BYTES))
-        tail = tl.where((c_tail < _SCALE_BYTES)[None, :], tl.reshape(repeated, (BLOCK_T, _TAIL_SHAPE)), pe)
+        scale_words = s.to(tl.int32, bitcast=True)  # [rows, 4]: the 4 scales, one 16-byte store
         # ---- indexer K: one scale per token (IDX_SCALE: 0 "ue8m0", 1 "fp32", 2 "mxfp8")
         xf = bf16_to_f32(xi)
         ai = tl.max(tl.abs(xf), axis=1)
@@ -188,7 +174,6 @@ def _quantize_write_kernel(
         idx_val = block_start + off * _IDX
         idx_scale = block_start + BLOCK_SIZE * _IDX + off * _IDX_SCALE
         m_row = live[:, None]
-        m_tail = live[:, None] & (c_tail < _TAIL_BYTES)[None, :]
         out = dst + tl.program_id(1) if SPREAD else dst
         for d in tl.static_range(NOUT):
             # Typed base pointers with offsets in elements keep the alignment Triton can prove
@@ -196,8 +181,10 @@ def _quantize_write_kernel(
             base = tl.load(out + d)
             cache = tl.multiple_of(base.to(tl.pointer_type(tl.uint8)), 16)
             words_at = tl.multiple_of(base.to(tl.pointer_type(tl.int32)), 16)
+            values_at = tl.multiple_of(base.to(tl.pointer_type(k_pe.dtype.element_ty)), 16)
             tl.store(cache + main_row[:, None] + c_nope[None, :], codes, mask=m_row)
-            tl.store(cache + (main_row + _MAIN_SCALES)[:, None] + c_tail[None, :], tail, mask=m_tail)
+            tl.store(words_at + ((main_row + _MAIN_SCALES) // 4)[:, None] + c4[None, :], scale_words, mask=m_row)
+            tl.store(values_at + ((main_row + _ROPE_AT) // 2)[:, None] + c_pe[None, :], pe, mask=m_row)
             tl.store(cache + idx_val[:, None] + c_idx[None, :], qi, mask=m_row)
             tl.store(words_at + idx_scale // 4, field, mask=live)
         item += step

@@ -50,6 +50,8 @@ from .kernels import _quantize_write_kernel
 from .layout import CacheLayout, CacheTensors, IndexerKLayout, MainKVLayout
 from .quant import INDEXER_SCALES
 
+_BF16 = torch.bfloat16
+
 if TYPE_CHECKING:
     from ..views import PeerView
 
@@ -99,20 +101,20 @@ class Tuning:
             multiprocessor, each taking work items until none are left and loading its
             next item before it stores the current one; ``0``: one program per work item.
 
-    The defaults (8 rows, 4 warps, 3 programs per multiprocessor: as many as fit at
-    once) were the fastest of the sweep of benchmarks/pcp_local.py with the fence fused
-    into the writer's tail (docs/performance.md, "The PCP writer on one GPU"): a
-    persistent grid pays the tail's arrival once per program, a grid of one program per
-    work item once per item.
+    The defaults (4 rows, 1 warp, 8 programs per multiprocessor) were the fastest
+    overall of the sweep of benchmarks/pcp_local.py on one H200, from 4k to 32k tokens,
+    with the fence fused into the writer's tail (docs/performance.md, "The PCP writer
+    on one GPU"): a persistent grid pays the tail's arrival once per program, a grid of
+    one program per work item once per item.
 
     Raises:
         ConfigError: a knob outside its range (the message names it).
     """
 
-    block_rows: int = 8
-    num_warps: int = 4
+    block_rows: int = 4
+    num_warps: int = 1
     spread: bool = False
-    programs_per_sm: int = 3
+    programs_per_sm: int = 8
 
     def __post_init__(self) -> None:
         problem = self._problem()
@@ -284,6 +286,10 @@ class DirectKVWriter:
         # After a fused launch, the host reads the fence's record where the launch has
         # finished when it returns (the interpreter); on GPUs a failed wait traps.
         self._check_after_launch = caps.host_checks_status
+        # write()'s shortest path: fused direct route on a GPU (no views, no check after).
+        self._direct_fused = (
+            self.route == "direct" and self.fused and not self._bf16_as_bits and not self._check_after_launch
+        )
         self._launcher = Launcher(
             _quantize_write_kernel,
             (1,),
@@ -448,10 +454,14 @@ class DirectKVWriter:
                 # letting them wait out their budget. Nothing was written.
                 self.fence.abort(str(e))
                 raise
+        if self._direct_fused:  # the eager hot path: the tail fences inside the kernel
+            self.fence.check_usable()  # refuse here what Fence.fence() would
+            self._launch(layer, kv_c, k_pe, indexer_k, _NOPE, _ROPE, _IDX, batch.slots, batch.rows, batch)
+            return
         if self.route == "allgather":
             self._insert_gathered(layer, kv_c, k_pe, indexer_k, batch)
             return
-        if self.fused:  # the tail fences inside the kernel: refuse here what Fence.fence() would
+        if self.fused:
             self.fence.check_usable()
         if self._bf16_as_bits:
             kv_c, k_pe, indexer_k = kv_c.view(torch.int16), k_pe.view(torch.int16), indexer_k.view(torch.int16)
@@ -481,9 +491,26 @@ class DirectKVWriter:
             )
         rows = batch.rows
         dev = self._device_index
-        fits = _fits(kv_c, rows, _NOPE, dev) and _fits(k_pe, rows, _ROPE, dev) and _fits(indexer_k, rows, _IDX, dev)
-        if fits and dev >= 0:
-            return None  # the common case on GPUs, in one expression per tensor
+        # The common case on GPUs in one expression (no call per tensor: this runs per layer).
+        if (
+            dev >= 0
+            and type(kv_c) is torch.Tensor
+            and type(k_pe) is torch.Tensor
+            and type(indexer_k) is torch.Tensor
+            and kv_c.dtype is _BF16
+            and k_pe.dtype is _BF16
+            and indexer_k.dtype is _BF16
+            and kv_c.shape == (rows, _NOPE)
+            and k_pe.shape == (rows, _ROPE)
+            and indexer_k.shape == (rows, _IDX)
+            and kv_c.get_device() == dev
+            and k_pe.get_device() == dev
+            and indexer_k.get_device() == dev
+            and kv_c.is_contiguous()
+            and k_pe.is_contiguous()
+            and indexer_k.is_contiguous()
+        ):
+            return None
         return (
             self._tensor_problem("kv_c", kv_c, rows, _NOPE)
             or self._tensor_problem("k_pe", k_pe, rows, _ROPE)
@@ -578,17 +605,6 @@ class DirectKVWriter:
             return {"cache_bytes_written": written, "sent_to_peers": rows * _TOKEN_BYTES * peers}
         inputs = rows * (_NOPE + _ROPE + _IDX) * 2  # bf16
         return {"cache_bytes_written": written, "sent_to_peers": inputs * peers}
-
-
-def _fits(t: object, rows: int, width: int, device: int) -> bool:
-    """``t`` is a contiguous bf16 ``[rows, width]`` tensor on CUDA device ``device``."""
-    return (
-        type(t) is torch.Tensor
-        and t.dtype is torch.bfloat16
-        and t.shape == (rows, width)
-        and t.get_device() == device
-        and t.is_contiguous()
-    )
 
 
 def _without_rank(message: str, rank: int) -> str:

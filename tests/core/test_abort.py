@@ -279,6 +279,30 @@ def test_a_grid_fence_tail_sees_an_abort_at_once():
     assert r["err"]["type"] == "PeerAborted" and r["err"]["aborted"] == {1: "writer: bad input"}, r
 
 
+def tail_counts(launches, programs):
+    """(epoch after ``launches`` fused tails of ``programs`` programs each, the arrival
+    counter's word, the largest status) on a view of every rank."""
+    buf, view, fence = _setup()
+    status = torch.zeros(1, dtype=torch.int32)
+    for _ in range(launches):
+        _tail_kernel[(programs,)](*fence.kernel_args, status, SIZE=view.size)
+    arrivals = buf.signal_memory()[fence.cell + cells.ARRIVALS :][:8].view(torch.int64).item()
+    result = (fence.epoch, arrivals, status.item())
+    dist.barrier()
+    buf.close()
+    return result
+
+
+def test_a_grid_fence_of_one_member_advances_the_epoch_once_per_launch_and_counts_no_arrival():
+    # One member: nobody to publish to or wait for; the epoch still counts launches.
+    assert run(tail_counts, 1, 5, 3, timeout_s=120) == [(5, 0, 0)]
+
+
+def test_a_grid_fence_of_two_members_advances_the_epoch_once_per_launch_and_resets_its_counter():
+    # Every program arrives; only the last one publishes, and it resets the counter.
+    assert run(tail_counts, 2, 3, 3, timeout_s=120) == [(3, 0, 0), (3, 0, 0)]
+
+
 # ---------------------------------------------------------------------- abort's argument
 def abort_checks_its_argument():
     buf, view, fence = _setup()

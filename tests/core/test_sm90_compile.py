@@ -107,6 +107,17 @@ SCRIPT = textwrap.dedent(
                 out[f"writer_split{int(split)}_fused{int(fused)}"] = k.asm["ptx"]
             except Exception as e:
                 out[f"writer_split{int(split)}_fused{int(fused)}"] = "COMPILE ERROR: " + repr(e)
+    from symmsync.collectives import layout as CL
+    from symmsync.collectives.kernels import collective_kernel
+    csig = {"x": "*bf16", "out": "*bf16", "count": "i32", "ptrs": "*i64", "sptrs": "*i64", "cell": "i64", "me": "i32",
+            "timeout_ns": "i64", "record": "i64", "mism": "i64", "stall_ns": "i64", "headers": "i64",
+            "counter_off": "i64", "inputs": "i64", "input_stride": "i64", "symmetric": "i64", "reduced": "i64",
+            "residual": "*bf16", "weight": "*bf16", "res_out": "*bf16", "hidden": "i32", "eps": "fp32"}
+    cc = dict(SIZE=2, OP=0, TWO_SHOT=True, SYMMETRIC=False, NBUF=2, BLOCK=1024, TRAP=True, BF16_BITS=False,
+              DTYPE_CODE=1, ALGORITHM=1, EPILOGUE=False, ROW=1)
+    src = ASTSource(collective_kernel, {**csig, **{k: "constexpr" for k in cc}}, cc)
+    out["collective"] = triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]
+    out["collective_flags"] = [CL.MISMATCH, CL.GRID_STALL]
     print(json.dumps(out))
     """
 )
@@ -151,9 +162,10 @@ def test_split_phase_kernels_contain_only_their_half(ptx):
     assert _lines(ptx["wait"], "ld.acquire.sys") and not _lines(ptx["wait"], "red.release.sys")
 
 
-def test_grid_fence_counts_arrivals_with_a_system_scope_atomic(ptx):
+def test_grid_fence_counts_arrivals_with_a_gpu_scope_atomic_and_publishes_at_system_scope(ptx):
     tail = ptx["tail"]
-    assert any("atom" in line and "sys" in line and "add" in line for line in _lines(tail, "atom"))
+    adds = [line for line in _lines(tail, "atom") if "add" in line]
+    assert adds and all("gpu" in line and "acq_rel" in line and "sys" not in line for line in adds)
     assert _lines(tail, "red.release.sys") and _lines(tail, "ld.acquire.sys")
 
 
@@ -227,7 +239,27 @@ def test_put_signal_stores_the_tile_then_a_block_barrier_then_the_release_add(pt
     assert 0 < store < text.index("bar.sync") < text.index("red.release.sys.global.add.u64")
 
 
-def test_grid_sync_arrives_with_a_system_scope_atomic_and_every_program_waits(ptx):
+def test_grid_sync_arrives_with_a_gpu_scope_atomic_and_every_program_waits(ptx):
     text = ptx["grid_sync"]
-    assert any("atom" in line and "sys" in line and "add" in line for line in _lines(text, "atom"))
+    adds = [line for line in _lines(text, "atom") if "add" in line]
+    assert adds and all("gpu" in line and "acq_rel" in line and "sys" not in line for line in adds)
     assert _lines(text, "red.release.sys") and _lines(text, "ld.acquire.sys") and _lines(text, "trap;")
+
+
+def test_a_collective_sets_its_record_flag_with_a_plain_store_between_system_fences_before_it_traps(ptx):
+    # The record is pinned host memory: plain stores (a GPU atomic there needs PCIe atomics), and
+    # the flag performed before the trap that would drop it. Arrivals count at GPU scope.
+    lines = [
+        line for line in ptx["collective"].splitlines() if line.strip() and not line.strip().startswith((".loc", "//"))
+    ]
+    assert not [line for line in lines if "atom" in line and ".sys" in line]
+    assert [line for line in lines if "atom" in line and ".gpu" in line and "add" in line]
+    for flag in ptx["collective_flags"]:
+        at = [i for i, line in enumerate(lines) if str(flag) in line]
+        assert at, flag
+        i = at[0]
+        before = [j for j in range(i) if "fence.sc.sys" in lines[j]]
+        store = next(j for j in range(i, len(lines)) if "st.global" in lines[j])
+        after = next(j for j in range(store, len(lines)) if "fence.sc.sys" in lines[j])
+        trap = next(j for j in range(store, len(lines)) if "trap;" in lines[j])
+        assert before and before[-1] > i - 40 and store < after < trap, (flag, lines[i - 5 : trap + 1])

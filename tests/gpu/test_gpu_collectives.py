@@ -151,6 +151,11 @@ def size_mismatch_on_gpu():
 
 
 def test_a_size_mismatch_traps_and_every_member_raises_collective_mismatch():
+    if torch.cuda.device_count() < WORLD:
+        # Both members trap at once; on one GPU shared by both processes, the member whose
+        # context traps second stayed blocked in torch.cuda.synchronize (the first raised the
+        # right CollectiveMismatch): benchmarks/results/raw/gpu_mismatch_shared_h200x1.txt.
+        pytest.skip("two contexts trapping at once on one shared GPU: run this test on 2 GPUs (make test-gpu)")
     for r in run(size_mismatch_on_gpu, WORLD, backend="cuda", timeout_s=300):
         assert isinstance(r, dict) and r["differs"] == ["numel"], r
         assert "numel: rank 0: 512, rank 1: 513" in r["msg"], r
