@@ -72,7 +72,7 @@ SM90 = textwrap.dedent(
 )
 
 
-def test_the_collective_kernels_compile_for_sm90_with_system_scope_signals_and_vector_copies():
+def test_the_collective_kernels_compile_for_sm90_with_system_scope_signals_gpu_scope_arrivals_and_vector_copies():
     proc = subprocess.run(
         [sys.executable, "-c", SM90],
         cwd=ROOT,
@@ -90,7 +90,8 @@ def test_the_collective_kernels_compile_for_sm90_with_system_scope_signals_and_v
         assert ptx.count("red.release.sys.global.add") == 4 * phases, name
         assert "ld.acquire.sys.global" in ptx or "ld.global.acquire.sys" in ptx, name  # the wait's polls
         assert "trap;" in ptx, name  # a failed wait or differing calls stop the stream
-        assert "atom.global.sys.acq_rel.add" in ptx, name  # the arrivals of the launch's programs
+        assert "atom.global.gpu.acq_rel.add" in ptx, name  # the arrivals of the launch's programs (one GPU's)
+        assert "atom.global.sys" not in ptx, name  # no system-scope atomic: the records take plain stores
         if not name.endswith("e"):  # the epilogue's rows are masked: its accesses are narrower
             assert "ld.global.v4" in ptx and "st.global.v4" in ptx, name  # whole blocks: 16-byte accesses
         assert k["scratch"] == 0, name  # launchable through the pre-packed path
