@@ -586,9 +586,9 @@ def grid_fence(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.
     observes every program's writes. The arrivals need only GPU scope: the programs that
     synchronize through the counter all run on this GPU, and causality order is
     transitive across scopes (each link is morally strong: GPU scope between this GPU's
-    programs, system scope between the publish and a member's acquire). A system-scope
-    arrival per program cost up to 3 µs per launch on an H200 (docs/performance.md,
-    "The PCP writer on one GPU"). Each program reads the epoch before it arrives, and
+    programs, system scope between the publish and a member's acquire). System-scope
+    arrivals cost 0.7–1.0 µs more per launch on an H200 with 1024–2048 programs
+    (docs/performance.md, "The PCP writer on one GPU"). Each program reads the epoch before it arrives, and
     only the last advances it, after acquiring every arrival, so the last one's ``e`` is
     the epoch before the launch plus one. A view of one member has nobody to tell: its
     kernels after this launch see its writes by stream order, so the tail only advances
