@@ -3,7 +3,10 @@ tests (long runs of what a shorter test in the suite checks) run only when asked
 
 Multi-rank tests go through :func:`symmsync.testing.run`, which starts one process
 per rank (with ``TRITON_INTERPRET=1`` for the host backend) and fails fast when a
-rank raises or hangs. Single-process kernel tests run under the interpreter too.
+rank raises or hangs, or through the ``host_ranks`` fixture, host ranks kept alive
+across tests for rank functions that leave their processes clean (starting processes
+is most of a short multi-rank test's time). Single-process kernel tests run under the
+interpreter too.
 """
 
 import os
