@@ -20,7 +20,7 @@ CUDA_EXTRA := $(if $(HAS_GPU),$(comma)cuda)
 WHEEL_DIR ?= build/wheel
 WHEEL_VENV ?= build/wheel-venv
 
-.PHONY: demo test test-gpu bench-fence bench-pcp doctor lint clean wheel-check
+.PHONY: demo test test-soak test-gpu bench-fence bench-pcp doctor lint clean wheel-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -50,9 +50,13 @@ $(VENV)/.docs: pyproject.toml $(VENV)/.base
 demo: $(VENV)/.base
 	$(PY) examples/pcp_kv.py
 
-## test: the whole test suite; GPU tests skip with the reason where there are no GPUs
+## test: the whole test suite but the soaks; GPU tests skip with the reason where there are no GPUs
 test: $(VENV)/.test install-spin
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+## test-soak: only the soaks (long runs of what `make test` checks at a smaller scale; skipped there)
+test-soak: $(VENV)/.test
+	$(PY) -m pytest -m soak $(PYTEST_ARGS)
 
 ## test-gpu: only the GPU suite (needs 2 NVIDIA GPUs)
 test-gpu: $(VENV)/.test

@@ -1,8 +1,12 @@
-"""Test configuration: host-backend tests run everywhere; GPU tests need NVIDIA GPUs.
+"""Test configuration: host-backend tests run everywhere; GPU tests need NVIDIA GPUs; soak
+tests (long runs of what a shorter test in the suite checks) run only when asked for.
 
 Multi-rank tests go through :func:`symmsync.testing.run`, which starts one process
 per rank (with ``TRITON_INTERPRET=1`` for the host backend) and fails fast when a
-rank raises or hangs. Single-process kernel tests run under the interpreter too.
+rank raises or hangs, or through the ``host_ranks`` fixture, host ranks kept alive
+across tests for rank functions that leave their processes clean (starting processes
+is most of a short multi-rank test's time). Single-process kernel tests run under the
+interpreter too.
 """
 
 import os
@@ -20,7 +24,20 @@ def _gpu_count() -> int:
         return 0
 
 
+def _soak_asked(config) -> bool:
+    """``SYMMSYNC_SOAK=1`` in the environment, or a ``-m`` expression that names ``soak``."""
+    return os.environ.get("SYMMSYNC_SOAK", "0") not in ("", "0") or "soak" in (config.getoption("markexpr") or "")
+
+
 def pytest_collection_modifyitems(config, items):
+    if not _soak_asked(config):
+        soak = pytest.mark.skip(
+            reason="a soak (a long run; a shorter test in this suite checks the same behaviour): "
+            "run `make test-soak` (pytest -m soak), or set SYMMSYNC_SOAK=1 to run it with the rest"
+        )
+        for item in items:
+            if "soak" in item.keywords:
+                item.add_marker(soak)
     n = _gpu_count()
     if n >= 2 or (n >= 1 and os.environ.get("SYMMSYNC_SHARE_GPUS", "0") not in ("", "0")):
         return  # with SYMMSYNC_SHARE_GPUS=1 the ranks of a GPU test share one GPU (a smoke run)
@@ -38,3 +55,31 @@ def backend(request):
     """Each test that takes it runs on the host backend everywhere, and on the CUDA
     backend where 2 GPUs are present (marked ``gpu``: skipped with the reason elsewhere)."""
     return request.param
+
+
+@pytest.fixture(scope="session")
+def host_ranks():
+    """``host_ranks(fn, world, *args, timeout_s=...)``: ``fn(*args)`` on ``world`` host-backend ranks
+    that stay alive across the tests taking this fixture (one :class:`symmsync.testing.RankPool` per
+    world, started on first use and again after a failure closed it), so that those tests do not
+    each pay for starting processes (most of a short multi-rank test's time on a 2-core machine).
+
+    For rank functions that leave their process as they found it: they close every buffer they
+    make, and plant no failure, set no environment and kill no rank (those take
+    :func:`symmsync.testing.run`, a fresh process per rank)."""
+    from symmsync.testing import RankFailure, RankPool
+
+    pools = {}
+
+    def call(fn, world, *args, timeout_s=300, **kwargs):
+        if world not in pools:
+            pools[world] = RankPool(world, timeout_s=timeout_s)
+        try:
+            return pools[world].call(fn, *args, timeout_s=timeout_s, **kwargs)
+        except RankFailure:
+            pools.pop(world).close(kill=True)  # a failed pool stays closed: the next call starts a fresh one
+            raise
+
+    yield call
+    for pool in pools.values():
+        pool.close()

@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 import symmsync as ss
 from symmsync import collectives as C
-from symmsync.testing import RankPool, run
 
 N = 1024
 
@@ -87,12 +86,6 @@ def differing_call(case):
     return result
 
 
-@pytest.fixture(scope="module")
-def pool3():
-    with RankPool(3, timeout_s=300) as p:
-        yield p
-
-
 @pytest.mark.parametrize(
     "case, field",
     [
@@ -104,8 +97,8 @@ def pool3():
         ("epilogue", "epilogue"),
     ],
 )
-def test_a_call_that_differs_on_one_member_raises_on_every_member_naming_what_differs(case, field, pool3):
-    results = pool3.call(differing_call, case)
+def test_a_call_that_differs_on_one_member_raises_on_every_member_naming_what_differs(case, field, host_ranks):
+    results = host_ranks(differing_call, 3, case)
     for rank, r in enumerate(results):
         first = r["first"]
         assert isinstance(first, dict) and first["type"] == "CollectiveMismatch", (rank, r)
@@ -116,8 +109,8 @@ def test_a_call_that_differs_on_one_member_raises_on_every_member_naming_what_di
         assert r["later"]["type"] in ("CollectiveMismatch", "PeerAborted"), (rank, r["later"])
 
 
-def test_a_size_mismatch_message_names_each_members_size():
-    results = run(differing_call, 2, "size", timeout_s=180)
+def test_a_size_mismatch_message_names_each_members_size(host_ranks):
+    results = host_ranks(differing_call, 2, "size", timeout_s=180)
     for r in results:
         msg = r["first"]["msg"]
         assert r["first"]["differs"] == ["numel"], r
@@ -145,8 +138,8 @@ def abort_in_the_middle(aborter, at, calls, how="abort"):
 
 
 @pytest.mark.parametrize("how, reason", [("abort", "the model hit a NaN"), ("close", "closed")])
-def test_an_abort_or_a_close_in_the_middle_of_a_run_reaches_every_member_at_once(how, reason, pool3):
-    results = pool3.call(abort_in_the_middle, 1, 4, 8, how)
+def test_an_abort_or_a_close_in_the_middle_of_a_run_reaches_every_member_at_once(how, reason, host_ranks):
+    results = host_ranks(abort_in_the_middle, 3, 1, 4, 8, how)
     assert results[1] == {"aborted_at": 4}
     for rank in (0, 2):
         r = results[rank]
@@ -159,17 +152,21 @@ def never_calls(absent, budget):
     buf, view, ar, ag = _setup(timeout_s=budget)
     ar(torch.ones(4))
     if dist.get_rank() == absent:
-        time.sleep(budget + 8)  # alive, but never makes the second call
+        dist.barrier()  # alive, its buffer open, but never makes the second call: until the others gave up
+        buf.close()
         return "absent"
     try:
         ar(torch.ones(4))
+        out = "returned"
     except ss.FenceTimeout as e:
-        return {"type": type(e).__name__, "late": e.late}
-    return "returned"
+        out = {"type": type(e).__name__, "late": e.late}
+    dist.barrier()
+    buf.close()
+    return out
 
 
-def test_a_member_that_never_calls_makes_the_others_time_out_naming_it():
-    results = run(never_calls, 2, 1, 2.0, timeout_s=180)
+def test_a_member_that_never_calls_makes_the_others_time_out_naming_it(host_ranks):
+    results = host_ranks(never_calls, 2, 1, 2.0, timeout_s=180)
     assert results[1] == "absent"
     assert results[0] == {"type": "FenceTimeout", "late": {1: 1}}, results
 
@@ -207,8 +204,8 @@ def bad_construction(case):
         ("dtype", "ConfigError", "rank 0: dtype must be one of"),
     ],
 )
-def test_a_bad_construction_argument_raises_on_every_rank(case, kind, text):
-    results = run(bad_construction, 2, case, timeout_s=180)
+def test_a_bad_construction_argument_raises_on_every_rank(case, kind, text, host_ranks):
+    results = host_ranks(bad_construction, 2, case, timeout_s=180)
     for r in results:
         assert r[0] == kind and text in r[1], r
 
@@ -244,8 +241,8 @@ def bad_call(case):
         ("not_a_tensor", "x must be a torch.Tensor, got list"),
     ],
 )
-def test_a_bad_call_raises_input_error_on_the_caller_and_peer_aborted_naming_it_on_the_others(case, text, pool3):
-    results = pool3.call(bad_call, case)
+def test_a_bad_call_raises_input_error_on_the_caller_and_peer_aborted_naming_it_on_the_others(case, text, host_ranks):
+    results = host_ranks(bad_call, 3, case)
     assert results[1]["type"] == "InputError" and f"rank 1: AllReduce: {text}" in results[1]["msg"], results[1]
     for rank in (0, 2):
         assert results[rank]["type"] == "PeerAborted", results[rank]
@@ -253,8 +250,8 @@ def test_a_bad_call_raises_input_error_on_the_caller_and_peer_aborted_naming_it_
         assert f"AllReduce: {text}"[:90] in results[rank]["aborted"][1], results[rank]
 
 
-def test_a_reduce_scatter_input_must_split_into_one_chunk_per_member():
-    results = run(rs_not_divisible, 2, timeout_s=180)
+def test_a_reduce_scatter_input_must_split_into_one_chunk_per_member(host_ranks):
+    results = host_ranks(rs_not_divisible, 2, timeout_s=180)
     assert results[1]["type"] == "InputError", results
     assert "x has 7 elements, not a multiple of the view's 2 members" in results[1]["msg"], results
     assert results[0]["type"] == "PeerAborted", results

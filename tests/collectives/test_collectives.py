@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 import symmsync as ss
 from symmsync import collectives as C
-from symmsync.testing import RankPool
 
 MAX_NUMEL = 4104  # a multiple of 2, 3 and 4: the largest reduce-scatter input too
 SIZES = (1, 777, 4096 + 3, MAX_NUMEL)
@@ -108,28 +107,20 @@ def every_case(cases, seed):
     return wrong
 
 
-@pytest.fixture(scope="module")
-def pools():
-    made = {}
-    yield lambda world: made.setdefault(world, RankPool(world, timeout_s=600))
-    for p in made.values():
-        p.close()
-
-
-def test_every_operation_algorithm_dtype_and_size_matches_the_member_order_float32_oracle_at_world_2(pools):
+def test_every_operation_algorithm_dtype_and_size_matches_the_member_order_float32_oracle_at_world_2(host_ranks):
     seed = secrets.randbits(16)
     cases = [(op, dt, n, False) for op in OPS for dt in DTYPES for n in SIZES]
     cases += [(op, torch.bfloat16, n, True) for op in OPS for n in (777, MAX_NUMEL)]
-    wrong = pools(2).call(every_case, cases, seed)
+    wrong = host_ranks(every_case, 2, cases, seed)
     assert wrong == [[], []], f"seed {seed}: cases that differ from the oracle: {wrong}"
 
 
 @pytest.mark.parametrize("world", [3, 4])
-def test_every_operation_and_dtype_matches_the_oracle_at_world(world, pools):
+def test_every_operation_and_dtype_matches_the_oracle_at_world(world, host_ranks):
     seed = secrets.randbits(16)
     cases = [(op, dt, 4096 + 3, False) for op in OPS for dt in DTYPES]
     cases += [(op, torch.bfloat16, 1, op == "two_shot") for op in OPS]
-    wrong = pools(world).call(every_case, cases, seed)
+    wrong = host_ranks(every_case, world, cases, seed)
     assert wrong == [[]] * world, f"seed {seed}: cases that differ from the oracle: {wrong}"
 
 
@@ -147,10 +138,10 @@ def auto_epochs(threshold, sizes):
     return steps
 
 
-def test_auto_runs_one_shot_up_to_its_threshold_and_two_shot_above_it(pools):
+def test_auto_runs_one_shot_up_to_its_threshold_and_two_shot_above_it(host_ranks):
     # One-shot publishes once per call, two-shot twice: the fence's epoch tells them apart.
     sizes = (1, 512, 513, 4096)  # float32: 4, 2048, 2052 and 16384 bytes
-    assert pools(2).call(auto_epochs, 2048, sizes) == [[1, 1, 2, 2]] * 2
+    assert host_ranks(auto_epochs, 2, 2048, sizes) == [[1, 1, 2, 2]] * 2
     assert C.choose(4 << 20, 2) == "one_shot" and C.choose((4 << 20) + 2, 2) == "two_shot"
 
 
@@ -187,18 +178,18 @@ def back_to_back(calls, seed, slow, parity=True, ops_drawn=OPS, symmetric_share=
     return wrong
 
 
-def test_fifty_back_to_back_calls_with_random_delays_all_match_the_oracle(pools):
+def test_fifty_back_to_back_calls_with_random_delays_all_match_the_oracle(host_ranks):
     seed = secrets.randbits(16)
-    wrong = pools(3).call(back_to_back, 50, seed, 2)
+    wrong = host_ranks(back_to_back, 3, 50, seed, 2)
     assert wrong == [[], [], []], f"seed {seed}: calls that differ from the oracle, per rank: {wrong}"
 
 
-def test_the_back_to_back_oracle_bites_without_the_parity_of_the_input_slots(pools):
+def test_the_back_to_back_oracle_bites_without_the_parity_of_the_input_slots(host_ranks):
     # One-shot all-reduces only (a two-shot call's second fence protects its slots by itself),
     # copied in, no symmetric input: a fast member's next copy-in lands in the slot the slow
     # member is still reading.
     seed = secrets.randbits(16)
-    wrong = pools(2).call(back_to_back, 50, seed, 1, False, ("one_shot",), 0.0)
+    wrong = host_ranks(back_to_back, 2, 50, seed, 1, False, ("one_shot",), 0.0)
     assert wrong[1], f"seed {seed}: without the parity the slow member read no overwritten slot: {wrong}"
 
 
@@ -235,10 +226,10 @@ def fused_epilogue(shapes, seed):
     return got
 
 
-def test_the_fused_residual_and_rms_norm_epilogue_matches_torch_and_is_the_same_on_every_member(pools):
+def test_the_fused_residual_and_rms_norm_epilogue_matches_torch_and_is_the_same_on_every_member(host_ranks):
     seed = secrets.randbits(16)
     shapes = [(dt, 3, 1000) for dt in DTYPES] + [(torch.bfloat16, 1, 1), (torch.bfloat16, 4, 1024)]
-    for rank, cases in enumerate(pools(3).call(fused_epilogue, shapes, seed)):
+    for rank, cases in enumerate(host_ranks(fused_epilogue, 3, shapes, seed)):
         for (dt, _, _), (residual_ok, diff, same) in zip(shapes, cases):
             assert residual_ok, (seed, rank, dt, "the new residual differs from the oracle")
             # The normed output's float32 mean is a tree sum in the kernel, a torch reduction

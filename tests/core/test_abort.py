@@ -23,7 +23,6 @@ from helpers import describe_error
 import symmsync as ss
 import symmsync.language as ssl
 from symmsync import cells
-from symmsync.testing import run
 
 BUDGET_S = 60.0  # the fence budget: an abort that is missed shows up as a minute
 FAST_S = 1.0  # an abort must reach every waiting member within this
@@ -80,9 +79,9 @@ def one_rank_aborts(aborter, reason, rounds):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_rank_that_aborts_makes_every_waiting_peer_raise_naming_it_at_once(world):
+def test_a_rank_that_aborts_makes_every_waiting_peer_raise_naming_it_at_once(world, host_ranks):
     aborter, reason, rounds = world - 1, "bad input: kv_c has 3 rows, the batch 4", 3
-    results = run(one_rank_aborts, world, aborter, reason, rounds, timeout_s=120)
+    results = host_ranks(one_rank_aborts, world, aborter, reason, rounds, timeout_s=120)
     own = results[aborter]["own"]
     assert own["type"] == "PeerAborted" and own["aborted"] == {aborter: reason}, own
     for rank in range(world):
@@ -118,8 +117,8 @@ def long_reason(aborter):
     return out
 
 
-def test_a_long_reason_arrives_cut_at_a_character_and_a_second_abort_changes_nothing():
-    results = run(long_reason, 2, 1, timeout_s=120)
+def test_a_long_reason_arrives_cut_at_a_character_and_a_second_abort_changes_nothing(host_ranks):
+    results = host_ranks(long_reason, 2, 1, timeout_s=120)
     got = results[0]["aborted"][1]
     # 96 bytes hold 46 two-byte characters and the 3-byte "…" that says the text was cut.
     assert got == "é" * ((cells.REASON_TEXT_BYTES - 3) // 2) + "…"
@@ -145,8 +144,8 @@ def fences_again_after_its_own_error(failer):
     return out
 
 
-def test_a_fence_after_the_ranks_own_error_aborts_the_view_before_raising():
-    results = run(fences_again_after_its_own_error, 2, 0, timeout_s=120)
+def test_a_fence_after_the_ranks_own_error_aborts_the_view_before_raising(host_ranks):
+    results = host_ranks(fences_again_after_its_own_error, 2, 0, timeout_s=120)
     assert results[0] == "planted: this rank's fence failed"
     r = results[1]
     assert r["type"] == "PeerAborted" and r["elapsed"] < FAST_S, r
@@ -164,8 +163,8 @@ def one_rank_closes(closer, channels):
     return [_wait_for_abort(f) for f in fences]  # every channel of the view was marked
 
 
-def test_a_peer_that_closed_is_reported_as_closed_on_every_channel_at_once():
-    results = run(one_rank_closes, 3, 2, 2, timeout_s=120)
+def test_a_peer_that_closed_is_reported_as_closed_on_every_channel_at_once(host_ranks):
+    results = host_ranks(one_rank_closes, 3, 2, 2, timeout_s=120)
     for rank in (0, 1):
         for r in results[rank]:
             assert r["type"] == "PeerAborted" and r["elapsed"] < FAST_S, r
@@ -189,9 +188,9 @@ def one_rank_never_arrives(absent, budget):
     return out
 
 
-def test_a_peer_that_never_arrived_is_a_timeout_that_says_not_arrived_not_closed():
+def test_a_peer_that_never_arrived_is_a_timeout_that_says_not_arrived_not_closed(host_ranks):
     budget = 1.5
-    r = run(one_rank_never_arrives, 2, 1, budget, timeout_s=120)[0]
+    r = host_ranks(one_rank_never_arrives, 2, 1, budget, timeout_s=120)[0]
     assert r["type"] == "FenceTimeout" and r["elapsed"] >= budget, r
     assert r["late"] == {1: 1} and r["aborted"] == {} and r["closed"] == [], r
     assert "not arrived, neither closed nor aborted: rank 1" in r["msg"] and "closed its buffer" not in r["msg"]
@@ -218,9 +217,9 @@ def clean_close_after_the_last_fence(closer, fences):
     return {"seen": seen, "slot": slots[closer]}
 
 
-def test_a_clean_close_after_the_last_fence_never_fails_a_fence_that_completed():
+def test_a_clean_close_after_the_last_fence_never_fails_a_fence_that_completed(host_ranks):
     fences = 3
-    r = run(clean_close_after_the_last_fence, 2, 0, fences, timeout_s=120)[1]
+    r = host_ranks(clean_close_after_the_last_fence, 2, 0, fences, timeout_s=120)[1]
     # The closer's slot carries the flag and the full count: the masked count completed it.
     assert r["slot"] < 0 and r["slot"] & (2**63 - 1) == fences, r
     assert r["seen"] == fences, r
@@ -273,8 +272,8 @@ def tail_sees_abort(aborter):
     return {"status": status.item(), "elapsed": elapsed, "err": describe_error(err)}
 
 
-def test_a_grid_fence_tail_sees_an_abort_at_once():
-    r = run(tail_sees_abort, 2, 1, timeout_s=120)[0]
+def test_a_grid_fence_tail_sees_an_abort_at_once(host_ranks):
+    r = host_ranks(tail_sees_abort, 2, 1, timeout_s=120)[0]
     assert r["status"] == 2 and r["elapsed"] < FAST_S, r
     assert r["err"]["type"] == "PeerAborted" and r["err"]["aborted"] == {1: "writer: bad input"}, r
 
@@ -315,8 +314,8 @@ def abort_checks_its_argument():
     return msg, view.aborted
 
 
-def test_abort_takes_a_string_and_is_a_no_op_after_close():
-    msg, aborted = run(abort_checks_its_argument, 1, timeout_s=60)[0]
+def test_abort_takes_a_string_and_is_a_no_op_after_close(host_ranks):
+    msg, aborted = host_ranks(abort_checks_its_argument, 1, timeout_s=60)[0]
     assert msg.startswith("rank 0: PeerView.abort:") and "must be a str" in msg and aborted == "closed", msg
 
 
@@ -361,8 +360,8 @@ def failure_owner_rules():
     return out
 
 
-def test_a_failed_fence_aborts_the_view_once_and_later_fences_and_waiters_fail_at_once():
-    r = run(failure_owner_rules, 1, timeout_s=60)[0]
+def test_a_failed_fence_aborts_the_view_once_and_later_fences_and_waiters_fail_at_once(host_ranks):
+    r = host_ranks(failure_owner_rules, 1, timeout_s=60)[0]
     reason = "rank 0: FenceTimeout on channel 0"
     assert r["first"] == [("FenceTimeout", "planted: channel 0 failed", reason)] * 2, r["first"]
     assert r["second"]["type"] == "PeerAborted" and r["second"]["aborted"] == {0: reason}, r

@@ -42,11 +42,14 @@ def exchange_pattern(nbytes: int, backend: str = "host") -> list[list[int]]:
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_every_rank_reads_what_every_peer_wrote(world, backend):
+def test_every_rank_reads_what_every_peer_wrote(world, backend, host_ranks):
     if backend == "cuda" and world == 1:
         pytest.skip("one rank maps no peer: on GPUs the exchange runs at 2 and 4 ranks")
     need_gpus(backend, world)
-    results = run(exchange_pattern, world, NBYTES, backend, backend=backend)
+    if backend == "host":
+        results = host_ranks(exchange_pattern, world, NBYTES, backend)
+    else:
+        results = run(exchange_pattern, world, NBYTES, backend, backend=backend)
     for dst, seen in enumerate(results):
         assert seen == [[_stamp(src, dst)] for src in range(world)]
 
@@ -61,8 +64,8 @@ def peer_tensor_aliases_peer_memory() -> tuple[int, int, bool]:
     return t.data_ptr(), base + 32, same_as_own
 
 
-def test_tensor_is_a_view_of_the_peers_memory_not_a_copy():
-    for addr, expected, same in run(peer_tensor_aliases_peer_memory, 2):
+def test_tensor_is_a_view_of_the_peers_memory_not_a_copy(host_ranks):
+    for addr, expected, same in host_ranks(peer_tensor_aliases_peer_memory, 2):
         assert addr == expected
         assert not same
 
@@ -74,9 +77,13 @@ def bad_size_on_one_rank(backend="host"):
     return str(e.value)
 
 
-def test_sizes_that_differ_raise_on_every_rank_naming_ranks_and_sizes(backend):
+def test_sizes_that_differ_raise_on_every_rank_naming_ranks_and_sizes(backend, host_ranks):
     world = 3 if backend == "host" else 2  # one GPU per rank
-    for m in run(bad_size_on_one_rank, world, backend, backend=backend):
+    if backend == "host":
+        results = host_ranks(bad_size_on_one_rank, world, backend)
+    else:
+        results = run(bad_size_on_one_rank, world, backend, backend=backend)
+    for m in results:
         for r in range(world):
             assert f"rank {r}: {8192 if r == 1 else 4096}" in m, m
 
@@ -89,8 +96,8 @@ def bad_nbytes(value_on_rank_0):
 
 
 @pytest.mark.parametrize("value", [0, -16])
-def test_zero_or_negative_size_raises_on_every_rank(value):
-    for m in run(bad_nbytes, 2, value):
+def test_zero_or_negative_size_raises_on_every_rank(value, host_ranks):
+    for m in host_ranks(bad_nbytes, 2, value):
         assert "rank 0" in m and "positive" in m and str(value) in m
 
 
@@ -126,8 +133,8 @@ def bad_views():
     return errors, ok_end, closed
 
 
-def test_views_outside_the_buffer_or_misaligned_raise_and_use_after_close_raises():
-    for errors, ok_end, closed in run(bad_views, 2):
+def test_views_outside_the_buffer_or_misaligned_raise_and_use_after_close_raises(host_ranks):
+    for errors, ok_end, closed in host_ranks(bad_views, 2):
         assert set(errors) == {"past_end", "misaligned", "negative", "dtype", "rank", "shape"}
         assert errors["past_end"][0] == "BoundsError" and "[1008, 1028)" in errors["past_end"][1]
         assert "multiple of 16" in errors["misaligned"][1]
@@ -163,8 +170,8 @@ def backend_choice():
     return name, str(e.value)
 
 
-def test_auto_backend_picks_host_under_the_interpreter_and_unknown_backends_raise():
-    for name, msg in run(backend_choice, 2):
+def test_auto_backend_picks_host_under_the_interpreter_and_unknown_backends_raise(host_ranks):
+    for name, msg in host_ranks(backend_choice, 2):
         assert name == "host" and "nvshmem" in msg
 
 
@@ -236,9 +243,9 @@ def adopt_peer_addresses(signals):
 
 
 @pytest.mark.parametrize("signals", ["separate", "tail"])
-def test_adopting_memory_a_runtime_mapped_gives_views_and_fences(signals):
+def test_adopting_memory_a_runtime_mapped_gives_views_and_fences(signals, host_ranks):
     for rank, (adopted, owner, still, nbytes, short, untouched, apart) in enumerate(
-        run(adopt_peer_addresses, 2, signals)
+        host_ranks(adopt_peer_addresses, 2, signals)
     ):
         assert adopted == owner == still == [1 - rank + 5] * 4
         assert "1 addresses for a group of 2 ranks" in short

@@ -79,19 +79,26 @@ def payload_oracle(n, mode, tp=None, backend="host"):
     return {"errors": errors, "epoch": epoch, "ranks": list(view.ranks), "path": path}
 
 
+def _on(backend, host_ranks, fn, world, *args):
+    """``fn(*args, backend)`` on ``world`` ranks: the session's kept host ranks, or fresh GPU ranks."""
+    if backend == "host":
+        return host_ranks(fn, world, *args, backend)
+    return run(fn, world, *args, backend, backend=backend)
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_rank_sees_every_peers_payload_after_each_fence(world, backend):
+def test_every_rank_sees_every_peers_payload_after_each_fence(world, backend, host_ranks):
     need_gpus(backend, world)
-    for res in run(payload_oracle, world, N_FENCES, "fence", None, backend, backend=backend):
+    for res in _on(backend, host_ranks, payload_oracle, world, N_FENCES, "fence", None):
         assert res["errors"] == 0
         assert res["epoch"] == N_FENCES
         if backend == "cuda":
             assert res["path"] == "cuda-python"  # the fast launch path, not Triton's launcher
 
 
-def test_disjoint_subgroups_fence_independently_on_one_buffer(backend):
+def test_disjoint_subgroups_fence_independently_on_one_buffer(backend, host_ranks):
     need_gpus(backend, 4)
-    results = run(payload_oracle, 4, N_FENCES, "fence", 2, backend, backend=backend)
+    results = _on(backend, host_ranks, payload_oracle, 4, N_FENCES, "fence", 2)
     for rank, res in enumerate(results):
         assert res["ranks"] == [rank % 2, rank % 2 + 2]
         assert res["errors"] == 0 and res["epoch"] == N_FENCES
@@ -99,16 +106,16 @@ def test_disjoint_subgroups_fence_independently_on_one_buffer(backend):
 
 @pytest.mark.parametrize("mode", ["split", "overlap"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_split_phase_with_work_between_arrive_and_wait(mode, world, backend):
+def test_split_phase_with_work_between_arrive_and_wait(mode, world, backend, host_ranks):
     if backend == "host" and world == 4:
         pytest.skip("on the host backend split phase runs at world 2 (fences at world 4: above)")
     need_gpus(backend, world)
-    for res in run(payload_oracle, world, N_FENCES, mode, None, backend, backend=backend):
+    for res in _on(backend, host_ranks, payload_oracle, world, N_FENCES, mode, None):
         assert res["errors"] == 0 and res["epoch"] == N_FENCES
 
 
-def test_the_oracle_bites_without_the_wait():
-    results = run(payload_oracle, 2, 60, "nowait")
+def test_the_oracle_bites_without_the_wait(host_ranks):
+    results = host_ranks(payload_oracle, 2, 60, "nowait")
     assert sum(r["errors"] for r in results) > 0
 
 
@@ -132,11 +139,11 @@ def interleaved_channels(n, backend="host"):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_channels_interleave_without_interference(world, backend):
+def test_channels_interleave_without_interference(world, backend, host_ranks):
     if backend == "host" and world == 4:
         pytest.skip("on the host backend channels interleave at world 2")
     need_gpus(backend, world)
-    for errors, epochs in run(interleaved_channels, world, 100, backend, backend=backend):
+    for errors, epochs in _on(backend, host_ranks, interleaved_channels, world, 100):
         assert errors == 0 and epochs == [100, 100]
 
 
@@ -226,8 +233,8 @@ def kernel_args_drive_a_kernel(rounds, backend="host"):
     return out
 
 
-def test_fence_kernel_args_are_what_a_kernel_that_fences_takes():
-    for rank, r in enumerate(run(kernel_args_drive_a_kernel, 2, 3)):
+def test_fence_kernel_args_are_what_a_kernel_that_fences_takes(host_ranks):
+    for rank, r in enumerate(host_ranks(kernel_args_drive_a_kernel, 2, 3)):
         assert r["same"] and r["statuses"] == [0, 0, 0] and r["epoch"] == 4, r
         assert r["default_budget"], r  # the default budget is the backend's capability
         assert r["refused"].startswith(f"rank {rank}: Fence: timeout_s must be"), r["refused"]

@@ -196,14 +196,14 @@ def stray_stores(kind, over_cells):
 
 
 @pytest.mark.parametrize("kind", ["allocated", "growable", "tail"])
-def test_stores_past_the_user_region_never_make_a_fence_pass_early(kind):
-    for rank, (errors, last) in enumerate(run(stray_stores, 2, kind, False)):
+def test_stores_past_the_user_region_never_make_a_fence_pass_early(kind, host_ranks):
+    for rank, (errors, last) in enumerate(host_ranks(stray_stores, 2, kind, False)):
         assert errors == 0  # every fence waited for the late rank's payload
         if rank == 0:
             assert last == ("FenceTimeout", {1: ROUNDS}), last  # and one it never reached timed out
 
 
-def test_the_same_garbage_over_the_cells_makes_the_fence_pass_early_and_the_oracle_sees_it():
-    for rank, (errors, last) in enumerate(run(stray_stores, 2, "allocated", True)):
+def test_the_same_garbage_over_the_cells_makes_the_fence_pass_early_and_the_oracle_sees_it(host_ranks):
+    for rank, (errors, last) in enumerate(host_ranks(stray_stores, 2, "allocated", True)):
         if rank == 0:
             assert errors > 0 and last == "passed", (errors, last)

@@ -48,8 +48,8 @@ def grow_keeps_addresses_tensors_and_fences():
     return result
 
 
-def test_grow_maps_new_memory_on_every_peer_and_keeps_what_was_made_before():
-    for rank, (seen, same_tables, nbytes, epoch) in enumerate(run(grow_keeps_addresses_tensors_and_fences, 2)):
+def test_grow_maps_new_memory_on_every_peer_and_keeps_what_was_made_before(host_ranks):
+    for rank, (seen, same_tables, nbytes, epoch) in enumerate(host_ranks(grow_keeps_addresses_tensors_and_fences, 2)):
         peer = 1 - rank
         assert seen[0] == [100 + peer] * 8 + [300 + peer] * 8
         assert seen[1] == [200 + peer] * 16
@@ -75,8 +75,8 @@ def bad_grows():
     return result
 
 
-def test_bad_grows_raise_on_every_rank_and_change_nothing():
-    for errors, nbytes in run(bad_grows, 2):
+def test_bad_grows_raise_on_every_rank_and_change_nothing(host_ranks):
+    for errors, nbytes in host_ranks(bad_grows, 2):
         assert errors["past_max"][0] == "BoundsError" and "65536" in errors["past_max"][1]
         assert errors["shrink"][0] == "BoundsError"
         assert errors["differ"][0] == "SizeMismatchError" and "rank 0: 32768" in errors["differ"][1]
@@ -112,8 +112,8 @@ def planted_failure(failing_rank: int, step: str):
 
 
 @pytest.mark.parametrize("step", ["commit", "map_chunk"])
-def test_a_grow_that_fails_on_one_rank_raises_everywhere_and_keeps_the_old_size(step):
-    for rank, (msg, before, after, kept, beyond, later) in enumerate(run(planted_failure, 2, 1, step)):
+def test_a_grow_that_fails_on_one_rank_raises_everywhere_and_keeps_the_old_size(step, host_ranks):
+    for rank, (msg, before, after, kept, beyond, later) in enumerate(host_ranks(planted_failure, 2, 1, step)):
         assert msg is not None and "rank 1" in msg and "planted failure" in msg and "keeps its 8192 bytes" in msg
         assert after <= before  # nothing mapped by the failed grow stays mapped
         assert kept == (8 * KIB, [7 + 1 - rank] * 4) and beyond == "refused"
@@ -149,8 +149,8 @@ def register_runtime_memory():
     return untouched, offset, got, grown, apart, after_close
 
 
-def test_registered_runtime_memory_is_mapped_on_every_peer_and_grows():
-    for rank, (untouched, offset, got, grown, apart, after_close) in enumerate(run(register_runtime_memory, 2)):
+def test_registered_runtime_memory_is_mapped_on_every_peer_and_grows(host_ranks):
+    for rank, (untouched, offset, got, grown, apart, after_close) in enumerate(host_ranks(register_runtime_memory, 2)):
         peer = 1 - rank
         assert untouched == 128 * KIB  # registration wrote none of the runtime's bytes
         assert offset == 64 * KIB  # offsets count from the registered address
@@ -174,8 +174,8 @@ def register_anonymous_memory(rank_with_bad_memory):
     return msg
 
 
-def test_registering_memory_peers_cannot_open_raises_on_every_rank():
-    for msg in run(register_anonymous_memory, 2, 1):
+def test_registering_memory_peers_cannot_open_raises_on_every_rank(host_ranks):
+    for msg in host_ranks(register_anonymous_memory, 2, 1):
         assert msg is not None and "rank 1" in msg and "shared-memory object" in msg
 
 
@@ -198,6 +198,7 @@ def register_cycles(n):
 
 
 def test_register_grow_close_cycles_leave_the_mappings_where_they_started():
+    # Fresh processes (not host_ranks): a process that ran other tests may map more while this runs.
     for start, end in run(register_cycles, 2, 200):
         assert end <= start
 
@@ -274,8 +275,12 @@ def runtime_cache_writer(backend, fused):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_the_writer_publishes_into_a_runtimes_registered_cache_before_and_after_it_grows(backend, fused):
-    for usable, early, ok in run(runtime_cache_writer, 2, backend, fused, backend=backend):
+def test_the_writer_publishes_into_a_runtimes_registered_cache_before_and_after_it_grows(backend, fused, host_ranks):
+    if backend == "host":
+        results = host_ranks(runtime_cache_writer, 2, backend, fused)
+    else:
+        results = run(runtime_cache_writer, 2, backend, fused, backend=backend)
+    for usable, early, ok in results:
         assert 0 < usable < (64 if backend == "cuda" else 8)
         assert early is not None and "grow the buffer first" in early
         assert ok == [(True, True, True)] * 2
@@ -300,8 +305,8 @@ def register_one_growing_object():
     return got
 
 
-def test_a_runtime_object_that_grows_in_place_registers_and_grows():
-    for rank, got in enumerate(run(register_one_growing_object, 2)):
+def test_a_runtime_object_that_grows_in_place_registers_and_grows(host_ranks):
+    for rank, got in enumerate(host_ranks(register_one_growing_object, 2)):
         assert got == ([10 + 1 - rank] * 4, [20 + 1 - rank] * 4)
 
 
@@ -322,8 +327,8 @@ def register_inside_a_page():
     return got
 
 
-def test_a_registered_address_inside_a_page_maps_at_the_same_offsets():
-    for rank, got in enumerate(run(register_inside_a_page, 2)):
+def test_a_registered_address_inside_a_page_maps_at_the_same_offsets(host_ranks):
+    for rank, got in enumerate(host_ranks(register_inside_a_page, 2)):
         assert got == ([30 + 1 - rank] * 4, [40 + 1 - rank] * 4)
 
 
@@ -350,8 +355,8 @@ def registered_grow_fails_on_one_rank():
     return msg, size, got, closed
 
 
-def test_a_registered_grow_that_fails_on_one_rank_raises_everywhere_and_a_retry_works():
-    for rank, (msg, size, got, closed) in enumerate(run(registered_grow_fails_on_one_rank, 2)):
+def test_a_registered_grow_that_fails_on_one_rank_raises_everywhere_and_a_retry_works(host_ranks):
+    for rank, (msg, size, got, closed) in enumerate(host_ranks(registered_grow_fails_on_one_rank, 2)):
         assert msg is not None and msg.startswith("SymmetricBuffer.grow:") and "planted failure" in msg
         assert "keeps its 65536 bytes" in msg and size == 64 * KIB
         assert got == [60 + 1 - rank] * 4
@@ -380,8 +385,8 @@ def cache_tensors_that_disagree(case):
 
 
 @pytest.mark.parametrize("case", ["offsets", "outside"])
-def test_cache_tensors_at_different_offsets_or_outside_symmetric_memory_raise_on_every_rank(case):
-    for got in run(cache_tensors_that_disagree, 2, case):
+def test_cache_tensors_at_different_offsets_or_outside_symmetric_memory_raise_on_every_rank(case, host_ranks):
+    for got in host_ranks(cache_tensors_that_disagree, 2, case):
         assert got is not None
         if case == "offsets":
             assert got[0] == "ConfigError" and "differs across ranks" in got[1]

@@ -146,8 +146,8 @@ def _pipeline_verdict(results, mode):
 
 
 @pytest.fixture(scope="module")
-def pipelines():
-    return run(pipeline, 2, ("full", "nowait", "nocredit"), backend="host", timeout_s=RUN_S)
+def pipelines(host_ranks):
+    return host_ranks(pipeline, 2, ("full", "nowait", "nocredit"), timeout_s=RUN_S)
 
 
 def test_the_pipelined_transfer_delivers_every_chunk_exactly_and_in_step(pipelines):
@@ -202,8 +202,8 @@ def comparisons():
     return out.tolist()
 
 
-def test_each_comparison_operator_passes_when_it_holds_and_times_out_when_it_does_not():
-    for out in run(comparisons, 2, backend="host", timeout_s=RUN_S):
+def test_each_comparison_operator_passes_when_it_holds_and_times_out_when_it_does_not(host_ranks):
+    for out in host_ranks(comparisons, 2, timeout_s=RUN_S):
         assert out[:6] == [0] * 6, f"EQ 5, NE 4, GE 5, GT 4, LE 5, LT 6 on a slot holding 5: {out[:6]}"
         assert out[6:12] == [1] * 6, f"EQ 4, NE 5, GE 6, GT 5, LE 4, LT 5 must time out: {out[6:12]}"
         assert out[12] == 5
@@ -264,9 +264,9 @@ def _fields(e, elapsed):
     }
 
 
-def test_a_signal_timeout_names_the_peer_slot_expected_and_observed_values_within_the_budget():
+def test_a_signal_timeout_names_the_peer_slot_expected_and_observed_values_within_the_budget(host_ranks):
     budget = 0.5
-    out = run(timeouts, 2, budget, backend="host", timeout_s=RUN_S)[1]
+    out = host_ranks(timeouts, 2, budget, timeout_s=RUN_S)[1]
     a = out["absolute"]
     assert a["type"] == "SignalTimeout" and a["is_fence_timeout"]
     assert (a["rank"], a["peer"], a["slot"], a["cmp"], a["expected"], a["observed"]) == (1, 0, 1, "GE", 3, 2)
@@ -314,9 +314,9 @@ def abort_ends_wait(budget_s):
     return out
 
 
-def test_a_members_abort_ends_a_signal_wait_at_once_naming_it():
+def test_a_members_abort_ends_a_signal_wait_at_once_naming_it(host_ranks):
     budget = 120.0
-    out = run(abort_ends_wait, 3, budget, backend="host", timeout_s=RUN_S)
+    out = host_ranks(abort_ends_wait, 3, budget, timeout_s=RUN_S)
     assert "refused" in out[0] and "aborted the view" in out[0]["refused"]
     for r in (1, 2):
         o = out[r]
@@ -367,9 +367,9 @@ def many_rounds(launches, rounds):
     return r
 
 
-def test_a_thousand_signal_and_wait_rounds_stay_in_step_without_a_reset():
+def test_a_thousand_signal_and_wait_rounds_stay_in_step_without_a_reset(host_ranks):
     launches, rounds = 50, 20
-    for me, r in enumerate(run(many_rounds, 2, launches, rounds, backend="host", timeout_s=RUN_S)):
+    for me, r in enumerate(host_ranks(many_rounds, 2, launches, rounds, timeout_s=RUN_S)):
         assert r["wrong"] == 0
         assert r["values"][1 - me] == [launches * rounds] and r["consumed"][1 - me] == [launches * rounds], r
 
@@ -410,8 +410,8 @@ def atomics():
     return words
 
 
-def test_peer_atomics_on_the_host_backend_are_exact_across_three_ranks():
-    for words in run(atomics, 3, backend="host", timeout_s=RUN_S):
+def test_peer_atomics_on_the_host_backend_are_exact_across_three_ranks(host_ranks):
+    for words in host_ranks(atomics, 3, timeout_s=RUN_S):
         assert words[0] == 3 * ADDS, words
         assert words[1] == 207 and words[2] == 300, words
         assert words[3] in (1, 2, 3) and words[4] == 0b111 and words[5] == -1 & ~0b111, words
@@ -460,8 +460,10 @@ def grid_wide(rounds):
     return res
 
 
-def test_the_grid_wide_wait_reads_every_members_data_in_the_same_launch_and_refuses_what_cannot_be_co_resident():
-    for r in run(grid_wide, 2, 5, backend="host", timeout_s=RUN_S):
+def test_the_grid_wide_wait_reads_every_members_data_in_the_same_launch_and_refuses_what_cannot_be_co_resident(
+    host_ranks,
+):
+    for r in host_ranks(grid_wide, 2, 5, timeout_s=RUN_S):
         assert r["wrong"] == 0 and r["epoch"] == 5, r
         assert "2 programs on the host backend" in r["refused"], r["refused"]
         assert r["direct"] == "ConfigError", r
@@ -496,8 +498,8 @@ def publish_and_wait_from_a_kernel(steps):
     return r
 
 
-def test_publish_and_wait_called_from_a_user_kernel_delivers_the_payload():
-    assert run(publish_and_wait_from_a_kernel, 2, 12, backend="host", timeout_s=RUN_S) == [(0, 12), (0, 12)]
+def test_publish_and_wait_called_from_a_user_kernel_delivers_the_payload(host_ranks):
+    assert host_ranks(publish_and_wait_from_a_kernel, 2, 12, timeout_s=RUN_S) == [(0, 12), (0, 12)]
 
 
 # ---------------------------------------------------------------------- made during capture

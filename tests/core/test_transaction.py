@@ -71,8 +71,8 @@ def transaction_that_succeeds():
     return got, undone
 
 
-def test_a_transaction_that_succeeds_everywhere_returns_every_value_and_undoes_nothing():
-    for got, undone in run(transaction_that_succeeds, 3):
+def test_a_transaction_that_succeeds_everywhere_returns_every_value_and_undoes_nothing(host_ranks):
+    for got, undone in host_ranks(transaction_that_succeeds, 3):
         assert got == [0, 1, 2] and undone == []
 
 

@@ -42,9 +42,12 @@ def tp_pcp_views(backend="host"):
     return out
 
 
-def test_tp2_pcp2_views_give_each_rank_its_subgroup_with_own_signal_regions(backend):
+def test_tp2_pcp2_views_give_each_rank_its_subgroup_with_own_signal_regions(backend, host_ranks):
     need_gpus(backend, 4)
-    assert_tp_pcp_views(run(tp_pcp_views, 4, backend, backend=backend))
+    if backend == "host":
+        assert_tp_pcp_views(host_ranks(tp_pcp_views, 4, backend))
+    else:
+        assert_tp_pcp_views(run(tp_pcp_views, 4, backend, backend=backend))
 
 
 def assert_tp_pcp_views(results):
@@ -89,8 +92,8 @@ def bad_view(case):
         ("inconsistent", "same ranks in the same order"),
     ],
 )
-def test_bad_views_raise_on_every_rank(case, words):
-    msgs = run(bad_view, 2, case)
+def test_bad_views_raise_on_every_rank(case, words, host_ranks):
+    msgs = host_ranks(bad_view, 2, case)
     assert all(m is not None and words in m for m in msgs), msgs
 
 
@@ -115,8 +118,8 @@ def view_limits():
     return out
 
 
-def test_layout_and_channel_and_region_limits_raise_clearly():
-    for out in run(view_limits, 2):
+def test_layout_and_channel_and_region_limits_raise_clearly(host_ranks):
+    for out in host_ranks(view_limits, 2):
         assert "tp=3" in out["tp"] and "divisor" in out["tp"]
         assert "channel 2" in out["channel"]
         assert "max_views" in out["regions"]

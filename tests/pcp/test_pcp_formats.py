@@ -2,9 +2,11 @@
 
 The references (tests/oracles.py) are plain torch, written from the rules in
 docs/pcp.md ("Cache formats"), and share no code with ``symmsync.pcp.quant``. The
-writer runs for every combination of formats on every route, on the host backend (2
-ranks, Triton's interpreter) and on 2 GPUs where they exist (the ``backend``
-fixture; tests/gpu/test_gpu_pcp_formats.py checks the GPU's fp8 conversion itself). Every
+writer runs for every combination of formats on every route and slot pattern on 2 GPUs
+where they exist (the ``backend`` fixture; tests/gpu/test_gpu_pcp_formats.py checks the
+GPU's fp8 conversion itself), and on the host backend (2 ranks, Triton's interpreter) for
+a pairwise subset: every value of each axis (main scale, indexer scale, route, slot
+pattern) with every value of every other; the whole matrix there is a soak. Every
 replica, its padding and its untouched slots are compared byte for byte; the
 all-gather route is a second oracle.
 """
@@ -137,17 +139,40 @@ def test_layout_defaults_are_the_current_formats():
 ROUTES = ("direct", "direct-spread", "direct-plain", "direct-fence", "allgather")
 OPTIONS = {"": {}, "spread": {"spread": True}, "plain": {"programs_per_sm": 0}, "fence": {"fused": False}}
 SLOTS = ("scattered", "contiguous")
+MATRIX = [(f, r, p) for f in FORMATS for r in ROUTES for p in SLOTS]  # (format, route, slot pattern)
 
 
-def formats_oracle(tokens: int, block_size: int, backend: str = "host", routes=ROUTES):
-    """Every format on every route and slot pattern into one buffer; each rank checks its
+def _value_pairs(combo):
+    """Every pair of values a (format, route, pattern) holds, over the four axes main scale,
+    indexer scale, route and slot pattern."""
+    (main, indexer), route, pattern = combo
+    values = list(enumerate((main, indexer, route, pattern)))
+    return {(a, b) for i, a in enumerate(values) for b in values[i + 1 :]}
+
+
+def pairwise(matrix):
+    """A subset of ``matrix`` in which every pair of values of two axes appears at least once
+    (greedy: each pick adds the most pairs not yet covered; deterministic)."""
+    missing = set().union(*(_value_pairs(c) for c in matrix))
+    chosen = []
+    while missing:
+        best = max(matrix, key=lambda c: len(_value_pairs(c) & missing))
+        chosen.append(best)
+        missing -= _value_pairs(best)
+    return chosen
+
+
+PAIRWISE = pairwise(MATRIX)
+
+
+def formats_oracle(tokens: int, block_size: int, backend: str = "host", combos=MATRIX):
+    """Each (format, route, slot pattern) of ``combos`` into one buffer; each rank checks its
     own replica. Scattered slots are a random permutation; contiguous slots are the
     prompt's positions (each rank owns two runs of them, as with a fresh sequence)."""
     world = dist.get_world_size()
     nb = -(-tokens // block_size) + 2  # more slots than tokens: untouched slots stay zero
     lay0 = pcp.CacheLayout(num_blocks=nb, num_layers=1, block_size=block_size)
     span = lay0.nbytes + 256
-    combos = [(f, r, p) for f in FORMATS for r in routes for p in SLOTS]
     layouts = [
         pcp.CacheLayout(nb, 1, block_size, base=128 + i * span, main_scale=m, indexer_scale=x)
         for i, ((m, x), _, _) in enumerate(combos)
@@ -199,21 +224,37 @@ def formats_oracle(tokens: int, block_size: int, backend: str = "host", routes=R
     return result
 
 
-def assert_formats_oracle(results, routes=ROUTES):
+def assert_formats_oracle(results, combos=MATRIX):
     for r in results:
         assert r["guards_untouched"]
-        assert r["fences"] == ["Fence"] * (len(FORMATS) * len(routes) * len(SLOTS))
-        for fmt in FORMATS:
-            for route in routes:
-                for pattern in SLOTS:
-                    key = (fmt, route, pattern)
-                    assert r[key] == (0, []), (key, r[key])
+        assert r["fences"] == ["Fence"] * len(combos)
+        for key in combos:
+            assert r[key] == (0, []), (key, r[key])
         assert r["mismatch"] and "the layout differs across ranks" in r["mismatch"], r["mismatch"]
 
 
 FORMATS_ORACLE = {"host": (24, 8, 300), "cuda": (1000, 64, 600)}  # tokens, block size, time budget
 
 
-def test_every_format_every_route_matches_its_rule_byte_for_byte(backend):
+def test_the_pairwise_subset_holds_every_value_of_every_axis_with_every_value_of_every_other():
+    assert set().union(*map(_value_pairs, PAIRWISE)) == set().union(*map(_value_pairs, MATRIX))
+    assert {c[0] for c in PAIRWISE} == set(FORMATS) and {c[1] for c in PAIRWISE} == set(ROUTES)
+    assert {c[2] for c in PAIRWISE} == set(SLOTS) and len(PAIRWISE) < len(MATRIX)
+
+
+def test_every_format_every_route_matches_its_rule_byte_for_byte(backend, host_ranks):
+    """On GPUs the whole matrix of formats, routes and slot patterns; on the host backend every
+    pair of values of two axes at least once (the whole matrix there: the soak below)."""
     tokens, block_size, timeout_s = FORMATS_ORACLE[backend]
-    assert_formats_oracle(run(formats_oracle, 2, tokens, block_size, backend, backend=backend, timeout_s=timeout_s))
+    if backend == "host":
+        results = host_ranks(formats_oracle, 2, tokens, block_size, backend, PAIRWISE, timeout_s=timeout_s)
+        assert_formats_oracle(results, PAIRWISE)
+    else:
+        results = run(formats_oracle, 2, tokens, block_size, backend, backend=backend, timeout_s=timeout_s)
+        assert_formats_oracle(results)
+
+
+@pytest.mark.soak
+def test_the_whole_format_matrix_matches_its_rule_on_the_host_backend(host_ranks):
+    tokens, block_size, timeout_s = FORMATS_ORACLE["host"]
+    assert_formats_oracle(host_ranks(formats_oracle, 2, tokens, block_size, "host", timeout_s=timeout_s))

@@ -18,7 +18,7 @@ from oracles import assert_byte_oracle, byte_oracle, oracle_cache, prompt
 
 import symmsync as ss
 from symmsync import pcp
-from symmsync.testing import RankPool, run
+from symmsync.testing import run
 
 GUARD = 0xA5
 BLOCK = 64
@@ -77,15 +77,19 @@ def test_split_rank_outside_the_group_is_a_bounds_error():
 BYTE_ORACLE = {"host": (150, 2, 11), "cuda": (1000, 3, 5)}  # tokens, layers, seed
 
 
-def test_pcp2_every_replica_is_byte_identical_to_allgather_insert_and_to_torch(backend):
+def test_pcp2_every_replica_is_byte_identical_to_allgather_insert_and_to_torch(backend, host_ranks):
     tokens, layers, seed = BYTE_ORACLE[backend]
-    assert_byte_oracle(run(byte_oracle, 2, 1, tokens, layers, seed, backend, backend=backend, timeout_s=600), layers)
+    if backend == "host":
+        results = host_ranks(byte_oracle, 2, 1, tokens, layers, seed, backend, timeout_s=600)
+    else:
+        results = run(byte_oracle, 2, 1, tokens, layers, seed, backend, backend=backend, timeout_s=600)
+    assert_byte_oracle(results, layers)
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["pcp4", "tp2xpcp2"])
-def test_at_world_4_every_replica_is_byte_identical_to_allgather_insert_and_to_torch(tp):
+def test_at_world_4_every_replica_is_byte_identical_to_allgather_insert_and_to_torch(tp, host_ranks):
     # On 4 GPUs: tests/gpu/test_gpu_four.py.
-    assert_byte_oracle(run(byte_oracle, 4, tp, 150, 2, 11, timeout_s=600), 2)
+    assert_byte_oracle(host_ranks(byte_oracle, 4, tp, 150, 2, 11, timeout_s=600), 2)
 
 
 # ---------------------------------------------------------------------- properties
@@ -114,12 +118,6 @@ def one_example(tokens, num_layers, pad, seed):
     return ok
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(2, timeout_s=300) as p:
-        yield p
-
-
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(
     tokens=st.one_of(st.sampled_from([0, 1, 63, 64, 65]), st.integers(0, 300)),
@@ -127,8 +125,8 @@ def pool():
     pad=st.sampled_from([0.0, 0.3]),
     seed=st.integers(0, 2**16),
 )
-def test_direct_writes_match_torch_for_any_token_count_padding_and_layers(pool, tokens, num_layers, pad, seed):
-    for per_rank in pool.call(one_example, tokens, num_layers, pad, seed):
+def test_direct_writes_match_torch_for_any_token_count_padding_and_layers(host_ranks, tokens, num_layers, pad, seed):
+    for per_rank in host_ranks(one_example, 2, tokens, num_layers, pad, seed):
         assert per_rank == [True] * num_layers
 
 
@@ -185,8 +183,8 @@ def bad_inputs():
     return errors, collective, untouched
 
 
-def test_bad_input_raises_before_any_byte_is_written():
-    for rank, (errors, collective, untouched) in enumerate(run(bad_inputs, 2)):
+def test_bad_input_raises_before_any_byte_is_written(host_ranks):
+    for rank, (errors, collective, untouched) in enumerate(host_ranks(bad_inputs, 2)):
         inputs = {"dtype", "shape", "rows", "noncontiguous", "batch", "meta", "subclass"}
         assert set(errors) == inputs | {"layer", "bool_layer", "layout_layer"}, errors
         assert {errors[k][0] for k in inputs} == {"InputError"}, errors
@@ -222,8 +220,8 @@ def mixed_routes():
         buf.close()
 
 
-def test_ranks_that_pick_different_routes_all_raise():
-    for msg in run(mixed_routes, 2):
+def test_ranks_that_pick_different_routes_all_raise(host_ranks):
+    for msg in host_ranks(mixed_routes, 2):
         # The direct route fuses its fence by default: the route is named with it.
         assert msg and "same route" in msg and "rank 0: 'direct fused'" in msg and "rank 1: 'allgather'" in msg
 
@@ -264,8 +262,8 @@ def bad_write_on_one_rank(fused, bad_rank):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["fence", "fused"])
-def test_a_bad_write_on_one_rank_makes_every_peer_raise_naming_it_at_once(fused):
-    res = run(bad_write_on_one_rank, 2, fused, 1, timeout_s=120)
+def test_a_bad_write_on_one_rank_makes_every_peer_raise_naming_it_at_once(fused, host_ranks):
+    res = host_ranks(bad_write_on_one_rank, 2, fused, 1, timeout_s=120)
     bad, peer = res[1], res[0]
     assert bad["type"] == "InputError" and "bfloat16" in bad["msg"], bad
     assert peer["type"] == "PeerAborted", peer
@@ -287,8 +285,8 @@ def bad_channel_on_rank_1():
         buf.close()
 
 
-def test_a_channel_outside_the_view_raises_the_same_bounds_error_on_every_rank():
-    results = run(bad_channel_on_rank_1, 2)
+def test_a_channel_outside_the_view_raises_the_same_bounds_error_on_every_rank(host_ranks):
+    results = host_ranks(bad_channel_on_rank_1, 2)
     assert results[0] == results[1], results
     kind, msg = results[0]
     assert kind == "BoundsError" and msg.startswith("DirectKVWriter: rank 1: ") and "channel 5" in msg, msg
