@@ -292,14 +292,14 @@ def tail_counts(launches, programs):
     return result
 
 
-def test_a_grid_fence_of_one_member_advances_the_epoch_once_per_launch_and_counts_no_arrival():
+def test_a_grid_fence_of_one_member_advances_the_epoch_once_per_launch_and_counts_no_arrival(host_ranks):
     # One member: nobody to publish to or wait for; the epoch still counts launches.
-    assert run(tail_counts, 1, 5, 3, timeout_s=120) == [(5, 0, 0)]
+    assert host_ranks(tail_counts, 1, 5, 3, timeout_s=120) == [(5, 0, 0)]
 
 
-def test_a_grid_fence_of_two_members_advances_the_epoch_once_per_launch_and_resets_its_counter():
+def test_a_grid_fence_of_two_members_advances_the_epoch_once_per_launch_and_resets_its_counter(host_ranks):
     # Every program arrives; only the last one publishes, and it resets the counter.
-    assert run(tail_counts, 2, 3, 3, timeout_s=120) == [(3, 0, 0), (3, 0, 0)]
+    assert host_ranks(tail_counts, 2, 3, 3, timeout_s=120) == [(3, 0, 0), (3, 0, 0)]
 
 
 # ---------------------------------------------------------------------- abort's argument
