@@ -54,10 +54,6 @@ _CTYPES = {
 }
 
 
-def _int_width(v: int) -> str:
-    return "i32" if -(2**31) <= v < 2**31 else ("i64" if -(2**63) <= v < 2**63 else "u64")
-
-
 def _arg_class(v: Any) -> tuple:
     """The part of an argument that decides which compiled variant Triton picks."""
     if isinstance(v, torch.Tensor):
@@ -65,7 +61,8 @@ def _arg_class(v: Any) -> tuple:
     if isinstance(v, bool):
         return ("b",)
     if isinstance(v, int):
-        return ("i", _int_width(v), v == 1, v % 16 == 0)
+        width = "i32" if -(2**31) <= v < 2**31 else ("i64" if -(2**63) <= v < 2**63 else "u64")
+        return ("i", width, v == 1, v % 16 == 0)
     if isinstance(v, float):
         return ("f",)
     return ("o", type(v))
@@ -288,29 +285,17 @@ class BoundLaunch:
         for the compiled variant those values select (or goes through Triton's launcher
         once to compile it). The caller keeps tensors alive until the launch ran.
         """
-        # The hot path of a layer: the class of each new value is tested against the old
-        # one's without building a new class tuple (ints: width, == 1, multiple of 16;
-        # tensors: dtype, 16-byte alignment), and each value's cell is set once.
+        # One class per new value (the old code built every argument's class twice on a
+        # change), and the packed cells are set only when no class changed.
         args = self._args
         classes = self._classes
-        raw = []
         changed = False
         for i, v in zip(indices, values):
             args[i] = v
-            old = classes[i]
-            if type(v) is torch.Tensor:
-                addr = v.data_ptr()
-                same = old[0] == "t" and old[1] is v.dtype and old[2] == (addr % 16 == 0)
-            elif type(v) is int:
-                addr = v
-                same = old[0] == "i" and old[2] == (v == 1) and old[3] == (v % 16 == 0) and old[1] == _int_width(v)
-            else:
-                addr = v
-                same = _arg_class(v) == old
-            if not same:
-                classes[i] = _arg_class(v)
+            c = _arg_class(v)
+            if c != classes[i]:
+                classes[i] = c
                 changed = True
-            raw.append(addr)
         packed = self._packed
         if packed is None:  # not packed yet: the next call goes through Triton's launcher
             return
@@ -318,10 +303,10 @@ class BoundLaunch:
             self._packed = self.launcher._packer(args)
             return
         cells = packed.cells
-        for i, addr in zip(indices, raw):
+        for i, v in zip(indices, values):
             cell = cells.get(i)
             if cell is not None:
-                cell.value = addr
+                cell.value = v.data_ptr() if type(v) is torch.Tensor else v
 
     def __call__(self, stream: int | None = None) -> None:
         """Launch on torch's current stream, or on the raw CUDA stream handle ``stream``.

@@ -123,7 +123,8 @@ def grid_barrier(counter, target, epoch, timeout_ns, mism, me, SIZE: tl.constexp
 
 @triton.jit
 def flag_then_trap(rec, flag, TRAP: tl.constexpr):
-    """Set a record's flag word, last, then (``TRAP``) trap once the flag has landed.
+    """Set a record's flag word (``rec``: an int64 pointer to it), last, then (``TRAP``) trap
+    once the flag has landed.
 
     Pseudocode::
 
@@ -140,7 +141,7 @@ def flag_then_trap(rec, flag, TRAP: tl.constexpr):
     """
     tl.debug_barrier()
     ssl.record_barrier()
-    tl.store(rec.to(tl.pointer_type(tl.int64)), flag)
+    tl.store(rec, flag)
     ssl.record_barrier()
     tl.debug_barrier()
     if TRAP:

@@ -61,7 +61,6 @@ _IDX_SCALE = tl.constexpr(IndexerKLayout.SCALE_BYTES)  # a token's indexer scale
 # After a token's codes: its 4 fp32 tile scales (one 16-byte store), then its 64 RoPE
 # values (copied as they are, never converted).
 _ROPE_AT = tl.constexpr(MainKVLayout.ROPE_OFFSET)
-_C4 = tl.constexpr(MainKVLayout.NUM_TILES)
 assert MainKVLayout.ROPE_OFFSET == MainKVLayout.SCALES_OFFSET + 4 * MainKVLayout.NUM_TILES, "scales, then RoPE"
 assert MainKVLayout.TOKEN_BYTES % 16 == 0 and MainKVLayout.SCALES_OFFSET % 16 == 0, "16-byte runs"
 assert MainKVLayout.ROPE_OFFSET % 16 == 0 and MainKVLayout.NUM_TILES == 4, "one 16-byte store of scales"
@@ -126,7 +125,7 @@ def _quantize_write_kernel(
     c_nope = tl.arange(0, _NOPE)
     c_idx = tl.arange(0, _IDX)
     c_pe = tl.arange(0, _ROPE)
-    c4 = tl.arange(0, _C4)
+    c4 = tl.arange(0, _TILES)
     args = (n_rows, slots, kv_c, k_pe, idx_k, kv_stride, pe_stride, ix_stride)
     if PREFETCH:  # four loop-carried tensors, not one tuple
         slot_n, x_n, xi_n, pe_n = _load_item(item, *args, BLOCK_T)

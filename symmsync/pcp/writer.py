@@ -286,10 +286,6 @@ class DirectKVWriter:
         # After a fused launch, the host reads the fence's record where the launch has
         # finished when it returns (the interpreter); on GPUs a failed wait traps.
         self._check_after_launch = caps.host_checks_status
-        # write()'s shortest path: fused direct route on a GPU (no views, no check after).
-        self._direct_fused = (
-            self.route == "direct" and self.fused and not self._bf16_as_bits and not self._check_after_launch
-        )
         self._launcher = Launcher(
             _quantize_write_kernel,
             (1,),
@@ -454,14 +450,10 @@ class DirectKVWriter:
                 # letting them wait out their budget. Nothing was written.
                 self.fence.abort(str(e))
                 raise
-        if self._direct_fused:  # the eager hot path: the tail fences inside the kernel
-            self.fence.check_usable()  # refuse here what Fence.fence() would
-            self._launch(layer, kv_c, k_pe, indexer_k, _NOPE, _ROPE, _IDX, batch.slots, batch.rows, batch)
-            return
         if self.route == "allgather":
             self._insert_gathered(layer, kv_c, k_pe, indexer_k, batch)
             return
-        if self.fused:
+        if self.fused:  # the tail fences inside the kernel: refuse here what Fence.fence() would
             self.fence.check_usable()
         if self._bf16_as_bits:
             kv_c, k_pe, indexer_k = kv_c.view(torch.int16), k_pe.view(torch.int16), indexer_k.view(torch.int16)
