@@ -62,7 +62,7 @@ test-soak: $(VENV)/.test
 test-gpu: $(VENV)/.test
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
 
-## verify: model-check the fence protocol with Spin, every configuration and bug variant (verify/README.md)
+## verify: model-check the fence, the signals and the collectives' slots with Spin, every configuration (verify/README.md)
 verify: install-spin
 	$(PYTHON) verify/check.py
 

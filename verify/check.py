@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Model-check symmsync's protocols with Spin, every configuration: the fence (verify/fence.pml)
-and the point-to-point signals with their pipelined transfer (verify/signals.pml).
+"""Model-check symmsync's protocols with Spin, every configuration: the fence (verify/fence.pml),
+the point-to-point signals with their pipelined transfer (verify/signals.pml) and the
+collectives' slot protocol (verify/collectives.pml).
 
 For each configuration: ``spin -a`` with its -D flags, gcc builds the verifier ``pan``, ``pan``
 searches the whole state space (no bitstate hashing, no partial search), and the output is
@@ -11,10 +12,12 @@ expected, 2 when spin or gcc is missing.
     python3 verify/check.py                 # every configuration
     python3 verify/check.py fence-3r eq-2r  # some of them
     python3 verify/check.py sig-pipe sig-eq # the signal model's
+    python3 verify/check.py coll-mix-3r     # the collectives' model's
     python3 verify/check.py --list          # what each configuration is
     python3 verify/check.py --trail eq-2r   # also print the counterexample's steps
+    python3 verify/check.py --markdown      # the results as verify/README.md's table
 
-Standard library only; verify/README.md says what the model covers and what it proves.
+Standard library only; verify/README.md says what each model covers and what it proves.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = os.path.join(HERE, "fence.pml")
 SIGNALS = "signals.pml"
+COLLECTIVES = "collectives.pml"
 
 #: Seconds one step (spin -a, gcc, pan) may take before the check counts as failed.
 STEP_TIMEOUT_S = 300
@@ -46,7 +50,9 @@ MEMLIM_MB = 4096
 class Config:
     name: str
     flags: tuple[str, ...]
-    expect: str  # "pass", or the kind of counterexample: deadlock, payload, arrival, abort, timeout, final, cycle
+    # "pass", or the kind of counterexample: deadlock, payload, arrival, abort, timeout, final, cycle,
+    # stale, overwrite (classify() tells them apart)
+    expect: str
     what: str
     cycles: bool = False  # search for cycles (-DNP, pan -l) instead of safety violations
     model: str = "fence.pml"  # which model under verify/
@@ -176,6 +182,58 @@ CONFIGS: tuple[Config, ...] = (
         "signal waits that ignore the abort flags: the peer of an aborted rank hangs",
         model=SIGNALS,
     ),
+    # ---- the collectives' slot protocol (collectives.pml): calls back to back, no host barrier ----
+    C(
+        "coll-mix-2r",
+        ("N=2", "C=6", "KIND=MIX"),
+        "pass",
+        "2 members, 6 calls, each one-shot, two-shot, symmetric or symmetric two-shot",
+        model=COLLECTIVES,
+    ),
+    C(
+        "coll-mix-3r",
+        ("N=3", "C=4", "KIND=MIX"),
+        "pass",
+        "3 members, 4 calls, each one-shot, two-shot, symmetric or symmetric two-shot",
+        model=COLLECTIVES,
+    ),
+    C("coll-one-3r", ("N=3", "C=6", "KIND=ONE"), "pass", "3 members, 6 one-phase calls", model=COLLECTIVES),
+    C("coll-two-2r", ("N=2", "C=4", "KIND=TWO"), "pass", "2 members, 4 two-shot calls", model=COLLECTIVES),
+    C(
+        "coll-sym-2r",
+        ("N=2", "C=4", "KIND=SYM"),
+        "pass",
+        "2 members, 4 one-shot calls on the symmetric input",
+        model=COLLECTIVES,
+    ),
+    C(
+        "coll-nbuf1-3r",
+        ("N=3", "C=6", "KIND=ONE", "BUG_NBUF1"),
+        "overwrite",
+        "one input slot, no parity: a fast member's next copy-in overwrites a slot still read",
+        model=COLLECTIVES,
+    ),
+    C(
+        "coll-nbuf1-mix-2r",
+        ("N=2", "C=6", "KIND=MIX", "BUG_NBUF1"),
+        "overwrite",
+        "the same in mixed calls",
+        model=COLLECTIVES,
+    ),
+    C(
+        "coll-twofence-2r",
+        ("N=2", "C=4", "KIND=TWO", "BUG_NOFENCE2"),
+        "stale",
+        "two-shot without its second publish and wait: a reduced chunk read before it is written",
+        model=COLLECTIVES,
+    ),
+    C(
+        "coll-symfence-2r",
+        ("N=2", "C=4", "KIND=SYM", "BUG_NOFENCE2"),
+        "overwrite",
+        "symmetric input without the second fence: the caller's refill lands under a slow reader",
+        model=COLLECTIVES,
+    ),
 )
 del C
 
@@ -214,6 +272,9 @@ def classify(output: str) -> tuple[str, str]:
                     return "abort", line
                 if "pay[" in line or "tile[" in line:
                     return "payload", line
+                if any(f"{a}[" in line for a in ("inp", "hdr", "sym", "red")):
+                    # collectives.pml's READ: the value read is an earlier call's, or a later one's
+                    return ("stale" if ">=k)" in line else "overwrite"), line
                 if "sent[" in line:
                     return "arrival", line
                 if "dead[" in line or "gaveup[" in line:
@@ -335,6 +396,22 @@ def table(results: list[Result]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def markdown(results: list[Result]) -> str:
+    """The results as verify/README.md's table (``--markdown``), one row per configuration."""
+    rows = [
+        "| model | config (-D flags) | what | expected | got | states stored | depth | s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        c = r.config
+        flags = " ".join(c.flags) + (", `-DNP`, `pan -l`" if c.cycles else "")
+        seconds = "" if r.seconds is None else f"{r.seconds:.2f}"
+        states = "" if r.states is None else str(r.states)
+        depth = "" if r.depth is None else str(r.depth)
+        rows.append(f"| {c.name} | {flags} | {c.what} | {c.expect} | {r.got} | {states} | {depth} | {seconds} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", help="configurations to check (default: all)")
@@ -342,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", "-j", type=int, default=min(2, os.cpu_count() or 1), help="checks run at once")
     ap.add_argument("--trail", action="store_true", help="print each counterexample's steps")
     ap.add_argument("--keep", action="store_true", help="keep the work directories (pan.c, trails)")
+    ap.add_argument("--markdown", action="store_true", help="print the results as verify/README.md's table")
     args = ap.parse_args(argv)
     if args.list:
         for c in CONFIGS:
@@ -363,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = [by_name[n] for n in args.names] if args.names else list(CONFIGS)
     t0 = time.monotonic()
     results = run_all(configs, args.jobs, keep=args.keep or args.trail)
-    print(table(results))
+    print(markdown(results) if args.markdown else table(results))
     if args.trail:
         for r in results:
             if r.got not in ("pass", "error"):

@@ -1,6 +1,9 @@
 /*
- * symmsync's epoch fence, as the code implements it (symmsync/language.py: publish, pending,
- * wait, publish_and_wait; symmsync/fence.py: Fence.fence / arrive / wait; symmsync/cells.py: the cell layout),
+ * Models:
+ *   symmsync/language.py: publish, pending, wait, publish_and_wait, mark_abort
+ *   symmsync/fence.py: Fence.fence, Fence.arrive, Fence.wait (their kernel, _fence_kernel)
+ *
+ * symmsync's epoch fence, as those functions implement it (the cell layout of symmsync/cells.py),
  * together with its user's payload protocol (tests/core/test_fence.py: stamps double-buffered by
  * epoch parity). One model; every configuration and every bug variant is a set of -D flags
  * (verify/check.py lists them; verify/README.md maps each construct to the code).

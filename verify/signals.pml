@@ -1,15 +1,19 @@
 /*
- * symmsync's point-to-point signals, as the code implements them (symmsync/language.py:
- * signal, put_signal, wait_count, wait_signal, _wait_until; symmsync/signals.py: Signals),
- * together with the pipelined transfer its tests and tutorial run (tests/core/test_signals.py,
- * examples/07_signals.py): a producer P puts chunk g into tile g % R of a ring in the consumer
- * C's memory and signals C's data slot (put_signal: the stores, a release, an add); C waits for
- * one more data signal (wait_count: acquire loads, relative to its device-resident base), reads
- * the tile and hands it back with a credit signal (signal ADD, release); P waits for one credit
- * before each chunk (C grants R up front). Each kernel runs N chunks and is launched K times
- * with the same arguments (CUDA graph replays): the bases persist in device memory and are
- * never reset. verify/check.py lists the configurations; verify/README.md maps each construct
- * to the code.
+ * Models:
+ *   symmsync/_language_signals.py: put_signal, signal, wait_count (its poll, _wait_until, and
+ *     abort check, _aborted_members)
+ *   symmsync/signals.py: Signals (the handle those take)
+ *
+ * symmsync's point-to-point signals, as those functions implement them (kernels call them as
+ * symmsync.language.put_signal, ...), together with the pipelined transfer its tests and tutorial
+ * run (tests/core/test_signals.py, examples/07_signals.py): a producer P puts chunk g into tile
+ * g % R of a ring in the consumer C's memory and signals C's data slot (put_signal: the stores, a
+ * release, an add); C waits for one more data signal (wait_count: acquire loads, relative to its
+ * device-resident base), reads the tile and hands it back with a credit signal (signal ADD,
+ * release); P waits for one credit before each chunk (C grants R up front). Each kernel runs N
+ * chunks and is launched K times with the same arguments (CUDA graph replays): the bases persist
+ * in device memory and are never reset. verify/check.py lists the configurations;
+ * verify/README.md maps each construct to the code.
  *
  * Configuration:
  *   R=n            tiles in the ring (2 or 3)

@@ -1,6 +1,7 @@
 """The model-checked protocols (verify/fence.pml, the fence; verify/signals.pml, the point-to-point
-signals and their pipelined transfer): every correct configuration verifies exhaustively with
-0 errors, and every known-bug variant yields its counterexample.
+signals and their pipelined transfer; verify/collectives.pml, the collectives' slot protocol):
+every correct configuration verifies exhaustively with 0 errors, and every known-bug variant
+yields its counterexample.
 
 Runs the same checks as ``make verify`` (verify/check.py). Needs Spin and gcc; without them the
 test fails, telling how to install Spin, unless SYMMSYNC_SKIP_VERIFY=1 opts out explicitly.
@@ -9,6 +10,7 @@ test fails, telling how to install Spin, unless SYMMSYNC_SKIP_VERIFY=1 opts out 
 import importlib.util
 import os
 import pathlib
+import re
 import sys
 
 import pytest
@@ -64,6 +66,37 @@ def test_the_signal_model_covers_replays_aborts_and_the_bugs_it_must_catch():
     # a missing release, and == where replays need >=, each yield their counterexample
     assert bugs["BUG_RELAXED"] == "payload" and bugs["BUG_EQ"] == "deadlock" and bugs["BUG_ABS"] == "payload"
     assert any("ABORT" in c.flags and c.expect == "pass" for c in signal.values())
+
+
+def test_the_collectives_model_covers_both_sizes_mixed_calls_and_the_bugs_it_must_catch():
+    coll = {n: c for n, c in CONFIGS.items() if c.model == "collectives.pml"}
+    correct = {n: c for n, c in coll.items() if c.expect == "pass"}
+    for n, c in correct.items():
+        calls = int(next(f for f in c.flags if f.startswith("C="))[2:])
+        assert calls >= 4, n  # each parity reused, and a member one call ahead of another
+    mixed = {next(f for f in c.flags if f.startswith("N=")) for c in correct.values() if "KIND=MIX" in c.flags}
+    assert mixed == {"N=2", "N=3"}  # every kind of call after every other, at both sizes
+    bugs = {}  # (the bug, the kind of call it is planted in) -> the counterexample
+    for c in coll.values():
+        if c.expect != "pass":
+            bug = next(f for f in c.flags if f.startswith("BUG_"))
+            bugs[bug, next(f for f in c.flags if f.startswith("KIND="))] = c.expect
+    # no parity: a fast member's next copy-in overwrites a slot a slow member still reads
+    assert bugs[("BUG_NBUF1", "KIND=ONE")] == "overwrite"
+    # no second fence: a two-shot reads a reduced chunk not yet written; a symmetric input is refilled under a reader
+    assert bugs[("BUG_NOFENCE2", "KIND=TWO")] == "stale" and bugs[("BUG_NOFENCE2", "KIND=SYM")] == "overwrite"
+    for n, c in coll.items():
+        if c.expect != "pass":  # the correct configuration it plants its bug in is checked too
+            assert tuple(f for f in c.flags if not f.startswith("BUG_")) in {k.flags for k in correct.values()}, n
+
+
+def test_the_readme_lists_every_configuration_check_py_runs():
+    readme = (ROOT / "verify" / "README.md").read_text()
+    # the results table's rows: | name | flags, the first a size (VS=, R=, N=) | ...
+    rows = re.findall(r"^\| ([a-z0-9-]+) \| [A-Z]+=", readme, flags=re.M)
+    assert rows == list(CONFIGS)
+    counts = {int(m) for m in re.findall(r"(\d+) configurations", readme)}
+    assert counts == {len(CONFIGS)}
 
 
 @pytest.mark.parametrize("name", CORRECT)
