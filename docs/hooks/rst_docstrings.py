@@ -4,7 +4,9 @@ The docstrings are Google style, but two habits come from reStructuredText and w
 as written: a paragraph ending in ``::`` before an indented literal block (the block
 renders as code either way; only the colon doubles), simple tables drawn with ``===``
 rules, and Sphinx roles such as ``:class:`~symmsync.FenceTimeout``` (shown as code). This
-rewrites them when the site is built; the source stays as it is.
+rewrites them when the site is built; the source stays as it is. It also drops the lines
+that mark a section for docs/hooks/includes.py (``--8<-- [start:contract]``): they name
+what a page copies, not part of the text.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import griffe
 
 _ROLE = re.compile(r":(?:mod|func|class|meth|attr|data|exc|obj):`(~?)([^`]+)`")
 _RULE = re.compile(r"^(\s*)(=+)(\s+=+)+\s*$")
+_SECTION_MARKER = re.compile(r"-+8<-+[ \t]+\[[ \t]*(start|end)[ \t]*:")
 
 
 def _columns(rule: str) -> list[tuple[int, int]]:
@@ -71,7 +74,7 @@ def _role(m: re.Match) -> str:
 
 def _markdown(text: str) -> str:
     text = _ROLE.sub(_role, text)
-    lines = [re.sub(r"(\S)::$", r"\1:", line) for line in text.splitlines()]
+    lines = [re.sub(r"(\S)::$", r"\1:", line) for line in text.splitlines() if not _SECTION_MARKER.search(line)]
     return "\n".join(_tables(lines))
 
 

@@ -73,7 +73,7 @@ def test_the_readme_program_is_the_example_the_landing_page_includes():
     readme = (ROOT / "README.md").read_text()
     blocks = PYTHON_BLOCK.findall(readme)
     assert blocks and blocks[0] == _job_section(), "README's first python block must be examples/torchrun_job.py's job"
-    assert '--8<-- "examples/torchrun_job.py:job"' in (ROOT / "docs" / "index.md").read_text()
+    assert "<!-- from examples/torchrun_job.py:job " in (ROOT / "docs" / "index.md").read_text()
 
 
 def test_the_readme_program_runs_as_a_plain_torchrun_script(tmp_path):
