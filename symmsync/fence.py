@@ -287,26 +287,13 @@ class Fence:
         return self._launchers[_FENCE].path
 
     def check(self) -> None:
-        """Raise :class:`~symmsync.FenceTimeout` if a wait of this fence timed out."""
-        err = self.timeout_error()
-        if err is not None:
-            self._failure.fail(self, err)
-            raise err
+        """Raise :class:`~symmsync.FenceTimeout` if a wait of this fence timed out (its
+        record as it is now; it stays this fence's error: see :meth:`check_usable`)."""
+        self._failure.settle(self, self.timeout_error, synchronize=False)
 
     def synchronize(self) -> None:
         """Wait for the device; turn a trapped fence timeout into :class:`~symmsync.FenceTimeout`."""
-        if not self._streams:
-            self.check()
-            return
-        try:
-            torch.cuda.synchronize(self.view.buffer.device)
-        except RuntimeError as e:
-            err = self.timeout_error()
-            if err is None:
-                raise
-            self._failure.fail(self, err)
-            raise err from e
-        self.check()
+        self._failure.settle(self, self.timeout_error)
 
     def timeout_error(self) -> FenceTimeout | None:
         """The :class:`~symmsync.FenceTimeout` (or :class:`~symmsync.PeerAborted`) that this

@@ -312,26 +312,12 @@ class Signals:
         """Raise :class:`~symmsync.SignalTimeout` (or :class:`~symmsync.SignalAborted`) if a
         wait failed; after each launch on the host backend, or use :meth:`synchronize`."""
         self._check_usable()
-        err = self.timeout_error()
-        if err is not None:
-            self.view.failure.fail(self, err)
-            raise err
+        self.view.failure.settle(self, self.timeout_error, synchronize=False)
 
     def synchronize(self) -> None:
         """Wait for the device; turn a trapped signal wait into :class:`~symmsync.SignalTimeout`."""
-        if not self._caps.streams:
-            self.check()
-            return
         self._check_usable()
-        try:
-            torch.cuda.synchronize(self.view.buffer.device)
-        except RuntimeError as e:
-            err = self.timeout_error()
-            if err is None:
-                raise
-            self.view.failure.fail(self, err)
-            raise err from e
-        self.check()
+        self.view.failure.settle(self, self.timeout_error)
 
     def timeout_error(self) -> SignalTimeout | None:
         """The error this object's record describes, if a wait failed (else ``None``)."""
