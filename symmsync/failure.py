@@ -48,7 +48,7 @@ import triton.language as tl
 
 from . import cells
 from . import language as ssl
-from .errors import CLOSED_REASON, ClosedError
+from .errors import CLOSED_REASON, ClosedError, PeerAborted
 
 if TYPE_CHECKING:  # the view makes its owner; this module needs only the view's public API
     from .views import PeerView
@@ -69,6 +69,29 @@ class Waiter(Protocol):
         """Optional: drop the buffer's tables it holds (its kernel arguments, bound launches),
         called when the buffer closes, so that only what users kept holds the mappings."""
         ...
+
+
+def used_after_abort(view: PeerView, what: str, reason: str, channel: int = -1) -> PeerAborted:
+    """The :class:`~symmsync.PeerAborted` a waiter's calls raise once this rank aborted ``view``
+    with ``reason``: the :meth:`Waiter.abort_error` of a fence, a :class:`~symmsync.Signals`
+    object and a collective.
+
+    Args:
+        view: the aborted view.
+        what: the waiter, as the message names it (``"fence"``, ``"Signals"``, ``"AllReduce"``).
+        reason: the reason this rank aborted the view with.
+        channel: the waiter's fence channel (-1: none).
+    """
+    on = f" channel {channel}" if channel >= 0 else ""
+    return PeerAborted(
+        f"rank {view.rank}: {what} on view {list(view.ranks)}{on} used after this rank aborted the view "
+        f"({reason}); it fails closed from now on (carry on with a new view)",
+        rank=view.rank,
+        epoch=-1,
+        late={},
+        channel=channel,
+        aborted={view.rank: reason},
+    )
 
 
 @dataclass(slots=True)

@@ -46,6 +46,7 @@ from . import driver as cuda
 from . import language as ssl
 from .checks import require
 from .errors import CLOSED_REASON, CaptureError, ClosedError, FenceTimeout, PeerAborted
+from .failure import used_after_abort
 from .launch import Launcher, cu_stream, current_stream
 from .views import PeerView
 
@@ -261,16 +262,7 @@ class Fence:
     def abort_error(self, reason: str) -> PeerAborted:
         """The :class:`~symmsync.PeerAborted` this fence raises once this rank aborted its
         view with ``reason`` (its part of :class:`symmsync.failure.Waiter`)."""
-        view = self.view
-        return PeerAborted(
-            f"rank {view.rank}: fence on view {list(view.ranks)} channel {self.channel} used after this rank "
-            f"aborted the view ({reason}); its fences fail closed",
-            rank=view.rank,
-            epoch=-1,
-            late={},
-            channel=self.channel,
-            aborted={view.rank: reason},
-        )
+        return used_after_abort(self.view, "fence", reason, self.channel)
 
     # ------------------------------------------------------------------ state
     @property

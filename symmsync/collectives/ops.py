@@ -14,6 +14,7 @@ import torch
 from .. import collective, mode
 from ..checks import int_problem, require
 from ..errors import BoundsError, ClosedError, ConfigError, InputError, PeerAborted, SymmSyncError
+from ..failure import used_after_abort
 from ..fence import Fence
 from ..launch import BoundLaunch, Launcher
 from ..views import PeerView
@@ -342,16 +343,7 @@ class _Collective:
     def abort_error(self, reason: str) -> PeerAborted:
         """The :class:`~symmsync.PeerAborted` this collective's calls raise once this rank
         aborted its view with ``reason`` (its part of :class:`symmsync.failure.Waiter`)."""
-        view = self.view
-        return PeerAborted(
-            f"rank {view.rank}: {self._NAME} on view {list(view.ranks)} used after this rank aborted the view "
-            f"({reason}); its calls fail closed",
-            rank=view.rank,
-            epoch=-1,
-            late={},
-            channel=self.fence.channel,
-            aborted={view.rank: reason},
-        )
+        return used_after_abort(self.view, self._NAME, reason, self.fence.channel)
 
 
 class AllReduce(_Collective):
