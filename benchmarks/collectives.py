@@ -131,7 +131,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
     for nbytes in sizes(args.max_mb):
         one_size(nbytes)
-    R["launch_path"] = next(iter(ar._bound.values()))[0].launcher.path  # type: ignore[assignment]
+    R["launch_path"] = next(iter(ar._bound.values())).launcher.path  # type: ignore[assignment]
     gathered_r: list = [None] * world
     dist.all_gather_object(gathered_r, (R, same_bits))
     if rank == 0:

@@ -2,14 +2,16 @@
 
 Each :class:`~symmsync.PeerView` has one :class:`ViewFailure`, ``view.failure``. It holds
 the reason this rank aborted the view with, the objects that wait on the view's members
-(its :class:`Waiter` s: every :class:`~symmsync.Fence` made on the view registers), the
-error each of them failed with, and the marking kernel that tells the members. Nothing
-else writes that state; a waiter asks before it runs and reports what it saw::
+(its :class:`Waiter` s: every :class:`~symmsync.Fence`, :class:`~symmsync.Signals` and
+collective (:mod:`symmsync.collectives`) made on the view registers), the error each of
+them failed with, and the marking kernel that tells the members. Nothing else writes that
+state; a waiter asks before it runs and reports what it saw::
 
-    view.failure.register(fence, "channel 0")   # at construction
-    view.failure.check(fence)                   # before an operation: may it run?
-    view.failure.fail(fence, err)               # its wait failed: err is its error now
-    view.failure.abort(reason)                  # PeerView.abort, Fence.abort
+    view.failure.register(fence, "channel 0")           # at construction
+    view.failure.check(fence)                           # before an operation: may it run?
+    view.failure.settle(fence, fence.timeout_error)     # after launches: raise what its record holds
+    view.failure.fail(fence, err)                       # its wait failed: err is its error now
+    view.failure.abort(reason)                          # PeerView.abort, Fence.abort
 
 The states, and what moves between them:
 
@@ -27,11 +29,16 @@ The states, and what moves between them:
   raises its error, and when the call is an operation and the view is still open, the
   view is aborted first with the reason ``"rank R: <error type> on <where>"``, so the
   members stop waiting for this rank. So a failed waiter aborts the view at most once.
+* :meth:`ViewFailure.settle` is how a waiter's own failure is found, the one path for
+  every kind of waiter: wait for the device where launches are asynchronous (GPUs), read
+  the waiter's record through the reader it passes, report the error it holds
+  (:meth:`ViewFailure.fail`) and raise it.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -41,7 +48,7 @@ import triton.language as tl
 
 from . import cells
 from . import language as ssl
-from .errors import CLOSED_REASON, ClosedError
+from .errors import CLOSED_REASON, ClosedError, PeerAborted
 
 if TYPE_CHECKING:  # the view makes its owner; this module needs only the view's public API
     from .views import PeerView
@@ -49,7 +56,8 @@ if TYPE_CHECKING:  # the view makes its owner; this module needs only the view's
 
 class Waiter(Protocol):
     """What registers with a :class:`ViewFailure`: an object whose operations wait for the
-    view's members (a :class:`~symmsync.Fence`; per-peer signal objects), so that it has to
+    view's members (a :class:`~symmsync.Fence`, a :class:`~symmsync.Signals` object, a
+    collective of :mod:`symmsync.collectives`), so that it has to
     fail closed once this rank gave up on the view. The owner holds it weakly, by identity:
     any plain class will do (one that defines ``__eq__`` must keep a ``__hash__``)."""
 
@@ -61,6 +69,29 @@ class Waiter(Protocol):
         """Optional: drop the buffer's tables it holds (its kernel arguments, bound launches),
         called when the buffer closes, so that only what users kept holds the mappings."""
         ...
+
+
+def used_after_abort(view: PeerView, what: str, reason: str, channel: int = -1) -> PeerAborted:
+    """The :class:`~symmsync.PeerAborted` a waiter's calls raise once this rank aborted ``view``
+    with ``reason``: the :meth:`Waiter.abort_error` of a fence, a :class:`~symmsync.Signals`
+    object and a collective.
+
+    Args:
+        view: the aborted view.
+        what: the waiter, as the message names it (``"fence"``, ``"Signals"``, ``"AllReduce"``).
+        reason: the reason this rank aborted the view with.
+        channel: the waiter's fence channel (-1: none).
+    """
+    on = f" channel {channel}" if channel >= 0 else ""
+    return PeerAborted(
+        f"rank {view.rank}: {what} on view {list(view.ranks)}{on} used after this rank aborted the view "
+        f"({reason}); it fails closed from now on (carry on with a new view)",
+        rank=view.rank,
+        epoch=-1,
+        late={},
+        channel=channel,
+        aborted={view.rank: reason},
+    )
 
 
 @dataclass(slots=True)
@@ -125,6 +156,37 @@ class ViewFailure:
         if operation and self._reason is None:
             self.abort_quietly(f"rank {self._view.rank}: {type(entry.error).__name__} on {entry.where}")
         raise entry.error
+
+    def settle(self, waiter: Waiter, read_error: Callable[[], Exception | None], synchronize: bool = True) -> None:
+        """Raise the error ``waiter``'s record holds, after reporting it (:meth:`fail`).
+
+        The one "synchronize, read the record, report, raise" of every waiter: each supplies
+        only ``read_error``, which reads its record and returns the error it describes, or
+        ``None`` while it holds none.
+
+        Args:
+            waiter: a registered waiter.
+            read_error: reads ``waiter``'s record (``Fence.timeout_error``).
+            synchronize: wait for the device first where launches are asynchronous (GPUs),
+                so that the record is complete; a failed wait traps there, and the device
+                error it leaves is raised as the record's error (chained to it), or as is
+                when the record holds none (the trap was not this waiter's). False reads the
+                record as it is now (the host backend's launches have finished already).
+        """
+        buf = self._view.buffer
+        if synchronize and buf.capabilities.streams:
+            try:
+                torch.cuda.synchronize(buf.device)
+            except RuntimeError as e:
+                err = read_error()
+                if err is None:
+                    raise
+                self.fail(waiter, err)
+                raise err from e
+        err = read_error()
+        if err is not None:
+            self.fail(waiter, err)
+            raise err
 
     def release_tables(self) -> None:
         """The buffer closed: every waiter that holds its tables drops them (:meth:`Waiter.release_tables`)."""

@@ -46,6 +46,7 @@ from . import driver as cuda
 from . import language as ssl
 from .checks import require
 from .errors import CLOSED_REASON, CaptureError, ClosedError, FenceTimeout, PeerAborted
+from .failure import used_after_abort
 from .launch import Launcher, cu_stream, current_stream
 from .views import PeerView
 
@@ -261,16 +262,7 @@ class Fence:
     def abort_error(self, reason: str) -> PeerAborted:
         """The :class:`~symmsync.PeerAborted` this fence raises once this rank aborted its
         view with ``reason`` (its part of :class:`symmsync.failure.Waiter`)."""
-        view = self.view
-        return PeerAborted(
-            f"rank {view.rank}: fence on view {list(view.ranks)} channel {self.channel} used after this rank "
-            f"aborted the view ({reason}); its fences fail closed",
-            rank=view.rank,
-            epoch=-1,
-            late={},
-            channel=self.channel,
-            aborted={view.rank: reason},
-        )
+        return used_after_abort(self.view, "fence", reason, self.channel)
 
     # ------------------------------------------------------------------ state
     @property
@@ -287,26 +279,13 @@ class Fence:
         return self._launchers[_FENCE].path
 
     def check(self) -> None:
-        """Raise :class:`~symmsync.FenceTimeout` if a wait of this fence timed out."""
-        err = self.timeout_error()
-        if err is not None:
-            self._failure.fail(self, err)
-            raise err
+        """Raise :class:`~symmsync.FenceTimeout` if a wait of this fence timed out (its
+        record as it is now; it stays this fence's error: see :meth:`check_usable`)."""
+        self._failure.settle(self, self.timeout_error, synchronize=False)
 
     def synchronize(self) -> None:
         """Wait for the device; turn a trapped fence timeout into :class:`~symmsync.FenceTimeout`."""
-        if not self._streams:
-            self.check()
-            return
-        try:
-            torch.cuda.synchronize(self.view.buffer.device)
-        except RuntimeError as e:
-            err = self.timeout_error()
-            if err is None:
-                raise
-            self._failure.fail(self, err)
-            raise err from e
-        self.check()
+        self._failure.settle(self, self.timeout_error)
 
     def timeout_error(self) -> FenceTimeout | None:
         """The :class:`~symmsync.FenceTimeout` (or :class:`~symmsync.PeerAborted`) that this

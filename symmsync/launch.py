@@ -252,13 +252,15 @@ class _NotExact(Exception):
 class BoundLaunch:
     """A launch whose arguments are packed: calling it costs one ``cuLaunchKernel``."""
 
-    __slots__ = ("launcher", "_args", "_packed", "_classes", "_gx", "_gy", "_gz")
+    __slots__ = ("launcher", "_args", "_raw", "_packed", "_classes", "_gx", "_gy", "_gz")
 
     def __init__(self, launcher: Launcher, args: Sequence[Any], grid: Sequence[int] | None = None):
         self.launcher = launcher
         self._args = list(args)
         self._packed = launcher._packer(self._args)
         self._classes = [_arg_class(a) for a in self._args]
+        # What each argument packs to (a tensor's address, a number): update() compares a new value with it.
+        self._raw = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self._args]
         self._gx, self._gy, self._gz = launcher.grid if grid is None else _grid3(grid)
 
     @property
@@ -277,36 +279,52 @@ class BoundLaunch:
         return (self._gx, self._gy, self._gz)
 
     def update(self, indices: Sequence[int], values: Sequence[Any]) -> None:
-        """Replace the arguments at ``indices`` (positions in the runtime parameter list).
+        """Replace the arguments at ``indices`` (positions in the runtime parameter list),
+        repacking only those that changed.
 
-        When every new value has the class of the old one (the same dtype and 16-byte
-        alignment for a tensor; the same width, ``== 1`` and multiple-of-16 for an int),
-        only their packed ctypes cells change. Otherwise the launch is packed again
-        for the compiled variant those values select (or goes through Triton's launcher
-        once to compile it). The caller keeps tensors alive until the launch ran.
+        Callers pass every argument that may change on every call (symmsync's collectives,
+        the PCP writer): this is their one "repack only what changed". A value that packs as
+        the one it replaces (a tensor of the same dtype at the same address; an int, float
+        or bool of the same type and value) costs a comparison. When every other new value
+        has the class of the old one (the same dtype and 16-byte alignment for a tensor;
+        the same width, ``== 1`` and multiple-of-16 for an int), only their packed ctypes
+        cells change. Otherwise the launch is packed again for the compiled variant those
+        values select (or goes through Triton's launcher once to compile it). The caller
+        keeps tensors alive until the launch ran.
         """
-        # One class per new value (the old code built every argument's class twice on a
-        # change), and the packed cells are set only when no class changed.
-        args = self._args
-        classes = self._classes
-        changed = False
+        args, raw, classes = self._args, self._raw, self._classes
+        fresh: list[int] = []
+        reclassed = False
         for i, v in zip(indices, values):
-            args[i] = v
+            old = args[i]
+            args[i] = v  # even when it packs the same: Triton's launcher (first launch, interpreter) passes args
+            if type(v) is torch.Tensor:  # the common case first: an address and a dtype to compare
+                p = v.data_ptr()
+                if p == raw[i] and type(old) is torch.Tensor and v.dtype is old.dtype:
+                    continue
+            elif isinstance(v, torch.Tensor):  # a subclass (a Parameter): packed again
+                p = v.data_ptr()
+            else:
+                if type(v) is type(old) and v == old:
+                    continue
+                p = v
+            raw[i] = p
+            fresh.append(i)
             c = _arg_class(v)
             if c != classes[i]:
                 classes[i] = c
-                changed = True
+                reclassed = True
         packed = self._packed
-        if packed is None:  # not packed yet: the next call goes through Triton's launcher
+        if packed is None or not fresh:  # not packed yet: the next call goes through Triton's launcher
             return
-        if changed:
+        if reclassed:
             self._packed = self.launcher._packer(args)
             return
         cells = packed.cells
-        for i, v in zip(indices, values):
+        for i in fresh:
             cell = cells.get(i)
             if cell is not None:
-                cell.value = v.data_ptr() if type(v) is torch.Tensor else v
+                cell.value = raw[i]
 
     def __call__(self, stream: int | None = None) -> None:
         """Launch on torch's current stream, or on the raw CUDA stream handle ``stream``.

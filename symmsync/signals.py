@@ -50,6 +50,7 @@ from .errors import (
     SignalAborted,
     SignalTimeout,
 )
+from .failure import used_after_abort
 from .memory import keep_alive
 from .mode import kernels_interpreted
 from .views import PeerView
@@ -312,26 +313,12 @@ class Signals:
         """Raise :class:`~symmsync.SignalTimeout` (or :class:`~symmsync.SignalAborted`) if a
         wait failed; after each launch on the host backend, or use :meth:`synchronize`."""
         self._check_usable()
-        err = self.timeout_error()
-        if err is not None:
-            self.view.failure.fail(self, err)
-            raise err
+        self.view.failure.settle(self, self.timeout_error, synchronize=False)
 
     def synchronize(self) -> None:
         """Wait for the device; turn a trapped signal wait into :class:`~symmsync.SignalTimeout`."""
-        if not self._caps.streams:
-            self.check()
-            return
         self._check_usable()
-        try:
-            torch.cuda.synchronize(self.view.buffer.device)
-        except RuntimeError as e:
-            err = self.timeout_error()
-            if err is None:
-                raise
-            self.view.failure.fail(self, err)
-            raise err from e
-        self.check()
+        self.view.failure.settle(self, self.timeout_error)
 
     def timeout_error(self) -> SignalTimeout | None:
         """The error this object's record describes, if a wait failed (else ``None``)."""
@@ -376,7 +363,7 @@ class Signals:
     def abort_error(self, reason: str) -> PeerAborted:
         """The error every host call raises once this rank aborted the view with ``reason``
         (asked by the view's failure owner, :class:`symmsync.failure.ViewFailure`)."""
-        return _aborted_error(self.view, reason)("Signals")
+        return used_after_abort(self.view, "Signals", reason)
 
     def _check_open(self) -> None:
         if self.view.buffer.closed or self._memory.closed:
@@ -397,23 +384,6 @@ class Signals:
 
     def __repr__(self) -> str:
         return f"Signals(view={list(self.view.ranks)}, slots={self.slots}, backend={self.view.buffer.backend})"
-
-
-def _aborted_error(view: PeerView, reason: str | None = None):
-    why = view.aborted if reason is None else reason
-
-    def make(message: str) -> PeerAborted:
-        return PeerAborted(
-            f"rank {view.rank}: Signals on view {list(view.ranks)} used after this rank aborted the view "
-            f"({why}); its signals fail closed ({message})",
-            rank=view.rank,
-            epoch=-1,
-            late={},
-            channel=-1,
-            aborted={view.rank: why or ""},
-        )
-
-    return make
 
 
 def launch_grid_sync(kernel: Any, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:

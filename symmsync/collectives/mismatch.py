@@ -1,12 +1,12 @@
-"""What is wrong with a collective call: an output tensor that does not fit, members whose calls
-differ, a launch that stalled (read from the collective's record)."""
+"""What a collective's record says went wrong in a call: members whose calls differ, a launch
+that stalled. (What makes a call valid on one member is one function, ``_Collective._problem``
+in :mod:`.ops`; a failure's path, from the record to the raise, is
+:meth:`symmsync.failure.ViewFailure.settle`.)"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
-
-import torch
 
 from ..errors import FenceTimeout, InputError, SymmSyncError
 from . import layout as L
@@ -94,22 +94,3 @@ def _describe(h: list[int], epoch: int) -> dict[str, Any]:
         "epilogue": f"residual + RMS norm over rows of {h[L.H_EPILOGUE]}" if h[L.H_EPILOGUE] else "none",
         "call": "this one" if h[L.H_EPOCH] == epoch else f"another (epoch {h[L.H_EPOCH]})",
     }
-
-
-def out_problem(out: Any, x: torch.Tensor, numel: int) -> str | None:
-    """What is wrong with an output tensor for ``numel`` elements of ``x``'s dtype and device, or ``None``."""
-    if type(out) is not torch.Tensor:
-        return f"out must be a torch.Tensor, got {type(out).__name__}"
-    if (
-        out.dtype is not x.dtype
-        or out.numel() != numel
-        or not out.is_contiguous()
-        or out.get_device() != x.get_device()
-        or not (out.is_cuda or out.is_cpu)
-    ):
-        return (
-            f"out must be a contiguous {x.dtype} tensor of {numel} elements on {x.device}, got "
-            f"{out.dtype} of {out.numel()} elements on {out.device}"
-            + ("" if out.is_contiguous() else ", not contiguous")
-        )
-    return None

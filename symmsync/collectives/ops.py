@@ -13,17 +13,19 @@ import torch
 
 from .. import collective, mode
 from ..checks import int_problem, require
-from ..errors import BoundsError, ClosedError, ConfigError, FenceTimeout, InputError, SymmSyncError
+from ..errors import BoundsError, ClosedError, ConfigError, InputError, PeerAborted, SymmSyncError
+from ..failure import used_after_abort
 from ..fence import Fence
-from ..launch import Launcher
+from ..launch import BoundLaunch, Launcher
 from ..views import PeerView
 from . import layout as L
 from . import tuning
 from .kernels import collective_kernel
-from .mismatch import mismatch_error, out_problem
+from .mismatch import mismatch_error
 
-ALGORITHMS = ("auto", "one_shot", "two_shot")
-"""The algorithms of :class:`AllReduce`."""
+ALGORITHMS = ("auto", *L.ALGORITHM_CODES)
+"""The algorithms of :class:`AllReduce`: ``"auto"`` (:func:`symmsync.collectives.tuning.choose` picks), then
+the kernel's (``"one_shot"``, ``"two_shot"``)."""
 
 # Elements per block of a program (a power of two); warps per program.
 _BLOCK = 1024
@@ -123,13 +125,12 @@ class _Collective:
         self._record = torch.zeros(L.record_words(view.size), dtype=torch.int64, pin_memory=caps.pinned_record)
         self._nbuf = 2 if _parity else 1
         self._stall_ns = 0  # tests: hold this member inside the kernel, between its wait and its reads
-        self._failed: SymmSyncError | None = None
         self._sym_bytes = buf.tensor(ws.symmetric, (ws.capacity,), torch.uint8)
         self._sym_addr = self._sym_bytes.data_ptr()
         self._limits = {d: ws.capacity // d.itemsize for d in L.DTYPES}
         self._launchers: dict[tuple, Launcher] = {}
-        # variant -> [its bound launch, (input address, output address, numel) packed in it]
-        self._bound: dict[tuple, list] = {}
+        # variant -> its bound launch (BoundLaunch.update repacks only the arguments that changed)
+        self._bound: dict[tuple, BoundLaunch] = {}
         # The fused epilogue's arguments of a launch without it: unused, of the launch's dtype.
         self._plain_tail = {}
         for d in L.DTYPES:
@@ -148,6 +149,10 @@ class _Collective:
             ws.symmetric,
             ws.reduced,
         )
+        # The view's failure owner keeps this object's failure (a call's recorded timeout or
+        # mismatch) and fails it when the view is aborted: _check_usable() asks it.
+        self._failure = view.failure
+        self._failure.register(self, f"{self._NAME} (channel {channel})")
 
     # ------------------------------------------------------------------ public
     def input(self, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -180,16 +185,7 @@ class _Collective:
         (:class:`~symmsync.FenceTimeout`, :class:`~symmsync.PeerAborted`,
         :class:`CollectiveMismatch`). On the host backend calls raise by themselves.
         """
-        if self._streams:
-            try:
-                torch.cuda.synchronize(self._buffer.device)
-            except RuntimeError as e:
-                err = self._recorded_error()
-                if err is None:
-                    raise
-                self._failed = err
-                raise err from e
-        self._check()
+        self._failure.settle(self, self._recorded_error)
 
     # ------------------------------------------------------------------ a call
     def _launch(
@@ -201,41 +197,36 @@ class _Collective:
         count: int = -1,
         epilogue: tuple | None = None,
     ) -> None:
-        # The eager hot path: a few comparisons, at most one update of the packed arguments
-        # (none when the tensors are those of the last call of this variant), one launch.
-        if self._failed is not None:
-            self._raise_failed()
+        # The eager hot path: a few comparisons, one update of the packed arguments (which
+        # repacks nothing when the tensors are those of the last call of this variant), one launch.
+        if not self._failure.clean or self._buffer.closed:
+            self._check_usable()
         count = numel if count < 0 else count  # the kernel's element count (the reduce-scatter's chunk)
-        xp, op = x.data_ptr(), out.data_ptr()
         if epilogue is None:
             row = 0
             grid = min(self._max_programs, max(1, -(-numel // _BLOCK)))  # (triton.cdiv costs microseconds)
         else:  # whole rows per program
             row = 1 << (epilogue[3] - 1).bit_length()
             grid = min(self._max_programs, max(1, numel // epilogue[3]))
-        key = (x.dtype, algorithm, xp == self._sym_addr, grid, row)
-        entry = self._bound.get(key)
+        key = (x.dtype, algorithm, x.data_ptr() == self._sym_addr, grid, row)
+        bound = self._bound.get(key)
         if self._interp and x.dtype is torch.bfloat16:  # numpy has no bfloat16: its bits travel
             x, out = x.view(torch.int16), out.view(torch.int16)
             if epilogue is not None:
                 epilogue = tuple(t.view(torch.int16) for t in epilogue[:3]) + epilogue[3:]
-        if entry is None:
+        if bound is None:
             tail = self._plain_tail[key[0]] if epilogue is None else epilogue
-            bound = self._launcher(key).bind(x, out, count, *self._fixed, *tail, grid=(grid,))
-            self._bound[key] = entry = [bound, (xp, op, count)]
-        bound = entry[0]
+            bound = self._bound[key] = self._launcher(key).bind(x, out, count, *self._fixed, *tail, grid=(grid,))
         per_call, stall, fused = self._positions
         if epilogue is not None:
             bound.update(per_call + fused, (x, out, count, *epilogue))
-            entry[1] = None
         elif self._interp:
             bound.update(per_call + stall, (x, out, count, self._stall_ns))
-        elif entry[1] != (xp, op, count):
+        else:
             bound.update(per_call, (x, out, count))
-            entry[1] = (xp, op, count)
         bound()
         if self._host_checks:
-            self._check()
+            self._failure.settle(self, self._recorded_error, synchronize=False)
 
     def _launcher(self, key: tuple) -> Launcher:
         dtype, algorithm, sym, _grid, row = key
@@ -263,8 +254,16 @@ class _Collective:
             self._positions = tuple(tuple(names.index(n) for n in group) for group in (_PER_CALL, (_STALL,), _EPILOGUE))
         return launcher
 
-    def _problem(self, x: Any) -> str | None:
-        """What is wrong with an input tensor, or ``None`` (cheap when it is right)."""
+    def _problem(self, x: Any, out: Any) -> str | None:
+        """What is wrong with a call's tensors on this member, or ``None``: the one statement of
+        a valid call on the host, cheap when it is right (it runs on every call).
+
+        ``x``: a contiguous tensor of one of the workspace's dtypes on the buffer's device, of
+        at most the workspace's elements (a reduce-scatter's: a multiple of the view's size).
+        ``out`` (``None``: the call makes it): a contiguous tensor of ``x``'s dtype and device,
+        of :meth:`_out_numel` elements. Whether the members' calls agree is the kernel's check
+        (their headers; :mod:`.mismatch` words its error).
+        """
         if type(x) is not torch.Tensor:
             return f"x must be a torch.Tensor, got {type(x).__name__}"
         limit = self._limits.get(x.dtype)
@@ -275,60 +274,76 @@ class _Collective:
             return f"x is on {x.device}, the collective's memory on {self._buffer.device}"
         if not x.is_contiguous():
             return "x must be contiguous (call .contiguous())"
-        if x.numel() > limit:
+        numel = x.numel()
+        if numel > limit:
             return (
-                f"x has {x.numel()} elements, more than the {limit} {x.dtype} elements the workspace holds "
+                f"x has {numel} elements, more than the {limit} {x.dtype} elements the workspace holds "
                 f"(max_numel={self.max_numel} of {self.dtype})"
+            )
+        if self._OP == L.REDUCE_SCATTER and numel % self.size:
+            return f"x has {numel} elements, not a multiple of the view's {self.size} members"
+        if out is None:
+            return None
+        if type(out) is not torch.Tensor:
+            return f"out must be a torch.Tensor, got {type(out).__name__}"
+        want = self._out_numel(numel)
+        if (
+            out.dtype is not x.dtype
+            or out.numel() != want
+            or not out.is_contiguous()
+            or out.get_device() != dev
+            or not (out.is_cuda or out.is_cpu)
+        ):
+            return (
+                f"out must be a contiguous {x.dtype} tensor of {want} elements on {x.device}, got "
+                f"{out.dtype} of {out.numel()} elements on {out.device}"
+                + ("" if out.is_contiguous() else ", not contiguous")
             )
         return None
 
-    def _output(self, x: torch.Tensor, out: Any, numel: int, bad: str | None) -> torch.Tensor:
-        """``out`` checked for ``numel`` elements of ``x``'s kind (a new tensor when ``None``),
-        after refusing the call if ``bad`` (the input's problem) or the output's says so."""
-        if bad is None and out is not None:
-            bad = out_problem(out, x, numel)
+    def _out_numel(self, numel: int) -> int:
+        """The elements of a call's output for ``numel`` input elements (the all-reduce's: as many)."""
+        return numel
+
+    def _output(self, x: Any, out: Any) -> torch.Tensor:
+        """``out`` (a new 1-D tensor when ``None``), after refusing the call if its tensors are wrong."""
+        bad = self._problem(x, out)
         if bad is not None:
             self._refuse(bad)
-        return torch.empty(numel, dtype=x.dtype, device=x.device) if out is None else out
+        return torch.empty(self._out_numel(x.numel()), dtype=x.dtype, device=x.device) if out is None else out
 
     def _refuse(self, problem: str) -> None:
         """Refuse a bad call on this member: tell the members (they may wait in it already), raise."""
-        if self._buffer.closed:
-            raise ClosedError(f"rank {self.rank}: {self._NAME}: used after its buffer was closed")
-        self.fence.check_usable()
+        self._check_usable()  # a collective that failed, or whose view was aborted, raises that first
         err = InputError(f"rank {self.rank}: {self._NAME}: {problem}")
         # The members raise PeerAborted naming this rank and the reason at once, instead of
         # waiting out their budget for a call this rank never makes. Nothing was written.
         self.view.abort(f"{self._NAME}: {problem}")  # its members name this rank themselves
         raise err
 
-    def _raise_failed(self) -> None:
-        self.fence.check_usable()  # closed buffer, aborted view, a failed wait: its own error first
-        err = self._failed
-        if self.view.aborted is None:
-            self.view.failure.abort_quietly(f"rank {self.rank}: {type(err).__name__} in {self._NAME}")
-        raise err
-
     # ------------------------------------------------------------------ failures
-    def _check(self) -> None:
-        """Raise the error a finished call recorded, if any."""
-        try:
-            self.fence.check()
-        except FenceTimeout as e:
-            self._failed = e
-            raise
-        err = self._mismatch_error()
-        if err is not None:
-            self._failed = err
-            raise err
+    def _check_usable(self) -> None:
+        """Raise if this collective may not run a call: its buffer is closed, or it failed (a
+        call's recorded error, this rank's abort of the view). The view's failure owner
+        decides, and aborts the view first (once) after a failure of this collective's own,
+        so that the members raise :class:`~symmsync.PeerAborted` instead of waiting for it."""
+        if self._buffer.closed:
+            raise ClosedError(f"rank {self.rank}: {self._NAME}: used after its buffer was closed")
+        self.fence.check_usable()  # a failed wait of the fence's own (used directly) first
+        self._failure.check(self)
 
     def _recorded_error(self) -> SymmSyncError | None:
-        return self.fence.timeout_error() or self._mismatch_error()
-
-    def _mismatch_error(self) -> SymmSyncError | None:
-        return mismatch_error(
-            self._record.tolist(), self._NAME, self.view.ranks, self.fence.timeout_s, self.fence.channel
+        """The error a call recorded (its fence's wait, then the collective's record), or ``None``:
+        this collective's record reader (:meth:`symmsync.failure.ViewFailure.settle`)."""
+        fence = self.fence
+        return fence.timeout_error() or mismatch_error(
+            self._record.tolist(), self._NAME, self.view.ranks, fence.timeout_s, fence.channel
         )
+
+    def abort_error(self, reason: str) -> PeerAborted:
+        """The :class:`~symmsync.PeerAborted` this collective's calls raise once this rank
+        aborted its view with ``reason`` (its part of :class:`symmsync.failure.Waiter`)."""
+        return used_after_abort(self.view, self._NAME, reason, self.fence.channel)
 
 
 class AllReduce(_Collective):
@@ -380,7 +395,6 @@ class AllReduce(_Collective):
         )
         self.algorithm = algorithm
         self._codes = {**L.ALGORITHM_CODES, "auto": -1}
-        self._one_shot_max = tuning.one_shot_max_bytes(view.size)  # auto: one-shot up to this many bytes
 
     def __call__(
         self,
@@ -429,36 +443,13 @@ class AllReduce(_Collective):
         """
         if residual is not None or norm_weight is not None:
             return self._fused(x, out, algorithm, residual, norm_weight, eps, residual_out)
-        # The eager hot path first: one test of everything a good call has (a few
-        # attribute reads); the sentences of _problem only for a call that fails it.
-        numel = x.numel() if type(x) is torch.Tensor else -1
         code = self._codes.get(algorithm or self.algorithm)
-        if (
-            code is None
-            or not 0 <= numel <= self._limits.get(x.dtype, -1)
-            or x.get_device() != self._device_index
-            or not x.is_contiguous()
-            or (self._device_index < 0 and not x.is_cpu)
-            or (
-                out is not None
-                and (
-                    type(out) is not torch.Tensor
-                    or out.dtype is not x.dtype
-                    or out.numel() != numel
-                    or out.get_device() != self._device_index
-                    or not out.is_contiguous()
-                    or (self._device_index < 0 and not out.is_cpu)
-                )
-            )
-        ):
-            self._refuse(
-                self._problem(x)
-                or (None if code is not None else f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-                or out_problem(out, x, numel)
-                or "out is not a tensor this call can write"
-            )
-        if code < 0:  # auto
-            code = 0 if numel * x.element_size() <= self._one_shot_max else 1
+        bad = self._problem(x, out)
+        if bad is not None or code is None:
+            self._refuse(bad or f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        numel = x.numel()
+        if code < 0:  # auto: the rule is tuning.choose's
+            code = L.ALGORITHM_CODES[tuning.choose(numel * x.element_size(), self.size)]
         if out is None:
             out = torch.empty_like(x)
         self._launch(x, out, numel, code)
@@ -466,7 +457,7 @@ class AllReduce(_Collective):
 
     def _fused(self, x, out, algorithm, residual, weight, eps, res_out) -> tuple[torch.Tensor, torch.Tensor]:
         """The call with the fused residual + RMS norm epilogue (one-shot, whole rows per program)."""
-        bad = self._problem(x)
+        bad = self._problem(x, None)
         if bad is None and (x.dim() == 0 or x.shape[-1] > MAX_HIDDEN):
             bad = (
                 f"the fused epilogue needs rows of 1 to {MAX_HIDDEN} elements (x.shape[-1]), got x of {tuple(x.shape)}"
@@ -516,10 +507,12 @@ class AllGather(_Collective):
 
         Raises: as :meth:`AllReduce.__call__`.
         """
-        bad = self._problem(x)
-        out = self._output(x, out, self.size * x.numel() if bad is None else 0, bad)
+        out = self._output(x, out)
         self._launch(x, out, x.numel(), -1)
         return out
+
+    def _out_numel(self, numel: int) -> int:
+        return self.size * numel
 
 
 class ReduceScatter(_Collective):
@@ -538,10 +531,9 @@ class ReduceScatter(_Collective):
 
         Raises: as :meth:`AllReduce.__call__`.
         """
-        bad = self._problem(x)
-        if bad is None and x.numel() % self.size:
-            bad = f"x has {x.numel()} elements, not a multiple of the view's {self.size} members"
-        chunk = x.numel() // self.size if bad is None else 0
-        out = self._output(x, out, chunk, bad)
-        self._launch(x, out, x.numel(), -1, chunk)
+        out = self._output(x, out)
+        self._launch(x, out, x.numel(), -1, self._out_numel(x.numel()))
         return out
+
+    def _out_numel(self, numel: int) -> int:
+        return numel // self.size

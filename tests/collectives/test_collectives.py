@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import symmsync as ss
 from symmsync import collectives as C
+from symmsync.collectives import tuning
 
 MAX_NUMEL = 4104  # a multiple of 2, 3 and 4: the largest reduce-scatter input too
 SIZES = (1, 777, 4096 + 3, MAX_NUMEL)
@@ -128,13 +129,23 @@ def auto_epochs(threshold, sizes):
     """Rank function: the fence epochs each ``auto`` call takes, with one-shot up to ``threshold`` bytes."""
     buf, view, ops = _objects()
     ar = ops["all_reduce"]
-    ar._one_shot_max = threshold  # the threshold of this view size, made small enough for the interpreter
+    # The threshold of this view size, made small enough for the interpreter (the pool's
+    # process is shared by later tests: put the table's entry back).
+    table = tuning.ONE_SHOT_MAX_BYTES
+    kept = table.get(view.size)
+    table[view.size] = threshold
     steps = []
-    for n in sizes:
-        before = ar.fence.epoch
-        ar(torch.ones(n))
-        steps.append(ar.fence.epoch - before)
-    buf.close()
+    try:
+        for n in sizes:
+            before = ar.fence.epoch
+            ar(torch.ones(n))
+            steps.append(ar.fence.epoch - before)
+    finally:
+        if kept is None:
+            del table[view.size]
+        else:
+            table[view.size] = kept
+        buf.close()
     return steps
 
 

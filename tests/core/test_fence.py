@@ -9,6 +9,7 @@ ranks and fences, so a fence that did not wait would be caught reading stale slo
 """
 
 import time
+import types
 
 import pytest
 import torch
@@ -274,3 +275,50 @@ def test_a_launchers_grid_is_fixed_and_a_launch_may_pass_its_own():
     assert launcher.grid == (2, 1, 1) and bound.grid == (2, 1, 1)
     with pytest.raises(AttributeError):
         launcher.grid = (5,)
+
+
+@triton.jit
+def _store_value(out, value):
+    tl.store(out, value)
+
+
+def test_a_bound_launch_passes_updated_arguments():
+    from symmsync.launch import Launcher
+
+    a, b = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    bound = Launcher(_store_value, (1,)).bind(a, 5)
+    bound()
+    bound.update([0, 1], [b, 7])
+    bound()
+    bound.update([0, 1], [b, 7])  # nothing changed: the launch is the same
+    bound()
+    assert (a.item(), b.item()) == (5, 7)
+
+
+def test_a_bound_launchs_update_repacks_only_the_arguments_that_changed(monkeypatch):
+    # The packing of the compiled path, stood in for by its seam (Launcher._packer): each
+    # packed parameter records what it is set to, each packing is counted.
+    from symmsync.launch import Launcher
+
+    class Cell:
+        def __init__(self):
+            self.writes = []
+
+        value = property(lambda self: self.writes[-1], lambda self, v: self.writes.append(v))
+
+    packings = []
+
+    def packer(self, args):
+        packings.append(list(args))
+        return types.SimpleNamespace(cells={0: Cell(), 1: Cell()})
+
+    monkeypatch.setattr(Launcher, "_packer", packer)
+    a, b = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    bound = Launcher(_store_value, (1,)).bind(a, 5)
+    cells = bound._packed.cells
+    bound.update([0, 1], [a[:2], 5])  # the same address, dtype and int: nothing is repacked
+    bound.update([0, 1], [a, 6])  # a new int of the same class: only its cell
+    bound.update([0, 1], [b, 6])  # a new tensor of the same class: only its cell
+    assert [c.writes for c in cells.values()] == [[b.data_ptr()], [6]] and len(packings) == 1
+    bound.update([1], [2**40])  # an int of another width selects another compiled variant
+    assert len(packings) == 2 and packings[1] == [b, 2**40]
