@@ -322,7 +322,7 @@ class SymmetricBuffer:
         earlier stay valid; a CUDA graph captured before the grow replays unchanged.
         Growing to the current size does nothing; shrinking is refused.
 
-        Raises (on every rank):
+        Raises (on every rank; when several ranks are refused, the error of the first):
             ClosedError: a rank closed its buffer.
             CaptureError: a rank's current stream was capturing a CUDA graph (no commit
                 during capture: grow before capturing, or between replays).

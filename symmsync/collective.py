@@ -73,11 +73,19 @@ def ranks_text(ranks: Sequence[int]) -> str:
     return "rank " + str(ranks[0]) if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def unranked(message: str, rank: int) -> str:
-    """``message`` without the leading ``"rank R: "`` of an error a nested call raised on
-    this rank (a ``Fence`` made inside a collective's constructor): the agreement that
-    reports it names the rank itself."""
-    return message.removeprefix(f"rank {rank}: ")
+def attempt(make: Callable[[], Any], rank: int) -> tuple[Any, str | None, ErrorFactory]:
+    """Run a nested constructor (a ``Fence`` made inside a collective's constructor) as part
+    of this rank's check, so that its refusal is agreed like any problem and every rank raises.
+
+    Returns:
+        ``(make(), None, ConfigError)``, or, when it raised a :class:`~symmsync.ConfigError`,
+        ``(None, its message, its class)``: the message without the leading ``"rank R: "``
+        (:func:`agree` names the rank itself).
+    """
+    try:
+        return make(), None, ConfigError
+    except ConfigError as e:
+        return None, str(e).removeprefix(f"rank {rank}: "), type(e)
 
 
 @dataclass(frozen=True)
@@ -154,9 +162,13 @@ def agree(
         BackendError: a rank died or left before the exchange.
     """
     capturing = _capture_flag(group, device, call=call)
-    if problem is None and same:
-        values = {k: plain(v) if k in same else v for k, v in values.items()}
-    everyone = gather(group, (None if problem else values, problem, error if problem else None, capturing))
+    if problem:
+        values = None  # a refused call's values may be anything (junk, unpicklable): none travel
+    else:
+        problem = error = None
+        if same:
+            values = {k: plain(v) if k in same else v for k, v in values.items()}
+    everyone = gather(group, (values, problem, error, capturing))
     captured = [r for r, (*_, c) in enumerate(everyone) if c]
     if captured:
         raise CaptureError(f"{call}: {ranks_text(captured)}: {_capture_text()}")

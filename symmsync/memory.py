@@ -118,7 +118,8 @@ def release(shared: list[Shared]) -> None:
 
 def args_problem(nbytes: Any, max_views: Any, channels: Any, max_nbytes: Any, options: Any) -> str | None:
     """What is wrong with the arguments every kind of memory is made from (the sizes, the
-    backend's options), or ``None``; each kind checks the rest (``local_problem``)."""
+    backend's options), or ``None``; adopted and registered memory check the rest in their
+    ``local_problem``."""
     problem = (
         positive_int_problem("nbytes", nbytes)
         or positive_int_problem("max_views", max_views)

@@ -83,11 +83,8 @@ class _Collective:
                     BoundsError,
                 )
         fence = None
-        if problem is None:
-            try:  # a bad channel or timeout is agreed like the rest, so that every rank raises
-                fence = Fence(view, channel, timeout_s=timeout_s)
-            except ConfigError as e:
-                problem, error = collective.unranked(str(e), buf.rank), type(e)
+        if problem is None:  # a bad channel or timeout is agreed like the rest, so that every rank raises
+            fence, problem, error = collective.attempt(lambda: Fence(view, channel, timeout_s=timeout_s), buf.rank)
         members = tuple(view.ranks)
         alike = collective.Same(among=members, hint=f"every member of the view {list(members)} must pass the same")
         mine = {
