@@ -31,7 +31,6 @@ names unmapped memory (see :meth:`~SymmetricBuffer.close`).
 from __future__ import annotations
 
 import math
-import operator
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -40,15 +39,21 @@ import torch
 import torch.distributed as dist
 
 from . import backends, memory
-from .cells import LINE, SignalLayout
-from .checks import check_index, int_problem, is_int, positive_int_problem, require
-from .collective import capture_flag, gather, plain, raise_first, raise_if_capturing, same
+from .cells import SignalLayout
+from .checks import check_index, int_problem, is_int, require
+from .collective import Same, agree
 from .errors import CLOSED_REASON, BoundsError, ClosedError, ConfigError, SizeMismatchError
 from .views import PeerView, create_view
 
 ALIGN = 16  #: every tensor view starts on a multiple of this many bytes
 
 __all__ = ["ALIGN", "SignalLayout", "SymmetricBuffer"]
+
+#: How the ranks compare a buffer's arguments, in this order: sizes that differ are a SizeMismatchError.
+_AGREED = dict.fromkeys(("backend", "signals", "max_views", "channels"), Same()) | dict.fromkeys(
+    ("nbytes", "max_nbytes"),
+    Same(SizeMismatchError, "every rank must map the same size: compute it from values that agree across ranks"),
+)
 
 
 class SymmetricBuffer:
@@ -98,25 +103,14 @@ class SymmetricBuffer:
         backend_options: dict[str, Any] | None = None,
     ):
         self._join(group)
-        # One exchange of every rank's arguments, so every rank raises the same error.
         problem = None
         try:
             name, dev = backends.resolve(backend, device)
         except ConfigError as e:
             name, dev, problem = backend, None, str(e)
-        if problem is None:
-            problem = self._check_args(nbytes, max_views, channels, max_nbytes)
-        if problem is None and not isinstance(backend_options, (dict, type(None))):
-            problem = f"backend_options must be a dict, got {backend_options!r}"
-        info = {
-            "capturing": capture_flag(self._group, dev, call="SymmetricBuffer"),
-            "nbytes": plain(nbytes),
-            "max_nbytes": plain(max_nbytes),
-            "backend": plain(name),
-            "max_views": plain(max_views),
-            "channels": plain(channels),
-        }
-        self._raise_on_bad_args(gather(self._group, (info, problem)))
+        problem = problem or memory.args_problem(nbytes, max_views, channels, max_nbytes, backend_options)
+        sizes = {"nbytes": nbytes, "max_nbytes": max_nbytes, "max_views": max_views, "channels": channels}
+        self._agree("SymmetricBuffer", dev, problem, {"backend": name, **sizes})
 
         self._nbytes = nbytes
         self._device = dev
@@ -204,36 +198,15 @@ class SymmetricBuffer:
     ) -> SymmetricBuffer:
         self = cls.__new__(cls)
         self._join(group)
-        problem = cls._check_args(nbytes, max_views, channels, None)
+        problem = memory.args_problem(nbytes, max_views, channels, None, backend_options)
         try:
             dev = backends.as_device(device) if device is not None else backends.default_device()
         except ConfigError as e:
             dev, problem = torch.device("cpu"), problem or str(e)
-        if problem is None and signals not in ("separate", "tail"):
-            problem = f"signals must be 'separate' or 'tail', got {signals!r}"
-        if problem is None and not isinstance(backend_options, (dict, type(None))):
-            problem = f"backend_options must be a dict, got {backend_options!r}"
-        probe = SignalLayout(0, self._world, max_views, channels) if problem is None else None
         if problem is None:
-            try:
-                ptrs = [operator.index(p) for p in ptrs]
-            except TypeError:
-                problem = "ptrs must be a sequence of int addresses"
-        if problem is None and any(not 0 < p < 2**64 for p in ptrs):
-            problem = f"ptrs holds {[p for p in ptrs if not 0 < p < 2**64]}, which are not addresses"
-        if problem is None and len(ptrs) != self._world:
-            problem = f"ptrs holds {len(ptrs)} addresses for a group of {self._world} ranks"
-        if problem is None and signals == "tail" and nbytes < probe.size + LINE:
-            problem = f"{nbytes} bytes cannot hold symmsync's {probe.size} bytes of signal cells; adopt a larger region"
-        info = {
-            "capturing": capture_flag(self._group, dev, call=call),
-            "nbytes": plain(nbytes),
-            "backend": dev.type,
-            "signals": plain(signals),
-            "max_views": plain(max_views),
-            "channels": plain(channels),
-        }
-        self._raise_on_bad_args(gather(self._group, (info, problem)), call=call)
+            ptrs, problem = memory.Adopted.local_problem(ptrs, nbytes, signals, self._world, max_views, channels)
+        sizes = {"nbytes": nbytes, "max_views": max_views, "channels": channels}
+        self._agree(call, dev, problem, {"backend": dev.type, "signals": signals, **sizes})
         self._device = dev
         kind, self._nbytes = memory.Adopted.build(
             self._group, dev, ptrs, nbytes, signals, max_views, channels, backend_options or {}
@@ -319,19 +292,10 @@ class SymmetricBuffer:
         if nbytes is None and isinstance(local, torch.Tensor):
             nbytes = local.numel() * local.element_size()
         max_nbytes = nbytes if max_nbytes is None else max_nbytes
-        problem = problem or cls._check_args(nbytes, max_views, channels, max_nbytes)
-        if problem is None and not isinstance(backend_options, (dict, type(None))):
-            problem = f"backend_options must be a dict, got {backend_options!r}"
+        problem = problem or memory.args_problem(nbytes, max_views, channels, max_nbytes, backend_options)
         kind = dev.type if dev is not None else "?"
-        info = {
-            "capturing": capture_flag(self._group, dev, call="SymmetricBuffer.register"),
-            "nbytes": plain(nbytes),
-            "max_nbytes": plain(max_nbytes),
-            "backend": kind,
-            "max_views": plain(max_views),
-            "channels": plain(channels),
-        }
-        self._raise_on_bad_args(gather(self._group, (info, problem)), call="SymmetricBuffer.register")
+        sizes = {"nbytes": nbytes, "max_nbytes": max_nbytes, "max_views": max_views, "channels": channels}
+        self._agree("SymmetricBuffer.register", dev, problem, {"backend": kind, **sizes})
         self._device = dev
         self._nbytes = nbytes
         name = backends.name_for(dev)
@@ -341,34 +305,13 @@ class SymmetricBuffer:
         return self
 
     # ---------------------------------------------------------------- construction
-    @staticmethod
-    def _check_args(nbytes: Any, max_views: Any, channels: Any, max_nbytes: Any) -> str | None:
-        problem = (
-            positive_int_problem("nbytes", nbytes)
-            or positive_int_problem("max_views", max_views)
-            or positive_int_problem("channels", channels)
-        )
-        if problem is None and max_nbytes is not None:
-            problem = int_problem("max_nbytes", max_nbytes, minimum=nbytes)
-        return problem
-
-    def _raise_on_bad_args(self, everyone: list[tuple[dict, str | None]], call: str = "SymmetricBuffer") -> None:
-        """Raise on every rank if any rank captured, had a problem, or the ranks disagree."""
-        infos = [i for i, _ in everyone]
-        raise_if_capturing([i["capturing"] for i in infos], call=call)
-        raise_first([p for _, p in everyone], call=call)
-        for key in ("backend", "signals", "max_views", "channels"):
-            if key in infos[0]:
-                same([i[key] for i in infos], key, call=call)
-        for key in ("nbytes", "max_nbytes"):
-            if key in infos[0]:
-                same(
-                    [i[key] for i in infos],
-                    key,
-                    call=call,
-                    error=SizeMismatchError,
-                    hint="every rank must map the same size: compute it from values that agree across ranks",
-                )
+    def _agree(
+        self, call: str, dev: torch.device | None, problem: str | None, args: dict, error: type = ConfigError
+    ) -> None:
+        """Agree on ``args`` (:data:`_AGREED` says how each compares): every rank raises the
+        same error (a capture on ``dev``, a problem, ranks that differ), or none does."""
+        same = {k: rule for k, rule in _AGREED.items() if k in args}
+        agree(self._group, call, args, problem=problem, error=error, same=same, device=dev)
 
     def grow(self, nbytes: int) -> None:
         """Grow the user region to ``nbytes`` on every rank (collective).
@@ -379,7 +322,7 @@ class SymmetricBuffer:
         earlier stay valid; a CUDA graph captured before the grow replays unchanged.
         Growing to the current size does nothing; shrinking is refused.
 
-        Raises (on every rank):
+        Raises (on every rank; when several ranks are refused, the error of the first):
             ClosedError: a rank closed its buffer.
             CaptureError: a rank's current stream was capturing a CUDA graph (no commit
                 during capture: grow before capturing, or between replays).
@@ -388,22 +331,15 @@ class SymmetricBuffer:
             BackendError: a rank could not commit or map; every rank then unmaps what
                 this grow mapped, and the buffer keeps its size.
         """
-        call = "SymmetricBuffer.grow"
-        problem = int_problem("nbytes", nbytes, minimum=1)
-        bounds = closed = None
+        problem, error = int_problem("nbytes", nbytes, minimum=1), ConfigError
         if self._closed:  # still enter the exchange: every rank raises, none waits
-            closed = "used after close() on this rank"
+            problem, error = "used after close() on this rank", ClosedError
         elif problem is None and self.max_nbytes is None:
             problem = "the buffer is not growable: create it with max_nbytes="
         elif problem is None and not self._nbytes <= nbytes <= self.max_nbytes:
-            bounds = f"nbytes={nbytes} is outside [{self._nbytes}, {self.max_nbytes}] (the size now, max_nbytes)"
-        capturing = capture_flag(self._group, self._device, call=call)
-        everyone = gather(self._group, (plain(nbytes), problem, bounds, closed, capturing))
-        raise_first([c for *_, c, _ in everyone], call=call, error=ClosedError)
-        raise_if_capturing([f for *_, f in everyone], call=call)
-        raise_first([p for _, p, *_ in everyone], call=call)
-        raise_first([b for _, _, b, *_ in everyone], call=call, error=BoundsError)
-        same([n for n, *_ in everyone], "nbytes", call=call, error=SizeMismatchError)
+            problem = f"nbytes={nbytes} is outside [{self._nbytes}, {self.max_nbytes}] (the size now, max_nbytes)"
+            error = BoundsError
+        self._agree("SymmetricBuffer.grow", self._device, problem, {"nbytes": nbytes}, error)
         self._memory.grow(self._group, self._nbytes, nbytes)
         self._nbytes = nbytes
 

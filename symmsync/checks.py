@@ -20,6 +20,9 @@ from typing import Any
 
 from .errors import BoundsError, ConfigError, SymmSyncError
 
+#: Largest wait budget, in seconds (about 31 years; kernels count int64 nanoseconds).
+MAX_TIMEOUT_S = 1e9
+
 
 def is_int(v: Any) -> bool:
     """True for a Python int that is not a bool."""
@@ -48,6 +51,35 @@ def int_problem(
     if multiple_of is not None and v % multiple_of:
         return f"{name} must be a multiple of {multiple_of}, got {v}"
     return None
+
+
+def number_problem(
+    name: str, v: Any, *, positive: bool = False, maximum: float | None = None, unit: str = "", why: str = ""
+) -> str | None:
+    """What is wrong with ``v`` as the real-number argument ``name`` (an int or a float,
+    never a bool; NaN is refused), or ``None``.
+
+    Args:
+        name: the argument, as the message names it.
+        v: its value.
+        positive: refuse 0 too (default: refuse only negatives).
+        maximum: the largest value allowed (default: none; infinity passes).
+        unit: what the number counts, for the message (``"seconds"``).
+        why: the reason for the bounds, for the message.
+    """
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if ok and (v > 0 if positive else v >= 0) and (maximum is None or v <= maximum):
+        return None
+    want = ("a positive number" if positive else "a non-negative number") + (f" of {unit}" if unit else "")
+    want += (f" up to {maximum:g}" if maximum is not None else "") + (f" ({why})" if why else "")
+    return f"{name} must be {want}, got {v!r}"
+
+
+def timeout_problem(v: Any) -> str | None:
+    """What is wrong with ``v`` as a wait budget ``timeout_s`` (a fence's, a Signals
+    object's), or ``None``."""
+    why = "the budget is int64 nanoseconds on the device"
+    return number_problem("timeout_s", v, positive=True, maximum=MAX_TIMEOUT_S, unit="seconds", why=why)
 
 
 def positive_int_problem(name: str, v: Any) -> str | None:

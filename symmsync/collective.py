@@ -1,13 +1,13 @@
 """Agreement among the ranks of a group: the one place symmsync talks to torch.distributed.
 
-Every collective entry point of symmsync (a buffer, a view, a consumer such as the
-PCP writer) follows one pattern: each rank checks its own arguments into a problem
-(a sentence, or ``None``), one exchange carries every rank's problem and the values
-the ranks must agree on, and then every rank raises the same error, or none does.
-No rank is left waiting in a collective that another rank skipped.
+Every collective entry point of symmsync (a buffer and its growth, a view, Signals, a
+collective, the PCP writer, each mapping step) follows one protocol, written once in
+:func:`agree`: each rank checks its own arguments into a problem (a sentence and the
+error class it raises, or ``None``), one exchange carries every rank's problem and the
+values the ranks must agree on, and then every rank raises the same error, or none
+does. No rank is left waiting in a collective that another rank skipped::
 
-    values = agree(group, mine, problem, call="DirectKVWriter")   # raises on every rank
-    same(values, "route", call="DirectKVWriter")                 # raises on every rank
+    values = agree(group, "DirectKVWriter", {"route": route}, problem=problem, same={"route": Same()})
 
 A peer that died or left makes the exchange fail on the others: they raise
 :class:`~symmsync.BackendError` saying so, never torch.distributed's own error.
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -28,6 +29,10 @@ import torch.distributed as dist
 
 from . import backends
 from .errors import BackendError, CaptureError, ConfigError, SymmSyncError
+
+#: What makes the error every rank raises from its message: one of symmsync's error
+#: classes, or any picklable callable (a rank's problem carries it through the exchange).
+ErrorFactory = Callable[[str], SymmSyncError]
 
 
 def gather(group: Any, obj: Any) -> list[Any]:
@@ -56,8 +61,10 @@ def _lost_peer(group: Any, e: Exception) -> BackendError:
 
 
 def plain(v: Any) -> Any:
-    """``v`` if every rank can receive and compare it, else its repr (a junk argument
-    must still reach the exchange, so that every rank raises instead of one)."""
+    """``v`` if every rank can receive and compare it (tuples of such, too), else its repr
+    (a junk argument must still reach the exchange, so that every rank raises instead of one)."""
+    if isinstance(v, tuple):
+        return tuple(plain(x) for x in v)
     return v if isinstance(v, (int, str, float, bool, type(None))) else repr(v)
 
 
@@ -66,59 +73,119 @@ def ranks_text(ranks: Sequence[int]) -> str:
     return "rank " + str(ranks[0]) if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def raise_first(
-    problems: Sequence[str | None],
-    *,
-    call: str,
-    error: Callable[[str], SymmSyncError] = ConfigError,
-    ranks: Sequence[int] | None = None,
-    tail: str = "",
-) -> None:
-    """Raise ``error`` naming the first rank with a problem (and the others that had one).
+def attempt(make: Callable[[], Any], rank: int) -> tuple[Any, str | None, ErrorFactory]:
+    """Run a nested constructor (a ``Fence`` made inside a collective's constructor) as part
+    of this rank's check, so that its refusal is agreed like any problem and every rank raises.
 
-    ``problems[i]`` belongs to ``ranks[i]`` (default: rank ``i``). Every rank that calls it
-    with the same list raises the same error.
+    Returns:
+        ``(make(), None, ConfigError)``, or, when it raised a :class:`~symmsync.ConfigError`,
+        ``(None, its message, its class)``: the message without the leading ``"rank R: "``
+        (:func:`agree` names the rank itself).
     """
-    ranks = list(range(len(problems))) if ranks is None else list(ranks)
-    bad = [r for r, p in zip(ranks, problems) if p]
-    if not bad:
-        return
-    first = problems[ranks.index(bad[0])]
-    others = f" (and {ranks_text(bad[1:])})" if len(bad) > 1 else ""
-    raise error(f"{call}: rank {bad[0]}{others}: {first}{tail}")
+    try:
+        return make(), None, ConfigError
+    except ConfigError as e:
+        return None, str(e).removeprefix(f"rank {rank}: "), type(e)
+
+
+@dataclass(frozen=True)
+class Same:
+    """How :func:`agree` compares one field: the ranks that must pass it alike, and what
+    every rank raises when they do not.
+
+    Attributes:
+        error: the error every rank raises (a mismatch of sizes is a
+            :class:`~symmsync.SizeMismatchError`).
+        hint: what to do, last in the message.
+        among: the ranks (of the group) that must agree, such as a view's members, in
+            the order the message names them; ``None``: every rank.
+    """
+
+    error: ErrorFactory = ConfigError
+    hint: str = "pass the same on every rank"
+    among: tuple[int, ...] | None = None
 
 
 def agree(
     group: Any,
-    value: Any,
-    problem: str | None,
-    *,
     call: str,
-    error: Callable[[str], SymmSyncError] = ConfigError,
+    values: Any = None,
+    *,
+    problem: str | None = None,
+    error: ErrorFactory = ConfigError,
+    same: Mapping[str, Same] | None = None,
+    device: torch.device | None = None,
+    failed: str = "",
+    tail: str = "",
+    received: Callable[[list[Any]], None] | None = None,
 ) -> list[Any]:
-    """Exchange ``(value, problem)``; raise on every rank if any rank had a problem.
+    """Agree on a collective call's arguments: the same outcome on every rank (collective).
 
-    Returns every rank's ``value``, in the group's rank order.
+    In order, on every rank alike:
+
+    1. CUDA graph capture: where ``device``'s current stream is capturing on any rank,
+       every rank raises :class:`~symmsync.CaptureError` naming those ranks (a call that
+       allocates, maps or copies cannot be recorded). Where the exchange itself would
+       run on the device (an NCCL group), the capturing rank raises it alone, before the
+       exchange (ranks that capture the same code raise the same; one that did not
+       capture waits in the exchange until the group's timeout, as for a rank that left).
+    2. One exchange of every rank's ``(values, problem, error)``: a rank with a problem
+       sends ``None`` for its values.
+    3. ``received`` gets every rank's values, before anything is raised.
+    4. Problems: when any rank had one, every rank raises the error that the first such
+       rank's problem carries, ``"{call}: {failed}rank R (and ranks S, T): {problem}{tail}"``.
+    5. Each field of ``same``, in its order: unless the ranks of its ``among`` sent equal
+       values (compared by repr), every rank raises ``"{call}: {field} differs across
+       ranks (rank 0: v, rank 1: w); {hint}"``. Only the ranks in ``among`` are compared:
+       a rank outside them sees the exchange and compares its own subset.
+
+    Args:
+        group: the process group.
+        call: the public call it serves, first in every message (``"SymmetricBuffer.grow"``).
+        values: this rank's values (picklable): a mapping of named fields where ``same``
+            compares any; compared fields travel as :func:`plain` values.
+        problem: what keeps this rank from taking the call (a sentence), or ``None``.
+        error: the error ``problem`` raises on every rank (picklable).
+        same: the fields of ``values`` the ranks must agree on, and how.
+        device: where the call works; ``None``: no capture check.
+        failed: words between the call and the ranks in a problem's message
+            (``"could not map on "``).
+        tail: words after the problem in its message (``"; nothing stays mapped"``).
+        received: called with every rank's values (``None`` for a rank with a problem):
+            what a rank must undo even when the call is refused.
+
+    Returns:
+        Every rank's ``values``, in the group's rank order.
+
+    Raises:
+        CaptureError, the class a problem carries, or a ``same`` rule's error: on every rank.
+        BackendError: a rank died or left before the exchange.
     """
-    everyone = gather(group, (value, problem))
-    raise_first([p for _, p in everyone], call=call, error=error)
-    return [v for v, _ in everyone]
-
-
-def same(
-    values: Sequence[Any],
-    what: str,
-    *,
-    call: str,
-    error: Callable[[str], SymmSyncError] = ConfigError,
-    ranks: Sequence[int] | None = None,
-    hint: str = "pass the same on every rank",
-) -> None:
-    """Raise on every rank unless ``values`` (one per rank of ``ranks``) are all equal."""
-    ranks = list(range(len(values))) if ranks is None else list(ranks)
-    if len({repr(v) for v in values}) > 1:
-        per = ", ".join(f"rank {r}: {v!r}" for r, v in zip(ranks, values))
-        raise error(f"{call}: {what} differs across ranks ({per}); {hint}")
+    capturing = _capture_flag(group, device, call=call)
+    if problem:
+        values = None  # a refused call's values may be anything (junk, unpicklable): none travel
+    else:
+        problem = error = None
+        if same:
+            values = {k: plain(v) if k in same else v for k, v in values.items()}
+    everyone = gather(group, (values, problem, error, capturing))
+    captured = [r for r, (*_, c) in enumerate(everyone) if c]
+    if captured:
+        raise CaptureError(f"{call}: {ranks_text(captured)}: {_capture_text()}")
+    agreed = [v for v, *_ in everyone]
+    if received is not None:
+        received(agreed)
+    bad = [r for r, (_, p, *_) in enumerate(everyone) if p]
+    if bad:
+        _, first, make, _ = everyone[bad[0]]
+        others = f" (and {ranks_text(bad[1:])})" if len(bad) > 1 else ""
+        raise make(f"{call}: {failed}rank {bad[0]}{others}: {first}{tail}")
+    for field, rule in (same or {}).items():
+        ranks = list(range(len(agreed))) if rule.among is None else list(rule.among)
+        if len({repr(agreed[r][field]) for r in ranks}) > 1:
+            per = ", ".join(f"rank {r}: {agreed[r][field]!r}" for r in ranks)
+            raise rule.error(f"{call}: {field} differs across ranks ({per}); {rule.hint}")
+    return agreed
 
 
 def _capture_text() -> str:
@@ -140,31 +207,16 @@ def _exchange_on_device(group: Any) -> bool:
         return "nccl" in str(dist.get_backend(group)) and "cpu" not in str(dist.get_backend(group))
 
 
-def capture_flag(group: Any, device: torch.device | None, *, call: str) -> bool:
-    """This rank's part of a collective call's check for CUDA graph capture, taken before
-    any device work: True when ``device``'s current stream is capturing
-    (:func:`symmsync.backends.capturing`). The caller sends it in the call's argument
-    exchange and every rank raises with :func:`raise_if_capturing`.
-
-    Where that exchange would itself run on the device (the object collectives of an
-    NCCL group), it cannot run during capture: this rank raises
-    :class:`~symmsync.errors.CaptureError` here, before the exchange (ranks that capture
-    the same code raise the same; one that did not capture waits in the exchange until
-    the group's timeout, as for a rank that left).
-    """
+def _capture_flag(group: Any, device: torch.device | None, *, call: str) -> bool:
+    """This rank's part of :func:`agree`'s capture check (its step 1), taken before any
+    device work: True when ``device``'s current stream is capturing
+    (:func:`symmsync.backends.capturing`); raises here, alone, where the exchange would
+    run on the device."""
     if not backends.capturing(device):
         return False
     if _exchange_on_device(group):
         raise CaptureError(f"rank {dist.get_rank(group)}: {call}: {_capture_text()}")
     return True
-
-
-def raise_if_capturing(flags: Sequence[bool], *, call: str) -> None:
-    """Raise :class:`~symmsync.errors.CaptureError` on every rank when any rank's
-    :func:`capture_flag` was True (``flags[r]`` is rank ``r``'s), naming those ranks."""
-    bad = [r for r, f in enumerate(flags) if f]
-    if bad:
-        raise CaptureError(f"{call}: {ranks_text(bad)}: {_capture_text()}")
 
 
 log = logging.getLogger("symmsync")
@@ -229,13 +281,17 @@ class Transaction:
             value = local()
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             problem = f"{type(e).__name__}: {e}"
-        everyone = gather(self.group, (value, problem))
-        if undo is not None:
-            self.on_failure(functools.partial(undo, [v for v, _ in everyone]))
-        bad = [r for r, (_, p) in enumerate(everyone) if p]
-        if bad:
-            raise BackendError(f"{self.call}: could not {what} {ranks_text(bad)}: {everyone[bad[0]][1]}; {self.kept}")
-        return [v for v, _ in everyone]
+        keep = None if undo is None else lambda everyone: self.on_failure(functools.partial(undo, everyone))
+        return agree(
+            self.group,
+            self.call,
+            value,
+            problem=problem,
+            error=BackendError,
+            failed=f"could not {what} ",
+            tail=f"; {self.kept}",
+            received=keep,
+        )
 
     def commit(self) -> None:
         """The final barrier: every rank finished every step; nothing is undone after it."""

@@ -44,14 +44,11 @@ import triton.language as tl
 from . import backends, cells, memory
 from . import driver as cuda
 from . import language as ssl
-from .checks import require
+from .checks import require, timeout_problem
 from .errors import CLOSED_REASON, CaptureError, ClosedError, FenceTimeout, PeerAborted
 from .failure import used_after_abort
 from .launch import Launcher, cu_stream, current_stream
 from .views import PeerView
-
-#: Largest wait budget, in seconds (about 31 years; the kernel counts int64 nanoseconds).
-MAX_TIMEOUT_S = 1e9
 
 _FENCE, _ARRIVE, _WAIT = 0, 1, 2  # indices into Fence._launch, in this order
 
@@ -75,7 +72,7 @@ class Fence:
         view: the :class:`~symmsync.PeerView` whose members synchronize.
         channel: which of the view's channels (fences on different channels, or on
             different views, never touch each other's slots).
-        timeout_s: wait budget in seconds, in ``(0, MAX_TIMEOUT_S]`` (default: the
+        timeout_s: wait budget in seconds, in ``(0, checks.MAX_TIMEOUT_S]`` (default: the
             ``default_timeout_s`` of the buffer's
             :attr:`~symmsync.SymmetricBuffer.capabilities`: 120 s on the host backend,
             which allows for the Triton interpreter on a loaded machine, 60 s on GPUs,
@@ -110,13 +107,7 @@ class Fence:
         """The buffer's backend name (shown in the repr)."""
         if timeout_s is None:
             timeout_s = caps.default_timeout_s
-        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not 0 < timeout_s <= MAX_TIMEOUT_S:
-            require(
-                f"timeout_s must be a positive number of seconds up to {MAX_TIMEOUT_S:g} "
-                f"(the budget is int64 nanoseconds on the device), got {timeout_s!r}",
-                rank=buf.rank,
-                call="Fence",
-            )
+        require(timeout_problem(timeout_s), rank=buf.rank, call="Fence")
         self.timeout_s = float(timeout_s)
         self.timeout_ns = int(self.timeout_s * 1e9)
         """Wait budget in ns (kernel argument)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import os
 import weakref
 from typing import Any
@@ -39,8 +40,8 @@ import torch.distributed as dist
 from . import backends
 from .backends import Backend, LocalExport, Memory, Piece
 from .cells import EPOCH, LINE, SignalLayout, round_up
-from .checks import is_int
-from .collective import Transaction, barrier, gather, ranks_text
+from .checks import int_problem, is_int, positive_int_problem
+from .collective import Transaction, agree, barrier
 from .errors import BackendError, ConfigError
 
 log = logging.getLogger("symmsync")
@@ -115,6 +116,22 @@ def release(shared: list[Shared]) -> None:
         s.release()
 
 
+def args_problem(nbytes: Any, max_views: Any, channels: Any, max_nbytes: Any, options: Any) -> str | None:
+    """What is wrong with the arguments every kind of memory is made from (the sizes, the
+    backend's options), or ``None``; adopted and registered memory check the rest in their
+    ``local_problem``."""
+    problem = (
+        positive_int_problem("nbytes", nbytes)
+        or positive_int_problem("max_views", max_views)
+        or positive_int_problem("channels", channels)
+    )
+    if problem is None and max_nbytes is not None:
+        problem = int_problem("max_nbytes", max_nbytes, minimum=nbytes)
+    if problem is None and not isinstance(options, (dict, type(None))):
+        problem = f"backend_options must be a dict, got {options!r}"
+    return problem
+
+
 def create_backend(group: Any, name: str, dev: torch.device, options: dict[str, Any]) -> Backend:
     """The backend ``name`` on every rank, or :class:`~symmsync.BackendError` on every rank (collective)."""
     problem = None
@@ -125,10 +142,7 @@ def create_backend(group: Any, name: str, dev: torch.device, options: dict[str, 
         problem = str(e)
     except TypeError as e:  # an option the backend does not take
         problem = f"bad backend_options {options!r}: {e}"
-    problems = gather(group, problem)
-    bad = [r for r, p in enumerate(problems) if p]
-    if bad:
-        raise BackendError(f"SymmetricBuffer: backend {name!r} unavailable on {ranks_text(bad)}: {problems[bad[0]]}")
+    agree(group, "SymmetricBuffer", problem=problem, error=BackendError, failed=f"backend {name!r} unavailable on ")
     assert be is not None
     return be
 
@@ -360,6 +374,27 @@ class Growable(Kind):
 
 class Adopted(Kind):
     """Memory a runtime allocated and mapped on every rank; symmsync releases only its own cells."""
+
+    @staticmethod
+    def local_problem(
+        ptrs: Any, nbytes: int, signals: Any, world: int, max_views: int, channels: int
+    ) -> tuple[list[int], str | None]:
+        """``(addresses, problem)`` of what :meth:`SymmetricBuffer.from_peer_addresses` was
+        given (its sizes already checked): what keeps it from being adopted on this rank, or ``None``."""
+        if signals not in ("separate", "tail"):
+            return [], f"signals must be 'separate' or 'tail', got {signals!r}"
+        try:
+            ptrs = [operator.index(p) for p in ptrs]
+        except TypeError:
+            return [], "ptrs must be a sequence of int addresses"
+        if any(not 0 < p < 2**64 for p in ptrs):
+            return ptrs, f"ptrs holds {[p for p in ptrs if not 0 < p < 2**64]}, which are not addresses"
+        if len(ptrs) != world:
+            return ptrs, f"ptrs holds {len(ptrs)} addresses for a group of {world} ranks"
+        cells = SignalLayout(0, world, max_views, channels).size
+        if signals == "tail" and nbytes < cells + LINE:
+            return ptrs, f"{nbytes} bytes cannot hold symmsync's {cells} bytes of signal cells; adopt a larger region"
+        return ptrs, None
 
     @classmethod
     def build(

@@ -28,6 +28,7 @@ after checking that its programs can all be resident at once.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -39,8 +40,8 @@ import triton.language as tl
 
 from . import cells
 from . import language as ssl
-from .checks import check_index, int_problem, is_int, require
-from .collective import barrier, capture_flag, gather, plain, raise_first, raise_if_capturing, same
+from .checks import check_index, int_problem, is_int, require, timeout_problem
+from .collective import Same, agree, barrier
 from .errors import (
     CLOSED_REASON,
     BoundsError,
@@ -57,8 +58,6 @@ from .views import PeerView
 
 #: Most slots per peer a Signals object holds.
 MAX_SLOTS = 4096
-#: Largest wait budget, in seconds (the kernel counts int64 nanoseconds).
-MAX_TIMEOUT_S = 1e9
 
 _OPS = {"add": 0, "set": 1}
 _INT64 = (-(2**63), 2**63 - 1)
@@ -90,6 +89,13 @@ def _wait_kernel(
         ssl.wait_signal(sig, me, peer, slot, value, CMP, timeout_ns, record, SIZE, NSLOTS, TRAP)
 
 
+def _aborted_by(rank: int, reason: str, message: str) -> PeerAborted:
+    """The refusal every rank raises when ``rank`` had aborted the view (``reason``) before
+    making its Signals: a :class:`~symmsync.PeerAborted` naming it. Picklable as a partial:
+    it travels in the constructor's exchange."""
+    return PeerAborted(message, rank=rank, epoch=-1, late={}, channel=-1, aborted={rank: reason})
+
+
 class Signals:
     """Point-to-point signal slots among the members of a peer view (collective).
 
@@ -117,41 +123,28 @@ class Signals:
     """
 
     def __init__(self, view: PeerView, slots: int = 1, *, timeout_s: float | None = None):
-        call = "Signals"
         good_view = isinstance(view, PeerView)
         group = view.buffer.group if good_view else dist.group.WORLD
-        problem, kind = None, None
+        problem, error = None, ConfigError
         if not good_view:
             problem = f"view must be a PeerView, got {type(view).__name__}"
         elif view.buffer.closed:
-            problem, kind = "the view's buffer is closed", "closed"
+            problem, error = "the view's buffer is closed", ClosedError
         elif view.aborted is not None:
-            problem, kind = f"this rank aborted the view ({view.aborted})", "aborted"
+            problem = f"this rank aborted the view ({view.aborted})"
+            error = functools.partial(_aborted_by, view.buffer.rank, view.aborted)
         problem = problem or int_problem("slots", slots, minimum=1, maximum=MAX_SLOTS)
         if problem is None and timeout_s is not None:
-            ok = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
-            if not ok or not 0 < timeout_s <= MAX_TIMEOUT_S:
-                problem = f"timeout_s must be a positive number of seconds up to {MAX_TIMEOUT_S:g}, got {timeout_s!r}"
-        size = view.size if good_view else 0
-        # Before any device work, and sent in the exchange: every rank raises CaptureError.
-        capturing = capture_flag(group, view.buffer.device if good_view else None, call=call)
-        mine = (problem, kind, view.aborted if good_view else None, plain(slots), plain(timeout_s), size, capturing)
-        everyone = gather(group, mine)
-        raise_if_capturing([e[6] for e in everyone], call=call)
-        problems = [e[0] for e in everyone]
-        bad = [r for r, p in enumerate(problems) if p]
-        if bad:
-            first = everyone[bad[0]]
-            me = dist.get_rank(group)
-            error = {
-                "closed": ClosedError,
-                "aborted": lambda m: PeerAborted(
-                    m, rank=me, epoch=-1, late={}, channel=-1, aborted={bad[0]: first[2] or ""}
-                ),
-            }.get(first[1], ConfigError)
-            raise_first(problems, call=call, error=error)
-        same([e[3] for e in everyone], "slots", call=call)
-        same([e[4] for e in everyone], "timeout_s", call=call)
+            problem = timeout_problem(timeout_s)
+        everyone = agree(
+            group,
+            "Signals",
+            {"slots": slots, "timeout_s": timeout_s, "size": view.size if good_view else 0},
+            problem=problem,
+            error=error,
+            same={"slots": Same(), "timeout_s": Same()},
+            device=view.buffer.device if good_view else None,
+        )
 
         buf = view.buffer
         caps = buf.capabilities
@@ -168,7 +161,7 @@ class Signals:
         self._caps = caps
         from .buffer import SymmetricBuffer  # the buffer module imports views, which this module needs first
 
-        nbytes = max(cells.signal_memory_bytes(e[5], slots) for e in everyone)
+        nbytes = max(cells.signal_memory_bytes(e["size"], slots) for e in everyone)
         self._memory = SymmetricBuffer(
             nbytes, group=group, device=buf.device, backend=buf.backend, max_views=1, channels=1
         )

@@ -20,7 +20,7 @@ import torch
 
 from . import memory
 from .checks import check_index, is_int, require
-from .collective import capture_flag, gather, raise_first, raise_if_capturing
+from .collective import agree
 from .errors import ClosedError, ConfigError, ViewError
 from .failure import ViewFailure
 
@@ -185,10 +185,8 @@ def create_view(buffer: SymmetricBuffer, ranks: Sequence[int], problem: str | No
     req: tuple[int, ...] = ()
     if problem is None:
         req, problem = _parse_request(ranks, me, world)
-    capturing = capture_flag(buffer.group, buffer.device, call="view")
-    requests = gather(buffer.group, (req, problem, capturing))
-    raise_if_capturing([c for *_, c in requests], call="view")
-    _raise_on_bad_requests([(r, p) for r, p, _ in requests])
+    requests = agree(buffer.group, "view", req, problem=problem, error=ViewError, device=buffer.device)
+    _raise_on_differing_requests(requests)
     region = buffer.signals.take_region()
     if region is None:
         raise ViewError(
@@ -198,14 +196,15 @@ def create_view(buffer: SymmetricBuffer, ranks: Sequence[int], problem: str | No
     return PeerView(buffer, req, region)
 
 
-def _raise_on_bad_requests(requests: list[tuple[tuple[int, ...], str | None]]) -> None:
-    raise_first([p for _, p in requests], call="view", error=ViewError)
-    for r, (req, _) in enumerate(requests):
+def _raise_on_differing_requests(requests: list[tuple[int, ...]]) -> None:
+    """Raise on every rank unless the members of each view asked for it alike (every rank
+    checks every view, so that a rank of another view raises too, instead of waiting)."""
+    for r, req in enumerate(requests):
         for m in req:
-            if requests[m][0] != req:
+            if requests[m] != req:
                 raise ViewError(
                     f"view: rank {r} asked for a view of {list(req)} but its member rank {m} asked for "
-                    f"{list(requests[m][0])}; every member must pass the same ranks in the same order"
+                    f"{list(requests[m])}; every member must pass the same ranks in the same order"
                 )
 
 

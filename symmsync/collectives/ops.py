@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .. import collective, mode
-from ..checks import int_problem, require
+from ..checks import int_problem, number_problem, require
 from ..errors import BoundsError, ClosedError, ConfigError, InputError, PeerAborted, SymmSyncError
 from ..failure import used_after_abort
 from ..fence import Fence
@@ -85,24 +85,18 @@ class _Collective:
                     BoundsError,
                 )
         fence = None
-        if problem is None:
-            try:  # a bad channel or timeout is agreed like the rest, so that every rank raises
-                fence = Fence(view, channel, timeout_s=timeout_s)
-            except ConfigError as e:
-                problem, error = str(e).removeprefix(f"rank {buf.rank}: "), type(e)
-        mine = (collective.plain(max_numel), str(dtype), algorithm, collective.plain(offset), collective.plain(channel))
-        everyone = collective.gather(buf.group, (mine, problem, error))
-        first_error = next((e for _, p, e in everyone if p), ConfigError)
-        collective.raise_first([p for _, p, _ in everyone], call=call, error=first_error)
-        members = list(view.ranks)
-        for i, what in enumerate(("max_numel", "the dtype", "the algorithm", "the offset", "the channel")):
-            collective.same(
-                [everyone[r][0][i] for r in members],
-                what,
-                call=call,
-                ranks=members,
-                hint=f"every member of the view {members} must pass the same",
-            )
+        if problem is None:  # a bad channel or timeout is agreed like the rest, so that every rank raises
+            fence, problem, error = collective.attempt(lambda: Fence(view, channel, timeout_s=timeout_s), buf.rank)
+        members = tuple(view.ranks)
+        alike = collective.Same(among=members, hint=f"every member of the view {list(members)} must pass the same")
+        mine = {
+            "max_numel": max_numel,
+            "the dtype": str(dtype),
+            "the algorithm": algorithm,
+            "the offset": offset,
+            "the channel": channel,
+        }
+        collective.agree(buf.group, call, mine, problem=problem, error=error, same=dict.fromkeys(mine, alike))
         self.view = view
         self.size = view.size
         self.max_numel = max_numel
@@ -482,8 +476,8 @@ class AllReduce(_Collective):
                     bad = f"{name} must be contiguous, on {self._buffer.device}"
                 if bad:
                     break
-        if bad is None and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0):
-            bad = f"eps must be a non-negative number, got {eps!r}"
+        if bad is None:
+            bad = number_problem("eps", eps)
         if bad is not None:
             self._refuse(bad)
         out = torch.empty_like(x) if out is None else out

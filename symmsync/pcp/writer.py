@@ -229,31 +229,27 @@ class DirectKVWriter:
                 programs_per_sm=programs_per_sm,
             )
         fence = None
-        if problem is None:
-            try:  # a bad channel or timeout is agreed like the rest, so that every rank raises
-                fence = Fence(view, channel, timeout_s=timeout_s)
-            except ConfigError as e:
-                problem, error = _without_rank(str(e), buf.rank), type(e)
-        mine = (route, fused, placement.agreed(), channel) if problem is None else None
-        everyone = collective.gather(buf.group, (mine, problem, error))
-        first_error = next((e for _, p, e in everyone if p), ConfigError)
-        collective.raise_first([p for _, p, _ in everyone], call=call, error=first_error)
-        agreed = [m for m, _, _ in everyone]
-        collective.same(
-            [f"{r} fused" if f else r for r, f, _, _ in agreed],
-            "the route",
-            call=call,
-            hint="every rank must take the same route",
+        if problem is None:  # a bad channel or timeout is agreed like the rest, so that every rank raises
+            fence, problem, error = collective.attempt(lambda: Fence(view, channel, timeout_s=timeout_s), buf.rank)
+        members = tuple(view.ranks)
+        hint = f"every member of the PCP group {list(members)} must pass the same"
+        in_group = collective.Same(among=members, hint=hint)
+        collective.agree(
+            buf.group,
+            call,
+            {
+                "the route": f"{route} fused" if fused else route,
+                "the layout": placement.agreed() if placement is not None else None,
+                "the channel": channel,
+            },
+            problem=problem,
+            error=error,
+            same={
+                "the route": collective.Same(hint="every rank must take the same route"),
+                "the layout": in_group,
+                "the channel": in_group,
+            },
         )
-        members = list(view.ranks)
-        for i, what in ((2, "the layout"), (3, "the channel")):
-            collective.same(
-                [agreed[r][i] for r in members],
-                what,
-                call=call,
-                ranks=members,
-                hint=f"every member of the PCP group {members} must pass the same",
-            )
         self.group = group
         #: How the kernel is launched (:class:`Tuning`).
         self.tuning = tuning
@@ -340,19 +336,24 @@ class DirectKVWriter:
                         f"blocks of every layer inside the buffer's {buf.nbytes} bytes: grow the buffer first"
                     )
         rows = slots.numel() if slots is not None else -1
-        mine = (rows, slots.cpu() if (self.debug and slots is not None) else None)
-        every = collective.agree(buf.group, mine, problem, call=call, error=InputError)
-        members = list(self.view.ranks)
-        collective.same(
-            [every[r][0] for r in members],
-            "the row count",
-            call=call,
+        members = tuple(self.view.ranks)
+        every = collective.agree(
+            buf.group,
+            call,
+            {"the row count": rows, "slots": slots.cpu() if self.debug and slots is not None else None},
+            problem=problem,
             error=InputError,
-            ranks=members,
-            hint="ranks of a PCP group must have equal row counts: pad with slot -1 (symmsync.pcp.pcp_split does)",
+            same={
+                "the row count": collective.Same(
+                    error=InputError,
+                    among=members,
+                    hint="ranks of a PCP group must have equal row counts: "
+                    "pad with slot -1 (symmsync.pcp.pcp_split does)",
+                )
+            },
         )
         if self.debug:
-            self._check_duplicates([every[r][1] for r in members])
+            self._check_duplicates([every[r]["slots"] for r in members])
         batch = Batch(slots=slots, rows=rows, writer=self)  # write() takes only batches this writer validated
         launched_rows = rows
         if self.route == "allgather":
@@ -588,9 +589,3 @@ class DirectKVWriter:
             return {"cache_bytes_written": written, "sent_to_peers": rows * _TOKEN_BYTES * peers}
         inputs = rows * (_NOPE + _ROPE + _IDX) * 2  # bf16
         return {"cache_bytes_written": written, "sent_to_peers": inputs * peers}
-
-
-def _without_rank(message: str, rank: int) -> str:
-    """``message`` without a leading ``"rank R: "`` (the agreement names the rank itself)."""
-    prefix = f"rank {rank}: "
-    return message[len(prefix) :] if message.startswith(prefix) else message
