@@ -133,7 +133,8 @@ def wait(ptrs, cell, me, epoch, timeout_ns, SIZE: tl.constexpr):
     peer data. Write a record (:func:`write_timeout_record`) and :func:`trap`, or
     report the status to the host. Graph-safe. Cost: one acquire load
     per member per poll and a mask; the first poll usually succeeds when the members are
-    in step, and it reads no flag, clock or reason.
+    in step, and it reads no flag, clock or reason. (symmsync's one bounded poll,
+    :func:`symmsync._language_core.bounded_poll`, on the members' slots.)
     """
     status, _left = bounded_poll(ptrs, epoch, ptrs, cell, me, timeout_ns, SIZE, MEMBERS, GE)
     return status

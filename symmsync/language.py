@@ -96,15 +96,26 @@ the kernels check that one program per launch publishes on a channel and that th
 of :func:`data_ptr` and :func:`put_signal` lie inside the user region.
 
 A cell is the same byte offset ``cell`` in every member's memory; its layout (epoch,
-arrivals, abort reason, slots) and the timeout record's are :mod:`symmsync.cells`'s, the
-one source of both, exported here as constants (:data:`EPOCH`, :data:`ARRIVALS`,
-:data:`REASON`, :data:`SLOTS`, ...).
+arrivals, abort reason, slots) is :mod:`symmsync.cells`'s, exported here as constants
+(:data:`EPOCH`, :data:`ARRIVALS`, :data:`REASON`, :data:`SLOTS`, ...); the records a failed
+wait writes (:func:`write_timeout_record`, the signals' record) are :mod:`symmsync.records`'.
+
+Where the source lives. This module is the face kernels import; it defines nothing but
+the constants above. Each protocol step has one implementation behind it:
+:mod:`symmsync._language_core` holds what every kernel of symmsync shares (the arrival
+counter ``arrive``, the bounded poll ``bounded_poll``, the scan of the members' slots
+``scan_members``, :func:`record_barrier`, :func:`clock_ns`, :func:`trap`);
+:mod:`symmsync._language_fence` the fence (:func:`publish`, :func:`wait`,
+:func:`mark_abort`, :func:`grid_fence`, :func:`grid_sync`, ...);
+:mod:`symmsync._language_signals` the point-to-point signals; :mod:`symmsync.records` the
+records' writers. The dependency runs one way: core, records, then fence and signals.
 
 Backends. The same source runs compiled on NVIDIA GPUs and under Triton's
 interpreter on the host backend. The few primitives whose instructions differ live
 in one module per backend (``symmsync._prims_compiled``, ``symmsync._prims_interpreted``,
-the same names in both); this module imports one of them once, when it is imported
-(``INTERPRETED``, from :func:`symmsync.mode.kernels_interpreted`), never at run time:
+the same names in both); :mod:`symmsync._language_core` imports one of them once, when it
+is imported (``INTERPRETED``, from :func:`symmsync.mode.kernels_interpreted`), never at run
+time:
 
 ================  ======================  ==================================  ===============================
 operation         primitive               GPU (compiled)                      host (interpreter)

@@ -52,7 +52,6 @@ from ._language_core import (
     FIRST_BEHIND,
     FIRST_FLAGGED,
     REASON,
-    SLOTS,
     _prims,
     scan_members,
     slots_ptr,
@@ -203,7 +202,7 @@ def write_timeout_record(record, ptrs, cell, me, epoch, SIZE: tl.constexpr):
 @triton.jit
 def write_signal_record(
     record,
-    cells_,
+    cell_table,
     me,
     peer,
     slot,
@@ -217,13 +216,13 @@ def write_signal_record(
 ):
     """Write what a failed signal wait saw to ``record`` (the signal record above), then trap with ``TRAP``.
 
-    ``cells_`` points at the view's table of channel-0 cell addresses in the handle
+    ``cell_table`` points at the view's table of channel-0 cell addresses in the handle
     (``cell[p]``), where the members' abort flags and reasons are.
     """
     rec = record.to(tl.pointer_type(tl.int64))
-    own = (tl.load(cells_ + me) + SLOTS).to(tl.pointer_type(tl.int64))
+    own = slots_ptr(cell_table, 0, me)
     first, _unused = scan_members(own, me, 0, own, SIZE, FIRST_FLAGGED)
-    found = _copy_reason(rec + _SIGNAL_REASON, cells_, 0, first, me, SIZE)
+    found = _copy_reason(rec + _SIGNAL_REASON, cell_table, 0, first, me, SIZE)
     tl.store(rec + _SIGNAL_ABORTER, tl.where(found, first, -1))
     tl.store(rec + _SIGNAL_INDEX, me)
     tl.store(rec + _SIGNAL_PEER, peer)

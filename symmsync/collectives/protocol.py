@@ -1,9 +1,13 @@
 """How the members of a collective hand their slots to each other: the one place of its synchronization.
 
 Everything the collectives' kernels need to order their memory lives here, built on the
-public primitives of :mod:`symmsync.language` and the view's fence cell (its
-device-resident epoch). Replacing these few functions (with per-peer signals, for
-example) changes the protocol of every operation at once.
+primitives of :mod:`symmsync.language` and the view's fence cell (its device-resident
+epoch). Replacing these few functions (with per-peer signals, for example) changes the
+protocol of every operation at once. The steps are symmsync's own, written once for the
+fences and the collectives: :func:`arrive` is :func:`symmsync._language_core.arrive` (with
+a counter of the collective's own), :func:`grid_barrier` polls with
+:func:`symmsync._language_core.bounded_poll`, and the records (a mismatch, a stalled grid)
+are :mod:`symmsync.records`'.
 
 Pseudocode of one call, as every member runs it (``G`` programs, the epoch on the device)::
 
