@@ -40,8 +40,8 @@ from .errors import (  # noqa: E402
     SymmSyncError,
     ViewError,
 )
-from .fence import Fence  # noqa: E402
-from .signals import Signals, launch_grid_sync  # noqa: E402
+from .fence import Fence, launch_grid_sync  # noqa: E402
+from .signals import Signals  # noqa: E402
 from .views import TP_PCP_ORDER, PeerView, pcp_view, tp_pcp_ranks, tp_view  # noqa: E402
 
 __version__ = "0.1.0"

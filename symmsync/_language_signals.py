@@ -1,9 +1,11 @@
-"""The grid-wide wait, the point-to-point signal primitives and the debug checks of :mod:`symmsync.language`.
+"""The point-to-point signal primitives of :mod:`symmsync.language` and their debug checks.
 
 Kernels call them as ``symmsync.language.signal``, ``wait_signal``, ... : this module
 holds their source, :mod:`symmsync.language` exports them and states their contract
 (its ``signals-contract`` block); the handle they take is laid out in
-:mod:`symmsync.cells`. Import :mod:`symmsync.language`, not this module.
+:mod:`symmsync.cells`, the record a failed wait writes in :mod:`symmsync.records`, and the
+bounded poll they wait with is :mod:`symmsync._language_core`'s. Import
+:mod:`symmsync.language`, not this module.
 """
 
 from __future__ import annotations
@@ -12,98 +14,17 @@ import triton
 import triton.language as tl
 
 from . import cells
-from .language import (  # defined before symmsync.language imports this module
+from ._language_core import (
     _DEBUG,
-    _REASON_LANES,
-    _REASON_WORDS,
-    ABORTED,
-    ARRIVALS,
-    LANES,
-    REASON,
-    SLOTS,
-    TIMED_OUT,
+    GE,
+    VALUE,
     _prims,
-    _publish,
-    epoch_ptr,
-    trap,
-    wait_or_trap,
+    bounded_poll,
 )
-
-
-# ---------------------------------------------------------------------- the grid-wide wait
-@triton.jit
-def grid_sync(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.constexpr):
-    """A whole fence in which every program of a multi-program kernel waits: afterwards every
-    program may read what the members wrote before their own ``grid_sync``, in the same launch.
-
-    Every program calls it, after its last write to peer memory. The last program to arrive
-    publishes the next epoch; every program then waits for the members' publish of it.
-
-    Pseudocode::
-
-        block_barrier()                                    # this program's writes first
-        e = mem[me].cell.epoch + 1                         # read before arriving: see below
-        n = atomic_add_acq_rel_gpu(&mem[me].cell.arrivals, 1)
-        if n == num_programs - 1:                          # last one in
-            mem[me].cell.arrivals = 0
-            publish()                                      # advances the epoch to e
-        return wait_or_trap(e)                             # every program
-
-    Why it is correct: each program reads the epoch before its arrival (a release), and the
-    last program advances it only after acquiring every arrival, so every program reads the
-    epoch of before the launch and waits for the same ``e``. The publish is released after
-    every program's writes (as in :func:`grid_fence`, whose arrivals also need only GPU
-    scope), and each program's acquire of the members' slots at ``e`` makes their writes
-    before their ``grid_sync`` visible to it.
-    Writes of this rank's other programs are not covered (they need no fence: use the
-    launch's own order, or a second kernel). (The Spin models in ``verify/`` do not cover
-    this multi-program arrival, as they do not cover :func:`grid_fence`'s.)
-
-    Co-residency: every program of the launch must be resident on the device at once,
-    because the early ones spin until the last one has arrived (and so have the members'
-    last ones); a grid larger than the device holds would spin until the budget runs out.
-    Launch it with :func:`symmsync.launch_grid_sync`, which checks the grid against the
-    device's occupancy for the compiled kernel (GPU) and refuses more than one program on
-    the host backend, whose interpreter runs programs one after another (a launch of more
-    programs made some other way raises there too). Graph-safe. Cost: one local atomic per
-    program, one publish, one wait per program. Returns the wait status.
-    """
-    _prims.check_co_resident()
-    tl.debug_barrier()
-    e = tl.load(epoch_ptr(ptrs, cell, me)) + 1
-    counter = (tl.load(ptrs + me) + cell + ARRIVALS).to(tl.pointer_type(tl.int64))
-    nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    n = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if n == nprog - 1:
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-        _publish(ptrs, cell, me, SIZE)
-    return wait_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
+from .records import write_signal_record
 
 
 # ---------------------------------------------------------------------- debug checks
-_STAMP_SHIFT = tl.constexpr(24)  # a debug stamp: launch number above, program index below
-_STAMP_PROGRAM = tl.constexpr((1 << 24) - 1)
-
-
-@triton.jit
-def _program_index():
-    return tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
-
-
-@triton.jit
-def _debug_publish(ptrs, cell, me):
-    # Slot ``me`` of this rank's own cell is a word no protocol uses (a rank never publishes
-    # to itself): debug mode keeps there the launch and the program of the last publish. A
-    # publish by another program of the same launch is the misuse; the same program
-    # publishing again (or in a replay of the same graph node) is not.
-    mine = (tl.load(ptrs + me) + cell + SLOTS).to(tl.pointer_type(tl.int64)) + me
-    pid = _program_index().to(tl.int64)
-    stamp = ((_prims.launch_id() + 1) << _STAMP_SHIFT) | pid
-    old = tl.atomic_xchg(mine, stamp, sem="relaxed", scope="gpu")
-    bad = ((old >> _STAMP_SHIFT) == (stamp >> _STAMP_SHIFT)) & ((old & _STAMP_PROGRAM) != pid)
-    _prims.debug_fail(bad, 0, me, cell)
-
-
 @triton.jit
 def _debug_offsets(sig, offset, mask, ELEM: tl.constexpr):
     # Every live lane's bytes [offset, offset + ELEM) must lie in the user region. (Masks are
@@ -128,33 +49,16 @@ def _debug_target(sig, peer, slot, NSLOTS: tl.constexpr):
 #: Signal operations (``OP`` of :func:`signal`): add the value; store it.
 ADD = tl.constexpr(0)
 SET = tl.constexpr(1)
-#: Comparisons of :func:`wait_signal` (``CMP``): slot == value, !=, >=, >, <=, <.
-EQ = tl.constexpr(0)
-NE = tl.constexpr(1)
-GE = tl.constexpr(2)
-GT = tl.constexpr(3)
-LE = tl.constexpr(4)
-LT = tl.constexpr(5)
-assert [EQ.value, NE.value, GE.value, GT.value, LE.value, LT.value] == [
-    cells.CMP_NAMES.index(n) for n in ("EQ", "NE", "GE", "GT", "LE", "LT")
-]
+#: The comparisons of :func:`wait_signal` (``CMP``: EQ NE GE GT LE LT) are the core's,
+#: exported by :mod:`symmsync.language`.
 
 _HANDLE_NBYTES = tl.constexpr(cells.HANDLE_NBYTES)
 _HANDLE_RANK = tl.constexpr(cells.HANDLE_RANK)
 _HANDLE_SIZE = tl.constexpr(cells.HANDLE_SIZE)
 _HANDLE_BASES = tl.constexpr(cells.HANDLE_BASES)
 _HANDLE_INBOX = tl.constexpr(cells.HANDLE_INBOX)
-_SREC_INDEX = tl.constexpr(cells.SREC_INDEX)
-_SREC_PEER = tl.constexpr(cells.SREC_PEER)
-_SREC_SLOT = tl.constexpr(cells.SREC_SLOT)
-_SREC_CMP = tl.constexpr(cells.SREC_CMP)
-_SREC_COUNTED = tl.constexpr(cells.SREC_COUNTED)
-_SREC_VALUE = tl.constexpr(cells.SREC_VALUE)
-_SREC_BASE = tl.constexpr(cells.SREC_BASE)
-_SREC_OBSERVED = tl.constexpr(cells.SREC_OBSERVED)
-_SREC_ABORTER = tl.constexpr(cells.SREC_ABORTER)
-_SREC_REASON = tl.constexpr(cells.SREC_REASON)
-assert cells.SREC_FLAG == 0 and cells.handle_data(7) == cells.HANDLE_INBOX + 7
+_HANDLE_CELLS = tl.constexpr(cells.HANDLE_INBOX)  # + 2 * SIZE: the table of the members' cells
+assert cells.handle_data(7) == cells.HANDLE_INBOX + 7
 assert cells.handle_cell(7) == cells.HANDLE_INBOX + 14
 
 
@@ -223,87 +127,10 @@ def read_signal(sig, me, peer, slot, NSLOTS: tl.constexpr):
 
 
 @triton.jit
-def _compare(v, value, CMP: tl.constexpr):
-    if CMP == EQ:
-        r = v == value
-    elif CMP == NE:
-        r = v != value
-    elif CMP == GE:
-        r = v >= value
-    elif CMP == GT:
-        r = v > value
-    elif CMP == LE:
-        r = v <= value
-    else:
-        r = v < value
-    return r.to(tl.int32)
-
-
-@triton.jit
-def _aborted_members(sig, me, SIZE: tl.constexpr):
-    # How many other members carry an abort flag in this rank's channel-0 cell of the view.
-    own = (tl.load(sig + _HANDLE_INBOX + 2 * SIZE + me) + SLOTS).to(tl.pointer_type(tl.int64))
-    n = 0
-    for base in tl.static_range(0, SIZE, LANES):
-        idx = base + tl.arange(0, LANES)
-        live = (idx < SIZE) & (idx != me)
-        v = _prims.load_acquire(own + tl.where(idx < SIZE, idx, me))
-        n += tl.sum(((v < 0) & live).to(tl.int32), axis=0)
-    return n
-
-
-@triton.jit
 def _wait_until(src, target, CMP: tl.constexpr, sig, me, timeout_ns, SIZE: tl.constexpr):
-    # (status, the value last observed): 0 once *src CMP target, 2 when a member aborted
-    # first, 1 when the budget ran out first. The flags and the clock are read only when the
-    # first poll did not succeed.
-    v = _prims.load_acquire(src)
-    ok = _compare(v, target, CMP)
-    aborted = ok * 0
-    if ok == 0:
-        start = _prims.clock_ns()
-        elapsed = start - start
-        while (ok == 0) & (aborted == 0) & (elapsed <= timeout_ns):
-            v = _prims.load_acquire(src)
-            ok = _compare(v, target, CMP)
-            aborted = _aborted_members(sig, me, SIZE)
-            elapsed = _prims.clock_ns() - start
-    return tl.where(ok != 0, 0, tl.where(aborted > 0, 2, 1)).to(tl.int32), v
-
-
-@triton.jit
-def _write_signal_record(
-    record, sig, me, peer, slot, value, base, observed, CMP: tl.constexpr, COUNTED: tl.constexpr, SIZE: tl.constexpr
-):
-    # The layout is symmsync.cells' (SREC_*); the flag goes last, after a system fence.
-    own = (tl.load(sig + _HANDLE_INBOX + 2 * SIZE + me) + SLOTS).to(tl.pointer_type(tl.int64))
-    rec = record.to(tl.pointer_type(tl.int64))
-    first = SIZE + (me * 0)
-    for b in tl.static_range(0, SIZE, LANES):
-        idx = b + tl.arange(0, LANES)
-        v = _prims.load_acquire(own + tl.where(idx < SIZE, idx, me))
-        gone = (idx < SIZE) & (idx != me) & (v < 0)
-        first = tl.minimum(first, tl.min(tl.where(gone, idx, SIZE), axis=0))
-    # As in write_timeout_record: the reason is read after the flag that announced it.
-    tl.debug_barrier()
-    _prims.memory_barrier_sys()
-    w = tl.arange(0, _REASON_LANES)
-    found = first < SIZE
-    src = (tl.load(sig + _HANDLE_INBOX + 2 * SIZE + tl.where(found, first, me)) + REASON).to(tl.pointer_type(tl.int64))
-    words = _prims.load_acquire(src + tl.where(w < _REASON_WORDS, w, 0))
-    tl.store(rec + _SREC_REASON + w, tl.where(found, words, 0), mask=w < _REASON_WORDS)
-    tl.store(rec + _SREC_ABORTER, tl.where(found, first, -1))
-    tl.store(rec + _SREC_INDEX, me)
-    tl.store(rec + _SREC_PEER, peer)
-    tl.store(rec + _SREC_SLOT, slot)
-    tl.store(rec + _SREC_CMP, CMP)
-    tl.store(rec + _SREC_COUNTED, COUNTED)
-    tl.store(rec + _SREC_VALUE, value)
-    tl.store(rec + _SREC_BASE, base)
-    tl.store(rec + _SREC_OBSERVED, observed)
-    tl.store(rec, tl.where(found, ABORTED, TIMED_OUT))
-    tl.debug_barrier()  # every warp's part of the record is written before any thread traps
-    _prims.memory_barrier_sys()
+    # (status, the value last observed): the bounded poll on one slot, with the abort flags
+    # of the view's channel-0 cell (the handle's cell table) read after a failed first poll.
+    return bounded_poll(src, target, sig + _HANDLE_CELLS + 2 * SIZE, 0, me, timeout_ns, SIZE, VALUE, CMP)
 
 
 @triton.jit
@@ -362,9 +189,7 @@ def wait_signal(
         _debug_target(sig, peer, slot, NSLOTS)
     status, v = _wait_until(_slot_ptr(sig, me, peer, slot, NSLOTS), value, CMP, sig, me, timeout_ns, SIZE)
     if status != 0:
-        _write_signal_record(record, sig, me, peer, slot, value, v * 0, v, CMP, 0, SIZE)
-        if TRAP:
-            trap()
+        write_signal_record(record, sig + _HANDLE_CELLS + 2 * SIZE, me, peer, slot, value, v * 0, v, CMP, 0, SIZE, TRAP)
     return status
 
 
@@ -408,9 +233,7 @@ def wait_count(
     tl.debug_barrier()
     tl.store(bp, tl.where(status == 0, b + count, b))
     if status != 0:
-        _write_signal_record(record, sig, me, peer, slot, count, b, v, GE, 1, SIZE)
-        if TRAP:
-            trap()
+        write_signal_record(record, sig + _HANDLE_CELLS + 2 * SIZE, me, peer, slot, count, b, v, GE, 1, SIZE, TRAP)
     return status
 
 

@@ -117,7 +117,7 @@ def launch_id():
 
 @triton.jit
 def check_co_resident():
-    """Nothing: the host checks co-residency before the launch (symmsync.signals.launch_grid_sync)."""
+    """Nothing: the host checks co-residency before the launch (symmsync.fence.launch_grid_sync)."""
     pass
 
 

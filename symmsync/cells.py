@@ -1,9 +1,9 @@
-"""Where the signal cells, the timeout records and the signals' handle keep each field: the one source.
+"""Where the signal cells and the signals' handle keep each field: the one source.
 
-The buffer places cells with :class:`SignalLayout`, the kernels of
-:mod:`symmsync.language` address their fields with the offsets below, and
-:class:`~symmsync.Fence` reads a failed wait's record with :func:`read_record`.
-docs/fences.md and docs/signals.md show the blocks below as written here.
+The buffer places cells with :class:`SignalLayout`, and the kernels of
+:mod:`symmsync.language` address their fields with the offsets below. The records a
+failed wait writes are :mod:`symmsync.records`'. docs/fences.md and docs/signals.md show
+the blocks below as written here.
 
 A cell (the same byte offset in every member's memory, one per view and channel;
 ``view.signal_offset(channel)``)::
@@ -25,10 +25,6 @@ A cell (the same byte offset in every member's memory, one per view and channel;
 The first line (``LINE`` bytes) is written by its own rank only; the slots follow on
 their own lines, so a peer's reduction never shares a cache line with the epoch.
 
-A timeout record (int64 words, written by the kernel whose wait failed)::
-
-    [flag, epoch, index, size, slot[0], ..., slot[size - 1], aborter, reason[REASON_WORDS]]
-
 The point-to-point signals of :class:`~symmsync.Signals` (symmsync/signals.py and the
 signal primitives of :mod:`symmsync.language`) touch no fence cell: their slots live in a
 buffer of their own. The handle a kernel takes (``Signals.kernel_args[0]``, int64 words, on
@@ -48,12 +44,10 @@ the buffer's device), and each member's signal memory::
       base[q][s]   how much of inbox[q][s] this member's wait_count consumed (only it writes)
     --8<-- [end:handle]
 
-A failed signal wait's record is described where its word indices (``SREC_*``) are defined.
+A failed signal wait's record is :mod:`symmsync.records`'.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 #: Bytes of one line; cells and their slot arrays are padded to whole lines.
 LINE = 128
@@ -77,12 +71,6 @@ ABORT_FLAG = -(2**63)
 #: The bits of a slot that count publishes.
 COUNT_MASK = 2**63 - 1
 
-#: Word indices of a record's header.
-RECORD_FLAG, RECORD_EPOCH, RECORD_INDEX, RECORD_SIZE, RECORD_SLOTS = 0, 1, 2, 3, 4
-#: Record flags: a wait timed out ("SYMMTIME"); a wait saw a member's abort ("SYMMABRT").
-TIMED_OUT = 0x5359_4D4D_5449_4D45
-ABORTED = 0x5359_4D4D_4142_5254
-
 assert REASON + 8 * REASON_WORDS <= LINE, "the reason must fit the cell's own line"
 
 
@@ -94,21 +82,6 @@ def round_up(x: int, m: int) -> int:
 def cell_bytes(members: int) -> int:
     """Bytes of one cell in a group of ``members`` ranks (the epoch line, then the slots)."""
     return LINE + round_up(members * 8, LINE)
-
-
-def record_aborter(size: int) -> int:
-    """Word index of a record's aborter (the first aborted member's index, or -1)."""
-    return RECORD_SLOTS + size
-
-
-def record_reason(size: int) -> int:
-    """Word index of the first reason word of a record."""
-    return RECORD_SLOTS + size + 1
-
-
-def record_words(size: int) -> int:
-    """int64 words of the record of a view of ``size`` members."""
-    return record_reason(size) + REASON_WORDS
 
 
 class SignalLayout:
@@ -172,33 +145,6 @@ def decode_reason(words: list[int], closed: str = "closed") -> str:
     return raw[:n].decode("utf-8", "replace") or "(no reason given)"
 
 
-@dataclass
-class Record:
-    """A timeout record, read back (see the layout above)."""
-
-    aborted: bool  #: a member's abort flag was seen (else: the budget ran out)
-    epoch: int  #: the epoch waited for
-    index: int  #: the waiting member's index in the view
-    slots: list[int]  #: raw slots: count | ABORT_FLAG
-    aborter: int  #: index of the first aborted member below the epoch, or -1
-    reason: list[int]  #: that member's reason words
-
-
-def read_record(words: list[int]) -> Record | None:
-    """The record in ``words``, or ``None`` when no wait failed."""
-    if words[RECORD_FLAG] not in (TIMED_OUT, ABORTED):
-        return None
-    size = words[RECORD_SIZE]
-    return Record(
-        aborted=words[RECORD_FLAG] == ABORTED,
-        epoch=words[RECORD_EPOCH],
-        index=words[RECORD_INDEX],
-        slots=words[RECORD_SLOTS : RECORD_SLOTS + size],
-        aborter=words[record_aborter(size)],
-        reason=words[record_reason(size) : record_reason(size) + REASON_WORDS],
-    )
-
-
 # ---------------------------------------------------------------------- point-to-point signals
 # The handle's and the signal memory's geometry: the module docstring has the layout.
 
@@ -235,49 +181,3 @@ def signal_memory_bytes(size: int, slots: int) -> int:
 #: Comparisons of a signal wait (``CMP``), in this order.
 CMP_NAMES = ("EQ", "NE", "GE", "GT", "LE", "LT")
 CMP_SYMBOLS = ("==", "!=", ">=", ">", "<=", "<")
-
-#: Word indices of a signal wait's timeout record (int64 words, written by the failed wait)::
-#:
-#:     [flag, index, peer, slot, cmp, counted, value, base, observed, aborter, reason[REASON_WORDS]]
-#:
-#: ``counted`` is 1 for :func:`symmsync.language.wait_count` (``value`` more signals beyond
-#: ``base``), 0 for :func:`symmsync.language.wait_signal` (``slot CMP value``; ``base`` is 0).
-SREC_FLAG, SREC_INDEX, SREC_PEER, SREC_SLOT, SREC_CMP, SREC_COUNTED = 0, 1, 2, 3, 4, 5
-SREC_VALUE, SREC_BASE, SREC_OBSERVED, SREC_ABORTER, SREC_REASON = 6, 7, 8, 9, 10
-SIGNAL_RECORD_WORDS = SREC_REASON + REASON_WORDS
-
-
-@dataclass
-class SignalRecord:
-    """A failed signal wait's record, read back (see the layout above)."""
-
-    aborted: bool  #: a member's abort flag was seen (else: the budget ran out)
-    index: int  #: the waiting member's index in the view
-    peer: int  #: the index of the member whose slot it waited on
-    slot: int  #: the slot
-    cmp: int  #: the comparison (an index into CMP_NAMES)
-    counted: bool  #: a wait_count (value signals beyond base) rather than an absolute wait
-    value: int  #: the value (or count) awaited
-    base: int  #: what earlier counted waits had consumed (counted waits)
-    observed: int  #: the slot's value when the wait gave up
-    aborter: int  #: the index of the first member whose abort flag was seen, or -1
-    reason: list[int]  #: that member's reason words
-
-
-def read_signal_record(words: list[int]) -> SignalRecord | None:
-    """The signal record in ``words``, or ``None`` when no wait failed."""
-    if words[SREC_FLAG] not in (TIMED_OUT, ABORTED):
-        return None
-    return SignalRecord(
-        aborted=words[SREC_FLAG] == ABORTED,
-        index=words[SREC_INDEX],
-        peer=words[SREC_PEER],
-        slot=words[SREC_SLOT],
-        cmp=words[SREC_CMP],
-        counted=bool(words[SREC_COUNTED]),
-        value=words[SREC_VALUE],
-        base=words[SREC_BASE],
-        observed=words[SREC_OBSERVED],
-        aborter=words[SREC_ABORTER],
-        reason=words[SREC_REASON : SREC_REASON + REASON_WORDS],
-    )

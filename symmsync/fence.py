@@ -26,6 +26,10 @@ sets an abort flag in its slot at every member (:func:`symmsync.language.mark_ab
 and a member waiting for an epoch that rank never published returns within a poll
 with :class:`~symmsync.PeerAborted`, naming the rank and its reason.
 
+:func:`launch_grid_sync` launches a kernel that calls :func:`symmsync.language.grid_sync`
+(a fence in which every program of the launch waits) after checking that its programs can
+all be resident at once.
+
 Under torch.compile each operation is a compiler boundary: the graph ends before it
 and a new one starts after it, so every write before it is in memory when it runs
 and every read after it happens after it, whatever the compiler backend.
@@ -34,20 +38,24 @@ and every read after it happens after it, whatever the compiler backend.
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from . import backends, cells, memory
+from . import backends, cells, memory, records
 from . import driver as cuda
 from . import language as ssl
 from .checks import require, timeout_problem
-from .errors import CLOSED_REASON, CaptureError, ClosedError, FenceTimeout, PeerAborted
+from .errors import CLOSED_REASON, CaptureError, ClosedError, ConfigError, FenceTimeout, PeerAborted
 from .failure import used_after_abort
 from .launch import Launcher, cu_stream, current_stream
+from .mode import kernels_interpreted
 from .views import PeerView
 
 _FENCE, _ARRIVE, _WAIT = 0, 1, 2  # indices into Fence._launch, in this order
@@ -111,7 +119,9 @@ class Fence:
         self.timeout_s = float(timeout_s)
         self.timeout_ns = int(self.timeout_s * 1e9)
         """Wait budget in ns (kernel argument)."""
-        self._record = torch.zeros(cells.record_words(view.size), dtype=torch.int64, pin_memory=caps.pinned_record)
+        self._record = torch.zeros(
+            records.fence_record_words(view.size), dtype=torch.int64, pin_memory=caps.pinned_record
+        )
         self.record = self._record.data_ptr()
         """Address of the timeout record (kernel argument; pinned host memory on GPUs)."""
         # The signal table holds the record too: every launch through kernel_args passes the
@@ -281,7 +291,7 @@ class Fence:
     def timeout_error(self) -> FenceTimeout | None:
         """The :class:`~symmsync.FenceTimeout` (or :class:`~symmsync.PeerAborted`) that this
         fence's record describes, if a wait failed."""
-        rec = cells.read_record(self._record.tolist())
+        rec = records.read_fence_record(self._record.tolist())
         if rec is None:
             return None
         epoch, me = rec.epoch, rec.index
@@ -393,3 +403,65 @@ _OVERLAP = "Fence.overlap"  # the operation a failed driver call of _ForkJoin is
 @torch.compiler.disable
 def _compiler_boundary(fence: Fence, kind: int) -> None:
     fence._launch_now(kind)
+
+
+def launch_grid_sync(kernel: Any, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:
+    """Launch ``kernel`` (which calls :func:`symmsync.language.grid_sync`) once its programs
+    are known to be co-resident.
+
+    Every program of such a kernel spins until the last one arrived, so all must be
+    resident on the device together. On GPUs the kernel is compiled first and the grid is
+    checked against the SM count times the blocks per SM the driver's occupancy calculator
+    gives for the compiled kernel; on the host backend the interpreter runs programs one
+    after another, so only a launch of one program can hold.
+
+    Args:
+        kernel: the ``@triton.jit`` kernel.
+        grid: the launch grid (up to 3 ints).
+        *args: the kernel's arguments, as for ``kernel[grid](*args, **kwargs)``.
+        **kwargs: its keyword arguments (constexprs, ``num_warps``).
+
+    Raises:
+        ConfigError: the grid cannot be co-resident here (nothing is launched).
+    """
+    grid = tuple(grid)
+    programs = math.prod(grid)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    call = "launch_grid_sync"
+    if kernels_interpreted():
+        if programs > 1:
+            raise ConfigError(
+                f"rank {rank}: {call}: a grid of {programs} programs on the host backend: Triton's interpreter "
+                "runs programs one after another, so they can never wait for each other; launch one program here"
+            )
+    else:
+        compiled = kernel.warmup(*args, grid=grid, **kwargs)
+        per_sm, sms = _occupancy(compiled, kwargs.get("num_warps", 4))
+        if programs > per_sm * sms:
+            raise ConfigError(
+                f"rank {rank}: {call}: a grid of {programs} programs cannot be co-resident: the device holds "
+                f"{per_sm} such program(s) per SM on {sms} SMs ({per_sm * sms} at once); a program that waits for "
+                f"the others would spin until the budget runs out. Launch at most {per_sm * sms} programs "
+                "(loop inside the kernel over the rest)"
+            )
+    kernel[grid](*args, **kwargs)
+
+
+def _occupancy(compiled: Any, num_warps: int) -> tuple[int, int]:
+    """(programs per SM, SMs) for a compiled kernel on the current device."""
+    from .driver import check, driver
+
+    dev = torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    compiled._init_handles()
+    warps = getattr(compiled, "num_warps", None) or compiled.metadata.num_warps or num_warps
+    shared = getattr(compiled.metadata, "shared", 0)
+    drv = driver()
+    per_sm = check(
+        drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            drv.CUfunction(init_value=compiled.function), 32 * warps, shared
+        ),
+        "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+        call="launch_grid_sync",
+    )
+    return int(per_sm), sms

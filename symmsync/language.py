@@ -96,15 +96,26 @@ the kernels check that one program per launch publishes on a channel and that th
 of :func:`data_ptr` and :func:`put_signal` lie inside the user region.
 
 A cell is the same byte offset ``cell`` in every member's memory; its layout (epoch,
-arrivals, abort reason, slots) and the timeout record's are :mod:`symmsync.cells`'s, the
-one source of both, exported here as constants (:data:`EPOCH`, :data:`ARRIVALS`,
-:data:`REASON`, :data:`SLOTS`, ...).
+arrivals, abort reason, slots) is :mod:`symmsync.cells`'s, exported here as constants
+(:data:`EPOCH`, :data:`ARRIVALS`, :data:`REASON`, :data:`SLOTS`, ...); the records a failed
+wait writes (:func:`write_timeout_record`, the signals' record) are :mod:`symmsync.records`'.
+
+Where the source lives. This module is the face kernels import; it defines nothing but
+the constants above. Each protocol step has one implementation behind it:
+:mod:`symmsync._language_core` holds what every kernel of symmsync shares (the arrival
+counter ``arrive``, the bounded poll ``bounded_poll``, the scan of the members' slots
+``scan_members``, :func:`record_barrier`, :func:`clock_ns`, :func:`trap`);
+:mod:`symmsync._language_fence` the fence (:func:`publish`, :func:`wait`,
+:func:`mark_abort`, :func:`grid_fence`, :func:`grid_sync`, ...);
+:mod:`symmsync._language_signals` the point-to-point signals; :mod:`symmsync.records` the
+records' writers. The dependency runs one way: core, records, then fence and signals.
 
 Backends. The same source runs compiled on NVIDIA GPUs and under Triton's
 interpreter on the host backend. The few primitives whose instructions differ live
 in one module per backend (``symmsync._prims_compiled``, ``symmsync._prims_interpreted``,
-the same names in both); this module imports one of them once, when it is imported
-(``INTERPRETED``, from :func:`symmsync.mode.kernels_interpreted`), never at run time:
+the same names in both); :mod:`symmsync._language_core` imports one of them once, when it
+is imported (``INTERPRETED``, from :func:`symmsync.mode.kernels_interpreted`), never at run
+time:
 
 ================  ======================  ==================================  ===============================
 operation         primitive               GPU (compiled)                      host (interpreter)
@@ -128,13 +139,47 @@ co-residency      ``check_co_resident``   none (checked before the launch)    re
 
 from __future__ import annotations
 
-import os
-
-import triton
 import triton.language as tl
 
-from . import cells
-from .mode import kernels_interpreted
+from . import cells, records
+from ._language_core import (
+    ABORT_FLAG,
+    ABORTED_STATUS,
+    ARRIVALS,
+    ARRIVED,
+    COUNT_MASK,
+    DEBUG,
+    EPOCH,
+    EQ,
+    GE,
+    GT,
+    INTERPRETED,
+    LANES,
+    LE,
+    LT,
+    NE,
+    REASON,
+    SLOTS,
+    TIMED_OUT_STATUS,
+    clock_ns,
+    record_barrier,
+    trap,
+)
+from ._language_fence import (
+    epoch_ptr,
+    grid_fence,
+    grid_sync,
+    mark_abort,
+    peer_ptr,
+    pending,
+    publish,
+    publish_and_wait,
+    translate,
+    wait,
+    wait_or_trap,
+)
+from ._language_signals import ADD, SET, data_ptr, put_signal, read_signal, signal, wait_count, wait_signal
+from .records import write_timeout_record
 
 __all__ = [
     "ABORTED",
@@ -186,31 +231,6 @@ __all__ = [
     "write_timeout_record",
 ]
 
-INTERPRETED: bool = kernels_interpreted()
-"""True when this process runs Triton kernels under the interpreter (host backend)."""
-
-DEBUG: bool = os.environ.get("SYMMSYNC_DEBUG", "") == "1"
-"""True when ``SYMMSYNC_DEBUG=1`` was set before symmsync was imported: the debug checks
-(:func:`publish` from one program per launch, peer offsets of :func:`data_ptr` and
-:func:`put_signal` inside the user region) are compiled into the kernels. Off, they cost
-nothing: the kernels are the same instructions as without them."""
-_DEBUG = tl.constexpr(DEBUG)
-
-if INTERPRETED:
-    from . import _prims_interpreted as _prims
-else:
-    from . import _prims_compiled as _prims
-
-#: Lanes per pass when polling the members of a view: one member per lane.
-LANES = tl.constexpr(32)
-
-#: Byte offsets inside a cell: this rank's epoch, its arrival counter (grid_fence), its
-#: abort reason, and the slots (the epoch line comes first).
-EPOCH = tl.constexpr(cells.EPOCH)
-ARRIVALS = tl.constexpr(cells.ARRIVALS)
-REASON = tl.constexpr(cells.REASON)
-SLOTS = tl.constexpr(cells.SLOTS)
-
 #: int64 words of an abort reason: code, text length in bytes, then the UTF-8 text.
 REASON_WORDS: int = cells.REASON_WORDS
 #: Bytes of reason text a cell holds (the words after the code and the length).
@@ -219,426 +239,7 @@ REASON_TEXT_BYTES: int = cells.REASON_TEXT_BYTES
 REASON_CLOSED: int = cells.REASON_CLOSED
 REASON_ERROR: int = cells.REASON_ERROR
 
-#: The abort flag of a slot: its sign bit. A slot that carries it is negative, so a plain
-#: ``slot >= e`` never takes an abort for an arrival; the count is ``slot & COUNT_MASK``.
-ABORT_FLAG = tl.constexpr(cells.ABORT_FLAG)
-#: The bits of a slot that count publishes.
-COUNT_MASK = tl.constexpr(cells.COUNT_MASK)
-
 #: The flag value that marks a record as a timeout ("SYMMTIME").
-TIMED_OUT = tl.constexpr(cells.TIMED_OUT)
+TIMED_OUT = tl.constexpr(records.TIMED_OUT)
 #: The flag value that marks a record as an abort seen ("SYMMABRT").
-ABORTED = tl.constexpr(cells.ABORTED)
-#: Wait statuses: every member arrived; the budget ran out; a member aborted.
-ARRIVED, TIMED_OUT_STATUS, ABORTED_STATUS = 0, 1, 2
-
-# The kernels' view of the same facts (compile-time constants). A record is
-# [flag, epoch, index, size, slot[size], aborter, reason[REASON_WORDS]]: the aborter's and
-# the reason's word indices are a fixed start plus the view size.
-_REASON_WORDS = tl.constexpr(cells.REASON_WORDS)
-_REASON_LANES = tl.constexpr(triton.next_power_of_2(cells.REASON_WORDS))  # a block covering a reason
-_RECORD_FLAG = tl.constexpr(cells.RECORD_FLAG)
-_RECORD_EPOCH = tl.constexpr(cells.RECORD_EPOCH)
-_RECORD_INDEX = tl.constexpr(cells.RECORD_INDEX)
-_RECORD_SIZE = tl.constexpr(cells.RECORD_SIZE)
-_RECORD_SLOTS = tl.constexpr(cells.RECORD_SLOTS)
-_RECORD_ABORTER = tl.constexpr(cells.record_aborter(0))  # + SIZE
-_RECORD_REASON = tl.constexpr(cells.record_reason(0))  # + SIZE
-assert all(
-    cells.record_aborter(n) - n == cells.record_aborter(0) and cells.record_reason(n) - n == cells.record_reason(0)
-    for n in (1, 8, 64)
-), "the kernels place the aborter and the reason at a fixed start plus the view size"
-
-
-@triton.jit
-def epoch_ptr(ptrs, cell, me):
-    """Pointer to this rank's int64 epoch counter of the cell (in its own memory)."""
-    return (tl.load(ptrs + me) + cell + EPOCH).to(tl.pointer_type(tl.int64))
-
-
-@triton.jit
-def _advance_epoch(ptrs, cell, me):
-    ep = epoch_ptr(ptrs, cell, me)
-    e = tl.load(ep) + 1
-    tl.store(ep, e)
-    return e
-
-
-@triton.jit
-def peer_ptr(ptrs, index, offset, DTYPE: tl.constexpr):
-    """Typed pointer to byte ``offset`` of member ``index``'s memory.
-
-    Pseudocode::
-
-        return (DTYPE*)(ptrs[index] + offset)
-
-    Args:
-        ptrs: the view's pointer table (``view.ptrs``; int64 base addresses).
-        index: member index in the view (0..SIZE-1), scalar or block.
-        offset: byte offset from the member's base, a multiple of DTYPE's size.
-        DTYPE: element type of the returned pointer (``tl.float32``, ...).
-
-    Cost: one load from the table (cached), one add. Graph-safe.
-    """
-    return (tl.load(ptrs + index) + offset).to(tl.pointer_type(DTYPE))
-
-
-@triton.jit
-def translate(ptr, ptrs, from_index, to_index):
-    """The address in member ``to_index``'s memory that ``ptr`` has in ``from_index``'s.
-
-    Pseudocode::
-
-        return ptr + (ptrs[to_index] - ptrs[from_index]) / sizeof(*ptr)
-
-    Base addresses are multiples of 16 bytes (page aligned where symmsync allocated; a
-    registered base is checked), so the difference is a whole number of elements.
-    Cost: two table loads, a subtract. Graph-safe.
-    """
-    ELEM: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
-    delta = tl.load(ptrs + to_index) - tl.load(ptrs + from_index)
-    return ptr + delta // ELEM
-
-
-@triton.jit
-def publish(ptrs, cell, me, SIZE: tl.constexpr):
-    """Advance this rank's epoch and release it to every other member; return the new epoch.
-
-    Pseudocode::
-
-        for p in 0..SIZE-1, p != me:             # thread 0 of the program, none awaited
-            red_add_release_sys(&mem[p].cell.slot[me], 1)    # the slot counts publishes
-        return ++mem[me].cell.epoch               # device-resident: graph replays advance it
-
-    Contract: every write this rank made before the call (by this thread; by other
-    threads of the block once they passed a ``tl.debug_barrier()``; by kernels earlier
-    on the stream) is visible to a member that observes its slot >= ``e``. Call it from
-    one program per launch (the epoch is this rank's alone), with any ``num_warps``:
-    each call adds exactly 1 to each peer's slot; debug mode (:data:`DEBUG`) reports a
-    second program of one launch publishing on the channel. Graph-safe.
-    Cost: one local load and store, SIZE-1 remote reductions issued back to back and in
-    flight together, no reply awaited, nothing sent to itself.
-    """
-    if _DEBUG:
-        _debug_publish(ptrs, cell, me)
-    return _publish(ptrs, cell, me, SIZE)
-
-
-@triton.jit
-def _publish(ptrs, cell, me, SIZE: tl.constexpr):
-    # publish() without the debug check: grid_fence and grid_sync pick one program per
-    # launch themselves, and which one changes from launch to launch.
-    # The reductions go first: a release waits for this thread's earlier writes, and the
-    # epoch store is one it need not wait for (a slot counts publishes, so the value
-    # sent does not depend on the epoch).
-    _release_slots(ptrs, cell, me, SIZE)
-    return _advance_epoch(ptrs, cell, me)
-
-
-@triton.jit
-def _release_slots(ptrs, cell, me, SIZE: tl.constexpr):
-    # The release reductions of a publish: one to each other member's slot for this rank.
-    for p in tl.static_range(SIZE):
-        dst = (tl.load(ptrs + p) + cell + SLOTS).to(tl.pointer_type(tl.int64)) + me
-        _prims.release_add(dst, p != me)
-
-
-@triton.jit
-def pending(ptrs, cell, me, epoch, SIZE: tl.constexpr):
-    """How many other members have not yet published ``epoch`` to this rank (one poll).
-
-    Pseudocode::
-
-        return count(p != me and (load_acquire_sys(&mem[me].cell.slot[p]) & COUNT_MASK) < epoch)
-
-    A member that published ``epoch`` and aborted afterwards counts as arrived: its
-    data is valid. One that aborted before it counts as pending here; :func:`wait`
-    tells the two apart.
-    """
-    slots = (tl.load(ptrs + me) + cell + SLOTS).to(tl.pointer_type(tl.int64))
-    n = 0
-    for base in tl.static_range(0, SIZE, LANES):
-        idx = base + tl.arange(0, LANES)
-        live = (idx < SIZE) & (idx != me)
-        v = _prims.load_acquire(slots + tl.where(idx < SIZE, idx, me))
-        n += tl.sum((((v & COUNT_MASK) < epoch) & live).to(tl.int32), axis=0)
-    return n
-
-
-@triton.jit
-def _poll(ptrs, cell, me, epoch, SIZE: tl.constexpr):
-    # One poll that also reads the abort flags: (members still on their way, members that
-    # aborted before publishing ``epoch``). Only the slow path of wait() runs it.
-    slots = (tl.load(ptrs + me) + cell + SLOTS).to(tl.pointer_type(tl.int64))
-    left = 0
-    aborted = 0
-    for base in tl.static_range(0, SIZE, LANES):
-        idx = base + tl.arange(0, LANES)
-        live = (idx < SIZE) & (idx != me)
-        v = _prims.load_acquire(slots + tl.where(idx < SIZE, idx, me))
-        behind = ((v & COUNT_MASK) < epoch) & live
-        left += tl.sum((behind & (v >= 0)).to(tl.int32), axis=0)
-        aborted += tl.sum((behind & (v < 0)).to(tl.int32), axis=0)
-    return left, aborted
-
-
-@triton.jit
-def wait(ptrs, cell, me, epoch, timeout_ns, SIZE: tl.constexpr):
-    """Wait until every other member's slot for this rank counts >= ``epoch``; bounded.
-
-    Pseudocode::
-
-        if pending(epoch) == 0: return 0          # the fast path: one poll, no clock
-        start = clock_ns()
-        loop:                                     # acquire loads at system scope
-            for each member p != me: v = slot[p]
-                arrived(p) = (v & COUNT_MASK) >= epoch
-                aborted(p) = not arrived(p) and v has ABORT_FLAG
-            if any aborted: return 2              # a member gave up: stop at once
-            if all arrived: return 0
-            if clock_ns() - start > timeout_ns:
-                return 1                          # timed out: do NOT read peer data
-
-    Contract: after a 0, reads see every write the members made before they published
-    ``epoch`` (see :func:`publish`), even if a member aborted after publishing it. After a
-    1 or a 2: a wait that times out or sees an abort fails closed: nothing after it may read
-    peer data. Write a record (:func:`write_timeout_record`) and :func:`trap`, or
-    report the status to the host. Graph-safe. Cost: one acquire load
-    per member per poll and a mask; the first poll usually succeeds when the members are
-    in step, and it reads no flag, clock or reason.
-    """
-    left = pending(ptrs, cell, me, epoch, SIZE)
-    aborted = left * 0
-    if left > 0:  # the clock and the flags are read only when the first poll did not succeed
-        start = _prims.clock_ns()
-        elapsed = start - start
-        while (left > 0) & (aborted == 0) & (elapsed <= timeout_ns):
-            left, aborted = _poll(ptrs, cell, me, epoch, SIZE)
-            elapsed = _prims.clock_ns() - start
-    return tl.where(aborted > 0, 2, (left > 0).to(tl.int32)).to(tl.int32)
-
-
-@triton.jit
-def write_timeout_record(record, ptrs, cell, me, epoch, SIZE: tl.constexpr):
-    """Write what a failed wait saw to ``record`` (int64 words), then a system fence.
-
-    Layout (``symmsync.cells``): ``[flag, epoch, me, SIZE, slot[0], ..., slot[SIZE-1], aborter,
-    reason[REASON_WORDS]]``.
-    ``flag`` is :data:`ABORTED` when a member below ``epoch`` carries the abort flag (then
-    ``aborter`` is the first such member's index and ``reason`` the words of its own cell's
-    reason, read through the pointer table), else :data:`TIMED_OUT` (``aborter`` is -1).
-    Slots are raw: count and flag. The host turns the record into a
-    :class:`~symmsync.FenceTimeout` (or :class:`~symmsync.PeerAborted`) that names the
-    late or aborted members; on a GPU it is pinned host memory, read after the trap.
-    """
-    slots = (tl.load(ptrs + me) + cell + SLOTS).to(tl.pointer_type(tl.int64))
-    rec = record.to(tl.pointer_type(tl.int64))
-    first = SIZE + (me * 0)
-    for base in tl.static_range(0, SIZE, LANES):
-        idx = base + tl.arange(0, LANES)
-        v = _prims.load_acquire(slots + tl.where(idx < SIZE, idx, me))
-        gone = (idx < SIZE) & (idx != me) & ((v & COUNT_MASK) < epoch) & (v < 0)
-        first = tl.minimum(first, tl.min(tl.where(gone, idx, SIZE), axis=0))
-        tl.store(rec + _RECORD_SLOTS + idx, tl.where(idx == me, epoch, v), mask=idx < SIZE)
-    # The flag was seen by one thread's acquire load; the reason is read by others: the
-    # barrier and the fence order those reads after that load (cumulativity).
-    tl.debug_barrier()
-    _prims.memory_barrier_sys()
-    w = tl.arange(0, _REASON_LANES)
-    found = first < SIZE
-    src = (tl.load(ptrs + tl.where(found, first, me)) + cell + REASON).to(tl.pointer_type(tl.int64))
-    words = _prims.load_acquire(src + tl.where(w < _REASON_WORDS, w, 0))
-    tl.store(rec + _RECORD_REASON + SIZE + w, tl.where(found, words, 0), mask=w < _REASON_WORDS)
-    tl.store(rec + _RECORD_ABORTER + SIZE, tl.where(found, first, -1))
-    tl.store(rec + _RECORD_EPOCH, epoch)
-    tl.store(rec + _RECORD_INDEX, me)
-    tl.store(rec + _RECORD_SIZE, SIZE)
-    tl.store(rec + _RECORD_FLAG, tl.where(found, ABORTED, TIMED_OUT))
-    tl.debug_barrier()  # every warp's part of the record is written before any thread traps
-    _prims.memory_barrier_sys()
-
-
-@triton.jit
-def mark_abort(ptrs, cell, me, reason, SIZE: tl.constexpr):
-    """Tell every other member that this rank gave up on the cell's channel.
-
-    Pseudocode::
-
-        mem[me].cell.reason[:REASON_WORDS] = reason[:REASON_WORDS]   # code, length, UTF-8 text
-        block_barrier()
-        for p in 0..SIZE-1, p != me:                   # thread 0
-            red_or_release_sys(&mem[p].cell.slot[me], ABORT_FLAG)
-
-    Contract: a member whose wait observes the flag also observes the reason. The count
-    bits are untouched, so a member that already saw this rank's publish of an epoch
-    still completes its wait for it; a member waiting for a later epoch returns 2 from
-    :func:`wait` within one poll. Idempotent (an OR). ``reason`` points at
-    :data:`REASON_WORDS` int64 words. Run it from one program, on a stream that is not
-    blocked behind this rank's own waits. Cost: REASON_WORDS local stores, SIZE-1 remote
-    reductions.
-    """
-    own = (tl.load(ptrs + me) + cell + REASON).to(tl.pointer_type(tl.int64))
-    w = tl.arange(0, _REASON_LANES)
-    src = reason.to(tl.pointer_type(tl.int64))
-    tl.store(own + w, tl.load(src + w, mask=w < _REASON_WORDS), mask=w < _REASON_WORDS)
-    tl.debug_barrier()
-    for p in tl.static_range(SIZE):
-        dst = (tl.load(ptrs + p) + cell + SLOTS).to(tl.pointer_type(tl.int64)) + me
-        _prims.release_or(dst, ABORT_FLAG, p != me)
-
-
-@triton.jit
-def trap():
-    """Stop the kernel and the stream (GPU); the host sees a CUDA error. No-op on the host
-    backend, where the wait's status reaches the host instead."""
-    _prims.trap()
-
-
-@triton.jit
-def record_barrier():
-    """A fence at system scope in every thread, for records the host reads (GPU: ``fence.sc.sys``).
-
-    Pseudocode::
-
-        fence_sc_sys()                 # every thread; nothing on the host backend
-
-    Contract: this thread's writes before it are performed for every observer, the host
-    reading pinned memory included, before its writes after it; and before a
-    :func:`trap` that follows it, since the fence waits for them. Write a record's words,
-    ``tl.debug_barrier()``, ``record_barrier()``, its flag word, ``record_barrier()``,
-    then trap: the host that sees the flag sees the words, and the flag is not lost to the
-    trap (:func:`write_timeout_record` writes its record so). Use plain stores for
-    records in pinned host memory: a GPU atomic on host memory needs PCIe atomics, which
-    a machine may lack. Cost: a system fence per thread. Graph-safe.
-    """
-    _prims.memory_barrier_sys()
-
-
-@triton.jit
-def clock_ns():
-    """Nanoseconds from a monotonic clock, as an int64 scalar: the clock of :func:`wait`'s budget.
-
-    GPU: the global timer (``%globaltimer``), the same on every SM of a device;
-    interpreter: ``time.monotonic_ns()``. Use differences, not absolute values. Cost: one
-    register read (GPU). Graph-safe.
-    """
-    return _prims.clock_ns()
-
-
-@triton.jit
-def publish_and_wait(ptrs, cell, me, timeout_ns, SIZE: tl.constexpr):
-    """:func:`publish` then :func:`wait` for the new epoch; returns the wait status.
-
-    Pseudocode::
-
-        e = publish(); return wait(e)
-
-    Contract: on 0, every member reached this point and all their writes before it are
-    visible here. Call it from one program (or use :func:`grid_fence`), after a
-    ``tl.debug_barrier()`` when other threads wrote the payload. Graph-safe.
-    """
-    e = publish(ptrs, cell, me, SIZE)
-    return wait(ptrs, cell, me, e, timeout_ns, SIZE)
-
-
-@triton.jit
-def wait_or_trap(ptrs, cell, me, epoch, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.constexpr):
-    """:func:`wait` for ``epoch``; on a timeout or an abort write ``record`` and, if
-    ``TRAP``, :func:`trap`.
-
-    Returns the wait status (0: arrived, 1: timed out, 2: a member aborted). With
-    ``TRAP`` (the GPU default) a failed kernel never returns, so nothing downstream on
-    the stream runs on stale data; the record is written before the trap, because the
-    CUDA context is unusable after it.
-    """
-    status = wait(ptrs, cell, me, epoch, timeout_ns, SIZE)
-    if status != 0:
-        write_timeout_record(record, ptrs, cell, me, epoch, SIZE)
-        if TRAP:
-            trap()
-    return status
-
-
-@triton.jit
-def grid_fence(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.constexpr):
-    """A whole fence at the tail of a multi-program kernel, with no extra launch.
-
-    Every program calls it after its last write to peer memory. The last program to
-    arrive advances the epoch, publishes it and waits; the kernel ends only after
-    every member arrived, so kernels after it on the stream read complete data.
-
-    Pseudocode::
-
-        if SIZE == 1:                                      # a view of this rank alone
-            program 0: ++mem[me].cell.epoch; return 0      # stream order is the whole fence
-        block_barrier()                                    # this program's writes first
-        e = mem[me].cell.epoch + 1                         # read before arriving
-        n = atomic_add_acq_rel_gpu(&mem[me].cell.arrivals, 1)
-        if n == num_programs - 1:                          # last one in
-            mem[me].cell.arrivals = 0                      # ready for the next launch
-            publish(e); wait_or_trap(e)                    # publish() storing epoch e
-
-    Why it is correct: each program's writes, to peers' memory or its own, precede its
-    release on the arrival counter; the last program acquires every earlier increment;
-    the block barrier that hands the counter's value to its other threads orders that
-    acquire before the release reductions of :func:`publish` (issued by thread 0), and
-    release is cumulative over that chain, so a member that observes its slot at ``e``
-    observes every program's writes. The arrivals need only GPU scope: the programs that
-    synchronize through the counter all run on this GPU, and causality order is
-    transitive across scopes (each link is morally strong: GPU scope between this GPU's
-    programs, system scope between the publish and a member's acquire). System-scope
-    arrivals cost 0.7–1.0 µs more per launch on an H200 with 1024–2048 programs
-    (docs/performance.md, "The PCP writer on one GPU"). Each program reads the epoch before it arrives, and
-    only the last advances it, after acquiring every arrival, so the last one's ``e`` is
-    the epoch before the launch plus one. A view of one member has nobody to tell: its
-    kernels after this launch see its writes by stream order, so the tail only advances
-    the epoch (as a fence of one member's does), at no cost. (The Spin model in
-    ``verify/`` covers single-program fences, not this multi-program arrival.)
-    Graph-safe. Cost: one GPU-scope atomic per program, one publish and one wait in
-    total (with one member: one load and store). Returns the wait status (last program)
-    or 0.
-    """
-    ep = epoch_ptr(ptrs, cell, me)
-    status = (me * 0).to(tl.int32)
-    if SIZE == 1:
-        # A view of one member: nobody to publish to or wait for, and stream order shows
-        # this launch's writes to the kernels after it. The epoch advances as in any fence.
-        if tl.program_id(0) + tl.program_id(1) + tl.program_id(2) == 0:
-            tl.store(ep, tl.load(ep) + 1)
-    else:
-        tl.debug_barrier()
-        # Read before arriving (the load overlaps the arrival): only the last program
-        # advances the epoch, after every program arrived.
-        e = tl.load(ep) + 1
-        counter = (tl.load(ptrs + me) + cell + ARRIVALS).to(tl.pointer_type(tl.int64))
-        nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        n = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if n == nprog - 1:
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-            _release_slots(ptrs, cell, me, SIZE)
-            tl.store(ep, e)
-            status = wait_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
-    return status
-
-
-# The grid-wide wait, the point-to-point signals and the debug checks live in their own source file; their
-# contract is the ``signals-contract`` block above. Imported last: that module takes the
-# constants and primitives defined here.
-from ._language_signals import (  # noqa: E402
-    ADD,
-    EQ,
-    GE,
-    GT,
-    LE,
-    LT,
-    NE,
-    SET,
-    _debug_publish,
-    data_ptr,
-    grid_sync,
-    put_signal,
-    read_signal,
-    signal,
-    wait_count,
-    wait_signal,
-)
+ABORTED = tl.constexpr(records.ABORTED)

@@ -21,16 +21,11 @@ each launch) and :meth:`Signals.synchronize` (GPUs) raise :class:`~symmsync.Sign
 from it. A member's abort (its ``close()``, an error, :meth:`~symmsync.PeerView.abort`) ends
 every signal wait on the view within a poll, with :class:`~symmsync.SignalAborted` naming it:
 the waits read the abort flags that the view's abort sets in its cells.
-
-:func:`launch_grid_sync` launches a kernel that calls :func:`symmsync.language.grid_sync`
-after checking that its programs can all be resident at once.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,7 +33,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from . import cells
+from . import cells, records
 from . import language as ssl
 from .checks import check_index, int_problem, is_int, require, timeout_problem
 from .collective import Same, agree, barrier
@@ -53,7 +48,6 @@ from .errors import (
 )
 from .failure import used_after_abort
 from .memory import keep_alive
-from .mode import kernels_interpreted
 from .views import PeerView
 
 #: Most slots per peer a Signals object holds.
@@ -183,7 +177,7 @@ class Signals:
         handle = torch.tensor(header, dtype=torch.int64)
         self._handle = torch.cat([handle, inbox, data, cell]).to(buf.device)
         assert self._handle.numel() == cells.handle_words(self.size)
-        self._record = torch.zeros(cells.SIGNAL_RECORD_WORDS, dtype=torch.int64, pin_memory=caps.pinned_record)
+        self._record = torch.zeros(records.SIGNAL_RECORD_WORDS, dtype=torch.int64, pin_memory=caps.pinned_record)
         # The handle names the slots' memory, the view's user regions and cells, and the
         # record: a kernel launched through kernel_args kept past close() finds them all
         # still mapped (as tensors kept past close() do), never freed memory.
@@ -315,7 +309,7 @@ class Signals:
 
     def timeout_error(self) -> SignalTimeout | None:
         """The error this object's record describes, if a wait failed (else ``None``)."""
-        rec = cells.read_signal_record(self._record.tolist())
+        rec = records.read_signal_record(self._record.tolist())
         if rec is None:
             return None
         ranks = self.view.ranks
@@ -377,65 +371,3 @@ class Signals:
 
     def __repr__(self) -> str:
         return f"Signals(view={list(self.view.ranks)}, slots={self.slots}, backend={self.view.buffer.backend})"
-
-
-def launch_grid_sync(kernel: Any, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:
-    """Launch ``kernel`` (which calls :func:`symmsync.language.grid_sync`) once its programs
-    are known to be co-resident.
-
-    Every program of such a kernel spins until the last one arrived, so all must be
-    resident on the device together. On GPUs the kernel is compiled first and the grid is
-    checked against the SM count times the blocks per SM the driver's occupancy calculator
-    gives for the compiled kernel; on the host backend the interpreter runs programs one
-    after another, so only a launch of one program can hold.
-
-    Args:
-        kernel: the ``@triton.jit`` kernel.
-        grid: the launch grid (up to 3 ints).
-        *args: the kernel's arguments, as for ``kernel[grid](*args, **kwargs)``.
-        **kwargs: its keyword arguments (constexprs, ``num_warps``).
-
-    Raises:
-        ConfigError: the grid cannot be co-resident here (nothing is launched).
-    """
-    grid = tuple(grid)
-    programs = math.prod(grid)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    call = "launch_grid_sync"
-    if kernels_interpreted():
-        if programs > 1:
-            raise ConfigError(
-                f"rank {rank}: {call}: a grid of {programs} programs on the host backend: Triton's interpreter "
-                "runs programs one after another, so they can never wait for each other; launch one program here"
-            )
-    else:
-        compiled = kernel.warmup(*args, grid=grid, **kwargs)
-        per_sm, sms = _occupancy(compiled, kwargs.get("num_warps", 4))
-        if programs > per_sm * sms:
-            raise ConfigError(
-                f"rank {rank}: {call}: a grid of {programs} programs cannot be co-resident: the device holds "
-                f"{per_sm} such program(s) per SM on {sms} SMs ({per_sm * sms} at once); a program that waits for "
-                f"the others would spin until the budget runs out. Launch at most {per_sm * sms} programs "
-                "(loop inside the kernel over the rest)"
-            )
-    kernel[grid](*args, **kwargs)
-
-
-def _occupancy(compiled: Any, num_warps: int) -> tuple[int, int]:
-    """(programs per SM, SMs) for a compiled kernel on the current device."""
-    from .driver import check, driver
-
-    dev = torch.cuda.current_device()
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    compiled._init_handles()
-    warps = getattr(compiled, "num_warps", None) or compiled.metadata.num_warps or num_warps
-    shared = getattr(compiled.metadata, "shared", 0)
-    drv = driver()
-    per_sm = check(
-        drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-            drv.CUfunction(init_value=compiled.function), 32 * warps, shared
-        ),
-        "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-        call="launch_grid_sync",
-    )
-    return int(per_sm), sms

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 import symmsync.language as ssl
+from symmsync import records
 
 from . import layout as L
 from . import protocol
@@ -194,62 +195,36 @@ def _rmsnorm_rows(
 
 
 @triton.jit
-def _stall(ns):
-    # Tests only (ns > 0): hold this member between its wait and its reads.
-    start = ssl.clock_ns()
-    now = start
-    while now - start < ns:
-        now = ssl.clock_ns()
-
-
-@triton.jit
-def collective_kernel(
+def _hand_over(
     x,
-    out,
-    count,  # elements of the call's input (reduce-scatter: of each member's chunk)
-    ptrs,  # the view's pointer table (payload)
+    count,
+    ptrs,
     sptrs,
     cell,
     me,
     timeout_ns,
-    record,  # the fence's arguments (Fence.kernel_args)
-    mism,  # the collective's own record (header mismatch, grid stall)
-    stall_ns,
-    headers,
-    counter_off,
-    inputs,
-    input_stride,
-    symmetric,
-    reduced,  # workspace offsets (layout.Workspace)
-    residual,
-    weight,
-    res_out,
+    record,
+    mism,
+    e,
+    header,
+    src,
+    counter,
+    ep,
     hidden,
-    eps,  # the fused epilogue (EPILOGUE only)
+    pid,
+    G,
     SIZE: tl.constexpr,
     OP: tl.constexpr,
-    TWO_SHOT: tl.constexpr,
     SYMMETRIC: tl.constexpr,
-    NBUF: tl.constexpr,
     BLOCK: tl.constexpr,
     TRAP: tl.constexpr,
-    BF16_BITS: tl.constexpr,
     DTYPE_CODE: tl.constexpr,
     ALGORITHM: tl.constexpr,
-    EPILOGUE: tl.constexpr,
-    ROW: tl.constexpr,
+    PHASES: tl.constexpr,
 ):
+    # The first half of a call (.protocol's pseudocode): copy in, the header, arrive, wait.
+    # Returns (numel, chunk, the header's words, ok: every member published this call's epoch).
     ELEM: tl.constexpr = x.dtype.element_ty
-    PHASES: tl.constexpr = 2 if (TWO_SHOT or SYMMETRIC) else 1
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
-    e = protocol.next_epoch(sptrs, cell, me)
-    header = headers + (e % 2) * _HEADER_BYTES
-    if SYMMETRIC:
-        src = symmetric + e * 0
-    else:
-        src = inputs + (e % NBUF) * input_stride  # NBUF 1: the parity removed (tests only)
-    counter = ssl.peer_ptr(ptrs, me, counter_off, tl.int64)
     # The reduce-scatter passes its chunk, so that Triton specializes the chunk's alignment
     # (16-byte accesses) as it does any argument's.
     if OP == _REDUCE_SCATTER:
@@ -265,70 +240,197 @@ def collective_kernel(
     words = protocol.header_words(_TAG + OP, numel, DTYPE_CODE, ALGORITHM, SYMMETRIC, e, hidden)
     if pid == 0:
         protocol.write_header(ptrs, header, me, words)
-    protocol.arrive(counter, G - 1, sptrs, cell, me, SIZE, PHASES == 1)
+    protocol.arrive(counter, ep, G - 1, sptrs, cell, me, SIZE, PHASES == 1)  # (n, e): neither needed
     ok = protocol.wait(sptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
-    if ok:
-        # The verdict on the headers is loads only: a one-phase call issues its first payload
-        # loads while the header loads are in flight (one round trip for both) and stores
-        # nothing unless every member's call is its own (``go``).
-        go = protocol.headers_match(ptrs, header, me, words, SIZE)
-        if PHASES == 2:
-            if go:
-                go = protocol.grid_barrier(counter, G, e, timeout_ns, mism, me, SIZE, TRAP)
-            else:
-                protocol.report_mismatch(ptrs, header, me, words, e, mism, SIZE, TRAP)
-            run = go
+    return numel, chunk, words, ok
+
+
+@triton.jit
+def _verdict(
+    ok,
+    ptrs,
+    header,
+    me,
+    words,
+    counter,
+    G,
+    e,
+    timeout_ns,
+    mism,
+    SIZE: tl.constexpr,
+    TRAP: tl.constexpr,
+    PHASES: tl.constexpr,
+):
+    # After a wait that returned ``ok``: (go: every member's call is this one, run: read the
+    # members' inputs). The verdict on the headers is loads only: a one-phase call issues its
+    # first payload loads while the header loads are in flight (one round trip for both) and
+    # stores nothing unless every member's call is its own (``go``). Two phases: the grid
+    # barrier, or the mismatch record at once.
+    go = protocol.headers_match(ptrs, header, me, words, SIZE)
+    if PHASES == 2:
+        if go:
+            go = protocol.grid_barrier(counter, G, e, timeout_ns, mism, me, SIZE, TRAP)
         else:
-            run = ok
-        if run:
-            if stall_ns > 0:
-                _stall(stall_ns)
-            if OP == _ALL_REDUCE:
-                if EPILOGUE:  # one-shot with the residual add and the RMS norm: whole rows per program
-                    _rmsnorm_rows(
-                        ptrs,
-                        src,
-                        numel,
-                        hidden,
-                        out,
-                        residual,
-                        weight,
-                        res_out,
-                        eps,
-                        pid,
-                        G,
-                        go,
-                        ELEM,
-                        SIZE,
-                        BF16_BITS,
-                        ROW,
-                    )
-                elif TWO_SHOT:  # reduce this member's chunk into its reduced slot (and the output)
-                    lo = me * chunk
-                    n = tl.maximum(tl.minimum(numel, lo + chunk) - lo, 0)
-                    red = tl.multiple_of(ssl.peer_ptr(ptrs, me, reduced, ELEM), 16)
-                    _reduce(ptrs, src, lo, n, red, out + lo, pid, G, go, ELEM, SIZE, BF16_BITS, BLOCK, True)
-                else:
-                    _reduce(ptrs, src, 0, numel, out, out, pid, G, go, ELEM, SIZE, BF16_BITS, BLOCK, False)
-            elif OP == _ALL_GATHER:
+            records.write_mismatch_record(mism, ptrs, header, me, words, e, SIZE, TRAP)
+        run = go
+    else:
+        run = ok
+    return go, run
+
+
+@triton.jit
+def _read_members(
+    out,
+    ptrs,
+    sptrs,
+    cell,
+    me,
+    timeout_ns,
+    record,
+    mism,
+    e,
+    header,
+    src,
+    counter,
+    ep,
+    reduced,
+    residual,
+    weight,
+    res_out,
+    hidden,
+    eps,
+    numel,
+    chunk,
+    words,
+    go,
+    pid,
+    G,
+    SIZE: tl.constexpr,
+    OP: tl.constexpr,
+    TWO_SHOT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TRAP: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    ROW: tl.constexpr,
+    PHASES: tl.constexpr,
+):
+    # The second half of a call that may run: read (sum or copy) the members' inputs, refuse a
+    # one-phase call whose headers differ, and (two phases) the second publish and wait.
+    ELEM: tl.constexpr = out.dtype.element_ty
+    if OP == _ALL_REDUCE:
+        if EPILOGUE:  # one-shot with the residual add and the RMS norm: whole rows per program
+            _rmsnorm_rows(
+                ptrs,
+                src,
+                numel,
+                hidden,
+                out,
+                residual,
+                weight,
+                res_out,
+                eps,
+                pid,
+                G,
+                go,
+                ELEM,
+                SIZE,
+                BF16_BITS,
+                ROW,
+            )
+        elif TWO_SHOT:  # reduce this member's chunk into its reduced slot (and the output)
+            lo = me * chunk
+            n = tl.maximum(tl.minimum(numel, lo + chunk) - lo, 0)
+            red = tl.multiple_of(ssl.peer_ptr(ptrs, me, reduced, ELEM), 16)
+            _reduce(ptrs, src, lo, n, red, out + lo, pid, G, go, ELEM, SIZE, BF16_BITS, BLOCK, True)
+        else:
+            _reduce(ptrs, src, 0, numel, out, out, pid, G, go, ELEM, SIZE, BF16_BITS, BLOCK, False)
+    elif OP == _ALL_GATHER:
+        for p in tl.static_range(SIZE):
+            theirs = tl.multiple_of(ssl.peer_ptr(ptrs, p, src, ELEM), 16)
+            _copy(out + p * numel, theirs, numel, pid, G, go, BLOCK)
+    else:  # reduce-scatter: this member's chunk of every member's input
+        _reduce(ptrs, src, me * chunk, chunk, out, out, pid, G, go, ELEM, SIZE, BF16_BITS, BLOCK, False)
+    if PHASES == 1:
+        if not go:
+            records.write_mismatch_record(mism, ptrs, header, me, words, e, SIZE, TRAP)
+    else:
+        n_in, _e = protocol.arrive(counter, ep, 2 * G - 1, sptrs, cell, me, SIZE, True)
+        if TWO_SHOT:  # every program: gather the other members' reduced chunks
+            if protocol.wait(sptrs, cell, me, e + 1, timeout_ns, record, SIZE, TRAP):
                 for p in tl.static_range(SIZE):
-                    theirs = tl.multiple_of(ssl.peer_ptr(ptrs, p, src, ELEM), 16)
-                    _copy(out + p * numel, theirs, numel, pid, G, go, BLOCK)
-            else:  # reduce-scatter: this member's chunk of every member's input
-                _reduce(ptrs, src, me * chunk, chunk, out, out, pid, G, go, ELEM, SIZE, BF16_BITS, BLOCK, False)
-            if PHASES == 1:
-                if not go:
-                    protocol.report_mismatch(ptrs, header, me, words, e, mism, SIZE, TRAP)
-            else:
-                n_in = protocol.arrive(counter, 2 * G - 1, sptrs, cell, me, SIZE, True)
-                if TWO_SHOT:  # every program: gather the other members' reduced chunks
-                    if protocol.wait(sptrs, cell, me, e + 1, timeout_ns, record, SIZE, TRAP):
-                        for p in tl.static_range(SIZE):
-                            if p != me:
-                                lo = p * chunk
-                                n = tl.maximum(tl.minimum(numel, lo + chunk) - lo, 0)
-                                theirs = tl.multiple_of(ssl.peer_ptr(ptrs, p, reduced, ELEM), 16)
-                                _copy(out + lo, theirs, n, pid, G, go, BLOCK)
-                else:  # symmetric input: the kernel ends once every member finished reading it
-                    if n_in == 2 * G - 1:
-                        protocol.wait(sptrs, cell, me, e + 1, timeout_ns, record, SIZE, TRAP)
+                    if p != me:
+                        lo = p * chunk
+                        n = tl.maximum(tl.minimum(numel, lo + chunk) - lo, 0)
+                        theirs = tl.multiple_of(ssl.peer_ptr(ptrs, p, reduced, ELEM), 16)
+                        _copy(out + lo, theirs, n, pid, G, go, BLOCK)
+        else:  # symmetric input: the kernel ends once every member finished reading it
+            if n_in == 2 * G - 1:
+                protocol.wait(sptrs, cell, me, e + 1, timeout_ns, record, SIZE, TRAP)
+
+
+@triton.jit
+def collective_kernel(
+    x,
+    out,
+    count,  # elements of the call's input (reduce-scatter: of each member's chunk)
+    ptrs,  # the view's pointer table (payload)
+    sptrs,
+    cell,
+    me,
+    timeout_ns,
+    record,  # the fence's arguments (Fence.kernel_args)
+    mism,  # the collective's own record (header mismatch, grid stall)
+    headers,
+    counter_off,
+    inputs,
+    input_stride,
+    symmetric,
+    reduced,  # workspace offsets (layout.Workspace)
+    residual,
+    weight,
+    res_out,
+    hidden,
+    eps,  # the fused epilogue (EPILOGUE only)
+    SIZE: tl.constexpr,
+    OP: tl.constexpr,
+    TWO_SHOT: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TRAP: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    DTYPE_CODE: tl.constexpr,
+    ALGORITHM: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    ROW: tl.constexpr,
+):
+    """One call of a collective on this member (the pseudocode of :mod:`.protocol`).
+
+    Its parts are :func:`_hand_over` (copy in, header, arrive, wait), :func:`_verdict` (the
+    headers, the grid barrier) and :func:`_read_members`, so that a test can build a variant
+    of this kernel from them (a stall before the reads, or input slots without the parity)
+    and launch it through the seam :data:`symmsync.collectives.ops.KERNEL`.
+    """
+    PHASES: tl.constexpr = 2 if (TWO_SHOT or SYMMETRIC) else 1
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    e = protocol.next_epoch(sptrs, cell, me)
+    header = headers + (e % 2) * _HEADER_BYTES
+    if SYMMETRIC:
+        src = symmetric + e * 0
+    else:
+        src = inputs + (e % 2) * input_stride  # the input slot of this call's parity
+    counter = ssl.peer_ptr(ptrs, me, counter_off, tl.int64)
+    ep = ssl.epoch_ptr(sptrs, cell, me)
+    numel, chunk, words, ok = _hand_over(
+        x, count, ptrs, sptrs, cell, me, timeout_ns, record, mism, e, header, src, counter, ep, hidden, pid, G,
+        SIZE, OP, SYMMETRIC, BLOCK, TRAP, DTYPE_CODE, ALGORITHM, PHASES,
+    )  # fmt: skip
+    if ok:
+        go, run = _verdict(ok, ptrs, header, me, words, counter, G, e, timeout_ns, mism, SIZE, TRAP, PHASES)
+        if run:
+            _read_members(
+                out, ptrs, sptrs, cell, me, timeout_ns, record, mism, e, header, src, counter, ep, reduced, residual,
+                weight, res_out, hidden, eps, numel, chunk, words, go, pid, G,
+                SIZE, OP, TWO_SHOT, BLOCK, TRAP, BF16_BITS, EPILOGUE, ROW, PHASES,
+            )  # fmt: skip

@@ -18,9 +18,8 @@ is refused on every member before a byte is summed::
 
 (``epilogue``: the row length of a fused residual + RMS norm, 0 for none.)
 
-A refused call's kernel writes a record (pinned host memory on GPUs, then it traps)::
-
-    record = [flag, epoch, index, size, header[0], ..., header[size - 1]]
+A refused call's kernel (or one whose grid barrier stalled) writes the collective record
+of :mod:`symmsync.records` (pinned host memory on GPUs, then it traps).
 """
 
 from __future__ import annotations
@@ -29,11 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-#: Bytes of a line: regions start on lines of their own.
-LINE = 128
+from ..cells import LINE, round_up
+from ..records import HEADER_WORDS
 
-#: int64 words of a header, and its fields.
-HEADER_WORDS = 8
+#: The fields of a header (``HEADER_WORDS`` int64 words; regions start on lines of ``LINE`` bytes).
 H_TAG, H_NUMEL, H_DTYPE, H_ALGORITHM, H_SYMMETRIC, H_EPOCH, H_EPILOGUE = range(7)
 #: Fields compared across members (the first seven words).
 HEADER_CHECKED = 7
@@ -60,22 +58,6 @@ DTYPE_NAMES = {v: str(k).removeprefix("torch.") for k, v in DTYPES.items()}
 #: Elements a two-shot chunk is rounded up to (16-byte aligned chunks for every dtype): a member's
 #: chunk is ``cdiv(numel, size)`` rounded up to it (the kernel computes it).
 CHUNK_ALIGN = 64
-
-#: Record flags: the members' headers disagree ("SYMMMISM"); the programs of one launch
-#: were not all resident at once and a grid barrier ran out of time ("SYMMGRID").
-MISMATCH = 0x5359_4D4D_4D49_534D
-GRID_STALL = 0x5359_4D4D_4752_4944
-R_FLAG, R_EPOCH, R_INDEX, R_SIZE, R_HEADERS = range(5)
-
-
-def round_up(x: int, m: int) -> int:
-    """``x`` rounded up to a multiple of ``m``."""
-    return (x + m - 1) // m * m
-
-
-def record_words(size: int) -> int:
-    """int64 words of the record of a view of ``size`` members."""
-    return R_HEADERS + size * HEADER_WORDS
 
 
 @dataclass(frozen=True)

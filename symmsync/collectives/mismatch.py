@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import FenceTimeout, InputError, SymmSyncError
+from ..records import read_collective_record
 from . import layout as L
 
 
@@ -44,19 +45,19 @@ def mismatch_error(
     """The error a collective's record ``words`` describes (``None`` when it holds none).
 
     Args:
-        words: the record, as written by the kernel (``layout.R_*`` words).
+        words: the record, as written by the kernel (:mod:`symmsync.records`' collective record).
         name: the collective, as its errors name it (``"AllReduce"``).
         ranks: the view's members' global ranks, in view order.
         timeout_s, channel: the fence's budget and channel (named in a stall's error).
     """
-    flag = words[L.R_FLAG]
-    if flag not in (L.MISMATCH, L.GRID_STALL):
+    rec = read_collective_record(words)
+    if rec is None:
         return None
-    epoch, me = words[L.R_EPOCH], words[L.R_INDEX]
+    epoch, me = rec.epoch, rec.index
     where = f"rank {ranks[me]}: {name} on view {list(ranks)} (the call of epoch {epoch})"
-    if flag == L.GRID_STALL:
+    if rec.stalled:
         return FenceTimeout(
-            f"{where}: only {words[L.R_HEADERS]} programs of its launch arrived within "
+            f"{where}: only {rec.arrived} programs of its launch arrived within "
             f"{timeout_s:g} s: the launch's programs were not resident at once (another kernel held "
             "the multiprocessors); nothing after it ran",
             rank=ranks[me],
@@ -65,8 +66,7 @@ def mismatch_error(
             channel=channel,
         )
     calls = {}
-    for i, r in enumerate(ranks):
-        h = words[L.R_HEADERS + i * L.HEADER_WORDS : L.R_HEADERS + (i + 1) * L.HEADER_WORDS]
+    for r, h in zip(ranks, rec.headers):
         calls[r] = _describe(h, epoch)
     fields = list(_describe([L.TAG + L.ALL_REDUCE] + [0] * (L.HEADER_WORDS - 1), 0))
     differs = [f for f in fields if len({repr(c[f]) for c in calls.values()}) > 1]

@@ -11,16 +11,15 @@ from typing import Any
 
 import torch
 
-from .. import collective, mode
+from .. import collective, mode, records
 from ..checks import int_problem, number_problem, require
 from ..errors import BoundsError, ClosedError, ConfigError, InputError, PeerAborted, SymmSyncError
 from ..failure import used_after_abort
 from ..fence import Fence
 from ..launch import BoundLaunch, Launcher
 from ..views import PeerView
+from . import kernels, tuning
 from . import layout as L
-from . import tuning
-from .kernels import collective_kernel
 from .mismatch import mismatch_error
 
 ALGORITHMS = ("auto", *L.ALGORITHM_CODES)
@@ -34,8 +33,11 @@ _NUM_WARPS = 4
 # runtime parameters come from the first launcher (Launcher.names), so no position is
 # written here and the kernel's signature can change.
 _PER_CALL = ("x", "out", "count")
-_STALL = "stall_ns"
 _EPILOGUE = ("residual", "weight", "res_out", "hidden", "eps")
+KERNEL = kernels.collective_kernel
+"""The kernel every operation launches, read when an operation first launches a variant (a seam:
+a test may set it, before it constructs an operation, to a variant of the kernel built in the
+tests from the same halves; ``kernels.collective_kernel`` is the only kernel shipped)."""
 MAX_HIDDEN = 16384
 """The longest row (``x.shape[-1]``) the fused epilogue takes: one program holds a row."""
 
@@ -56,7 +58,6 @@ class _Collective:
         offset: int = 0,
         channel: int = 0,
         timeout_s: float | None = None,
-        _parity: bool = True,
     ):
         call = self._NAME
         if not isinstance(view, PeerView):
@@ -116,9 +117,9 @@ class _Collective:
             self._max_programs = torch.cuda.get_device_properties(buf.device).multi_processor_count
         else:
             self._max_programs = 1  # the interpreter runs programs one after another
-        self._record = torch.zeros(L.record_words(view.size), dtype=torch.int64, pin_memory=caps.pinned_record)
-        self._nbuf = 2 if _parity else 1
-        self._stall_ns = 0  # tests: hold this member inside the kernel, between its wait and its reads
+        self._record = torch.zeros(
+            records.collective_record_words(view.size), dtype=torch.int64, pin_memory=caps.pinned_record
+        )
         self._sym_bytes = buf.tensor(ws.symmetric, (ws.capacity,), torch.uint8)
         self._sym_addr = self._sym_bytes.data_ptr()
         self._limits = {d: ws.capacity // d.itemsize for d in L.DTYPES}
@@ -135,7 +136,6 @@ class _Collective:
             view.ptrs,
             *fence.kernel_args,
             self._record.data_ptr(),
-            0,
             ws.headers,
             ws.counter,
             ws.inputs,
@@ -211,11 +211,9 @@ class _Collective:
         if bound is None:
             tail = self._plain_tail[key[0]] if epilogue is None else epilogue
             bound = self._bound[key] = self._launcher(key).bind(x, out, count, *self._fixed, *tail, grid=(grid,))
-        per_call, stall, fused = self._positions
+        per_call, fused = self._positions
         if epilogue is not None:
             bound.update(per_call + fused, (x, out, count, *epilogue))
-        elif self._interp:
-            bound.update(per_call + stall, (x, out, count, self._stall_ns))
         else:
             bound.update(per_call, (x, out, count))
         bound()
@@ -228,14 +226,13 @@ class _Collective:
         launcher = self._launchers.get(lk)
         if launcher is None:
             launcher = self._launchers[lk] = Launcher(
-                collective_kernel,
+                KERNEL,
                 (1,),
                 num_warps=_NUM_WARPS if row <= 4096 else 2 * _NUM_WARPS,
                 SIZE=self.size,
                 OP=self._OP,
                 TWO_SHOT=algorithm == L.ALGORITHM_CODES["two_shot"],
                 SYMMETRIC=sym,
-                NBUF=self._nbuf,
                 BLOCK=_BLOCK,
                 TRAP=self._traps,
                 BF16_BITS=self._interp and dtype is torch.bfloat16,
@@ -245,7 +242,7 @@ class _Collective:
                 ROW=max(row, 1),
             )
             names = launcher.names
-            self._positions = tuple(tuple(names.index(n) for n in group) for group in (_PER_CALL, (_STALL,), _EPILOGUE))
+            self._positions = tuple(tuple(names.index(n) for n in group) for group in (_PER_CALL, _EPILOGUE))
         return launcher
 
     def _problem(self, x: Any, out: Any) -> str | None:
@@ -375,7 +372,6 @@ class AllReduce(_Collective):
         offset: int = 0,
         channel: int = 0,
         timeout_s: float | None = None,
-        _parity: bool = True,
     ):
         super().__init__(
             view,
@@ -385,7 +381,6 @@ class AllReduce(_Collective):
             offset=offset,
             channel=channel,
             timeout_s=timeout_s,
-            _parity=_parity,
         )
         self.algorithm = algorithm
         self._codes = {**L.ALGORITHM_CODES, "auto": -1}

@@ -1,9 +1,13 @@
 """How the members of a collective hand their slots to each other: the one place of its synchronization.
 
 Everything the collectives' kernels need to order their memory lives here, built on the
-public primitives of :mod:`symmsync.language` and the view's fence cell (its
-device-resident epoch). Replacing these few functions (with per-peer signals, for
-example) changes the protocol of every operation at once.
+primitives of :mod:`symmsync.language` and the view's fence cell (its device-resident
+epoch). Replacing these few functions (with per-peer signals, for example) changes the
+protocol of every operation at once. The steps are symmsync's own, written once for the
+fences and the collectives: :func:`arrive` is :func:`symmsync._language_core.arrive` (with
+a counter of the collective's own), :func:`grid_barrier` polls with
+:func:`symmsync._language_core.bounded_poll`, and the records (a mismatch, a stalled grid)
+are :mod:`symmsync.records`'.
 
 Pseudocode of one call, as every member runs it (``G`` programs, the epoch on the device)::
 
@@ -43,48 +47,20 @@ import triton
 import triton.language as tl
 
 import symmsync.language as ssl
+from symmsync import _language_core as core
+from symmsync import records
+from symmsync._language_core import arrive  # noqa: F401 - the collectives' arrival: symmsync's one counter
 
 from . import layout as L
 
 _HEADER_WORDS = tl.constexpr(L.HEADER_WORDS)
 _HEADER_CHECKED = tl.constexpr(L.HEADER_CHECKED)
-_MISMATCH = tl.constexpr(L.MISMATCH)
-_GRID_STALL = tl.constexpr(L.GRID_STALL)
-_R_HEADERS = tl.constexpr(L.R_HEADERS)
 
 
 @triton.jit
 def next_epoch(sptrs, cell, me):
     """The epoch this launch's first publish will return (read before any program arrives)."""
     return tl.load(ssl.epoch_ptr(sptrs, cell, me)) + 1
-
-
-@triton.jit
-def arrive(counter, last, sptrs, cell, me, SIZE: tl.constexpr, RESET: tl.constexpr):
-    """Count this program's arrival; the program that arrives as number ``last`` publishes.
-
-    Pseudocode::
-
-        block_barrier()                               # this program's writes first
-        n = atomic_add_acq_rel_gpu(counter, 1)
-        if n == last:
-            if RESET: counter = 0                     # the launch's final phase
-            publish()
-
-    Contract: each program's writes precede its release on the counter; the publishing
-    program acquired every earlier arrival, and :func:`symmsync.language.publish`'s release
-    is cumulative, so a member that observes the epoch observes every program's writes
-    (the argument of :func:`symmsync.language.grid_fence`, with a counter of the
-    collective's own, so that one launch may arrive twice; GPU scope suffices there
-    too, as every program that arrives runs on this GPU). Returns ``n``.
-    """
-    tl.debug_barrier()
-    n = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if n == last:
-        if RESET:
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-        ssl.publish(sptrs, cell, me, SIZE)
-    return n
 
 
 @triton.jit
@@ -102,50 +78,10 @@ def grid_barrier(counter, target, epoch, timeout_ns, mism, me, SIZE: tl.constexp
     launch's two phases, so that no program's second arrival is counted as a first.
     On a timeout it writes a ``GRID_STALL`` record and traps (GPU). Returns True on success.
     """
-    n = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-    ok = n >= target
-    if not ok:
-        start = ssl.clock_ns()
-        elapsed = start - start
-        while (n < target) & (elapsed <= timeout_ns):
-            n = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-            elapsed = ssl.clock_ns() - start
-        ok = n >= target
-        if not ok:
-            rec = mism.to(tl.pointer_type(tl.int64))
-            tl.store(rec + 1, epoch)
-            tl.store(rec + 2, me)
-            tl.store(rec + 3, SIZE)
-            tl.store(rec + 4, n)
-            flag_then_trap(rec, _GRID_STALL, TRAP)
-    return ok
-
-
-@triton.jit
-def flag_then_trap(rec, flag, TRAP: tl.constexpr):
-    """Set a record's flag word (``rec``: an int64 pointer to it), last, then (``TRAP``) trap
-    once the flag has landed.
-
-    Pseudocode::
-
-        block_barrier(); record_barrier()     # every thread's words of the record first
-        rec[0] = flag; record_barrier()       # the flag, performed before anything after it
-        block_barrier(); if TRAP: trap()
-
-    The host (or, after a trap, a host reading pinned memory) that sees the flag sees the
-    record's other words, and no thread traps before the flag is out: a trap ends the
-    kernel at once, and a write still in flight then never reaches the host. Plain
-    stores, not an atomic: the record is pinned host memory, and a GPU atomic there
-    needs PCIe atomics, which a machine may lack (the fence's timeout record is written
-    the same way).
-    """
-    tl.debug_barrier()
-    ssl.record_barrier()
-    tl.store(rec, flag)
-    ssl.record_barrier()
-    tl.debug_barrier()
-    if TRAP:
-        ssl.trap()
+    status, n = core.bounded_poll(counter, target, counter, 0, me, timeout_ns, SIZE, core.COUNTER, core.GE)
+    if status != 0:
+        records.write_grid_stall_record(mism, me, epoch, n, SIZE, TRAP)
+    return status == 0
 
 
 @triton.jit
@@ -177,7 +113,7 @@ def headers_match(ptrs, header_off, me, mine, SIZE: tl.constexpr):
     another program of the launch may pass the wait before they land. Every member
     compares the same calls, so every member reaches the same verdict. Loads only, no
     branch: a kernel may issue its first payload loads before the verdict arrives and
-    hold back its stores (:func:`report_mismatch` after them).
+    hold back its stores (:func:`symmsync.records.write_mismatch_record` after them).
     """
     w = tl.arange(0, _HEADER_WORDS)
     bad = 0
@@ -186,26 +122,3 @@ def headers_match(ptrs, header_off, me, mine, SIZE: tl.constexpr):
             theirs = tl.load(ssl.peer_ptr(ptrs, p, header_off, tl.int64) + w)
             bad += tl.sum(((theirs != mine) & (w < _HEADER_CHECKED)).to(tl.int32), axis=0)
     return bad == 0
-
-
-@triton.jit
-def report_mismatch(ptrs, header_off, me, mine, epoch, mism, SIZE: tl.constexpr, TRAP: tl.constexpr):
-    """Copy every member's header into the record ``mism``, then trap (GPU): the calls differ."""
-    w = tl.arange(0, _HEADER_WORDS)
-    rec = mism.to(tl.pointer_type(tl.int64))
-    for p in tl.static_range(SIZE):
-        theirs = tl.load(ssl.peer_ptr(ptrs, p, header_off, tl.int64) + w)
-        tl.store(rec + _R_HEADERS + p * _HEADER_WORDS + w, tl.where(p == me, mine, theirs))
-    tl.store(rec + 1, epoch)
-    tl.store(rec + 2, me)
-    tl.store(rec + 3, SIZE)
-    flag_then_trap(rec, _MISMATCH, TRAP)
-
-
-@triton.jit
-def headers_agree(ptrs, header_off, me, mine, epoch, mism, SIZE: tl.constexpr, TRAP: tl.constexpr):
-    """:func:`headers_match`, then :func:`report_mismatch` when the calls differ. Returns the verdict."""
-    ok = headers_match(ptrs, header_off, me, mine, SIZE)
-    if not ok:
-        report_mismatch(ptrs, header_off, me, mine, epoch, mism, SIZE, TRAP)
-    return ok

@@ -14,16 +14,19 @@ reduce-scatter chunk ``i`` of that sum. Results must be bit-identical on every m
   parity of the input slots removed, which the oracle must catch.
 """
 
+import contextlib
 import random
 import secrets
 import time
 
+import collective_variants as variants
 import pytest
 import torch
 import torch.distributed as dist
 
 import symmsync as ss
 from symmsync import collectives as C
+from symmsync.collectives import ops as collective_ops
 from symmsync.collectives import tuning
 
 MAX_NUMEL = 4104  # a multiple of 2, 3 and 4: the largest reduce-scatter input too
@@ -62,12 +65,12 @@ def gathered(x: torch.Tensor) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------- set-up on every rank
-def _objects(parity=True, timeout_s=None):
+def _objects(timeout_s=None):
     world = dist.get_world_size()
     per = C.workspace_bytes(MAX_NUMEL, torch.float32, world)
     buf = ss.SymmetricBuffer(3 * per, backend="host")
     view = buf.view(list(range(world)))
-    kw = dict(timeout_s=timeout_s, _parity=parity)
+    kw = dict(timeout_s=timeout_s)
     ops = {
         "all_reduce": C.AllReduce(view, MAX_NUMEL, torch.float32, "auto", offset=0, channel=0, **kw),
         "all_gather": C.AllGather(view, MAX_NUMEL, torch.float32, offset=per, channel=1, **kw),
@@ -160,10 +163,29 @@ def test_auto_runs_one_shot_up_to_its_threshold_and_two_shot_above_it(host_ranks
 STALLS_NS = (0, 0, 0, 1_000_000, 40_000_000, 120_000_000)
 
 
+@contextlib.contextmanager
+def launching(kernel, stall_ns=0, input_slots=2):
+    """Operations launch ``kernel`` in this (rank) process inside the block, through the seam
+    :data:`symmsync.collectives.ops.KERNEL`; the pool's process is left as it was found."""
+    shipped = collective_ops.KERNEL
+    collective_ops.KERNEL = kernel
+    variants.CONTROL[:] = torch.tensor([stall_ns, input_slots])
+    try:
+        yield
+    finally:
+        collective_ops.KERNEL = shipped
+        variants.CONTROL[:] = torch.tensor([0, 2])
+
+
 def back_to_back(calls, seed, slow, parity=True, ops_drawn=OPS, symmetric_share=0.3):
     """Rank function: ``calls`` calls with no host barrier; rank ``slow`` sleeps before each
     call and stalls inside its kernel. Returns the calls whose result differs from the oracle."""
-    buf, view, ops = _objects(parity)
+    with launching(variants.stalling_kernel, input_slots=2 if parity else 1):
+        return _back_to_back(calls, seed, slow, ops_drawn, symmetric_share)
+
+
+def _back_to_back(calls, seed, slow, ops_drawn, symmetric_share):
+    buf, view, ops = _objects()
     rank, size = dist.get_rank(), dist.get_world_size()
     draw = random.Random(seed)  # the same draws on every rank: the members make the same calls
     delay = random.Random(seed * 7 + rank)
@@ -177,9 +199,7 @@ def back_to_back(calls, seed, slow, parity=True, ops_drawn=OPS, symmetric_share=
         x = torch.randn(n, generator=g).to(dtype)
         if rank == slow:
             time.sleep(delay.uniform(0, 0.01))
-            stall = delay.choice(STALLS_NS)
-            for o in ops.values():
-                o._stall_ns = stall
+            variants.CONTROL[0] = delay.choice(STALLS_NS)
         plan.append((op, x))
         results.append(_call(ops, op, x, sym))
     wrong = [

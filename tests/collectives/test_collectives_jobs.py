@@ -51,7 +51,7 @@ SM90 = textwrap.dedent(
 
     assert not ssl.INTERPRETED
     sig = {"x": "*bf16", "out": "*bf16", "count": "i32", "ptrs": "*i64", "sptrs": "*i64",
-           "cell": "i64", "me": "i32", "timeout_ns": "i64", "record": "i64", "mism": "i64", "stall_ns": "i32",
+           "cell": "i64", "me": "i32", "timeout_ns": "i64", "record": "i64", "mism": "i64",
            "headers": "i32", "counter_off": "i32", "inputs": "i32", "input_stride": "i32", "symmetric": "i32",
            "reduced": "i32", "residual": "*bf16", "weight": "*bf16", "res_out": "*bf16", "hidden": "i32",
            "eps": "fp32"}
@@ -60,7 +60,7 @@ SM90 = textwrap.dedent(
     cases = [(1, 0, 0, 0), (1, 1, 0, 0), (1, 0, 1, 0), (1, 1, 1, 0), (2, 0, 0, 0), (2, 0, 1, 0), (3, 0, 0, 0),
              (3, 0, 1, 0), (1, 0, 0, 4096)]
     for op, two, sym, row in cases:
-        consts = {"SIZE": 4, "OP": op, "TWO_SHOT": bool(two), "SYMMETRIC": bool(sym), "NBUF": 2, "BLOCK": 1024,
+        consts = {"SIZE": 4, "OP": op, "TWO_SHOT": bool(two), "SYMMETRIC": bool(sym), "BLOCK": 1024,
                   "TRAP": True, "BF16_BITS": False, "DTYPE_CODE": 2, "ALGORITHM": two if op == 1 else -1,
                   "EPILOGUE": row > 0, "ROW": max(row, 1)}
         src = ASTSource(K.collective_kernel, {**sig, **{k: "constexpr" for k in consts}}, consts, attrs)

@@ -117,7 +117,7 @@ import triton.language as tl
 
 import symmsync as ss
 import symmsync.language as ssl
-from symmsync import cells, memory
+from symmsync import memory, records
 from symmsync.runtime_alloc import HostCacheAllocator
 from symmsync.testing import run
 
@@ -187,7 +187,7 @@ def kept(kind, plant):
     status = torch.full((1,), -1, dtype=torch.int32)
     wait[(1,)](*args, status, SIZE=2)  # ... before either waits
     flag = ctypes.c_int64.from_address(args[4]).value  # the record, kept by the arguments
-    out["wait"] = int(status.item()), {cells.TIMED_OUT: "timed out", cells.ABORTED: "aborted"}.get(flag, flag)
+    out["wait"] = int(status.item()), {records.TIMED_OUT: "timed out", records.ABORTED: "aborted"}.get(flag, flag)
     return out
 
 

@@ -107,17 +107,17 @@ SCRIPT = textwrap.dedent(
                 out[f"writer_split{int(split)}_fused{int(fused)}"] = k.asm["ptx"]
             except Exception as e:
                 out[f"writer_split{int(split)}_fused{int(fused)}"] = "COMPILE ERROR: " + repr(e)
-    from symmsync.collectives import layout as CL
+    from symmsync import records as R
     from symmsync.collectives.kernels import collective_kernel
     csig = {"x": "*bf16", "out": "*bf16", "count": "i32", "ptrs": "*i64", "sptrs": "*i64", "cell": "i64", "me": "i32",
-            "timeout_ns": "i64", "record": "i64", "mism": "i64", "stall_ns": "i64", "headers": "i64",
+            "timeout_ns": "i64", "record": "i64", "mism": "i64", "headers": "i64",
             "counter_off": "i64", "inputs": "i64", "input_stride": "i64", "symmetric": "i64", "reduced": "i64",
             "residual": "*bf16", "weight": "*bf16", "res_out": "*bf16", "hidden": "i32", "eps": "fp32"}
-    cc = dict(SIZE=2, OP=0, TWO_SHOT=True, SYMMETRIC=False, NBUF=2, BLOCK=1024, TRAP=True, BF16_BITS=False,
+    cc = dict(SIZE=2, OP=0, TWO_SHOT=True, SYMMETRIC=False, BLOCK=1024, TRAP=True, BF16_BITS=False,
               DTYPE_CODE=1, ALGORITHM=1, EPILOGUE=False, ROW=1)
     src = ASTSource(collective_kernel, {**csig, **{k: "constexpr" for k in cc}}, cc)
     out["collective"] = triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]
-    out["collective_flags"] = [CL.MISMATCH, CL.GRID_STALL]
+    out["collective_flags"] = [R.MISMATCH, R.GRID_STALL]
     print(json.dumps(out))
     """
 )

@@ -1,0 +1,354 @@
+"""The failure records: what a failed wait or a refused call leaves for the host, in one place.
+
+A kernel that gives up (a wait whose budget ran out or that saw a member's abort, a
+collective whose members' calls differ or whose programs were not all resident) writes a
+record of int64 words into memory the host reads (pinned host memory on GPUs, read after
+the trap), then traps on GPUs. Three records, each laid out below with a name for every
+word, written by one device writer and read back by one host reader:
+
+Fence record (:func:`write_timeout_record`; :func:`read_fence_record`, used by
+:class:`~symmsync.Fence`)::
+
+    [flag, epoch, index, size, slot[0], ..., slot[size - 1], aborter, reason[REASON_WORDS]]
+      flag      TIMED_OUT, or ABORTED when a member below the epoch carries its abort flag
+      epoch     the epoch waited for;  index: the waiting member's index;  size: the view's
+      slot[j]   member j's raw slot (count | ABORT_FLAG); the waiter's own holds the epoch
+      aborter   the first aborted member below the epoch, or -1;  reason: its reason words
+
+Signal record (:func:`write_signal_record`; :func:`read_signal_record`, used by
+:class:`~symmsync.Signals`)::
+
+    [flag, index, peer, slot, cmp, counted, value, base, observed, aborter, reason[REASON_WORDS]]
+      flag      TIMED_OUT, or ABORTED when a member of the view carries its abort flag
+      counted   1 for wait_count (``value`` more signals beyond ``base``), 0 for wait_signal
+                (``slot CMP value``; ``base`` is 0);  observed: the slot when the wait gave up
+
+Collective record (:func:`write_mismatch_record`, :func:`write_grid_stall_record`;
+:func:`read_collective_record`, used by :mod:`symmsync.collectives.mismatch`)::
+
+    [flag, epoch, index, size, arrived, header[0], ..., header[size - 1]]
+      flag      MISMATCH (the members' headers differ: header[p] is member p's, HEADER_WORDS
+                words each) or GRID_STALL (a grid barrier ran out of time: ``arrived``
+                programs of the launch had arrived)
+
+Every writer ends with :func:`finish_record`, in the order :func:`symmsync.language.record_barrier`
+states: the words, a block barrier and a system fence, the flag word, a system fence and a
+block barrier, then the trap. A host that sees the flag sees every other word, and no
+thread traps before the flag is out. Plain stores, no atomics: a GPU atomic on pinned host
+memory needs PCIe atomics, which a machine may lack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from . import cells
+from ._language_core import (
+    _REASON_LANES,
+    _REASON_WORDS,
+    FIRST_BEHIND,
+    FIRST_FLAGGED,
+    REASON,
+    _prims,
+    scan_members,
+    slots_ptr,
+)
+
+#: Flags (word 0) of the fence and signal records: a wait timed out ("SYMMTIME"); a wait
+#: saw a member's abort ("SYMMABRT").
+TIMED_OUT = 0x5359_4D4D_5449_4D45
+ABORTED = 0x5359_4D4D_4142_5254
+#: Flags of the collective record: the members' headers differ ("SYMMMISM"); the programs
+#: of one launch were not all resident at once and a grid barrier ran out of time ("SYMMGRID").
+MISMATCH = 0x5359_4D4D_4D49_534D
+GRID_STALL = 0x5359_4D4D_4752_4944
+
+# ---------------------------------------------------------------------- the fence record
+#: Word indices of the fence record's header; the slots start at FENCE_SLOTS.
+FENCE_FLAG, FENCE_EPOCH, FENCE_INDEX, FENCE_SIZE, FENCE_SLOTS = 0, 1, 2, 3, 4
+
+
+def fence_aborter(size: int) -> int:
+    """Word index of a fence record's aborter (the first aborted member's index, or -1)."""
+    return FENCE_SLOTS + size
+
+
+def fence_reason(size: int) -> int:
+    """Word index of the first reason word of a fence record."""
+    return FENCE_SLOTS + size + 1
+
+
+def fence_record_words(size: int) -> int:
+    """int64 words of the fence record of a view of ``size`` members."""
+    return fence_reason(size) + cells.REASON_WORDS
+
+
+# ---------------------------------------------------------------------- the signal record
+#: Word indices of a signal wait's record.
+SIGNAL_FLAG, SIGNAL_INDEX, SIGNAL_PEER, SIGNAL_SLOT, SIGNAL_CMP, SIGNAL_COUNTED = 0, 1, 2, 3, 4, 5
+SIGNAL_VALUE, SIGNAL_BASE, SIGNAL_OBSERVED, SIGNAL_ABORTER, SIGNAL_REASON = 6, 7, 8, 9, 10
+SIGNAL_RECORD_WORDS = SIGNAL_REASON + cells.REASON_WORDS
+
+# ---------------------------------------------------------------------- the collective record
+#: int64 words of a collective call's header (its fields: :mod:`symmsync.collectives.layout`).
+HEADER_WORDS = 8
+#: Word indices of the collective record; the members' headers start at COLL_HEADERS.
+COLL_FLAG, COLL_EPOCH, COLL_INDEX, COLL_SIZE, COLL_ARRIVED, COLL_HEADERS = 0, 1, 2, 3, 4, 5
+
+
+def collective_record_words(size: int) -> int:
+    """int64 words of the collective record of a view of ``size`` members."""
+    return COLL_HEADERS + size * HEADER_WORDS
+
+
+# ---------------------------------------------------------------------- the device writers
+# The kernels' view of the same indices (compile-time constants). The fence record's
+# aborter and reason sit at a fixed start plus the view size.
+_TIMED_OUT = tl.constexpr(TIMED_OUT)
+_ABORTED = tl.constexpr(ABORTED)
+_FENCE_EPOCH = tl.constexpr(FENCE_EPOCH)
+_FENCE_INDEX = tl.constexpr(FENCE_INDEX)
+_FENCE_SIZE = tl.constexpr(FENCE_SIZE)
+_FENCE_SLOTS = tl.constexpr(FENCE_SLOTS)
+_FENCE_ABORTER = tl.constexpr(fence_aborter(0))  # + SIZE
+_FENCE_REASON = tl.constexpr(fence_reason(0))  # + SIZE
+_SIGNAL_INDEX = tl.constexpr(SIGNAL_INDEX)
+_SIGNAL_PEER = tl.constexpr(SIGNAL_PEER)
+_SIGNAL_SLOT = tl.constexpr(SIGNAL_SLOT)
+_SIGNAL_CMP = tl.constexpr(SIGNAL_CMP)
+_SIGNAL_COUNTED = tl.constexpr(SIGNAL_COUNTED)
+_SIGNAL_VALUE = tl.constexpr(SIGNAL_VALUE)
+_SIGNAL_BASE = tl.constexpr(SIGNAL_BASE)
+_SIGNAL_OBSERVED = tl.constexpr(SIGNAL_OBSERVED)
+_SIGNAL_ABORTER = tl.constexpr(SIGNAL_ABORTER)
+_SIGNAL_REASON = tl.constexpr(SIGNAL_REASON)
+_COLL_EPOCH = tl.constexpr(COLL_EPOCH)
+_COLL_INDEX = tl.constexpr(COLL_INDEX)
+_COLL_SIZE = tl.constexpr(COLL_SIZE)
+_COLL_ARRIVED = tl.constexpr(COLL_ARRIVED)
+_COLL_HEADERS = tl.constexpr(COLL_HEADERS)
+_HEADER_WORDS = tl.constexpr(HEADER_WORDS)
+_MISMATCH = tl.constexpr(MISMATCH)
+_GRID_STALL = tl.constexpr(GRID_STALL)
+assert FENCE_FLAG == SIGNAL_FLAG == COLL_FLAG == 0, "finish_record writes the flag at word 0"
+assert all(fence_aborter(n) - n == fence_aborter(0) and fence_reason(n) - n == fence_reason(0) for n in (1, 8, 64))
+
+
+@triton.jit
+def finish_record(rec, flag, TRAP: tl.constexpr):
+    """Set a record's flag word (``rec``: an int64 pointer to word 0) last, then (``TRAP``) trap.
+
+    Pseudocode::
+
+        block_barrier(); record_barrier()     # every thread's words of the record first
+        rec[0] = flag; record_barrier()       # the flag, performed before anything after it
+        block_barrier(); if TRAP: trap()      # no thread traps before the flag is out
+
+    The host (or, after a trap, a host reading pinned memory) that sees the flag sees the
+    record's other words, and no thread traps before the flag has landed: a trap ends the
+    kernel at once, and a write still in flight then never reaches the host.
+    """
+    tl.debug_barrier()
+    _prims.memory_barrier_sys()
+    tl.store(rec, flag)
+    _prims.memory_barrier_sys()
+    tl.debug_barrier()
+    if TRAP:
+        _prims.trap()
+
+
+@triton.jit
+def _copy_reason(dst, table, cell, first, me, SIZE: tl.constexpr):
+    # The reason words of the first aborted member (``first``, SIZE for none; its cell at
+    # ``table[first] + cell``) into ``dst``, zeros when there is none. Returns whether there
+    # is one. The flag that named the member was seen by one thread's acquire load and the
+    # reason is read by others: the block barrier and the system fence order those reads
+    # after that load (cumulativity).
+    tl.debug_barrier()
+    _prims.memory_barrier_sys()
+    w = tl.arange(0, _REASON_LANES)
+    found = first < SIZE
+    src = (tl.load(table + tl.where(found, first, me)) + cell + REASON).to(tl.pointer_type(tl.int64))
+    words = _prims.load_acquire(src + tl.where(w < _REASON_WORDS, w, 0))
+    tl.store(dst + w, tl.where(found, words, 0), mask=w < _REASON_WORDS)
+    return found
+
+
+@triton.jit
+def write_timeout_record(record, ptrs, cell, me, epoch, SIZE: tl.constexpr):
+    """Write what a failed fence wait saw to ``record`` (int64 words; the fence record above).
+
+    ``flag`` is :data:`ABORTED` when a member below ``epoch`` carries the abort flag (then
+    ``aborter`` is the first such member's index and ``reason`` the words of its own cell's
+    reason, read through the pointer table), else :data:`TIMED_OUT` (``aborter`` is -1).
+    Slots are raw: count and flag. The flag goes last (:func:`finish_record`, no trap:
+    :func:`~symmsync.language.wait_or_trap` traps after it). The host turns the record into a
+    :class:`~symmsync.FenceTimeout` (or :class:`~symmsync.PeerAborted`) that names the
+    late or aborted members.
+    """
+    rec = record.to(tl.pointer_type(tl.int64))
+    first, _unused = scan_members(slots_ptr(ptrs, cell, me), me, epoch, rec + _FENCE_SLOTS, SIZE, FIRST_BEHIND)
+    found = _copy_reason(rec + _FENCE_REASON + SIZE, ptrs, cell, first, me, SIZE)
+    tl.store(rec + _FENCE_ABORTER + SIZE, tl.where(found, first, -1))
+    tl.store(rec + _FENCE_EPOCH, epoch)
+    tl.store(rec + _FENCE_INDEX, me)
+    tl.store(rec + _FENCE_SIZE, SIZE)
+    finish_record(rec, tl.where(found, _ABORTED, _TIMED_OUT), False)
+
+
+@triton.jit
+def write_signal_record(
+    record,
+    cell_table,
+    me,
+    peer,
+    slot,
+    value,
+    base,
+    observed,
+    CMP: tl.constexpr,
+    COUNTED: tl.constexpr,
+    SIZE: tl.constexpr,
+    TRAP: tl.constexpr,
+):
+    """Write what a failed signal wait saw to ``record`` (the signal record above), then trap with ``TRAP``.
+
+    ``cell_table`` points at the view's table of channel-0 cell addresses in the handle
+    (``cell[p]``), where the members' abort flags and reasons are.
+    """
+    rec = record.to(tl.pointer_type(tl.int64))
+    own = slots_ptr(cell_table, 0, me)
+    first, _unused = scan_members(own, me, 0, own, SIZE, FIRST_FLAGGED)
+    found = _copy_reason(rec + _SIGNAL_REASON, cell_table, 0, first, me, SIZE)
+    tl.store(rec + _SIGNAL_ABORTER, tl.where(found, first, -1))
+    tl.store(rec + _SIGNAL_INDEX, me)
+    tl.store(rec + _SIGNAL_PEER, peer)
+    tl.store(rec + _SIGNAL_SLOT, slot)
+    tl.store(rec + _SIGNAL_CMP, CMP)
+    tl.store(rec + _SIGNAL_COUNTED, COUNTED)
+    tl.store(rec + _SIGNAL_VALUE, value)
+    tl.store(rec + _SIGNAL_BASE, base)
+    tl.store(rec + _SIGNAL_OBSERVED, observed)
+    finish_record(rec, tl.where(found, _ABORTED, _TIMED_OUT), TRAP)
+
+
+@triton.jit
+def write_mismatch_record(record, ptrs, header_off, me, mine, epoch, SIZE: tl.constexpr, TRAP: tl.constexpr):
+    """Write a ``MISMATCH`` collective record: every member's header (``mine`` for this
+    member's: its own memory may not hold it yet), then trap with ``TRAP``.
+
+    ``header_off`` is the byte offset of this call's header in every member's memory.
+    """
+    w = tl.arange(0, _HEADER_WORDS)
+    rec = record.to(tl.pointer_type(tl.int64))
+    for p in tl.static_range(SIZE):
+        theirs = tl.load((tl.load(ptrs + p) + header_off).to(tl.pointer_type(tl.int64)) + w)
+        tl.store(rec + _COLL_HEADERS + p * _HEADER_WORDS + w, tl.where(p == me, mine, theirs))
+    tl.store(rec + _COLL_EPOCH, epoch)
+    tl.store(rec + _COLL_INDEX, me)
+    tl.store(rec + _COLL_SIZE, SIZE)
+    finish_record(rec, _MISMATCH, TRAP)
+
+
+@triton.jit
+def write_grid_stall_record(record, me, epoch, arrived, SIZE: tl.constexpr, TRAP: tl.constexpr):
+    """Write a ``GRID_STALL`` collective record (``arrived`` programs had arrived), then trap with ``TRAP``."""
+    rec = record.to(tl.pointer_type(tl.int64))
+    tl.store(rec + _COLL_EPOCH, epoch)
+    tl.store(rec + _COLL_INDEX, me)
+    tl.store(rec + _COLL_SIZE, SIZE)
+    tl.store(rec + _COLL_ARRIVED, arrived)
+    finish_record(rec, _GRID_STALL, TRAP)
+
+
+# ---------------------------------------------------------------------- the host readers
+@dataclass
+class FenceRecord:
+    """A failed fence wait's record, read back (see the layout above)."""
+
+    aborted: bool  #: a member's abort flag was seen (else: the budget ran out)
+    epoch: int  #: the epoch waited for
+    index: int  #: the waiting member's index in the view
+    slots: list[int]  #: raw slots: count | ABORT_FLAG
+    aborter: int  #: index of the first aborted member below the epoch, or -1
+    reason: list[int]  #: that member's reason words
+
+
+def read_fence_record(words: list[int]) -> FenceRecord | None:
+    """The fence record in ``words``, or ``None`` when no wait failed."""
+    if words[FENCE_FLAG] not in (TIMED_OUT, ABORTED):
+        return None
+    size = words[FENCE_SIZE]
+    return FenceRecord(
+        aborted=words[FENCE_FLAG] == ABORTED,
+        epoch=words[FENCE_EPOCH],
+        index=words[FENCE_INDEX],
+        slots=words[FENCE_SLOTS : FENCE_SLOTS + size],
+        aborter=words[fence_aborter(size)],
+        reason=words[fence_reason(size) : fence_reason(size) + cells.REASON_WORDS],
+    )
+
+
+@dataclass
+class SignalRecord:
+    """A failed signal wait's record, read back (see the layout above)."""
+
+    aborted: bool  #: a member's abort flag was seen (else: the budget ran out)
+    index: int  #: the waiting member's index in the view
+    peer: int  #: the index of the member whose slot it waited on
+    slot: int  #: the slot
+    cmp: int  #: the comparison (an index into cells.CMP_NAMES)
+    counted: bool  #: a wait_count (value signals beyond base) rather than an absolute wait
+    value: int  #: the value (or count) awaited
+    base: int  #: what earlier counted waits had consumed (counted waits)
+    observed: int  #: the slot's value when the wait gave up
+    aborter: int  #: the index of the first member whose abort flag was seen, or -1
+    reason: list[int]  #: that member's reason words
+
+
+def read_signal_record(words: list[int]) -> SignalRecord | None:
+    """The signal record in ``words``, or ``None`` when no wait failed."""
+    if words[SIGNAL_FLAG] not in (TIMED_OUT, ABORTED):
+        return None
+    return SignalRecord(
+        aborted=words[SIGNAL_FLAG] == ABORTED,
+        index=words[SIGNAL_INDEX],
+        peer=words[SIGNAL_PEER],
+        slot=words[SIGNAL_SLOT],
+        cmp=words[SIGNAL_CMP],
+        counted=bool(words[SIGNAL_COUNTED]),
+        value=words[SIGNAL_VALUE],
+        base=words[SIGNAL_BASE],
+        observed=words[SIGNAL_OBSERVED],
+        aborter=words[SIGNAL_ABORTER],
+        reason=words[SIGNAL_REASON : SIGNAL_REASON + cells.REASON_WORDS],
+    )
+
+
+@dataclass
+class CollectiveRecord:
+    """A collective's record, read back (see the layout above)."""
+
+    stalled: bool  #: a grid barrier ran out of time (else: the members' headers differ)
+    epoch: int  #: the fence epoch of the call
+    index: int  #: the writing member's index in the view
+    arrived: int  #: programs of the launch that had arrived (a stall)
+    headers: list[list[int]]  #: every member's header, in view order (a mismatch)
+
+
+def read_collective_record(words: list[int]) -> CollectiveRecord | None:
+    """The collective record in ``words``, or ``None`` when no call failed."""
+    if words[COLL_FLAG] not in (MISMATCH, GRID_STALL):
+        return None
+    size = words[COLL_SIZE]
+    at = [COLL_HEADERS + p * HEADER_WORDS for p in range(size)]
+    return CollectiveRecord(
+        stalled=words[COLL_FLAG] == GRID_STALL,
+        epoch=words[COLL_EPOCH],
+        index=words[COLL_INDEX],
+        arrived=words[COLL_ARRIVED],
+        headers=[words[a : a + HEADER_WORDS] for a in at],
+    )

@@ -1,0 +1,101 @@
+"""A variant of the collectives' kernel, built only here, for the back-to-back tests.
+
+:func:`stalling_kernel` is :func:`symmsync.collectives.kernels.collective_kernel` (the same
+signature, the same parts, ``_hand_over``, ``_verdict`` and ``_read_members``) with two changes the
+tests steer per call through :data:`CONTROL`, a host tensor the kernel reads (the tests run
+on the host backend, where a kernel reads host memory):
+
+* ``CONTROL[0]``: nanoseconds this member stalls between its wait and its reads, so that a
+  fast member runs ahead into its next call;
+* ``CONTROL[1]``: input slots in turn, 2 as shipped (by epoch parity) or 1 (the parity
+  removed: a fast member's next copy-in lands in the slot a slow one still reads), which the
+  back-to-back oracle must catch.
+
+A test puts it in through the seam the package documents,
+:data:`symmsync.collectives.ops.KERNEL`, before it constructs its operations.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+import symmsync.language as ssl
+from symmsync.collectives import kernels as K
+from symmsync.collectives import protocol
+
+CONTROL = torch.tensor([0, 2], dtype=torch.int64)
+"""[stall ns, input slots]: set by the test before each call (one process per rank)."""
+_CONTROL = tl.constexpr(CONTROL.data_ptr())  # the tensor lives as long as the process
+
+
+@triton.jit
+def _stall(ns):
+    start = ssl.clock_ns()
+    now = start
+    while now - start < ns:
+        now = ssl.clock_ns()
+
+
+@triton.jit
+def stalling_kernel(
+    x,
+    out,
+    count,
+    ptrs,
+    sptrs,
+    cell,
+    me,
+    timeout_ns,
+    record,
+    mism,
+    headers,
+    counter_off,
+    inputs,
+    input_stride,
+    symmetric,
+    reduced,
+    residual,
+    weight,
+    res_out,
+    hidden,
+    eps,
+    SIZE: tl.constexpr,
+    OP: tl.constexpr,
+    TWO_SHOT: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TRAP: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    DTYPE_CODE: tl.constexpr,
+    ALGORITHM: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    ROW: tl.constexpr,
+):
+    control = tl.full([], _CONTROL, tl.int64).to(tl.pointer_type(tl.int64))
+    PHASES: tl.constexpr = 2 if (TWO_SHOT or SYMMETRIC) else 1
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    e = protocol.next_epoch(sptrs, cell, me)
+    header = headers + (e % 2) * K._HEADER_BYTES
+    if SYMMETRIC:
+        src = symmetric + e * 0
+    else:
+        src = inputs + (e % tl.load(control + 1)) * input_stride  # the change: 1 slot or 2
+    counter = ssl.peer_ptr(ptrs, me, counter_off, tl.int64)
+    ep = ssl.epoch_ptr(sptrs, cell, me)
+    numel, chunk, words, ok = K._hand_over(
+        x, count, ptrs, sptrs, cell, me, timeout_ns, record, mism, e, header, src, counter, ep, hidden, pid, G,
+        SIZE, OP, SYMMETRIC, BLOCK, TRAP, DTYPE_CODE, ALGORITHM, PHASES,
+    )  # fmt: skip
+    if ok:
+        go, run = K._verdict(ok, ptrs, header, me, words, counter, G, e, timeout_ns, mism, SIZE, TRAP, PHASES)
+        if run:
+            _stall(tl.load(control))  # the change: hold this member between its wait and its reads
+            K._read_members(
+                out, ptrs, sptrs, cell, me, timeout_ns, record, mism, e, header, src, counter, ep, reduced, residual,
+                weight, res_out, hidden, eps, numel, chunk, words, go, pid, G,
+                SIZE, OP, TWO_SHOT, BLOCK, TRAP, BF16_BITS, EPILOGUE, ROW, PHASES,
+            )  # fmt: skip
+
+
+assert stalling_kernel.arg_names == K.collective_kernel.arg_names, "the variant must take the shipped signature"
