@@ -45,8 +45,8 @@ def consumer(rounds: int, backend: str) -> int:
     view = buf.view(list(range(buf.world_size)))
     fence = ss.Fence(view, timeout_s=60)
     for _ in range(rounds):
-        # fence.kernel_args: (view.signal_ptrs, fence.cell, view.local_index, fence.timeout_ns, fence.record);
-        # view.signal_ptrs is view.ptrs here: the kernel addresses payload and cells through one table
+        # fence.kernel_args: (view.cell_ptrs, fence.cell, view.local_index, fence.timeout_ns, fence.record);
+        # view.cell_ptrs is view.ptrs here: the kernel addresses payload and cells through one table
         exchange_kernel[(1,)](*fence.kernel_args, SIZE=view.size, N=N)  # one program: one publish per round
         fence.synchronize()  # raises FenceTimeout if the kernel's wait ran out
         got = buf.tensor(0, (view.size, N), torch.int64).cpu()  # my memory, written by every member

@@ -8,8 +8,8 @@ of base addresses (:attr:`SymmetricBuffer.ptrs`).
 Each rank's allocation is laid out as::
 
     [0, nbytes)                  the user region: what tensor() and kernels address
-    [nbytes, signal_base)        slack and a guard (memory.GUARD_BYTES) nobody reads or writes
-    [signal_base, + signal_size) signal cells of the peer views' fences (see views.py)
+    [nbytes, cell_base)          slack and a guard (memory.GUARD_BYTES) nobody reads or writes
+    [cell_base, + cell_size)     cells of the peer views' fences (see views.py)
 
 so user offsets are the same on every rank and never touch a fence's slots, and a
 kernel that stores past the user region by less than the slack and the 64 KiB guard
@@ -18,11 +18,11 @@ reserves address space for ``max_nbytes`` and keeps its cells after that
 reservation's user part and a guard that is never mapped, so growing never moves
 them. Memory a runtime registers (:meth:`SymmetricBuffer.register`) holds only the
 runtime's bytes: the cells then live in a small allocation of symmsync's own,
-addressed through :attr:`SymmetricBuffer.signal_ptrs`. Each of these kinds of memory
+addressed through :attr:`SymmetricBuffer.cell_ptrs`. Each of these kinds of memory
 is one object of :mod:`symmsync.memory`, which also holds the collective steps that
 map them.
 
-The pointer tables (:attr:`~SymmetricBuffer.ptrs`, :attr:`~SymmetricBuffer.signal_ptrs`,
+The pointer tables (:attr:`~SymmetricBuffer.ptrs`, :attr:`~SymmetricBuffer.cell_ptrs`,
 a view's) hold the mappings they name alive, as tensors from
 :meth:`~SymmetricBuffer.tensor` do: one kept past :meth:`~SymmetricBuffer.close` never
 names unmapped memory (see :meth:`~SymmetricBuffer.close`).
@@ -39,18 +39,18 @@ import torch
 import torch.distributed as dist
 
 from . import backends, memory
-from .cells import SignalLayout
+from .cells import CellLayout
 from .checks import check_index, int_problem, is_int, require
-from .collective import Same, agree
+from .agreement import Same, agree
 from .errors import CLOSED_REASON, BoundsError, ClosedError, ConfigError, SizeMismatchError
 from .views import PeerView, create_view
 
 ALIGN = 16  #: every tensor view starts on a multiple of this many bytes
 
-__all__ = ["ALIGN", "SignalLayout", "SymmetricBuffer"]
+__all__ = ["ALIGN", "CellLayout", "SymmetricBuffer"]
 
 #: How the ranks compare a buffer's arguments, in this order: sizes that differ are a SizeMismatchError.
-_AGREED = dict.fromkeys(("backend", "signals", "max_views", "channels"), Same()) | dict.fromkeys(
+_AGREED = dict.fromkeys(("backend", "cells", "max_views", "channels"), Same()) | dict.fromkeys(
     ("nbytes", "max_nbytes"),
     Same(SizeMismatchError, "every rank must map the same size: compute it from values that agree across ranks"),
 )
@@ -69,7 +69,7 @@ class SymmetricBuffer:
             host when Triton's interpreter is active in this process, as in
             ``symmsync.testing.run(backend="host")``, else the current CUDA device if
             there is one), ``"host"`` or ``"cuda"``.
-        max_views: peer views that can be created on this buffer (each owns a signal region).
+        max_views: peer views that can be created on this buffer (each owns a cell region).
         channels: fence channels per view.
         max_nbytes: make the buffer growable up to this many bytes (:meth:`grow`):
             address space for it is reserved on every rank, for this rank's memory and
@@ -136,11 +136,11 @@ class SymmetricBuffer:
 
     def _finish(self, kind: memory.Kind) -> None:
         self._memory = kind
-        self._signals = kind.signals
+        self._cells = kind.layout
         # Tables that hold what they name: a kernel launched through one kept past close()
         # still finds every mapping (memory.address_table).
         self._ptrs: torch.Tensor | None = memory.address_table(kind.data, self._device)
-        self._signal_ptrs = self._ptrs if kind.cells is None else memory.address_table(kind.cells, self._device)
+        self._cell_ptrs = self._ptrs if kind.cells is None else memory.address_table(kind.cells, self._device)
         self._finalizer = weakref.finalize(self, memory.release, kind.shared())
 
     # ---------------------------------------------------------------- adoption
@@ -152,7 +152,7 @@ class SymmetricBuffer:
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         *,
-        signals: str = "separate",
+        cells: str = "separate",
         max_views: int = 16,
         channels: int = 4,
         backend_options: dict[str, Any] | None = None,
@@ -165,13 +165,13 @@ class SymmetricBuffer:
             nbytes: size of each rank's memory (the same on every rank).
             group: the process group of those ranks (default: the world group).
             device: where the memory is (default: the current CUDA device, else CPU).
-            signals: where symmsync keeps its fence signal cells. ``"separate"``
+            cells: where symmsync keeps its fence cells. ``"separate"``
                 (default): in a small allocation of its own, so every adopted byte stays
                 the runtime's (:attr:`nbytes` is ``nbytes``; kernels address the cells
-                through :attr:`signal_ptrs`). ``"tail"``: in the last bytes of the
+                through :attr:`cell_ptrs`). ``"tail"``: in the last bytes of the
                 adopted memory, zeroed here on every rank (:attr:`nbytes` is what is
-                left before them; :attr:`signal_ptrs` is :attr:`ptrs`).
-            backend_options: for the cells' own allocation (``signals="separate"``): passed
+                left before them; :attr:`cell_ptrs` is :attr:`ptrs`).
+            backend_options: for the cells' own allocation (``cells="separate"``): passed
                 to its backend, e.g. ``{"handle_type": "cuda_ipc"}`` where shareable
                 handles are unavailable.
 
@@ -181,7 +181,7 @@ class SymmetricBuffer:
         arguments; CaptureError during CUDA graph capture; BackendError.
         """
         call = "SymmetricBuffer.from_peer_addresses"
-        return cls._adopt(ptrs, nbytes, group, device, signals, max_views, channels, backend_options, call)
+        return cls._adopt(ptrs, nbytes, group, device, cells, max_views, channels, backend_options, call)
 
     @classmethod
     def _adopt(
@@ -190,7 +190,7 @@ class SymmetricBuffer:
         nbytes: int,
         group: dist.ProcessGroup | None,
         device: torch.device | str | None,
-        signals: str,
+        cells: str,
         max_views: int,
         channels: int,
         backend_options: dict[str, Any] | None,
@@ -204,12 +204,12 @@ class SymmetricBuffer:
         except ConfigError as e:
             dev, problem = torch.device("cpu"), problem or str(e)
         if problem is None:
-            ptrs, problem = memory.Adopted.local_problem(ptrs, nbytes, signals, self._world, max_views, channels)
+            ptrs, problem = memory.Adopted.local_problem(ptrs, nbytes, cells, self._world, max_views, channels)
         sizes = {"nbytes": nbytes, "max_views": max_views, "channels": channels}
-        self._agree(call, dev, problem, {"backend": dev.type, "signals": signals, **sizes})
+        self._agree(call, dev, problem, {"backend": dev.type, "cells": cells, **sizes})
         self._device = dev
         kind, self._nbytes = memory.Adopted.build(
-            self._group, dev, ptrs, nbytes, signals, max_views, channels, backend_options or {}
+            self._group, dev, ptrs, nbytes, cells, max_views, channels, backend_options or {}
         )
         self._finish(kind)
         return self
@@ -223,8 +223,8 @@ class SymmetricBuffer:
         cells, its keyword arguments and its errors.
         """
         device = torch.device("cuda", torch.cuda.current_device())
-        options = {"signals": "separate", "max_views": 16, "channels": 4, "backend_options": None, **kwargs}
-        unknown = sorted(set(options) - {"signals", "max_views", "channels", "backend_options"})
+        options = {"cells": "separate", "max_views": 16, "channels": 4, "backend_options": None, **kwargs}
+        unknown = sorted(set(options) - {"cells", "max_views", "channels", "backend_options"})
         if unknown:
             raise TypeError(f"SymmetricBuffer.from_torch() got unexpected keyword arguments {unknown}")
         return cls._adopt(
@@ -232,7 +232,7 @@ class SymmetricBuffer:
             int(handle.buffer_size),
             group,
             device,
-            options["signals"],
+            options["cells"],
             options["max_views"],
             options["channels"],
             options["backend_options"],
@@ -268,8 +268,8 @@ class SymmetricBuffer:
 
         Offsets (:meth:`tensor`, the pointer table) count from ``local``, so a runtime
         finds its tensors at the offsets it already knows; :meth:`offset_of` gives them.
-        symmsync writes none of the runtime's bytes: its signal cells live in a small
-        allocation of its own (:attr:`signal_ptrs`). The runtime keeps ownership:
+        symmsync writes none of the runtime's bytes: its cells live in a small
+        allocation of its own (:attr:`cell_ptrs`). The runtime keeps ownership:
         :meth:`close` unmaps the peers' memory here and releases nothing the runtime
         owns; close on every rank (and synchronize) before the runtime frees it
         (docs/runtime-memory.md says why and what happens otherwise).
@@ -406,21 +406,21 @@ class SymmetricBuffer:
         return self._ptrs
 
     @property
-    def signal_ptrs(self) -> torch.Tensor:
-        """int64 tensor ``[world_size]``: the base each rank's signal cells are offset from.
+    def cell_ptrs(self) -> torch.Tensor:
+        """int64 tensor ``[world_size]``: the base each rank's cells are offset from.
 
         :attr:`ptrs` itself (the same tensor) for memory symmsync allocated, or adopted
-        with ``signals="tail"``; the bases of symmsync's own cell allocations for
-        registered memory and ``signals="separate"``. Like :attr:`ptrs`, it holds the
+        with ``cells="tail"``; the bases of symmsync's own cell allocations for
+        registered memory and ``cells="separate"``. Like :attr:`ptrs`, it holds the
         mappings it names alive.
         """
-        self._check_open("signal_ptrs")
-        return self._signal_ptrs
+        self._check_open("cell_ptrs")
+        return self._cell_ptrs
 
     @property
-    def signals(self) -> SignalLayout:
-        """Where fences' signal cells live, as offsets from :attr:`signal_ptrs`."""
-        return self._signals
+    def cells(self) -> CellLayout:
+        """Where fences' cells live, as offsets from :attr:`cell_ptrs`."""
+        return self._cells
 
     @property
     def views(self) -> tuple[PeerView, ...]:
@@ -435,19 +435,19 @@ class SymmetricBuffer:
     def local_memory(self) -> torch.Tensor:
         """``uint8`` tensor over this rank's user region (:attr:`nbytes` bytes).
 
-        The signal cells are never part of it: they live apart (:meth:`signal_memory`).
+        The cells are never part of it: they live apart (:meth:`cell_memory`).
         """
         self._check_open("local_memory")
         return self._memory.local_memory(self._nbytes)
 
-    def signal_memory(self) -> torch.Tensor:
-        """``uint8`` tensor from this rank's :attr:`signal_ptrs` base: cell ``c`` is at ``[c, c + cell_bytes)``.
+    def cell_memory(self) -> torch.Tensor:
+        """``uint8`` tensor from this rank's :attr:`cell_ptrs` base: cell ``c`` is at ``[c, c + cell_bytes)``.
 
         Index the cells only: where they share the base with the user region, the bytes
         between the two are a guard that is not mapped, or not accessible.
         """
-        self._check_open("signal_memory")
-        return self._memory.signal_memory()
+        self._check_open("cell_memory")
+        return self._memory.cell_memory()
 
     def offset_of(self, t: torch.Tensor) -> int:
         """Byte offset of ``t``'s first element from this rank's base address.
@@ -524,7 +524,7 @@ class SymmetricBuffer:
 
         A collective over the buffer's group: every rank calls it, each with the rank
         list of its own subgroup, in the same order on every member. Subgroups may be
-        disjoint (TP×PCP) or nested; each view gets its own signal region. The same as
+        disjoint (TP×PCP) or nested; each view gets its own cell region. The same as
         :func:`symmsync.views.create_view`, where views are made.
         """
         self._check_open("view")
@@ -552,9 +552,9 @@ class SymmetricBuffer:
         the runtime's own memory is never released.
 
         Pointer tables and fence arguments kept past close (:attr:`ptrs`,
-        :attr:`signal_ptrs`, a view's ``ptrs`` and ``signal_ptrs``, ``Fence.kernel_args``,
+        :attr:`cell_ptrs`, a view's ``ptrs`` and ``cell_ptrs``, ``Fence.kernel_args``,
         taken before closing) are kept the same way: each table holds every mapping it
-        names (this rank's memory, its mappings of the peers', the signal cells) until
+        names (this rank's memory, its mappings of the peers', the cells) until
         the last reference to it is gone, and a fence's arguments hold its timeout
         record, so a kernel launched through them after close (also after the peers
         closed) touches mapped memory and never crashes. Its fence waits fail closed:
@@ -576,7 +576,7 @@ class SymmetricBuffer:
             self._memory.close_cells()
         for view in list(self._views):
             view.release_tables()  # and its fences': only what users kept holds the mappings now
-        self._ptrs = self._signal_ptrs = None
+        self._ptrs = self._cell_ptrs = None
         memory.release(self._memory.shared())
 
     def __enter__(self) -> SymmetricBuffer:

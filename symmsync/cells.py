@@ -1,12 +1,12 @@
-"""Where the signal cells and the signals' handle keep each field: the one source.
+"""Where the cells and the signals' handle keep each field: the one source.
 
-The buffer places cells with :class:`SignalLayout`, and the kernels of
+The buffer places cells with :class:`CellLayout`, and the kernels of
 :mod:`symmsync.language` address their fields with the offsets below. The records a
 failed wait writes are :mod:`symmsync.records`'. docs/fences.md and docs/signals.md show
 the blocks below as written here.
 
 A cell (the same byte offset in every member's memory, one per view and channel;
-``view.signal_offset(channel)``)::
+``view.cell_offset(channel)``)::
 
     --8<-- [start:cell]
     cell + EPOCH      (0)    int64 epoch      this rank's epoch counter for the channel
@@ -84,7 +84,7 @@ def cell_bytes(members: int) -> int:
     return LINE + round_up(members * 8, LINE)
 
 
-class SignalLayout:
+class CellLayout:
     """Where the cell of each (view region, channel) lives in every rank's allocation.
 
     Args:

@@ -237,8 +237,8 @@ class ViewFailure:
         # fence that waits; it returns once the flags are sent.
         view = self._view
         buf = view.buffer
-        offsets = [view.signal_offset(c) for c in range(buf.signals.channels)]
-        ptrs, me = view.signal_ptrs, view.local_index
+        offsets = [view.cell_offset(c) for c in range(buf.cells.channels)]
+        ptrs, me = view.cell_ptrs, view.local_index
         words = cells.encode_reason(code, text)
         if not buf.capabilities.streams:
             reason = torch.tensor(words, dtype=torch.int64)
@@ -258,10 +258,10 @@ class ViewFailure:
         try:
             with torch.cuda.device(view.buffer.device):
                 reason = torch.zeros(cells.REASON_WORDS, dtype=torch.int64, device=view.buffer.device)
-                for c in range(view.buffer.signals.channels):
+                for c in range(view.buffer.cells.channels):
                     _abort_kernel.warmup(
-                        view.signal_ptrs,
-                        view.signal_offset(c),
+                        view.cell_ptrs,
+                        view.cell_offset(c),
                         view.local_index,
                         reason,
                         SIZE=view.size,

@@ -1,7 +1,7 @@
 """Fence: device-resident epochs and fused publish-and-wait among a peer view's ranks.
 
 One :class:`Fence` is one channel of one peer view. Its state lives in the view's
-signal cell for that channel, in device memory: this rank's epoch counter and the
+cell for that channel, in device memory: this rank's epoch counter and the
 slots where the other members publish theirs. So the host never holds an epoch,
 and a captured CUDA graph advances the epoch on every replay.
 
@@ -105,7 +105,7 @@ class Fence:
                 "creating a fence allocates its record and compiles its kernels, which a capture cannot record. "
                 "Create fences before capture: their fence(), arrive() and wait() can be captured"
             )
-        self.cell = view.signal_offset(channel)  # checks the channel first
+        self.cell = view.cell_offset(channel)  # checks the channel first
         """Byte offset of this fence's cell in every member's memory (kernel argument)."""
         buf = view.buffer
         caps = buf.capabilities
@@ -124,10 +124,10 @@ class Fence:
         )
         self.record = self._record.data_ptr()
         """Address of the timeout record (kernel argument; pinned host memory on GPUs)."""
-        # The signal table holds the record too: every launch through kernel_args passes the
+        # The cell table holds the record too: every launch through kernel_args passes the
         # table, so a kernel launched through arguments kept past close() (or past this
         # fence) writes a record that still exists.
-        table = memory.keep_alive(view.signal_ptrs, self._record)
+        table = memory.keep_alive(view.cell_ptrs, self._record)
         self._kernel_args: tuple[torch.Tensor, int, int, int, int] | None = (
             table,
             self.cell,
@@ -136,7 +136,7 @@ class Fence:
             self.record,
         )
         epoch = self.cell + cells.EPOCH
-        self._epoch_word: torch.Tensor | None = buf.signal_memory()[epoch : epoch + 8].view(torch.int64)
+        self._epoch_word: torch.Tensor | None = buf.cell_memory()[epoch : epoch + 8].view(torch.int64)
         self._failure = view.failure
         self._failure.register(self, f"channel {channel}")
         self._side: _ForkJoin | None = None
@@ -153,7 +153,7 @@ class Fence:
     def kernel_args(self) -> tuple[torch.Tensor, int, int, int, int]:
         """What a kernel takes to fence on this channel: ``(ptrs, cell, me, timeout_ns, record)``.
 
-        ``view.signal_ptrs`` (``view.ptrs`` for memory symmsync allocated), :attr:`cell`,
+        ``view.cell_ptrs`` (``view.ptrs`` for memory symmsync allocated), :attr:`cell`,
         ``view.local_index``, :attr:`timeout_ns` and :attr:`record`, in the order of
         :func:`symmsync.language.grid_fence` and :func:`symmsync.language.wait_or_trap`
         (``SIZE`` is ``view.size``)::

@@ -2,7 +2,7 @@
 
 Call these from your own ``@triton.jit`` kernels. They take a peer view's pointer
 table (``view.ptrs``, int64 base addresses in view order), the byte offset of a
-signal cell (``view.signal_offset(channel)``), this rank's index in the view
+cell (``view.cell_offset(channel)``), this rank's index in the view
 (``view.local_index``) and the view size as a compile-time constant (``SIZE``)::
 
     @triton.jit
@@ -17,11 +17,11 @@ signal cell (``view.signal_offset(channel)``), this rank's index in the view
 A :class:`~symmsync.Fence` hands a kernel its arguments at once:
 ``fence.kernel_args`` is ``(ptrs, cell, me, timeout_ns, record)``.
 
-The signal primitives (publish, wait, and everything built on them) take the table the
-cells are offset from, ``view.signal_ptrs``. For memory symmsync allocated that is the
-same tensor as ``view.ptrs``, so one table serves the payload and the signals, as above;
+The fence primitives (publish, wait, and everything built on them) take the table the
+cells are offset from, ``view.cell_ptrs``. For memory symmsync allocated that is the
+same tensor as ``view.ptrs``, so one table serves the payload and the cells, as above;
 a runtime's registered memory keeps its cells apart, and then a kernel takes both
-tables (``fence.kernel_args`` carries the signal table).
+tables (``fence.kernel_args`` carries the cell table).
 
 Memory model (the contract, on both backends; the one statement of it)::
 

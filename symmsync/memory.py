@@ -2,7 +2,7 @@
 
 A buffer's memory is one of four kinds, chosen at construction, each one object::
 
-    kind         the bytes are   the signal cells live           grow                  close releases
+    kind         the bytes are   the cells live           grow                  close releases
     Allocated    symmsync's      past the user region, a guard   (cannot grow)         every mapping
     Growable     symmsync's      past the reservation, a guard   commits, maps chunks  every mapping
     Adopted      the runtime's   apart, or at its tail, a gap    (cannot grow)         symmsync's cells only
@@ -12,14 +12,14 @@ No store past a user region lands in a cell: the cells live in an allocation of 
 own, or behind a guard (:data:`GUARD_BYTES` that nobody reads or writes), so a kernel
 that overruns the user region by less than the slack and the guard can never make a
 fence's wait pass. Only
-``signals="tail"`` adoption, where the runtime gives symmsync the last bytes of its own
+``cells="tail"`` adoption, where the runtime gives symmsync the last bytes of its own
 memory, keeps a plain gap (:data:`TAIL_GAP_BYTES`) between the two.
 
 The pointer tables (:func:`address_table`) hold every mapping they name alive, as the
 mappings' own tensors do: a table kept past ``close()`` never names unmapped memory.
 
 Every step that maps memory on every rank is a step of one
-:class:`~symmsync.collective.Transaction`: all or nothing, the same
+:class:`~symmsync.agreement.Transaction`: all or nothing, the same
 :class:`~symmsync.BackendError` on every rank when any rank fails, and what was mapped
 undone. :func:`allocate`, :func:`reserve`, :func:`share_chunks` and :func:`share_local`
 are those steps, in the order :mod:`symmsync.backends.base` gives for the backend's calls.
@@ -39,9 +39,9 @@ import torch.distributed as dist
 
 from . import backends
 from .backends import Backend, LocalExport, Memory, Piece
-from .cells import EPOCH, LINE, SignalLayout, round_up
+from .cells import EPOCH, LINE, CellLayout, round_up
 from .checks import int_problem, is_int, positive_int_problem
-from .collective import Transaction, agree, barrier
+from .agreement import Transaction, agree, barrier
 from .errors import BackendError, ConfigError
 
 log = logging.getLogger("symmsync")
@@ -49,12 +49,12 @@ log = logging.getLogger("symmsync")
 #: What a failed construction leaves, in its error.
 RELEASED = "every rank released what it had mapped"
 
-#: Bytes between the end of a user region (rounded up to them) and the signal cells of
+#: Bytes between the end of a user region (rounded up to them) and the cells of
 #: memory symmsync maps: never read or written. They stay accessible (a tensor's storage
 #: spans them, and torch.compile's functionalization reads whole storages: a
 #: ``PROT_NONE`` guard made it fault), so they absorb a stray store instead of faulting.
 GUARD_BYTES = 64 << 10
-#: Bytes left unused between the user region and the cells of ``signals="tail"`` adoption
+#: Bytes left unused between the user region and the cells of ``cells="tail"`` adoption
 #: (fewer when the adopted memory is too small for them; the user region keeps a line).
 TAIL_GAP_BYTES = 4096
 #: The epoch ``close()`` leaves in every cell of this rank: past any count a peer can
@@ -261,9 +261,9 @@ class Kind:
 
     Attributes:
         data: the memory kernels address (:attr:`SymmetricBuffer.ptrs`).
-        cells: symmsync's own allocation of signal cells, apart from ``data``; ``None``
+        cells: symmsync's own allocation of cells, apart from ``data``; ``None``
             when the cells live in ``data``.
-        signals: where the cells are, as offsets from the cells' base.
+        layout: where the cells are, as offsets from the cells' base.
         max_nbytes: the most the user region can grow to; ``None`` when it cannot grow.
         registered: the memory is a runtime's, registered (:meth:`SymmetricBuffer.register`).
     """
@@ -271,24 +271,24 @@ class Kind:
     registered = False
     max_nbytes: int | None = None
 
-    def __init__(self, data: Shared, signals: SignalLayout, cells: Shared | None = None):
+    def __init__(self, data: Shared, layout: CellLayout, cells: Shared | None = None):
         self.data = data
-        self.signals = signals
+        self.layout = layout
         self.cells = cells
 
     @property
-    def _signal_home(self) -> Shared:
+    def _cell_home(self) -> Shared:
         return self.cells if self.cells is not None else self.data
 
     @property
     def capabilities(self) -> backends.Capabilities:
-        return self._signal_home.backend.capabilities
+        return self._cell_home.backend.capabilities
 
     def shared(self) -> list[Shared]:
         """Everything close releases."""
         return [self.data] if self.cells is None else [self.data, self.cells]
 
-    def signal_ptrs(self) -> list[int] | None:
+    def cell_ptrs(self) -> list[int] | None:
         """The bases of the cells apart, or ``None`` when the cells are based at :attr:`data`'s."""
         return None if self.cells is None else self.cells.ptrs
 
@@ -296,8 +296,8 @@ class Kind:
         """This rank's user region of ``nbytes`` (never the cells: they live apart)."""
         return self.data.own.tensor[:nbytes]
 
-    def signal_memory(self) -> torch.Tensor:
-        return self._signal_home.own.tensor
+    def cell_memory(self) -> torch.Tensor:
+        return self._cell_home.own.tensor
 
     def close_cells(self) -> None:
         """Set every epoch of this rank's cells to :data:`CLOSED_EPOCH` (``close()``).
@@ -308,12 +308,12 @@ class Kind:
         ordered on the current stream, after the work queued before ``close()``. Best
         effort: a CUDA context that a trap made unusable takes no store, and runs nothing.
         """
-        sig = self.signals
+        sig = self.layout
         try:
-            words = self.signal_memory()[sig.base : sig.base + sig.size].view(torch.int64)
+            words = self.cell_memory()[sig.base : sig.base + sig.size].view(torch.int64)
             words[EPOCH // 8 :: sig.cell_bytes // 8].fill_(CLOSED_EPOCH)
         except Exception as e:  # noqa: BLE001 - close() must not raise for it
-            log.warning("close(): could not mark this rank's signal cells closed: %s", e)
+            log.warning("close(): could not mark this rank's cells closed: %s", e)
 
     def room(self, nbytes: int) -> int:
         """Bytes from this rank's base that a runtime's tensors may span (reserved ones included)."""
@@ -336,10 +336,10 @@ class Allocated(Kind):
     @classmethod
     def build(cls, group: Any, be: Backend, nbytes: int, max_views: int, channels: int) -> Allocated:
         start = round_up(nbytes, GUARD_BYTES)
-        signals = SignalLayout(start + GUARD_BYTES, dist.get_world_size(group), max_views, channels)
+        layout = CellLayout(start + GUARD_BYTES, dist.get_world_size(group), max_views, channels)
         with Transaction(group, "SymmetricBuffer", kept=RELEASED) as tx:
-            data = allocate(tx, be, signals.base + signals.size)
-        return cls(data, signals)
+            data = allocate(tx, be, layout.base + layout.size)
+        return cls(data, layout)
 
 
 class Growable(Kind):
@@ -348,8 +348,8 @@ class Growable(Kind):
     that is never mapped, so growing never moves them and no store past the user region
     reaches them."""
 
-    def __init__(self, data: Shared, signals: SignalLayout, max_nbytes: int, committed: int):
-        super().__init__(data, signals)
+    def __init__(self, data: Shared, layout: CellLayout, max_nbytes: int, committed: int):
+        super().__init__(data, layout)
         self.max_nbytes = max_nbytes
         self.committed = committed
 
@@ -357,12 +357,12 @@ class Growable(Kind):
     def build(cls, group: Any, be: Backend, nbytes: int, max_nbytes: int, max_views: int, channels: int) -> Growable:
         g = be.granularity
         guard = round_up(GUARD_BYTES, g)
-        signals = SignalLayout(round_up(max_nbytes, g) + guard, dist.get_world_size(group), max_views, channels)
-        total = signals.base + round_up(signals.size, g)
+        layout = CellLayout(round_up(max_nbytes, g) + guard, dist.get_world_size(group), max_views, channels)
+        total = layout.base + round_up(layout.size, g)
         with Transaction(group, "SymmetricBuffer", kept=RELEASED) as tx:
             data = reserve(tx, be, total)
-            share_chunks(tx, data, [(signals.base, total - signals.base), (0, round_up(nbytes, g))])
-        return cls(data, signals, max_nbytes, round_up(nbytes, g))
+            share_chunks(tx, data, [(layout.base, total - layout.base), (0, round_up(nbytes, g))])
+        return cls(data, layout, max_nbytes, round_up(nbytes, g))
 
     def grow(self, group: Any, nbytes_now: int, nbytes: int) -> None:
         end = round_up(nbytes, self.data.backend.granularity)
@@ -377,12 +377,12 @@ class Adopted(Kind):
 
     @staticmethod
     def local_problem(
-        ptrs: Any, nbytes: int, signals: Any, world: int, max_views: int, channels: int
+        ptrs: Any, nbytes: int, placement: Any, world: int, max_views: int, channels: int
     ) -> tuple[list[int], str | None]:
         """``(addresses, problem)`` of what :meth:`SymmetricBuffer.from_peer_addresses` was
         given (its sizes already checked): what keeps it from being adopted on this rank, or ``None``."""
-        if signals not in ("separate", "tail"):
-            return [], f"signals must be 'separate' or 'tail', got {signals!r}"
+        if placement not in ("separate", "tail"):
+            return [], f"cells must be 'separate' or 'tail', got {placement!r}"
         try:
             ptrs = [operator.index(p) for p in ptrs]
         except TypeError:
@@ -391,9 +391,9 @@ class Adopted(Kind):
             return ptrs, f"ptrs holds {[p for p in ptrs if not 0 < p < 2**64]}, which are not addresses"
         if len(ptrs) != world:
             return ptrs, f"ptrs holds {len(ptrs)} addresses for a group of {world} ranks"
-        cells = SignalLayout(0, world, max_views, channels).size
-        if signals == "tail" and nbytes < cells + LINE:
-            return ptrs, f"{nbytes} bytes cannot hold symmsync's {cells} bytes of signal cells; adopt a larger region"
+        cells = CellLayout(0, world, max_views, channels).size
+        if placement == "tail" and nbytes < cells + LINE:
+            return ptrs, f"{nbytes} bytes cannot hold symmsync's {cells} bytes of cells; adopt a larger region"
         return ptrs, None
 
     @classmethod
@@ -403,7 +403,7 @@ class Adopted(Kind):
         dev: torch.device,
         ptrs: list[int],
         nbytes: int,
-        signals: str,
+        placement: str,
         max_views: int,
         channels: int,
         options: dict[str, Any],
@@ -415,10 +415,10 @@ class Adopted(Kind):
         for r, p in enumerate(ptrs):
             data.peers[r] = be.import_handle(backends.Address(p, nbytes), r)
         data.own = data.peers[rank]
-        if signals == "tail":
-            probe = SignalLayout(0, world, max_views, channels)
+        if placement == "tail":
+            probe = CellLayout(0, world, max_views, channels)
             base = (nbytes - probe.size) // LINE * LINE
-            layout = SignalLayout(base, world, max_views, channels)
+            layout = CellLayout(base, world, max_views, channels)
             data.own.tensor[base : base + layout.size].zero_()
             if be.capabilities.streams:
                 torch.cuda.synchronize(dev)
@@ -426,7 +426,7 @@ class Adopted(Kind):
             # A gap between the user region and the cells: a short overrun of the user
             # region lands in bytes nobody reads (the runtime's memory cannot be protected).
             return cls(data, layout), max(LINE, base - TAIL_GAP_BYTES)
-        layout = SignalLayout(0, world, max_views, channels)
+        layout = CellLayout(0, world, max_views, channels)
         cells_be = create_backend(group, backends.name_for(dev), dev, dict(options))
         with Transaction(group, "SymmetricBuffer.from_peer_addresses", kept=RELEASED) as tx:
             cells = allocate(tx, cells_be, layout.size)
@@ -438,8 +438,8 @@ class Registered(Kind):
 
     registered = True
 
-    def __init__(self, data: Shared, signals: SignalLayout, cells: Shared, max_nbytes: int, nbytes: int, end: int):
-        super().__init__(data, signals, cells)
+    def __init__(self, data: Shared, layout: CellLayout, cells: Shared, max_nbytes: int, nbytes: int, end: int):
+        super().__init__(data, layout, cells)
         self.max_nbytes = max_nbytes
         self.committed = nbytes
         self.end = end  #: where the pieces peers mapped end, from the registered address
@@ -471,15 +471,15 @@ class Registered(Kind):
         channels: int,
     ) -> Registered:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        signals = SignalLayout(0, world, max_views, channels)
+        layout = CellLayout(0, world, max_views, channels)
         with Transaction(group, "SymmetricBuffer.register", kept="nothing stays mapped") as tx:
-            cells = allocate(tx, cells_be, signals.size)
+            cells = allocate(tx, cells_be, layout.size)
             data = Shared(be, world)
             tx.on_failure(data.release)
             data.own = data.peers[rank] = Memory(ptr, max_nbytes, backends.tensor_at(ptr, max_nbytes, be.device), rank)
             export = share_local(tx, data, nbytes, 0, max_nbytes)
         be.forget_local(export)  # every peer mapped: what only served the exchange can go
-        return cls(data, signals, cells, max_nbytes, nbytes, export.end)
+        return cls(data, layout, cells, max_nbytes, nbytes, export.end)
 
     def grow(self, group: Any, nbytes_now: int, nbytes: int) -> None:
         if nbytes > self.committed:

@@ -36,7 +36,7 @@ import triton.language as tl
 from . import cells, records
 from . import language as ssl
 from .checks import check_index, int_problem, is_int, require, timeout_problem
-from .collective import Same, agree, barrier
+from .agreement import Same, agree, barrier
 from .errors import (
     CLOSED_REASON,
     BoundsError,
@@ -166,7 +166,7 @@ class Signals:
         members = list(view.ranks)
         inbox = mem.ptrs.cpu()[members]
         data = view.ptrs.cpu()
-        cell = view.signal_ptrs.cpu() + view.signal_offset(0)
+        cell = view.cell_ptrs.cpu() + view.cell_offset(0)
         header = [
             buf.nbytes,
             buf.rank,
@@ -181,7 +181,7 @@ class Signals:
         # The handle names the slots' memory, the view's user regions and cells, and the
         # record: a kernel launched through kernel_args kept past close() finds them all
         # still mapped (as tensors kept past close() do), never freed memory.
-        keep_alive(self._handle, mem.ptrs, view.ptrs, view.signal_ptrs, self._record)
+        keep_alive(self._handle, mem.ptrs, view.ptrs, view.cell_ptrs, self._record)
         self.record = self._record.data_ptr()
         """Address of the timeout record (kernel argument; pinned host memory on GPUs)."""
         self._kernel_args = (self._handle, view.local_index, self.timeout_ns, self.record)

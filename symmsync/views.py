@@ -1,8 +1,8 @@
-"""Peer views: the pointer table and signal region of one subgroup of a buffer's ranks.
+"""Peer views: the pointer table and cell region of one subgroup of a buffer's ranks.
 
 A :class:`PeerView` is what kernels and fences work with: the base addresses of just
 the ranks of a subgroup (in the view's order, so kernels index peers 0..size-1) and
-a signal region that belongs to that view alone. Views of disjoint subgroups can
+a cell region that belongs to that view alone. Views of disjoint subgroups can
 share one buffer, and so can nested ones (a PCP subgroup inside the world): every
 view gets its own region, so no fence of one view touches another view's slots.
 
@@ -20,7 +20,7 @@ import torch
 
 from . import memory
 from .checks import check_index, is_int, require
-from .collective import agree
+from .agreement import agree
 from .errors import ClosedError, ConfigError, ViewError
 from .failure import ViewFailure
 
@@ -39,7 +39,7 @@ class PeerView:
         ranks: the members' ranks in the buffer's group, in view order.
         size: number of members.
         local_index: this rank's index in :attr:`ranks`.
-        region: index of the view's signal region in every member's allocation.
+        region: index of the view's cell region in every member's allocation.
         failure: the one owner of this rank's abort of the view and of its fences'
             failures (:class:`symmsync.failure.ViewFailure`).
     """
@@ -53,8 +53,8 @@ class PeerView:
         # A subset of the buffer's tables, holding the buffer's (and so every mapping they name).
         table = buffer.ptrs
         self._ptrs: torch.Tensor | None = memory.keep_alive(table[list(ranks)].contiguous(), table)
-        cells = buffer.signal_ptrs
-        self._signal_ptrs = self._ptrs if cells is table else memory.keep_alive(cells[list(ranks)].contiguous(), cells)
+        cells = buffer.cell_ptrs
+        self._cell_ptrs = self._ptrs if cells is table else memory.keep_alive(cells[list(ranks)].contiguous(), cells)
         self.failure = ViewFailure(self)
 
     # ------------------------------------------------------------------ kernel inputs
@@ -74,35 +74,35 @@ class PeerView:
         return self._ptrs
 
     @property
-    def signal_ptrs(self) -> torch.Tensor:
-        """int64 tensor ``[size]``: the bases the signal cells are offset from, in view order.
+    def cell_ptrs(self) -> torch.Tensor:
+        """int64 tensor ``[size]``: the bases the cells are offset from, in view order.
 
         Signal primitives (:mod:`symmsync.language`) take this table with
-        :meth:`signal_offset`. It is :attr:`ptrs` itself (the same tensor) for memory
+        :meth:`cell_offset`. It is :attr:`ptrs` itself (the same tensor) for memory
         symmsync allocated; registered memory keeps its cells apart from the runtime's
         bytes, so there the two tables differ. It holds the cells alive, as :attr:`ptrs`
         holds the memory.
         """
-        self._check_open("signal_ptrs")
-        return self._signal_ptrs
+        self._check_open("cell_ptrs")
+        return self._cell_ptrs
 
     def release_tables(self) -> None:
         """Drop this view's tables and its waiters' (the buffer's ``close()`` calls it):
         after it, only references users kept hold the mappings."""
-        self._ptrs = self._signal_ptrs = None
+        self._ptrs = self._cell_ptrs = None
         self.failure.release_tables()
 
     def _check_open(self, what: str) -> None:
         if self.buffer.closed:
             raise ClosedError(f"rank {self.rank}: PeerView.{what} used after its buffer was closed")
 
-    def signal_offset(self, channel: int) -> int:
-        """Byte offset (from each member's :attr:`signal_ptrs` base) of this view's cell for ``channel``."""
+    def cell_offset(self, channel: int) -> int:
+        """Byte offset (from each member's :attr:`cell_ptrs` base) of this view's cell for ``channel``."""
         self._check_channel(channel)
-        return self.buffer.signals.cell(self.region, channel)
+        return self.buffer.cells.cell(self.region, channel)
 
     def _check_channel(self, channel: int) -> None:
-        n = self.buffer.signals.channels
+        n = self.buffer.cells.channels
         if not is_int(channel) or not 0 <= channel < n:
             check_index(
                 "channel",
@@ -187,10 +187,10 @@ def create_view(buffer: SymmetricBuffer, ranks: Sequence[int], problem: str | No
         req, problem = _parse_request(ranks, me, world)
     requests = agree(buffer.group, "view", req, problem=problem, error=ViewError, device=buffer.device)
     _raise_on_differing_requests(requests)
-    region = buffer.signals.take_region()
+    region = buffer.cells.take_region()
     if region is None:
         raise ViewError(
-            f"rank {me}: view: the buffer has signal regions for {buffer.signals.max_views} views and all are "
+            f"rank {me}: view: the buffer has cell regions for {buffer.cells.max_views} views and all are "
             "taken; create views once at set-up, or pass a larger max_views to SymmetricBuffer"
         )
     return PeerView(buffer, req, region)

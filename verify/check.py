@@ -112,7 +112,7 @@ CONFIGS: tuple[Config, ...] = (
     C("single-3r", ("VS=3", "F=6", "BUG_SINGLE"), "payload", "one payload buffer, no epoch parity"),
     C("relaxed-2r", ("VS=2", "F=6", "BUG_RELAXED"), "payload", "publish without release"),
     C("relaxed-3r", ("VS=3", "F=6", "BUG_RELAXED"), "payload", "publish without release"),
-    C("shared-2r", ("VS=2", "NV=2", "F=4", "BUG_SHARED"), "arrival", "two channels share one signal cell"),
+    C("shared-2r", ("VS=2", "NV=2", "F=4", "BUG_SHARED"), "arrival", "two channels share one cell"),
     C(
         "open-3r",
         ("VS=3", "F=6", "SPLIT", "CRASH", "TMODE=2", "BUG_OPEN"),

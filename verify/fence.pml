@@ -1,6 +1,8 @@
 /*
  * Models:
- *   symmsync/language.py: publish, pending, wait, publish_and_wait, mark_abort
+ *   symmsync/_language_fence.py: publish, pending, wait, publish_and_wait, mark_abort
+ *   symmsync/_language_core.py: _publish (_release_slots, _advance_epoch), bounded_poll (KIND=MEMBERS),
+ *     scan_members (BEHIND, BEHIND_SPLIT): the one publish, poll and member scan of every wait
  *   symmsync/fence.py: Fence.fence, Fence.arrive, Fence.wait (their kernel, _fence_kernel)
  *
  * symmsync's epoch fence, as those functions implement it (the cell layout of symmsync/cells.py),
@@ -30,7 +32,7 @@
  *   BUG_EARLY      publish before the payload stores
  *   BUG_SINGLE     one payload buffer instead of two (no epoch parity)
  *   BUG_RELAXED    publish without release: earlier stores stay in flight
- *   BUG_SHARED     all channels share one signal cell
+ *   BUG_SHARED     all channels share one cell
  *   BUG_OPEN       a timed-out wait goes on as if it had succeeded (fails open)
  *   BUG_FLAG       the abort flag counts as an arrival (a flag bit inside the compared value,
  *                  e.g. bit 62, with an unmasked slot >= e)
@@ -65,14 +67,14 @@
 #define CELL(v) 0
 #else
 #define NCELL NV
-#define CELL(v) (v)               /* SignalLayout.cell(region, channel): one cell per channel */
+#define CELL(v) (v)               /* CellLayout.cell(region, channel): one cell per channel */
 #endif
 #endif
 
 #ifdef BUG_EQ
 #define COUNTED(x, e) ((x) == (e))
 #else
-#define COUNTED(x, e) ((x) >= (e))  /* pending(): (v & COUNT_MASK) < epoch counts as not arrived */
+#define COUNTED(x, e) ((x) >= (e))  /* scan_members(BEHIND): (v & COUNT_MASK) < epoch counts as not arrived */
 #endif
 /* REACHED(c, g, j, e): one acquire load of slot j of cell c in rank g's memory (count and flag
  * are one int64 word, so one guard reads both at once) says member j arrived at epoch e;
@@ -120,7 +122,7 @@ bit aborting[NG];             /* the rank's host aborted (ABORT): it launches no
 bit gaveup[NV * VS];          /* the member's wait timed out; it never goes on */
 #define STOPPED(v, j) (dead[G(v, j)] || gaveup[(v) * VS + (j)])
 
-/* every other member's slot of cell c in rank g's memory has reached e (one poll of pending()) */
+/* every other member's slot of cell c in rank g's memory has reached e (one poll of scan_members(BEHIND)) */
 #if VS == 2
 #define ALL_REACHED(c, g, i, e) REACHED(c, g, 1 - (i), e)
 #define ANY_GONE(c, g, i, e) GONE(c, g, 1 - (i), e)
@@ -207,7 +209,7 @@ proctype Member(byte v; byte i) {
         /* Fence.arrive() returned; Fence.wait() reads its target from the epoch word */
         e = EPOCH(c, g);
 #endif
-        /* wait(e): bounded poll of pending(e) */
+        /* wait(e): bounded_poll(KIND=MEMBERS) of scan_members(e) */
         if
         :: ALL_REACHED(c, g, i, e) -> skip
 #ifdef ABORT

@@ -1,7 +1,8 @@
 /*
  * Models:
- *   symmsync/_language_signals.py: put_signal, signal, wait_count (its poll, _wait_until, and
- *     abort check, _aborted_members)
+ *   symmsync/_language_signals.py: put_signal, signal, wait_count (its poll, _wait_until)
+ *   symmsync/_language_core.py: bounded_poll (KIND=VALUE, CMP=GE), scan_members (FLAGGED): the
+ *     one poll and abort scan of every wait
  *   symmsync/signals.py: Signals (the handle those take)
  *
  * symmsync's point-to-point signals, as those functions implement them (kernels call them as
@@ -59,13 +60,13 @@ byte reads;       /* chunks C read */
 #ifdef BUG_EQ
 #define COUNTED(v, b, n) ((v) - (b) == (n))
 #else
-#define COUNTED(v, b, n) ((v) - (b) >= (n))   /* _wait_until(..., b + count, GE) */
+#define COUNTED(v, b, n) ((v) - (b) >= (n))   /* _wait_until(..., b + count, GE) -> bounded_poll */
 #endif
 
 #ifdef BUG_NOFLAG
 #define SEES(flag) 0
 #else
-#define SEES(flag) (flag)                      /* _aborted_members() on the slow path */
+#define SEES(flag) (flag)                      /* scan_members(FLAGGED) on the slow path */
 #endif
 
 /* put_signal's release: every earlier store of P lands before the add becomes visible. */

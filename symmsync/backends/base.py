@@ -4,7 +4,7 @@ A backend allocates memory other processes can map, describes it to them (a pick
 handle sent through the torch.distributed group), maps a peer's memory from its handle,
 and releases either. It holds no buffer-level state: the buffer (through
 :mod:`symmsync.memory`) decides when each call happens, and runs every exchange as one
-all-or-nothing :class:`~symmsync.collective.Transaction`. The order of calls is written
+all-or-nothing :class:`~symmsync.agreement.Transaction`. The order of calls is written
 in :class:`Backend`'s docstring.
 """
 

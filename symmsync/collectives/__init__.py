@@ -3,7 +3,7 @@
 Built only on symmsync's public API (like :mod:`symmsync.pcp`): a buffer's peer view,
 a :class:`~symmsync.Fence` channel (its device-resident epoch and kernel arguments),
 the device primitives of :mod:`symmsync.language`, the launcher of
-:mod:`symmsync.launch` and the agreement of :mod:`symmsync.collective`::
+:mod:`symmsync.launch` and the agreement of :mod:`symmsync.agreement`::
 
     from symmsync import collectives
 

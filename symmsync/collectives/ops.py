@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .. import collective, mode, records
+from .. import agreement, mode, records
 from ..checks import int_problem, number_problem, require
 from ..errors import BoundsError, ClosedError, ConfigError, InputError, PeerAborted, SymmSyncError
 from ..failure import used_after_abort
@@ -87,9 +87,9 @@ class _Collective:
                 )
         fence = None
         if problem is None:  # a bad channel or timeout is agreed like the rest, so that every rank raises
-            fence, problem, error = collective.attempt(lambda: Fence(view, channel, timeout_s=timeout_s), buf.rank)
+            fence, problem, error = agreement.attempt(lambda: Fence(view, channel, timeout_s=timeout_s), buf.rank)
         members = tuple(view.ranks)
-        alike = collective.Same(among=members, hint=f"every member of the view {list(members)} must pass the same")
+        alike = agreement.Same(among=members, hint=f"every member of the view {list(members)} must pass the same")
         mine = {
             "max_numel": max_numel,
             "the dtype": str(dtype),
@@ -97,7 +97,7 @@ class _Collective:
             "the offset": offset,
             "the channel": channel,
         }
-        collective.agree(buf.group, call, mine, problem=problem, error=error, same=dict.fromkeys(mine, alike))
+        agreement.agree(buf.group, call, mine, problem=problem, error=error, same=dict.fromkeys(mine, alike))
         self.view = view
         self.size = view.size
         self.max_numel = max_numel

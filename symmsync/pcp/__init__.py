@@ -3,7 +3,7 @@
 Built only on symmsync's public API: buffers, peer views and fences (their kernel
 arguments, :attr:`symmsync.Fence.kernel_args`), the device primitives in
 :mod:`symmsync.language`, the launcher of :mod:`symmsync.launch`, the agreement among
-ranks of :mod:`symmsync.collective`, the argument checks of :mod:`symmsync.checks`, and
+ranks of :mod:`symmsync.agreement`, the argument checks of :mod:`symmsync.checks`, and
 :func:`symmsync.mode.kernels_interpreted`::
 
     from symmsync import pcp

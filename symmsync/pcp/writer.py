@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import triton
 
-from .. import collective, mode
+from .. import agreement, mode
 from ..checks import int_problem, require
 from ..errors import ClosedError, ConfigError, InputError, SymmSyncError
 from ..fence import Fence
@@ -230,11 +230,11 @@ class DirectKVWriter:
             )
         fence = None
         if problem is None:  # a bad channel or timeout is agreed like the rest, so that every rank raises
-            fence, problem, error = collective.attempt(lambda: Fence(view, channel, timeout_s=timeout_s), buf.rank)
+            fence, problem, error = agreement.attempt(lambda: Fence(view, channel, timeout_s=timeout_s), buf.rank)
         members = tuple(view.ranks)
         hint = f"every member of the PCP group {list(members)} must pass the same"
-        in_group = collective.Same(among=members, hint=hint)
-        collective.agree(
+        in_group = agreement.Same(among=members, hint=hint)
+        agreement.agree(
             buf.group,
             call,
             {
@@ -245,7 +245,7 @@ class DirectKVWriter:
             problem=problem,
             error=error,
             same={
-                "the route": collective.Same(hint="every rank must take the same route"),
+                "the route": agreement.Same(hint="every rank must take the same route"),
                 "the layout": in_group,
                 "the channel": in_group,
             },
@@ -337,14 +337,14 @@ class DirectKVWriter:
                     )
         rows = slots.numel() if slots is not None else -1
         members = tuple(self.view.ranks)
-        every = collective.agree(
+        every = agreement.agree(
             buf.group,
             call,
             {"the row count": rows, "slots": slots.cpu() if self.debug and slots is not None else None},
             problem=problem,
             error=InputError,
             same={
-                "the row count": collective.Same(
+                "the row count": agreement.Same(
                     error=InputError,
                     among=members,
                     hint="ranks of a PCP group must have equal row counts: "

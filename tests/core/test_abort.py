@@ -37,7 +37,7 @@ def _setup(channels=1, budget=BUDGET_S):
 
 def _raw_slots(buf, fence, view):
     """This rank's slot words of the fence's cell, read with torch (count | flag)."""
-    local = buf.signal_memory()
+    local = buf.cell_memory()
     start = fence.cell + cells.SLOTS
     return local[start : start + 8 * view.size].view(torch.int64).tolist()
 
@@ -285,7 +285,7 @@ def tail_counts(launches, programs):
     status = torch.zeros(1, dtype=torch.int32)
     for _ in range(launches):
         _tail_kernel[(programs,)](*fence.kernel_args, status, SIZE=view.size)
-    arrivals = buf.signal_memory()[fence.cell + cells.ARRIVALS :][:8].view(torch.int64).item()
+    arrivals = buf.cell_memory()[fence.cell + cells.ARRIVALS :][:8].view(torch.int64).item()
     result = (fence.epoch, arrivals, status.item())
     dist.barrier()
     buf.close()
@@ -355,7 +355,7 @@ def failure_owner_rules():
         late.fence()
     except ss.PeerAborted as err:
         out["late"] = describe_error(err)
-    out["late_epoch_word"] = buf.signal_memory()[epoch : epoch + 8].view(torch.int64).item()
+    out["late_epoch_word"] = buf.cell_memory()[epoch : epoch + 8].view(torch.int64).item()
     buf.close()
     return out
 

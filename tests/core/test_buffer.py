@@ -219,18 +219,18 @@ def test_a_failed_mapping_on_one_rank_raises_everywhere_and_leaves_nothing():
         assert "released" in msg and left == []
 
 
-def adopt_peer_addresses(signals):
+def adopt_peer_addresses(cells):
     own = ss.SymmetricBuffer(1 << 16, backend="host")  # stands in for a runtime's own mapping
     own.tensor(0, (1 << 16,), torch.uint8).fill_(0xAB)  # the runtime's bytes
     dist.barrier()
-    adopted = ss.SymmetricBuffer.from_peer_addresses(own.ptrs.tolist(), 1 << 16, device="cpu", signals=signals)
+    adopted = ss.SymmetricBuffer.from_peer_addresses(own.ptrs.tolist(), 1 << 16, device="cpu", cells=cells)
     fence = ss.Fence(adopted.view([0, 1]), timeout_s=60)
     adopted.tensor(0, (4,), torch.int32, rank=1 - adopted.rank).fill_(adopted.rank + 5)
     fence.fence()
     seen_via_adopted = adopted.tensor(0, (4,), torch.int32).tolist()
     seen_via_owner = own.tensor(0, (4,), torch.int32).tolist()
     untouched = int((own.tensor(16, ((1 << 16) - 16,), torch.uint8) == 0xAB).sum())
-    separate_table = adopted.signal_ptrs is not adopted.ptrs
+    separate_table = adopted.cell_ptrs is not adopted.ptrs
     nbytes = adopted.nbytes
     adopted.close()  # releases nothing: the owner's mapping still works
     still = own.tensor(0, (4,), torch.int32).tolist()
@@ -242,14 +242,14 @@ def adopt_peer_addresses(signals):
     return seen_via_adopted, seen_via_owner, still, nbytes, short, untouched, separate_table
 
 
-@pytest.mark.parametrize("signals", ["separate", "tail"])
-def test_adopting_memory_a_runtime_mapped_gives_views_and_fences(signals, host_ranks):
+@pytest.mark.parametrize("cells", ["separate", "tail"])
+def test_adopting_memory_a_runtime_mapped_gives_views_and_fences(cells, host_ranks):
     for rank, (adopted, owner, still, nbytes, short, untouched, apart) in enumerate(
-        host_ranks(adopt_peer_addresses, 2, signals)
+        host_ranks(adopt_peer_addresses, 2, cells)
     ):
         assert adopted == owner == still == [1 - rank + 5] * 4
         assert "1 addresses for a group of 2 ranks" in short
-        if signals == "separate":  # every adopted byte stays the runtime's
+        if cells == "separate":  # every adopted byte stays the runtime's
             assert nbytes == 1 << 16 and untouched == (1 << 16) - 16 and apart
         else:  # the cells live at the end of the adopted memory, which was zeroed there
             assert 0 < nbytes < 1 << 16 and untouched < (1 << 16) - 16 and not apart

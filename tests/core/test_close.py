@@ -1,6 +1,6 @@
 """A tensor or a pointer table taken from a buffer outlives close(): it keeps its memory mapped, never dangles.
 
-Pointer tables (``buf.ptrs``, ``buf.signal_ptrs``, a view's) and ``fence.kernel_args`` kept
+Pointer tables (``buf.ptrs``, ``buf.cell_ptrs``, a view's) and ``fence.kernel_args`` kept
 past close() hold their mappings (and the fence's record) alive the same way, and a fence
 wait launched through kept arguments fails closed.
 
@@ -167,9 +167,9 @@ def kept(kind, plant):
     fence.fence()
     tables = {
         "buf.ptrs": (buf.ptrs, True),
-        "buf.signal_ptrs": (buf.signal_ptrs, buf.signal_ptrs is buf.ptrs),
+        "buf.cell_ptrs": (buf.cell_ptrs, buf.cell_ptrs is buf.ptrs),
         "view.ptrs": (view.ptrs, True),
-        "view.signal_ptrs": (view.signal_ptrs, view.signal_ptrs is view.ptrs),
+        "view.cell_ptrs": (view.cell_ptrs, view.cell_ptrs is view.ptrs),
     }
     args = fence.kernel_args
     buf.close()
@@ -216,7 +216,7 @@ def test_tables_and_fence_arguments_kept_past_close_launch_on_mapped_memory_and_
     results = _results(proc)
     assert len(results) == 2, proc.stdout
     for out in results:
-        for name in ("buf.ptrs", "buf.signal_ptrs", "view.ptrs", "view.signal_ptrs"):
+        for name in ("buf.ptrs", "buf.cell_ptrs", "view.ptrs", "view.cell_ptrs"):
             assert len(out[name]) == 2 and -1 not in out[name], (name, out)
         # The first user words were written through the first table, then read through the
         # others: each rank's memory (own and peer's) reads what a kernel stored there.

@@ -328,7 +328,7 @@ ADOPT_ARGS = st.fixed_dictionaries(
         "nbytes": st.one_of(st.integers(-1, 1 << 14), st.sampled_from(["all", 1.5, None, "4096"])),
         "device": st.sampled_from([None, "cpu", "bogus"]),
         "max_views": _int_or_junk(0, 4),
-        "signals": st.sampled_from(["separate", "tail", "middle"]),
+        "cells": st.sampled_from(["separate", "tail", "middle"]),
     }
 )
 
@@ -358,15 +358,15 @@ def fuzz_adopt(per_rank):
         dist.barrier()
         made = _outcome(
             lambda: ss.SymmetricBuffer.from_peer_addresses(
-                ptrs, nbytes, device=a["device"], max_views=a["max_views"], signals=a["signals"]
+                ptrs, nbytes, device=a["device"], max_views=a["max_views"], cells=a["cells"]
             )
         )
         expect = before.clone()
         if made[0] == "ok":
-            # "tail": adoption zeroes its signal cells, at the end of the adopted bytes, and
+            # "tail": adoption zeroes its cells, at the end of the adopted bytes, and
             # nothing else; "separate": it writes none of the adopted bytes.
-            sig = made[1].signals
-            if a["signals"] == "tail":
+            sig = made[1].cells
+            if a["cells"] == "tail":
                 expect[sig.base : sig.base + sig.size] = 0
             made[1].close()
             made = ("ok", (sig.base, sig.size))
@@ -384,11 +384,11 @@ def _valid_adopt(per_rank):
             return False
         if not isinstance(nb, int) or isinstance(nb, bool) or nb <= 0:
             return False
-        if a["signals"] == "tail" and nb < 128 * (1 + mv * 4 * 2):
-            return False  # signal cells: max_views x 4 channels x 256 bytes, plus one line
-        return a["signals"] in ("separate", "tail") and a["ptrs"] in ("real", "tensor") and a["device"] in (None, "cpu")
+        if a["cells"] == "tail" and nb < 128 * (1 + mv * 4 * 2):
+            return False  # cells: max_views x 4 channels x 256 bytes, plus one line
+        return a["cells"] in ("separate", "tail") and a["ptrs"] in ("real", "tensor") and a["device"] in (None, "cpu")
 
-    same = all(per_rank[0][k] == per_rank[1][k] for k in ("nbytes", "max_views", "signals"))
+    same = all(per_rank[0][k] == per_rank[1][k] for k in ("nbytes", "max_views", "cells"))
     return same and all(one(a) for a in per_rank)
 
 
@@ -397,7 +397,7 @@ def _valid_adopt(per_rank):
 def test_fuzz_adopting_peer_addresses(pool, per_rank):
     results = pool.call(fuzz_adopt, per_rank, timeout_s=CALL_S)
     _assert_own_errors([r[0] for r in results], collective=True, valid=_valid_adopt(per_rank))
-    assert all(r[1] for r in results), "adoption wrote outside its signal cells"
+    assert all(r[1] for r in results), "adoption wrote outside its cells"
 
 
 # pcp_split, PCPSplit, CacheLayout, IndexerKLayout: pure functions, fuzzed in this process

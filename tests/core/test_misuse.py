@@ -5,7 +5,7 @@
   call's argument exchange. Capture needs a GPU; here the capture condition
   (``symmsync.backends.capturing``) is planted on one rank, which is what the exchange
   carries. tests/gpu/test_gpu_misuse.py captures for real.
-* A store past a buffer's user region never lands in a signal cell: garbage written over
+* A store past a buffer's user region never lands in a cell: garbage written over
   the bytes just past ``nbytes`` does not make a peer's fence pass early (the payload
   oracle of tests/core/test_fence.py holds) and a fence whose peer never arrives still
   times out. The same garbage written over the cells does both, which shows the oracle sees it.
@@ -120,7 +120,7 @@ def test_views_grows_and_fences_made_during_capture_raise_and_take_nothing():
 
 
 def where_the_exchange_runs_on_the_device():
-    collective._exchange_on_device = lambda group: True  # an NCCL group: its exchange would be captured
+    agreement._exchange_on_device = lambda group: True  # an NCCL group: its exchange would be captured
     backends.capturing = lambda device: True
     return _outcome(lambda: ss.SymmetricBuffer(4096, backend="host"))
 
@@ -143,7 +143,7 @@ def _buffer(kind):
     if kind == "growable":  # grown to its end: only the guard separates it from the cells
         return ss.SymmetricBuffer(NBYTES, backend="host", max_nbytes=4 * KIB), None
     own = ss.SymmetricBuffer(1 << 16, backend="host")
-    return ss.SymmetricBuffer.from_peer_addresses(own.ptrs.tolist(), 1 << 16, device="cpu", signals="tail"), own
+    return ss.SymmetricBuffer.from_peer_addresses(own.ptrs.tolist(), 1 << 16, device="cpu", cells="tail"), own
 
 
 def _scribble(buf, target, start, n):

@@ -32,7 +32,7 @@ def grow_keeps_addresses_tensors_and_fences():
     buf = ss.SymmetricBuffer(8 * KIB, backend="host", max_nbytes=1 << 20)
     me, peer = buf.rank, 1 - buf.rank
     fence = ss.Fence(buf.view([0, 1]), timeout_s=60)
-    ptrs, cells = buf.ptrs.tolist(), buf.signal_ptrs.data_ptr()
+    ptrs, cells = buf.ptrs.tolist(), buf.cell_ptrs.data_ptr()
     early = buf.tensor(0, (16,), torch.int32, rank=peer)  # taken before the grow
     early.fill_(100 + me)
     fence.fence()
@@ -41,7 +41,7 @@ def grow_keeps_addresses_tensors_and_fences():
     early[8:].fill_(300 + me)  # the old tensor still reaches the peer
     fence.fence()
     seen = buf.tensor(0, (16,), torch.int32).tolist(), buf.tensor(500 * KIB, (16,), torch.int32).tolist()
-    same_tables = buf.ptrs.tolist() == ptrs and buf.signal_ptrs.data_ptr() == cells
+    same_tables = buf.ptrs.tolist() == ptrs and buf.cell_ptrs.data_ptr() == cells
     buf.grow(600 * KIB)  # the same size: nothing to do
     result = seen, same_tables, buf.nbytes, fence.epoch
     buf.close()
@@ -140,7 +140,7 @@ def register_runtime_memory():
     buf.tensor(200 * KIB, (8,), torch.int32, rank=peer).fill_(2000 + me)
     fence.fence()
     grown = rt.tensor(200 * KIB, 32).view(torch.int32).tolist()
-    apart = buf.signal_ptrs.tolist() != buf.ptrs.tolist()
+    apart = buf.cell_ptrs.tolist() != buf.ptrs.tolist()
     buf.close()  # unmaps the peer here, releases nothing the runtime owns
     rt.tensor(0, 16).fill_(1)  # still the runtime's, still mapped
     after_close = rt.tensor(0, 16).tolist()
@@ -155,7 +155,7 @@ def test_registered_runtime_memory_is_mapped_on_every_peer_and_grows(host_ranks)
         assert untouched == 128 * KIB  # registration wrote none of the runtime's bytes
         assert offset == 64 * KIB  # offsets count from the registered address
         assert got == [1000 + peer] * 4 and grown == [2000 + peer] * 8
-        assert apart  # the signal cells live apart from the runtime's memory
+        assert apart  # the cells live apart from the runtime's memory
         assert after_close == [1] * 16
 
 

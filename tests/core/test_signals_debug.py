@@ -64,7 +64,7 @@ def misuse():
     view = buf.view([0, 1])
     fence = ss.Fence(view, timeout_s=60)
     sigs = ss.Signals(view, slots=1, timeout_s=60)
-    ptrs, cell, me = view.signal_ptrs, fence.cell, view.local_index
+    ptrs, cell, me = view.cell_ptrs, fence.cell, view.local_index
     out = {"debug": ssl.DEBUG}
     # correct use first: none of it may trip a check
     out["fences"] = _outcome(lambda: [fence.fence() for _ in range(3)])

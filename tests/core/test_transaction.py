@@ -1,4 +1,4 @@
-"""The all-or-nothing collective (symmsync.collective.Transaction), alone and under every
+"""The all-or-nothing collective (symmsync.agreement.Transaction), alone and under every
 way a buffer maps memory.
 
 Oracles: the error each rank raised (the same on every rank, naming the rank that
@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 import symmsync as ss
-from symmsync.collective import Transaction
+from symmsync.agreement import Transaction
 from symmsync.runtime_alloc import HostCacheAllocator
 from symmsync.testing import run
 

@@ -1,4 +1,4 @@
-"""Peer views: subgroup pointer tables, their own signal regions, TP×PCP layouts, bad views."""
+"""Peer views: subgroup pointer tables, their own cell regions, TP×PCP layouts, bad views."""
 
 import pytest
 import torch
@@ -32,9 +32,9 @@ def tp_pcp_views(backend="host"):
     dist.barrier()
     got = pcp.tensor(0, (pcp.size, 4), torch.int32)[:, 0].tolist()  # 16 bytes per member
     out = {
-        "pcp": (list(pcp.ranks), pcp.local_index, pcp.ptrs.tolist(), pcp.signal_offset(0)),
-        "tp": (list(tp.ranks), tp.local_index, tp.signal_offset(0)),
-        "world_cell": world.signal_offset(1),
+        "pcp": (list(pcp.ranks), pcp.local_index, pcp.ptrs.tolist(), pcp.cell_offset(0)),
+        "tp": (list(tp.ranks), tp.local_index, tp.cell_offset(0)),
+        "world_cell": world.cell_offset(1),
         "all_ptrs": buf.ptrs.tolist(),
         "got": got,
     }
@@ -56,7 +56,7 @@ def assert_tp_pcp_views(results):
         assert ranks == [rank % 2, rank % 2 + 2] and idx == rank // 2
         assert ptrs == [res["all_ptrs"][r] for r in ranks]
         assert res["tp"][0] == [rank // 2 * 2, rank // 2 * 2 + 1] and res["tp"][1] == rank % 2
-        # Three views, three signal regions: no two share a cell.
+        # Three views, three cell regions: no two share a cell.
         assert len({cell, res["tp"][2], res["world_cell"]}) == 3
         assert res["got"] == [10 * m + rank // 2 for m in ranks]
     # Disjoint PCP subgroups may use the same region index: their cells are in different ranks' memory.
@@ -106,7 +106,7 @@ def view_limits():
         out["tp"] = str(e)
     v = buf.view([buf.rank])
     try:
-        v.signal_offset(2)
+        v.cell_offset(2)
     except ss.ConfigError as e:
         out["channel"] = str(e)
     buf.view([0, 1])

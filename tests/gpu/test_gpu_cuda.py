@@ -142,16 +142,16 @@ def slots_after_publishes(times):
     peer = 1 - view.local_index
 
     def word(at):
-        return int(buf.signal_memory()[at : at + 8].view(torch.int64).item())
+        return int(buf.cell_memory()[at : at + 8].view(torch.int64).item())
 
     def slot_of(cell):
         return word(cell + cells.SLOTS + 8 * peer)
 
     out = {}
     for ch, warps in enumerate((1, 2, 4, 8)):
-        cell = view.signal_offset(ch)
+        cell = view.cell_offset(ch)
         for _ in range(times):
-            publish_kernel[(1,)](view.signal_ptrs, cell, view.local_index, SIZE=view.size, num_warps=warps)
+            publish_kernel[(1,)](view.cell_ptrs, cell, view.local_index, SIZE=view.size, num_warps=warps)
         torch.cuda.synchronize()
         dist.barrier()
         epoch = word(cell + cells.EPOCH)
