@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 
 from . import backends, memory
+from .agreement import Same, agree
 from .cells import CellLayout
 from .checks import check_index, int_problem, is_int, require
-from .agreement import Same, agree
 from .errors import CLOSED_REASON, BoundsError, ClosedError, ConfigError, SizeMismatchError
 from .views import PeerView, create_view
 

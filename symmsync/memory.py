@@ -38,10 +38,10 @@ import torch
 import torch.distributed as dist
 
 from . import backends
+from .agreement import Transaction, agree, barrier
 from .backends import Backend, LocalExport, Memory, Piece
 from .cells import EPOCH, LINE, CellLayout, round_up
 from .checks import int_problem, is_int, positive_int_problem
-from .agreement import Transaction, agree, barrier
 from .errors import BackendError, ConfigError
 
 log = logging.getLogger("symmsync")

@@ -35,8 +35,8 @@ import triton.language as tl
 
 from . import cells, records
 from . import language as ssl
-from .checks import check_index, int_problem, is_int, require, timeout_problem
 from .agreement import Same, agree, barrier
+from .checks import check_index, int_problem, is_int, require, timeout_problem
 from .errors import (
     CLOSED_REASON,
     BoundsError,

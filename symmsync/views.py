@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import memory
-from .checks import check_index, is_int, require
 from .agreement import agree
+from .checks import check_index, is_int, require
 from .errors import ClosedError, ConfigError, ViewError
 from .failure import ViewFailure
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import symmsync as ss
-from symmsync import backends, cells, collective
+from symmsync import agreement, backends, cells
 from symmsync.runtime_alloc import HostCacheAllocator
 from symmsync.testing import run
 
