@@ -13,6 +13,11 @@ on the host backend, where a kernel reads host memory):
 
 A test puts it in through the seam the package documents,
 :data:`symmsync.collectives.ops.KERNEL`, before it constructs its operations.
+
+:func:`no_wait` is :func:`symmsync.collectives.protocol.wait` with the wait removed (it returns
+True at once): a test puts it in ``protocol``'s place in one rank process, where the
+interpreter resolves ``protocol.wait`` when the kernel runs, to show the all-reduce's
+oracle catches a member that reads without waiting.
 """
 
 import torch
@@ -34,6 +39,12 @@ def _stall(ns):
     now = start
     while now - start < ns:
         now = ssl.clock_ns()
+
+
+@triton.jit
+def no_wait(sptrs, cell, me, epoch, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.constexpr):
+    """``protocol.wait``'s signature; waits for nothing and reports success."""
+    return me >= 0
 
 
 @triton.jit

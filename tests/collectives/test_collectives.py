@@ -11,7 +11,9 @@ reduce-scatter chunk ``i`` of that sum. Results must be bit-identical on every m
   random, fresh inputs each call) with a random delay on one member before each call
   and inside its kernel, between its wait and its reads; results compared after the
   loop, so the reference cannot act as a barrier; and the same loop with the epoch
-  parity of the input slots removed, which the oracle must catch.
+  parity of the input slots removed, which the oracle must catch;
+* a two-shot all-reduce whose reading member does not wait (``protocol.wait`` removed
+  there) while the other stalls before it reduces its chunk, which the oracle must catch.
 """
 
 import contextlib
@@ -27,7 +29,7 @@ import torch.distributed as dist
 import symmsync as ss
 from symmsync import collectives as C
 from symmsync.collectives import ops as collective_ops
-from symmsync.collectives import tuning
+from symmsync.collectives import protocol, tuning
 
 MAX_NUMEL = 4104  # a multiple of 2, 3 and 4: the largest reduce-scatter input too
 SIZES = (1, 777, 4096 + 3, MAX_NUMEL)
@@ -222,6 +224,59 @@ def test_the_back_to_back_oracle_bites_without_the_parity_of_the_input_slots(hos
     seed = secrets.randbits(16)
     wrong = host_ranks(back_to_back, 2, 50, seed, 1, False, ("one_shot",), 0.0)
     assert wrong[1], f"seed {seed}: without the parity the slow member read no overwritten slot: {wrong}"
+
+
+# ---------------------------------------------------------------------- the wait
+READER_LATE_S, WRITER_STALL_NS = 0.3, 600_000_000
+
+
+@contextlib.contextmanager
+def waiting(waits):
+    """Inside the block this (rank) process's collectives wait as shipped, or (``waits`` false)
+    not at all: :func:`collective_variants.no_wait` in ``protocol.wait``'s place."""
+    shipped = protocol.wait
+    if not waits:
+        protocol.wait = variants.no_wait
+    try:
+        yield
+    finally:
+        protocol.wait = shipped
+
+
+def reader_and_stalled_writer(seed):
+    """Rank function: a two-shot all-reduce to warm up, then two more, the first as shipped, the
+    second with rank 0's waits removed. Rank 0 (the reader) calls each READER_LATE_S late, so
+    that rank 1 (the writer) published its input and header and waits for it; rank 1 then
+    stalls inside its kernel, after its verdict and before it reduces its chunk. Returns per
+    call (shipped, no wait on rank 0): equal to the oracle? (no host barrier before the check)."""
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(seed + rank)
+    with launching(variants.stalling_kernel):
+        buf, view, ops = _objects()
+        _call(ops, "two_shot", torch.randn(777, generator=g), False)  # both members bound and in step
+        plan = []
+        for waits in (True, False):
+            x = torch.randn(777, generator=g)
+            if rank == 0:
+                time.sleep(READER_LATE_S)
+            else:
+                variants.CONTROL[0] = WRITER_STALL_NS
+            with waiting(waits or rank != 0):
+                plan.append((x, _call(ops, "two_shot", x, False)))
+    verdict = [same_bits(y, expected("two_shot", gathered(x), rank)) for x, y in plan]
+    buf.close()
+    return verdict
+
+
+def test_the_all_reduce_oracle_bites_when_a_member_reads_without_its_wait(host_ranks):
+    # Without its wait the reader takes the writer's reduced chunk before the writer stored
+    # it (the previous call's chunk). (A one-shot call has one wait, before it reads the
+    # headers: on the host backend the header check turns a read without it into a
+    # CollectiveMismatch, since a member's header lands after its input.)
+    seed = secrets.randbits(16)
+    (shipped, unwaited), writer = host_ranks(reader_and_stalled_writer, 2, seed)
+    assert shipped and writer == [True, True], f"seed {seed}: as shipped, a member's result differs from the oracle"
+    assert not unwaited, f"seed {seed}: the reader that did not wait got the oracle's result: the oracle cannot see it"
 
 
 # ---------------------------------------------------------------------- the fused epilogue
