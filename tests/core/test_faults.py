@@ -21,6 +21,7 @@ import re
 import secrets
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -285,13 +286,27 @@ def test_close_while_others_fence_fails_them_at_once_saying_closed_and_crashes_n
 
 
 # ---------------------------------------------------------------------- testing.run(may_die=...)
-def dies_or_returns(code):
+def _dead(pid):
+    """The process ``pid`` has exited (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def dies_or_returns(code, handshake):
     rank = dist.get_rank()
     if rank == 1:
+        Path(handshake + ".tmp").write_text(str(os.getpid()))
+        os.replace(handshake + ".tmp", handshake)  # whole: rank 0 never reads half a pid
         os._exit(code)
     if rank == 2:
         return "returned anyway"
-    time.sleep(3)  # still running when rank 1 dies: the run goes on
+    # The handshake: rank 0 is still running when rank 1 has died (the run goes on).
+    deadline = time.monotonic() + 60
+    while not (os.path.exists(handshake) and _dead(int(Path(handshake).read_text()))):
+        assert time.monotonic() < deadline, "rank 1 never died"
+        time.sleep(0.01)
     return f"rank {rank} done"
 
 
@@ -301,15 +316,15 @@ def raises_on_rank_1():
     time.sleep(60)
 
 
-def test_may_die_lets_the_others_finish_and_still_fails_on_anything_else():
-    results = run(dies_or_returns, 3, 5, may_die=[1, 2], timeout_s=90)
+def test_may_die_lets_the_others_finish_and_still_fails_on_anything_else(tmp_path):
+    results = run(dies_or_returns, 3, 5, str(tmp_path / "rank1_pid"), may_die=[1, 2], timeout_s=90)
     assert results == ["rank 0 done", Died(1, 5), "returned anyway"]
     with pytest.raises(ss.RankFailure, match="planted failure on a rank that may die") as e:
         run(raises_on_rank_1, 2, may_die=[1], timeout_s=90)
     raised_at = float(re.search(r"may die at ([0-9.]+)", str(e.value)).group(1))
     assert time.monotonic() - raised_at < 45  # not the 60 s rank 0 sleeps
     with pytest.raises(ss.ConfigError, match="may_die"):
-        run(dies_or_returns, 2, 0, may_die=[2])
+        run(dies_or_returns, 2, 0, "", may_die=[2])
 
 
 # ---------------------------------------------------------------------- 10 000 fences with random delays
