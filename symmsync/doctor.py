@@ -1,12 +1,22 @@
-"""Diagnose the machine: versions, GPUs, peer access, and which backends work here."""
+"""Diagnose the machine: versions, GPUs, peer access, and which backends work here.
+
+A backend "works" only after the doctor allocated a small buffer on it and fenced on it
+(:func:`allocate_and_fence`, one rank); what the checks before that find missing is
+reported without trying.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
 import subprocess
+import sys
 from importlib import metadata
+
+#: The size of the buffer the doctor allocates on each backend it tries.
+PROBE_BYTES = 4096
 
 
 def _version(dist: str) -> str:
@@ -31,6 +41,81 @@ def _host_backend() -> tuple[bool, str]:
     except ImportError as e:
         return False, f"Triton's interpreter is unavailable: {e}"
     return True, "POSIX shared memory + Triton interpreter (TRITON_INTERPRET=1)"
+
+
+def allocate_and_fence(backend: str) -> tuple[bool, str]:
+    """Allocate a :data:`PROBE_BYTES` buffer on ``backend`` as a group of one rank, write it,
+    fence on it and close it, in this process: ``(True, "")``, or ``(False, what failed)``.
+
+    Makes the one-rank group itself (gloo, an in-process store) when torch.distributed is not
+    initialized, and destroys it afterwards; a process that is a rank of a larger group is not
+    probed (the allocation is a collective of every rank).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from .buffer import SymmetricBuffer
+    from .fence import Fence
+
+    own_group = not dist.is_initialized()
+    if not own_group and dist.get_world_size() != 1:
+        return False, f"not probed: this process is a rank of a group of {dist.get_world_size()}; run the doctor alone"
+    step = "making a one-rank process group"
+    try:
+        if own_group:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        step = f"allocating a {PROBE_BYTES}-byte buffer"
+        buf = SymmetricBuffer(PROBE_BYTES, backend=backend)
+        try:
+            step = "fencing on it"
+            words = buf.tensor(0, (4,), torch.int64)
+            words.fill_(7)
+            fence = Fence(buf.view([0]))
+            fence.fence()
+            if fence.epoch != 1 or words.tolist() != [7] * 4:
+                return False, f"a fence on one rank left epoch {fence.epoch} and words {words.tolist()}"
+        finally:
+            buf.close()
+    except Exception as e:  # noqa: BLE001 - whatever failed, the report says it
+        return False, f"{step} failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    finally:
+        if own_group and dist.is_initialized():
+            dist.destroy_process_group()
+    return True, ""
+
+
+def _try(backend: str) -> tuple[bool, str]:
+    # symmsync compiles or interprets its kernels once per process (mode.py): the host
+    # backend needs them interpreted, the cuda backend compiled. A backend this process
+    # cannot run is tried in a child process that can.
+    from . import mode
+
+    interpreted = backend == "host"
+    if mode.kernels_interpreted() == interpreted:
+        return allocate_and_fence(backend)
+    env = dict(os.environ, TRITON_INTERPRET="1" if interpreted else "0")
+    code = f"import json, symmsync.doctor as d; print(json.dumps(d.allocate_and_fence({backend!r})))"
+    where = f"a process with TRITON_INTERPRET={env['TRITON_INTERPRET']}"
+    try:
+        child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        return False, f"{where} could not run: {e}"
+    try:
+        ok, why = json.loads(child.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return False, f"{where} failed: {(child.stderr.strip().splitlines() or ['no output'])[-1]}"
+    return bool(ok), why
+
+
+def _backend_line(name: str, ok: bool, why: str) -> tuple[bool, str]:
+    """Try ``name`` when its checks passed: ``(works, the report's line)``."""
+    if ok:
+        ok, failure = _try(name)
+        if ok:
+            why = f"{why}; a {PROBE_BYTES}-byte buffer allocated and fenced on"
+        else:
+            why = f"{why}, but {failure}"
+    return ok, f"  {name:<5} {'works' if ok else 'unavailable'}: {why}"
 
 
 def _interpreter_note() -> str:
@@ -121,7 +206,7 @@ def report() -> tuple[str, bool]:
     ]
     host_ok, host_why = _host_backend()
     cuda_ok, cuda_why = _cuda_section(lines)
-    lines.append("backends:")
-    lines.append(f"  host  {'works' if host_ok else 'unavailable'}: {host_why}")
-    lines.append(f"  cuda  {'works' if cuda_ok else 'unavailable'}: {cuda_why}")
+    host_ok, host_line = _backend_line("host", host_ok, host_why)
+    cuda_ok, cuda_line = _backend_line("cuda", cuda_ok, cuda_why)
+    lines += ["backends:", host_line, cuda_line]
     return "\n".join(lines), host_ok or cuda_ok

@@ -42,8 +42,14 @@ def pytest_collection_modifyitems(config, items):
     if n >= 2 or (n >= 1 and os.environ.get("SYMMSYNC_SHARE_GPUS", "0") not in ("", "0")):
         return  # with SYMMSYNC_SHARE_GPUS=1 the ranks of a GPU test share one GPU (a smoke run)
     reason = (
-        f"needs 2 NVIDIA GPUs, found {n}: run `make test-gpu` on a multi-GPU machine "
-        "(docs/gpu.md); the same behaviours run on the host backend in this suite"
+        f"needs 2 NVIDIA GPUs, found {n}: run `make test-gpu` on a multi-GPU machine (docs/gpu.md). "
+        "The host backend in this suite runs the same protocols (buffers, views, fences, signals, collectives, "
+        "the PCP writer, aborts and timeouts) with symmsync's kernels in Triton's interpreter, one program after "
+        "another, on POSIX shared memory. It does not run what needs a GPU: the compiled kernels' instructions "
+        "and memory ordering (tests/core/test_sm90_compile.py reads their PTX), the cuLaunchKernel fast path "
+        "(tests/core/test_fence.py packs for it against a stub), CUDA-graph capture and replay, a trap's error "
+        "at synchronize(), grid_sync over more than one program, overlap() on a side stream (on the host: "
+        "arrive(), the body, wait()), and device memory (cuMem handles, peer access, runtime-allocated memory)"
     )
     for item in items:
         if "gpu" in item.keywords:

@@ -22,7 +22,7 @@ from helpers import describe_error
 
 import symmsync as ss
 import symmsync.language as ssl
-from symmsync import cells
+from symmsync import _language_core, cells
 
 BUDGET_S = 60.0  # the fence budget: an abort that is missed shows up as a minute
 FAST_S = 1.0  # an abort must reach every waiting member within this
@@ -207,9 +207,10 @@ def clean_close_after_the_last_fence(closer, fences):
         if buf.rank == closer and e == fences:
             fence.arrive()  # its last publish is out ...
             buf.close()  # ... and it closes before the others' waits have seen it
+            dist.barrier()  # the handshake: the others start their last fence only now
             return "closed"
         if buf.rank != closer and e == fences:
-            time.sleep(0.3)  # the closer publishes and closes meanwhile
+            dist.barrier()  # the closer has published and closed: the wait below sees both
         fence.fence()
     seen = payload[view.local_index].item()
     slots = _raw_slots(buf, fence, view)
@@ -227,24 +228,43 @@ def test_a_clean_close_after_the_last_fence_never_fails_a_fence_that_completed(h
 
 # ---------------------------------------------------------------------- the flag is never an arrival
 @triton.jit
-def _raw_ge_kernel(slots, epoch, out, SIZE: tl.constexpr):
-    # The compare a wait without the abort mask would make, on the raw words.
-    idx = tl.arange(0, SIZE)
-    v = tl.load(slots + idx)
-    tl.store(out + idx, (v >= epoch).to(tl.int32))
+def _wait_kernel(ptrs, cell, me, epoch, timeout_ns, status, SIZE: tl.constexpr):
+    tl.store(status, ssl.wait(ptrs, cell, me, epoch, timeout_ns, SIZE))
 
 
-def test_an_abort_is_never_taken_for_an_arrival():
-    """The oracle bites: a flag in a non-sign bit (bit 62, as a naive design would put it)
-    makes an unmasked ``slot >= e`` report an aborted member as arrived; the sign bit
-    that symmsync uses does not, and ``wait`` masks before it compares."""
+def _wait_on_slot(word, epoch, budget_s=BUDGET_S):
+    """symmsync's ``wait`` (language.wait, its bounded poll) for ``epoch`` at member 0 of a two-member
+    cell in a torch tensor whose slot for member 1 holds ``word``, with a budget of ``budget_s``:
+    (status, seconds it took)."""
+    memory = torch.zeros(cells.cell_bytes(2) // 8, dtype=torch.int64)
+    memory[cells.SLOTS // 8 + 1] = word
+    ptrs = torch.tensor([memory.data_ptr()] * 2, dtype=torch.int64)  # member 1's table entry is never read
+    status = torch.full((1,), -1, dtype=torch.int32)
+    t0 = time.monotonic()
+    _wait_kernel[(1,)](ptrs, 0, 0, epoch, int(budget_s * 1e9), status, SIZE=2)
+    return status.item(), time.monotonic() - t0
+
+
+def test_an_abort_is_never_taken_for_an_arrival(monkeypatch):
+    """symmsync's wait on a slot that carries the abort flag: a member that aborted before it
+    published the epoch is an abort (status 2, at once), one that published it and aborted
+    afterwards an arrival (status 0: its data is valid). The oracle bites both ways: the flag
+    in a non-sign bit (bit 62, as a naive design would put it) makes the same wait take the
+    aborted member for an arrived one, and the same wait without the count mask
+    (``COUNT_MASK`` patched to every bit) takes the member that published for an abort."""
     count, epoch = 4, 5  # the member published 4 fences, then aborted; the waiter needs 5
-    words = torch.tensor([count | (1 << 62), count | -(2**63)], dtype=torch.int64)
-    out = torch.zeros(2, dtype=torch.int32)
-    _raw_ge_kernel[(1,)](words, epoch, out, SIZE=2)
-    assert out.tolist() == [1, 0]  # bit 62: taken for an arrival; the sign bit: not
-    assert cells.ABORT_FLAG == -(2**63) and (words[1].item() & cells.COUNT_MASK) == count
+    assert cells.ABORT_FLAG == -(2**63) and ((count | cells.ABORT_FLAG) & cells.COUNT_MASK) == count
     assert ssl.ABORT_FLAG.value == cells.ABORT_FLAG and ssl.COUNT_MASK.value == cells.COUNT_MASK  # what kernels use
+    status, elapsed = _wait_on_slot(count | cells.ABORT_FLAG, epoch)
+    assert status == 2 and elapsed < FAST_S, (status, elapsed)  # an abort, seen at once: not the budget
+    assert _wait_on_slot(epoch | cells.ABORT_FLAG, epoch)[0] == 0  # published, then aborted: arrived
+    # No flag: the count decides (a member behind it is on its way: the wait times out).
+    assert _wait_on_slot(epoch, epoch)[0] == 0 and _wait_on_slot(count, epoch, budget_s=0.2)[0] == 1
+    # The flag in bit 62: the same wait reports an arrival for a member that never published.
+    assert _wait_on_slot(count | (1 << 62), epoch)[0] == 0
+    # Without the mask: the member that published the epoch before it aborted is taken for an abort.
+    monkeypatch.setattr(_language_core, "COUNT_MASK", tl.constexpr(-1))
+    assert _wait_on_slot(epoch | cells.ABORT_FLAG, epoch)[0] == 2
 
 
 # ---------------------------------------------------------------------- grid_fence (fused tails)

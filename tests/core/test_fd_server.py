@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,8 @@ CONTENT = b"the memory of rank 0"
 # A process that asks the server for the descriptor `tries` times and prints what it got:
 # the file's bytes through the descriptor, "nothing" (served no descriptor), or
 # "refused" (no server listens any more, or it closed before serving this connection).
+# With ANNOUNCE set it first prints "connected" once its connection is established (the
+# kernel queued it and recorded its credentials): a handshake the test can wait for.
 CLIENT = """
 import os, socket, sys, time
 address = bytes.fromhex(sys.argv[1]).decode()
@@ -37,6 +38,8 @@ for _ in range(int(sys.argv[2])):
         s.settimeout(30)
         try:
             s.connect(address)
+            if os.environ.get("ANNOUNCE"):
+                print("connected", flush=True)
             _, fds, _, _ = socket.recv_fds(s, 1, 1)
         except (ConnectionRefusedError, ConnectionResetError, FileNotFoundError):
             print("refused", flush=True)  # no server, or it closed with this connection waiting
@@ -58,10 +61,11 @@ def served_file():
         yield f.fileno()
 
 
-def _client(server: FdServer, tries: int = 1, uid: int | None = None) -> subprocess.Popen:
+def _client(server: FdServer, tries: int = 1, uid: int | None = None, announce: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-c", CLIENT, server.address.encode().hex(), str(tries)]
     cmd += [str(uid)] if uid is not None else []
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ, ANNOUNCE="1") if announce else None
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def _lines(proc: subprocess.Popen) -> list[str]:
@@ -137,8 +141,9 @@ def test_the_receiver_takes_the_descriptor_only_from_the_rank_named_in_the_handl
 def test_a_connection_before_the_ranks_are_known_waits_for_them(served_file):
     server = FdServer(served_file, owner=0)
     try:
-        rank = _client(server)
-        time.sleep(1.0)  # it connects while the server does not know the ranks yet
+        rank = _client(server, announce=True)
+        # The handshake: its connection is established before the server learns the ranks.
+        assert rank.stdout.readline() == "connected\n"
         server.expect([rank.pid])
         assert _lines(rank) == [CONTENT.decode()]
     finally:

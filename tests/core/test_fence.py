@@ -322,3 +322,64 @@ def test_a_bound_launchs_update_repacks_only_the_arguments_that_changed(monkeypa
     assert [c.writes for c in cells.values()] == [[b.data_ptr()], [6]] and len(packings) == 1
     bound.update([1], [2**40])  # an int of another width selects another compiled variant
     assert len(packings) == 2 and packings[1] == [b, 2**40]
+
+
+def test_a_bound_launch_packs_binds_updates_and_launches_against_a_stub_compiled_kernel(monkeypatch):
+    # The compiled path on a CPU: a stub stands for Triton's compiled kernel (its signature,
+    # metadata and function handle) and for cuda-python's driver (cuLaunchKernel records the
+    # parameters it is handed, read back from the packed ctypes array). Everything between
+    # them is symmsync's own: _Compiled, _Packed, bind, update, the launch.
+    import ctypes
+
+    from symmsync import launch
+
+    def compiled_for(args):  # what Triton compiles: the int's width picks the variant (and its handle)
+        bits = 32 if -(2**31) <= args[1] < 2**31 else 64
+        return types.SimpleNamespace(
+            metadata=types.SimpleNamespace(num_warps=2, shared=64, num_ctas=1),
+            src=types.SimpleNamespace(signature={"out": "*i64", "value": f"i{bits}"}),
+            function=bits,
+        )
+
+    triton_launches, launches = [], []
+
+    def triton_launch(self, args, grid):
+        triton_launches.append((list(args), grid))
+        return compiled_for(args)
+
+    def cu_launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        array = (ctypes.c_void_p * 4).from_address(params)  # out, value, the two scratch pointers
+        out = ctypes.c_uint64.from_address(array[0]).value
+        value = (ctypes.c_int32 if function == ("function", 32) else ctypes.c_int64).from_address(array[1]).value
+        launches.append(((gx, gy, gz), (bx, by, bz), shared, stream, function, out, value))
+        return (0,)
+
+    drv = types.SimpleNamespace(
+        CUfunction=lambda init_value: ("function", init_value),
+        cuLaunchKernel=cu_launch,
+        CUresult=types.SimpleNamespace(CUDA_SUCCESS=0),
+        CUstream=lambda init_value: ("stream", init_value),
+    )
+    monkeypatch.setattr(launch, "driver", lambda: drv)
+    monkeypatch.setattr(launch.Launcher, "_triton_launch", triton_launch)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    launcher = launch.Launcher(_store_value, (3,), num_warps=2)
+    launcher.interpreted = False  # as on a GPU: the first launch compiles, the next ones are packed
+    a, b = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    bound = launcher.bind(a, 5)
+    assert not bound.packed
+    bound(stream=7)  # the first launch goes through Triton's launcher (it compiles) ...
+    assert triton_launches == [([a, 5], (3, 1, 1))] and bound.packed and launcher.path == "triton"
+    bound(stream=7)  # ... the next one is cuLaunchKernel with the packed parameters
+    assert launcher.path == "cuda-python" and launcher.fallback_reason == ""
+    assert launches[-1] == ((3, 1, 1), (64, 1, 1), 64, ("stream", 7), ("function", 32), a.data_ptr(), 5)
+    bound.update([0, 1], [a[:2], 5])  # packs as before: nothing changes
+    bound.update([0, 1], [b, 6])  # the same classes: only the two cells change
+    bound(stream=7)
+    assert launches[-1][4:] == (("function", 32), b.data_ptr(), 6) and len(triton_launches) == 1
+    bound.update([1], [2**40])  # another int width: another compiled variant, through Triton once
+    bound(stream=7)
+    assert len(triton_launches) == 2 and triton_launches[1][0] == [b, 2**40] and len(launches) == 2
+    bound(stream=7)
+    assert launches[-1][4:] == (("function", 64), b.data_ptr(), 2**40)
+    assert len(triton_launches) == 2 and bound.args == (b, 2**40)

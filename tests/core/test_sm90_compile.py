@@ -169,8 +169,19 @@ def test_grid_fence_counts_arrivals_with_a_gpu_scope_atomic_and_publishes_at_sys
     assert _lines(tail, "red.release.sys") and _lines(tail, "ld.acquire.sys")
 
 
-def test_peer_address_translation_compiles(ptx):
-    assert _lines(ptx["translate"], "st.global")
+def test_peer_address_translation_loads_two_table_entries_and_stores_at_their_difference(ptx):
+    # translate_kernel: p = peer_ptr(ptrs, 0, 64, fp32); q = translate(p, ptrs, 0, SIZE - 1); *q = *x.
+    # So: the table's entries 0 and 1 (byte 8) loaded once each, their difference taken,
+    # 64 bytes added, and one 4-byte store at that address (from one thread).
+    text = ptx["translate"]
+    loads = _lines(text, "ld.global.b64")
+    assert len(loads) == 2, loads  # ptrs[0] (peer_ptr's and translate's, one load) and ptrs[SIZE - 1]
+    assert [line for line in _lines(text, "add.s64") if line.endswith(", 8;")]  # &ptrs[1]
+    assert [line for line in _lines(text, "add.s64") if line.endswith(", 64;")]  # peer_ptr's byte offset
+    subs = _lines(text, "sub.s64")
+    stores = _lines(text, "st.global")
+    assert len(subs) == 1 and len(stores) == 1 and "st.global.b32" in stores[0], (subs, stores)
+    assert text.index(subs[0]) < text.index(stores[0])  # the store goes to the translated address
 
 
 def test_the_pcp_writer_compiles_with_exact_division_and_the_hardware_fp8_conversion(ptx):

@@ -1,0 +1,92 @@
+"""``python -m symmsync doctor`` says a backend works only after it allocated a buffer there
+and fenced on it, and says what failed when that did not work.
+
+The oracles: the report's backend lines and exit status, and spies on the allocation, the
+fence and the close (they ran, in that order, in the doctor's process). On this test's
+process the kernels run under the interpreter (conftest.py), so the host backend is tried
+in-process, where a monkeypatch reaches it; the command-line test starts the doctor with
+the kernels compiled (``TRITON_INTERPRET=0``), so that it tries the host backend in a
+child process that interprets them.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from symmsync import BackendError, FenceTimeout, doctor, mode
+from symmsync.buffer import SymmetricBuffer
+from symmsync.fence import Fence
+
+ROOT = Path(__file__).resolve().parents[2]
+HOST_WORKS = "  host  works: POSIX shared memory + Triton interpreter (TRITON_INTERPRET=1); a 4096-byte buffer"
+
+pytestmark = pytest.mark.skipif(
+    not mode.kernels_interpreted(), reason="the doctor is tried in-process where this process interprets kernels"
+)
+
+
+def _host_line(text):
+    return next(line for line in text.splitlines() if line.startswith("  host "))
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    """What the doctor ran, in order: "allocate", "fence", "close"."""
+    calls = []
+    for cls, name in ((SymmetricBuffer, "__init__"), (Fence, "fence"), (SymmetricBuffer, "close")):
+        real = getattr(cls, name)
+
+        def spy(self, *args, _real=real, _name=name, **kwargs):
+            calls.append({"__init__": "allocate"}.get(_name, _name))
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, spy)
+    return calls
+
+
+def test_the_host_backend_works_once_a_buffer_was_allocated_and_fenced_on(spies):
+    text, ok = doctor.report()
+    assert _host_line(text) == HOST_WORKS + " allocated and fenced on", text
+    assert ok and spies == ["allocate", "fence", "close"], spies
+    assert not dist.is_initialized()  # the doctor's one-rank group is gone again
+
+
+def test_a_failed_allocation_makes_the_host_backend_unavailable_saying_so(monkeypatch, spies):
+    def no_memory(self, *args, **kwargs):
+        spies.append("allocate")
+        raise BackendError("planted: /dev/shm refused the segment")
+
+    monkeypatch.setattr(SymmetricBuffer, "__init__", no_memory)
+    text, ok = doctor.report()
+    line = _host_line(text)
+    assert line.startswith("  host  unavailable: POSIX shared memory"), line
+    assert line.endswith(
+        f"but allocating a {doctor.PROBE_BYTES}-byte buffer failed: BackendError: planted: /dev/shm refused the segment"
+    ), line
+    assert spies == ["allocate"] and not dist.is_initialized()
+    if "  cuda  unavailable" in text:  # no other backend: the doctor fails
+        assert not ok
+
+
+def test_a_failed_fence_makes_the_host_backend_unavailable_and_still_closes_the_buffer(monkeypatch, spies):
+    def times_out(self):
+        spies.append("fence")
+        raise FenceTimeout("planted: the fence timed out", rank=0, epoch=1, late={}, channel=0)
+
+    monkeypatch.setattr(Fence, "fence", times_out)
+    ok, why = doctor.allocate_and_fence("host")
+    assert not ok and why == "fencing on it failed: FenceTimeout: planted: the fence timed out", why
+    assert spies == ["allocate", "fence", "close"] and not dist.is_initialized()
+
+
+def test_the_command_exits_0_where_a_backend_works_trying_the_host_in_an_interpreting_process():
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "symmsync", "doctor"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "TRITON_INTERPRET 0" in proc.stdout and _host_line(proc.stdout).startswith(HOST_WORKS), proc.stdout
