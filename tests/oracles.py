@@ -219,12 +219,12 @@ def byte_oracle(tp, tokens, num_layers, seed, backend="host", routes=None, delay
     """Rank function: each route of ``routes`` (default: every route) writes one prompt
     (TP x PCP over the world, ``tp`` TP ranks per PCP rank) into its own cache in one
     poisoned buffer. Per layer one PCP member sleeps before writing; every rank checks its
-    replica's raw bytes right after ``write()`` returns. Returns per route and layer
-    ``(oracle, cross_check)``: the replica (written rows, padding, unwritten slots)
-    equalled the references right after the write, and at the end equalled the all-gather
-    route's bytes (when that route ran); with ``whole_buffer``: at the end, after a
-    barrier, every byte of the buffer was what the references say (the poison outside
-    every written region)."""
+    replica's raw bytes right after ``write()`` returns. Returns, per route, per layer
+    :func:`first_difference` of the replica (written rows, padding, unwritten slots) and
+    the references right after the write; ``whole_buffer``: the same for every byte of the
+    buffer at the end, after a barrier (the poison outside every written region);
+    ``cross_check`` (when the all-gather route ran): per route and layer, whether its
+    bytes equal the all-gather route's at the end."""
     routes = BYTE_ORACLE_ROUTES if routes is None else routes
     world = dist.get_world_size()
     p = world // tp

@@ -100,9 +100,9 @@ def test_at_world_4_every_replica_matches_torch_right_after_write_with_a_peer_la
 def test_without_its_fence_wait_a_route_fails_the_byte_oracle(mechanism):
     """The oracle tests the fence: with the wait of the fused tail (grid_fence) or of the
     separate fence launch replaced by one that returns at once (in the rank processes),
-    rank 0 reads its replica before the late rank 1 wrote into it; the same route passes
-    with the wait, and the whole buffer is right after a barrier either way (what the
-    oracle checked before it read right after write())."""
+    rank 0 reads its replica before the late rank 1 wrote into it. The same route passes
+    with the wait; and after a barrier the whole buffer is right either way: a check made
+    only after a barrier, as this oracle's was before, does not test the fence."""
     _, route = WAITS[mechanism]
     key = f"{route[0]}{'-fused' if route[1] else ''}"
     results = run(byte_oracle_without, 2, mechanism, 64, 1, 3, timeout_s=300)
