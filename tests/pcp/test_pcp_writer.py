@@ -69,6 +69,24 @@ def test_layout_offsets_of_every_field():
         pcp.CacheLayout(num_blocks=1, base=100)
 
 
+def test_the_oracle_places_a_token_by_the_published_numbers():
+    # The byte oracle's own geometry (tests/oracles.py), for the PCP2 test's cache: 4 blocks of 64
+    # tokens, 656 + 132 bytes each, per layer the main region then the indexer region.
+    c = Cache(num_blocks=4, num_layers=2, base=128)
+    assert (c.main_bytes, c.layer_bytes, c.layer_at(1), c.end) == (167936, 201728, 201856, 403584)
+    kv, pe, ix, _ = prompt(5, 1, 1)
+    want = c.expected_layer(kv, pe, ix, torch.tensor([70]), fill=0)  # slot 70: block 1, offset 6
+    main = 70 * 656
+    values = 167936 + 1 * 64 * 132 + 6 * 128
+    scale = 167936 + 1 * 64 * 132 + 64 * 128 + 6 * 4
+    assert torch.equal(want[main + 528 : main + 656], pe[0].view(torch.uint8))  # RoPE: copied
+    assert want[main : main + 528].any() and want[values : values + 128].any() and want[scale : scale + 4].any()
+    written = torch.zeros_like(want, dtype=torch.bool)
+    for at, n in ((main, 656), (values, 128), (scale, 4)):
+        written[at : at + n] = True
+    assert not want[~written].any()  # nothing else
+
+
 def test_split_rank_outside_the_group_is_a_bounds_error():
     s = pcp.pcp_split(10, 2)
     with pytest.raises(ss.BoundsError, match="rank 2 is out of range"):
