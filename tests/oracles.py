@@ -179,6 +179,15 @@ def first_difference(got: torch.Tensor, want: torch.Tensor) -> tuple[int, list[i
     return int(bad.numel()), bad[:3].tolist()
 
 
+def whole_buffer(buf: ss.SymmetricBuffer, regions) -> tuple[int, list[int]]:
+    """:func:`first_difference` of this rank's whole buffer and a poisoned one holding
+    ``regions`` (``(offset, uint8 bytes)`` pairs): every byte outside them must be poison."""
+    want = torch.full((buf.nbytes,), POISON, dtype=torch.uint8)
+    for at, data in regions:
+        want[at : at + data.numel()] = data
+    return first_difference(buf.tensor(0, (buf.nbytes,), torch.uint8).cpu(), want)
+
+
 # ---------------------------------------------------------------------- a prompt
 def prompt(seed, tokens, num_slots, special=False):
     """``(kv_c, k_pe, indexer_k, slots)`` of a seeded prompt: bf16 rows, distinct slots.
@@ -265,12 +274,9 @@ def byte_oracle(tp, tokens, num_layers, seed, backend="host", routes=None, delay
     if buf.capabilities.streams:
         torch.cuda.synchronize()
     dist.barrier()  # the final whole-buffer check reads what every route wrote
-    whole = torch.full((buf.nbytes,), POISON, dtype=torch.uint8)
-    for cache in caches:
-        for layer in range(num_layers):
-            whole[cache.layer_at(layer) : cache.layer_at(layer) + cache.layer_bytes] = wants[layer]
-    result["whole_buffer"] = first_difference(buf.tensor(0, (buf.nbytes,), torch.uint8).cpu(), whole)
-    result["poisoned_bytes"] = int((whole == POISON).sum())
+    regions = [(cache.layer_at(layer), wants[layer]) for cache in caches for layer in range(num_layers)]
+    result["whole_buffer"] = whole_buffer(buf, regions)
+    result["poisoned_bytes"] = buf.nbytes - sum(int(w.numel() - (w == POISON).sum()) for _, w in regions)
     if ("allgather", False) in routes:
         base = caches[routes.index(("allgather", False))]
         cross = {}

@@ -30,6 +30,7 @@ from oracles import (
     first_difference,
     indexer_ref,
     main_ref,
+    whole_buffer,
 )
 
 import symmsync as ss
@@ -225,10 +226,7 @@ def formats_oracle(tokens: int, block_size: int, backend: str = "host", combos=M
     if buf.capabilities.streams:
         torch.cuda.synchronize()
     dist.barrier()  # the whole-buffer check reads what every combination wrote
-    whole = torch.full((buf.nbytes,), POISON, dtype=torch.uint8)
-    for cache, want in zip(caches, wants):
-        whole[cache.base : cache.end] = want
-    result["whole_buffer"] = first_difference(buf.tensor(0, (buf.nbytes,), torch.uint8).cpu(), whole)
+    result["whole_buffer"] = whole_buffer(buf, [(cache.base, want) for cache, want in zip(caches, wants)])
     result["fences"] = fences
     # Writers of one PCP group must agree on the layout, formats included.
     theirs = pcp.CacheLayout(nb, 1, block_size, main_scale="pow2" if buf.rank == 0 else "fp32")
