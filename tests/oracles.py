@@ -214,8 +214,10 @@ BYTE_ORACLE_ROUTES = [("direct", False), ("direct", True), ("allgather", False)]
 #: Poisoned bytes around each route's cache: more than a layout that strays by a few KiB
 #: per layer needs, so that such a layout fails the oracle rather than a bounds check.
 GUARD_BYTES = 16 << 10
-#: How long the delayed peer sleeps before its write: far longer than a check of a layer.
-DELAY_S = 0.2
+#: How long the delayed peer sleeps before its write: longer than a small layer's write
+#: and check take on a 2-core machine (about 0.2 to 0.5 s), so that, without the fence's
+#: wait, the others' check mostly comes first (the mutation tests make it certain).
+DELAY_S = 0.5
 
 
 def delayed_writer(layer: int, route_index: int, size: int) -> int:
