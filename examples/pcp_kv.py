@@ -16,8 +16,10 @@ indexer K, 132 B/token) into every replica of its PCP group, by both routes:
 
 The cache format is ``--format MAIN,INDEXER``: main-KV scales ``pow2`` (default; vLLM
 >= 0.33, FlashMLA) or ``fp32`` (vLLM <= 0.11), indexer scales ``ue8m0`` (default),
-``fp32`` or ``mxfp8``. Then it checks the byte oracle (every replica of both routes
-holds identical bytes) and prints per-layer times of a whole prefill, the bytes each
+``fp32`` or ``mxfp8``. Then it cross-checks the routes (every replica of both routes
+holds identical bytes: a cross-check, not an oracle, since both routes run the same
+quantize-and-write kernel; the byte oracle, references written from the format rules,
+is tests/oracles.py) and prints per-layer times of a whole prefill, the bytes each
 rank moves, and the speedup of direct. On GPUs the prefill is timed twice: eagerly
 (each layer's write issued from Python, as a runtime runs long prefills) and as one
 CUDA graph replay.
@@ -42,7 +44,7 @@ SHAPES = {"kv_c": 512, "k_pe": 64, "indexer_k": 128}
 
 
 def publish_prefill(tp: int, tokens: int, layers: int, backend: str, seed: int, fmt: tuple[str, str]) -> dict:
-    """One rank's work: both routes over every layer, the byte oracle, timings."""
+    """One rank's work: both routes over every layer, the cross-check of the routes, timings."""
     world = dist.get_world_size()
     p = world // tp
     # Two layouts on one buffer: the direct route's cache, then the all-gather route's.
@@ -213,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{_kib(r['bytes']['allgather']['sent_to_peers']):>10s}"
             )
     print(
-        f"\nbyte oracle (every replica identical between direct and all-gather + insert, every layer): "
+        f"\nroute cross-check (every replica identical between direct and all-gather + insert, every layer; "
+        f"the same kernel, so not an oracle: tests/oracles.py is one): "
         f"{'OK' if ok else 'FAILED'}"
     )
     if backend == "host":

@@ -9,6 +9,7 @@
 """
 
 import pickle
+import time
 
 import oracles
 import pytest
@@ -122,24 +123,26 @@ def graph_replay(batches, per_batch):
 
 def pcp_graph_replay(route, fused, replays, tp=1):
     """Rank function (cuda backend): capture one prefill step (every layer's write) once,
-    replay it on fresh inputs, check every replica against the references; return
-    (per replay and layer: equal?, the writer's fence epoch or ``None``).
+    replay it on fresh inputs, one PCP member late each replay, and check every replica's
+    raw bytes against the references right after the replay (no barrier before the check);
+    return (per replay and layer: equal?, the writer's fence epoch or ``None``).
 
     With ``tp`` > 1 the ranks form TP×PCP: each TP rank writes only inside its PCP subgroup, and every
     subgroup gets a different prompt, so a byte that crossed subgroups would fail the oracle."""
     tokens, layers = 700, 2
-    layout = pcp.CacheLayout(num_blocks=tokens // 64 + 2, num_layers=layers, base=128)
-    buf = ss.SymmetricBuffer(layout.end + 128, backend="cuda")
+    cache = oracles.Cache(num_blocks=tokens // 64 + 2, num_layers=layers, base=128)
+    buf = ss.SymmetricBuffer(cache.end + 128, backend="cuda")
+    buf.tensor(0, (buf.nbytes,), torch.uint8).fill_(oracles.POISON)
     view = ss.pcp_view(buf, tp=tp)
     world = dist.get_world_size()
     groups = [[k * tp + t for k in range(world // tp)] for t in range(tp)]
     group = dist.new_subgroups_by_enumeration(groups)[0] if tp > 1 else None
-    writer = pcp.DirectKVWriter(view, layout, route=route, fused=fused, group=group, timeout_s=30)
+    writer = pcp.DirectKVWriter(view, cache.layout, route=route, fused=fused, group=group, timeout_s=30)
     split = pcp.pcp_split(tokens, view.size)
     me = view.local_index
     salt = 10_000 * view.ranks[0]  # one prompt per PCP subgroup
     static = [torch.zeros(split.tokens_per_rank, w, dtype=torch.bfloat16, device=buf.device) for w in (512, 64, 128)]
-    _, _, _, slots = oracles.prompt(salt, tokens, layout.num_slots)
+    _, _, _, slots = oracles.prompt(salt, tokens, cache.num_slots)
     batch = writer.prepare(split.local_slots(slots, me).to(buf.device))
 
     def step():
@@ -149,23 +152,21 @@ def pcp_graph_replay(route, fused, replays, tp=1):
     g = capture(step, warmup=1)
     ok = []
     for rep in range(replays):
-        kv, pe, ix, _ = oracles.prompt(salt + 100 + rep, tokens, layout.num_slots, special=True)
+        kv, pe, ix, _ = oracles.prompt(salt + 100 + rep, tokens, cache.num_slots, special=True)
         for dst, src in zip(static, (kv, pe, ix)):
             dst.copy_(split.local_rows(src, me))
         torch.cuda.synchronize()
-        dist.barrier()  # every rank's inputs are in place before any replica is written
+        dist.barrier()  # every rank's inputs are in place, and every check of the last replay done
+        if route == "direct" and me == oracles.delayed_writer(rep, 0, view.size):
+            time.sleep(oracles.DELAY_S)  # a late peer: the others' replay must wait for its rows
         g.replay()
         if writer.fence is not None:
             writer.fence.synchronize()
         torch.cuda.synchronize()
-        dist.barrier()
-        want = oracles.oracle_cache(layout, kv, pe, ix, slots)
+        want = cache.expected_layer(kv, pe, ix, slots)  # the warm-up and every replay write the same slots
         for layer in range(layers):
-            ok.append(
-                torch.equal(layout.main_kv(buf, layer).cpu(), want[0])
-                and torch.equal(layout.indexer_k(buf, layer).cpu(), want[1])
-            )
-        dist.barrier()  # nobody overwrites inputs of the next replay while a peer still checks
+            ok.append(torch.equal(cache.raw_layer(buf, layer), want))
+    dist.barrier()  # nobody closes while a peer still checks
     epoch = writer.fence.epoch if writer.fence is not None else None
     buf.close()
     return ok, epoch

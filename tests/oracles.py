@@ -1,12 +1,13 @@
 """Oracles shared by the PCP tests, on the host backend and on GPUs.
 
-Test modules do not import each other: what several of them use lives here.
+Test modules do not import each other: what several of them use lives here. Nothing
+here reads a number from ``symmsync.pcp``: the library's layout is what is checked.
 
-* The cache references, plain torch written from the format rules in docs/pcp.md
-  ("Cache formats"), sharing no code with ``symmsync.pcp.quant``. ``amax`` is the
-  largest ``|x|`` of a main-KV tile (128 values) or of an indexer-K token (128
-  values), every division is an IEEE fp32 division, and a code is ``e4m3fn(x / s)``
-  rounded to nearest even and saturating at +-448:
+* The cache references: plain torch written from the format rules (DESIGN.md, "The
+  first consumer"; docs/pcp.md, "Cache formats"). ``amax`` is the largest ``|x|`` of a
+  main-KV tile (128 values) or of an indexer-K token (128 values), every division is an
+  IEEE fp32 division, and a code is ``e4m3fn(x / s)`` rounded to nearest even and
+  saturating at +-448:
 
   * main ``"pow2"``: ``s`` = the smallest power of two >= ``max(amax / 448, 1e-4)``;
   * main ``"fp32"``: ``s = max(amax / 448, 2**-126)``;
@@ -14,18 +15,28 @@ Test modules do not import each other: what several of them use lives here.
   * indexer ``"fp32"``: ``s = max(amax, 1e-4) / 448``;
   * indexer ``"mxfp8"``: ``s`` as ``"ue8m0"``; the 4-byte field holds ``log2(s) + 127``
     four times.
-
-  The byte offsets (656 bytes of main KV per token at ``slot * 656``; per indexer block,
-  ``block_size`` rows of 128 values then ``block_size`` 4-byte scale fields) are
-  written out here as numbers on purpose: the oracle does not read the layout it checks.
+* The bytes' places (:class:`Cache`), written out as numbers: 656 bytes of main KV per
+  token at ``slot * 656`` (512 e4m3 codes, 4 fp32 scales, 64 bf16 RoPE values); 132
+  bytes of indexer K per token, per block of ``block_size`` tokens all their 128-value
+  rows then all their 4-byte scale fields; per layer the main region then the indexer
+  region, each padded to 128 bytes, layers one after another from ``base``. The oracle
+  reads the buffer's raw bytes at these offsets, never through the library's layout.
 * :func:`prompt`: a seeded prompt with edge-case rows.
-* :func:`byte_oracle`: a rank function writing one prompt by every route and checking
-  every replica against the references, against the all-gather route, and its guard
-  bytes (:func:`assert_byte_oracle` checks what every rank returns).
+* :func:`byte_oracle`: a rank function writing one prompt by every route into a
+  poisoned buffer, one peer delayed per layer, and checking this rank's replica right
+  after each ``write()`` (no barrier, no extra fence: the writer's own fence is what
+  makes the peers' rows visible), then every byte of the buffer at the end
+  (:func:`assert_byte_oracle` checks what every rank returns). The all-gather route's
+  bytes are a cross-check, not an oracle: it runs the same kernel.
 """
+
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import triton
+import triton.language as tl
 
 import symmsync as ss
 from symmsync import pcp
@@ -33,6 +44,13 @@ from symmsync import pcp
 F32_1E4 = torch.tensor(1e-4, dtype=torch.float32)  # the fp32 value nearest to 1e-4
 FLT_MIN = torch.tensor(2.0**-126, dtype=torch.float32)
 F448 = torch.tensor(448.0, dtype=torch.float32)
+
+# The formats' published byte counts (DESIGN.md, "The first consumer").
+MAIN_TOKEN = 656  # main KV per token: 512 e4m3 codes, 4 fp32 tile scales (16 bytes), 64 bf16 RoPE (128 bytes)
+INDEXER_TOKEN = 132  # indexer K per token: 128 fp8 values, one 4-byte scale field
+ALIGN = 128  # each region of a layer is padded to 128 bytes
+POISON = 0xA5  # what a byte no one may write holds before and after
+GUARD = POISON  # the name tests/core/test_runtime_memory.py uses
 
 
 # ---------------------------------------------------------------------- the references
@@ -79,33 +97,95 @@ def indexer_ref(indexer_k: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.
     return codes, field
 
 
-def oracle_backing(layout, kv_c, k_pe, indexer_k, slots) -> torch.Tensor:
-    """One layer's whole backing (both regions and their padding) for a prompt."""
-    bs = layout.block_size
-    main = torch.zeros(layout.main_bytes, dtype=torch.uint8)
-    ind = torch.zeros(layout.indexer_bytes, dtype=torch.uint8)
-    tok = main_ref(kv_c, k_pe, layout.main_scale)
-    codes, field = indexer_ref(indexer_k, layout.indexer_scale)
-    for t, s in enumerate(slots.tolist()):
-        if s < 0:
-            continue
-        main[s * 656 : (s + 1) * 656] = tok[t]
-        b, o = divmod(s, bs)
-        blk = b * bs * 132
-        ind[blk + o * 128 : blk + (o + 1) * 128] = codes[t]
-        ind[blk + bs * 128 + o * 4 : blk + bs * 128 + o * 4 + 4] = field[t]
-    return torch.cat([main, ind])
+# ---------------------------------------------------------------------- where the bytes go
+def _up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Cache:
+    """A cache as a test asks for it, and where its bytes must land, from the numbers above."""
+
+    num_blocks: int
+    num_layers: int = 1
+    block_size: int = 64
+    base: int = 0
+    main_scale: str = "pow2"
+    indexer_scale: str = "ue8m0"
+
+    @property
+    def layout(self) -> pcp.CacheLayout:
+        """The library's layout for the same request (handed to the writer, never read here)."""
+        return pcp.CacheLayout(
+            self.num_blocks, self.num_layers, self.block_size, self.base, self.main_scale, self.indexer_scale
+        )
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def main_bytes(self) -> int:
+        return _up(self.num_slots * MAIN_TOKEN)
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.main_bytes + _up(self.num_slots * INDEXER_TOKEN)
+
+    def layer_at(self, layer: int) -> int:
+        """Byte offset of a layer's first byte in the buffer."""
+        return self.base + layer * self.layer_bytes
+
+    @property
+    def end(self) -> int:
+        return self.layer_at(self.num_layers)
+
+    def expected_layer(self, kv_c, k_pe, indexer_k, slots, fill: int = POISON) -> torch.Tensor:
+        """``uint8 [layer_bytes]``: one layer after the prompt's rows were written into a
+        backing that held ``fill``; padding rows (slot -1) and every other byte keep it."""
+        out = torch.full((self.layer_bytes,), fill, dtype=torch.uint8)
+        tok = main_ref(kv_c, k_pe, self.main_scale)
+        codes, field = indexer_ref(indexer_k, self.indexer_scale)
+        bs = self.block_size
+        for t, s in enumerate(slots.tolist()):
+            if s < 0:
+                continue
+            out[s * MAIN_TOKEN : (s + 1) * MAIN_TOKEN] = tok[t]
+            b, o = divmod(s, bs)
+            blk = self.main_bytes + b * bs * INDEXER_TOKEN
+            out[blk + o * 128 : blk + (o + 1) * 128] = codes[t]
+            out[blk + bs * 128 + o * 4 : blk + bs * 128 + (o + 1) * 4] = field[t]
+        return out
+
+    def raw_layer(self, buf: ss.SymmetricBuffer, layer: int) -> torch.Tensor:
+        """This rank's raw bytes where ``layer`` must be, read from the buffer (not the layout)."""
+        return buf.tensor(self.layer_at(layer), (self.layer_bytes,), torch.uint8).cpu()
 
 
 def oracle_cache(layout, kv_c, k_pe, indexer_k, slots) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(main [blocks, block_size, 656], indexer [blocks, block_size * 132])`` of a prompt:
-    what ``layout.main_kv`` and ``layout.indexer_k`` must show after it was written."""
-    back = oracle_backing(layout, kv_c, k_pe, indexer_k, slots)
-    n = layout.num_slots * 656
-    main = back[:n].view(layout.num_blocks, layout.block_size, 656)
-    ib = layout.block_size * 132
-    ind = back[layout.main_bytes : layout.main_bytes + layout.num_blocks * ib].view(layout.num_blocks, ib)
-    return main, ind
+    """``(main [blocks, block_size, 656], indexer [blocks, block_size * 132])`` of one layer
+    of a zeroed cache after a prompt was written, for a cache of ``layout``'s block count,
+    block size and formats (the only things read from it)."""
+    c = Cache(layout.num_blocks, 1, layout.block_size, 0, layout.main_scale, layout.indexer_scale)
+    back = c.expected_layer(kv_c, k_pe, indexer_k, slots, fill=0)
+    main = back[: c.num_slots * MAIN_TOKEN].view(c.num_blocks, c.block_size, MAIN_TOKEN)
+    ib = c.block_size * INDEXER_TOKEN
+    return main, back[c.main_bytes : c.main_bytes + c.num_blocks * ib].view(c.num_blocks, ib)
+
+
+def first_difference(got: torch.Tensor, want: torch.Tensor) -> tuple[int, list[int]]:
+    """How many bytes differ, and the first few offsets of them (``(0, [])``: equal)."""
+    bad = (got != want).nonzero().reshape(-1)
+    return int(bad.numel()), bad[:3].tolist()
+
+
+def whole_buffer(buf: ss.SymmetricBuffer, regions) -> tuple[int, list[int]]:
+    """:func:`first_difference` of this rank's whole buffer and a poisoned one holding
+    ``regions`` (``(offset, uint8 bytes)`` pairs): every byte outside them must be poison."""
+    want = torch.full((buf.nbytes,), POISON, dtype=torch.uint8)
+    for at, data in regions:
+        want[at : at + data.numel()] = data
+    return first_difference(buf.tensor(0, (buf.nbytes,), torch.uint8).cpu(), want)
 
 
 # ---------------------------------------------------------------------- a prompt
@@ -129,75 +209,130 @@ def prompt(seed, tokens, num_slots, special=False):
 
 
 # ---------------------------------------------------------------------- the byte oracle
-GUARD = 0xA5
 BLOCK = 64
 BYTE_ORACLE_ROUTES = [("direct", False), ("direct", True), ("allgather", False)]
+#: Poisoned bytes around each route's cache: more than a layout that strays by a few KiB
+#: per layer needs, so that such a layout fails the oracle rather than a bounds check.
+GUARD_BYTES = 16 << 10
+#: How long the delayed peer sleeps before its write: longer than a small layer's write
+#: and check take on a 2-core machine (about 0.2 to 0.5 s), so that, without the fence's
+#: wait, the others' check mostly comes first (the mutation tests make it certain).
+DELAY_S = 0.5
 
 
-def byte_oracle(tp, tokens, num_layers, seed, backend="host"):
-    """Rank function: every route writes one prompt (TP x PCP over the world, ``tp``
-    TP ranks per PCP rank) into its own layout of one buffer, guard bytes between them;
-    returns per route and layer whether this rank's replica equals the references and
-    the all-gather route's bytes, and whether the guard bytes stayed untouched."""
+def delayed_writer(layer: int, route_index: int, size: int) -> int:
+    """The PCP index of the member that sleeps before writing ``layer`` of a route: each
+    member in turn, so that every member checks some layer while a peer is late."""
+    return (layer + route_index + 1) % size
+
+
+def byte_oracle(tp, tokens, num_layers, seed, backend="host", routes=None, delay_s=DELAY_S):
+    """Rank function: each route of ``routes`` (default: every route) writes one prompt
+    (TP x PCP over the world, ``tp`` TP ranks per PCP rank) into its own cache in one
+    poisoned buffer. Per layer one PCP member sleeps before writing; every rank checks its
+    replica's raw bytes right after ``write()`` returns. Returns, per route, per layer
+    :func:`first_difference` of the replica (written rows, padding, unwritten slots) and
+    the references right after the write; ``whole_buffer``: the same for every byte of the
+    buffer at the end, after a barrier (the poison outside every written region);
+    ``cross_check`` (when the all-gather route ran): per route and layer, whether its
+    bytes equal the all-gather route's at the end."""
+    routes = BYTE_ORACLE_ROUTES if routes is None else routes
     world = dist.get_world_size()
     p = world // tp
-    layout0 = pcp.CacheLayout(num_blocks=max(1, -(-tokens // BLOCK)) + 1, num_layers=num_layers, base=128)
-    span = layout0.nbytes + 256  # each route's layout, with guard bytes between them
-    n = len(BYTE_ORACLE_ROUTES)
-    layouts = [pcp.CacheLayout(layout0.num_blocks, num_layers, BLOCK, base=128 + i * span) for i in range(n)]
-    buf = ss.SymmetricBuffer(layouts[-1].end + 128, backend=backend, channels=2)
-    buf.tensor(0, (buf.nbytes,), torch.uint8).fill_(GUARD)
-    for lay in layouts:
-        for layer in range(num_layers):
-            lay.layer_backing(buf, layer).zero_()
+    nb = max(1, -(-tokens // BLOCK)) + 1
+    span = Cache(nb, num_layers, BLOCK).end + GUARD_BYTES
+    caches = [Cache(nb, num_layers, BLOCK, base=GUARD_BYTES + i * span) for i in range(len(routes))]
+    buf = ss.SymmetricBuffer(caches[-1].end + GUARD_BYTES, backend=backend, channels=2)
+    buf.tensor(0, (buf.nbytes,), torch.uint8).fill_(POISON)
     view = ss.pcp_view(buf, tp=tp)
     ranks_by_group = [[k * tp + t for k in range(p)] for t in range(tp)]
     group, _ = dist.new_subgroups_by_enumeration(ranks_by_group)
-    dist.barrier()
-    kv, pe, ix, slots = prompt(seed + view.ranks[0], tokens, layout0.num_slots, special=True)
+    if buf.capabilities.streams:
+        torch.cuda.synchronize()
+    dist.barrier()  # every replica is poisoned before anyone writes into it
+    kv, pe, ix, slots = prompt(seed + view.ranks[0], tokens, nb * BLOCK, special=True)
     split = pcp.pcp_split(tokens, p)
     me = view.local_index
     local = [split.local_rows(t, me).contiguous().to(buf.device) for t in (kv, pe, ix)]
+
+    def scaled(rows, layer):  # different inputs per layer: a layer written into another's place shows
+        return [(t.float() * (layer + 1)).to(torch.bfloat16) for t in rows]
+
+    wants = [caches[0].expected_layer(*scaled((kv, pe, ix), layer), slots) for layer in range(num_layers)]
     result = {}
-    for i, (route, fused) in enumerate(BYTE_ORACLE_ROUTES):
+    for i, ((route, fused), cache) in enumerate(zip(routes, caches)):
         writer = pcp.DirectKVWriter(
-            view, layouts[i], route=route, fused=fused, group=group, channel=i % 2, timeout_s=60
+            view, cache.layout, route=route, fused=fused, group=group, channel=i % 2, timeout_s=60
         )
         batch = writer.prepare(split.local_slots(slots, me).to(buf.device))
+        key = f"{route}{'-fused' if fused else ''}"
         for layer in range(num_layers):
-            # Different inputs per layer, so a layer written into another layer's place shows.
-            writer.write(layer, *[(t.float() * (layer + 1)).to(torch.bfloat16) for t in local], batch)
+            if route == "direct" and me == delayed_writer(layer, i, p):
+                time.sleep(delay_s)  # a late peer: the others' write() must wait for its rows
+            writer.write(layer, *scaled(local, layer), batch)
+            if buf.capabilities.streams:
+                torch.cuda.synchronize()
+            result.setdefault(key, []).append(first_difference(cache.raw_layer(buf, layer), wants[layer]))
     if buf.capabilities.streams:
         torch.cuda.synchronize()
-    dist.barrier()
-    baseline = BYTE_ORACLE_ROUTES.index(("allgather", False))
-    for layer in range(num_layers):
-        want = oracle_cache(layouts[0], *[(t.float() * (layer + 1)).to(torch.bfloat16) for t in (kv, pe, ix)], slots)
-        base = (layouts[baseline].main_kv(buf, layer).cpu(), layouts[baseline].indexer_k(buf, layer).cpu())
-        for i, (route, fused) in enumerate(BYTE_ORACLE_ROUTES):
-            got = (layouts[i].main_kv(buf, layer).cpu(), layouts[i].indexer_k(buf, layer).cpu())
+    dist.barrier()  # the final whole-buffer check reads what every route wrote
+    regions = [(cache.layer_at(layer), wants[layer]) for cache in caches for layer in range(num_layers)]
+    result["whole_buffer"] = whole_buffer(buf, regions)
+    result["poisoned_bytes"] = buf.nbytes - sum(int(w.numel() - (w == POISON).sum()) for _, w in regions)
+    if ("allgather", False) in routes:
+        base = caches[routes.index(("allgather", False))]
+        cross = {}
+        for (route, fused), cache in zip(routes, caches):
             key = f"{route}{'-fused' if fused else ''}"
-            result.setdefault(key, []).append(
-                (
-                    torch.equal(got[0], want[0]),
-                    torch.equal(got[1], want[1]),
-                    torch.equal(got[0], base[0]),
-                    torch.equal(got[1], base[1]),
-                )
-            )
-    mem = buf.tensor(0, (buf.nbytes,), torch.uint8).cpu()
-    mask = torch.ones(buf.nbytes, dtype=torch.bool)
-    for lay in layouts:
-        mask[lay.base : lay.end] = False
-    result["guards_untouched"] = bool((mem[mask] == GUARD).all())
-    result["guard_bytes"] = int(mask.sum())
+            cross[key] = [
+                torch.equal(cache.raw_layer(buf, layer), base.raw_layer(buf, layer)) for layer in range(num_layers)
+            ]
+        result["cross_check"] = cross
+    dist.barrier()  # nobody closes while a peer still reads
     buf.close()
     return result
 
 
 def assert_byte_oracle(results, num_layers):
-    """Every rank's :func:`byte_oracle` result: every route, every layer, every check."""
+    """Every rank's :func:`byte_oracle` result: every route, every layer, every byte."""
     for r in results:
-        assert r["guards_untouched"] and r["guard_bytes"] > 0
+        assert r["whole_buffer"] == (0, []), r["whole_buffer"]
+        assert r["poisoned_bytes"] > 3 * GUARD_BYTES
         for key in ("direct", "direct-fused", "allgather"):
-            assert r[key] == [(True, True, True, True)] * num_layers, (key, r[key])
+            assert r[key] == [(0, [])] * num_layers, (key, r[key])
+            assert r["cross_check"][key] == [True] * num_layers, (key, r["cross_check"])
+
+
+# ---------------------------------------------------------------------- the fence's wait, removed
+@triton.jit
+def _no_wait(ptrs, cell, me, epoch, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.constexpr):
+    """``wait_or_trap`` without the wait: reports "every member arrived" at once."""
+    return (me * 0).to(tl.int32)
+
+
+#: Per mechanism: the module whose global ``wait_or_trap`` it calls at run time under
+#: Triton's interpreter, and the route that relies on it.
+WAITS = {
+    "fused tail": ("symmsync._language_fence", ("direct", True)),  # grid_fence's wait
+    "separate fence": ("symmsync.language", ("direct", False)),  # Fence's kernel: ssl.wait_or_trap
+}
+
+
+def byte_oracle_without(mechanism, tokens, num_layers, seed):
+    """Rank function (host backend, a fresh process: it patches): :func:`byte_oracle` on
+    the route relying on ``mechanism``, first as shipped, then with that mechanism's wait
+    replaced by one that returns at once (and the peer later still). Returns both results."""
+    import importlib
+
+    module_name, route = WAITS[mechanism]
+    module = importlib.import_module(module_name)
+    intact = byte_oracle(1, tokens, num_layers, seed, routes=[route])
+    real = module.wait_or_trap
+    module.wait_or_trap = _no_wait
+    try:
+        # Late by several times what a small layer's write and check take on a loaded
+        # 2-core machine (about 0.5 s), so that the check always comes first.
+        removed = byte_oracle(1, tokens, num_layers, seed, routes=[route], delay_s=2.5)
+    finally:
+        module.wait_or_trap = real
+    return intact, removed

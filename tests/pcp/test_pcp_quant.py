@@ -1,7 +1,9 @@
 """Byte-exactness tests for the fp8 quantization primitives in symmsync.pcp.quant.
 
 The Triton device functions run under Triton's CPU interpreter here and are
-compared byte for byte against the pure-torch references.
+compared byte for byte against the references in tests/oracles.py: plain torch
+written from the scale rules (DESIGN.md, "The first consumer"), importing nothing
+from symmsync.pcp.quant.
 """
 
 import os
@@ -19,11 +21,14 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from oracles import e4m3, indexer_ref, main_ref  # noqa: E402
 
 from symmsync.pcp import quant  # noqa: E402
 
 FLT_MAX = float(np.finfo(np.float32).max)
 BLOCK_T = 16
+FLT_MIN = 2.0**-126  # the main-KV "fp32" scale's floor
+TOKEN_BYTES = 656  # main KV per token: 512 codes, 4 fp32 scales, 64 bf16 RoPE values
 
 
 # --------------------------------------------------------------------------
@@ -149,7 +154,7 @@ def run_scales(amax: torch.Tensor, every: bool = False):
 
 def run_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, truncate: bool = False) -> torch.Tensor:
     t = kv_c.shape[0]
-    out = torch.full((t, quant.MLA_TOKEN_BYTES), 0xA5, dtype=torch.uint8)
+    out = torch.full((t, TOKEN_BYTES), 0xA5, dtype=torch.uint8)
     if t:
         _mla_kernel[(triton.cdiv(t, BLOCK_T),)](
             kv_c.contiguous(), k_pe.contiguous(), out, t, BLOCK_T=BLOCK_T, TRUNCATE=truncate
@@ -167,11 +172,12 @@ def run_indexer(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def expected_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """torch's cast for |x| < 464; the documented rule (saturate, NaN 0x7F) elsewhere."""
+    """The reference (:func:`oracles.e4m3`) for |x| < 464; the documented rule (saturate,
+    NaN 0x7F) elsewhere."""
     x = x.to(torch.float32)
     sign = (x.view(torch.int32) < 0).to(torch.uint8) * 0x80
     rule = torch.where(torch.isnan(x), 0x7F, 0x7E).to(torch.uint8) | sign
-    return torch.where(x.abs() < 464.0, quant.ref_e4m3_bits(x), rule)
+    return torch.where(x.abs() < 464.0, e4m3(torch.where(x.abs() < 464.0, x, 0.0)), rule)
 
 
 def assert_bytes_equal(got: torch.Tensor, want: torch.Tensor, what: str, inputs=None) -> None:
@@ -194,15 +200,15 @@ def check_e4m3(x: torch.Tensor, truncate: bool = False) -> None:
 
 def check_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, truncate: bool = False) -> None:
     # The test kernel uses the legacy ("fp32") tile scale.
-    want = quant.ref_mla_token_bytes(kv_c, k_pe, scale="fp32")
+    want = main_ref(kv_c, k_pe, "fp32")
     assert_bytes_equal(run_mla(kv_c, k_pe, truncate), want, "fp8_ds_mla")
 
 
 def check_indexer(k: torch.Tensor) -> None:
     q, s = run_indexer(k)
-    q_ref, s_ref = quant.ref_indexer_bytes(k)
+    q_ref, s_ref = indexer_ref(k, "ue8m0")
     assert_bytes_equal(q, q_ref, "indexer codes")
-    assert_bytes_equal(s.view(torch.uint8), s_ref.view(torch.uint8), "indexer scales")
+    assert_bytes_equal(s.view(torch.uint8), s_ref.reshape(-1), "indexer scales")
 
 
 def f32(bits) -> torch.Tensor:
@@ -307,13 +313,13 @@ _FINITE_BELOW_464 = st.floats(
 @given(st.lists(_FINITE_BELOW_464, min_size=1, max_size=4096))
 def test_e4m3_property_matches_torch(values):
     x = torch.tensor(values, dtype=torch.float32)
-    assert_bytes_equal(run_e4m3(x), quant.ref_e4m3_bits(x), "e4m3_bits", x)
+    assert_bytes_equal(run_e4m3(x), e4m3(x), "e4m3_bits", x)
 
 
 def test_torch_cast_behaviour_matches_documented_rule():
     """Documents torch's own behaviour that the module docstring relies on."""
     x = torch.tensor([464.0, 465.0, 479.9, 480.0, 1e30, np.inf, -np.inf, -500.0, np.nan])
-    got = quant.ref_e4m3_bits(x).tolist()
+    got = x.to(torch.float8_e4m3fn).view(torch.uint8).tolist()
     if got[1] != 0x7E:
         pytest.skip(f"this torch ({torch.__version__}) does not saturate fp8 casts")
     assert got[:-1] == [0x7E] * 6 + [0xFE, 0xFE]
@@ -338,7 +344,7 @@ def _amax_edge_values() -> torch.Tensor:
         [
             torch.tensor([0.0, 1e-45, 1e-40, 1e-4, 1e-3, 0.04479, 0.0448, 1.0, 448.0, 1e30, 3e38, FLT_MAX]),
             f32([0x00000001, 0x007FFFFF, 0x00800000, 0x38D1B717, 0x38D1B716, 0x38D1B718]),
-            torch.tensor([448.0 * quant.FLT_MIN], dtype=torch.float32),
+            torch.tensor([448.0 * FLT_MIN], dtype=torch.float32),
             pows,
         ]
     )
@@ -349,7 +355,7 @@ def _amax_edge_values() -> torch.Tensor:
 def _expected_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Independent numpy oracle for both scales (float32 numpy division is IEEE)."""
     a = amax.numpy().astype(np.float32)
-    mla = np.maximum(a / np.float32(448.0), np.float32(quant.FLT_MIN))
+    mla = np.maximum(a / np.float32(448.0), np.float32(FLT_MIN))
     m = np.maximum(a, np.float32(1e-4)) / np.float32(448.0)
     # log2 of a float32 in float64 is far from any integer unless m is an
     # exact power of two (then it is exact), so ceil() is reliable here.
@@ -383,7 +389,7 @@ def _check_scales(amax: torch.Tensor) -> None:
 def test_scales_edge_values():
     _check_scales(_amax_edge_values())
     mla, idx = run_scales(torch.tensor([0.0, 448.0, 1.0, 1e-4]))
-    assert mla.tolist()[:2] == [quant.FLT_MIN, 1.0]
+    assert mla.tolist()[:2] == [FLT_MIN, 1.0]
     assert idx.tolist() == [2.0**-22, 1.0, 2.0**-8, 2.0**-22]
 
 
@@ -449,7 +455,7 @@ def test_mla_special_rows():
     got = run_mla(kv_c, k_pe)
     # Rows of zeros use the FLT_MIN floor; -0 stays -0.
     scales = got[:, 512:528].contiguous().view(torch.float32)
-    assert torch.all(scales[:3] == quant.FLT_MIN)
+    assert torch.all(scales[:3] == FLT_MIN)
     assert torch.all(got[0, :512] == 0) and torch.all(got[2, :512] == 0x80)
     assert torch.equal(got[:, 528:], k_pe.view(torch.uint8))
 
@@ -468,7 +474,7 @@ def test_reference_by_hand():
     kv_c[0, 256:384] = 0.0
     kv_c[0, 384:] = -2.0
     k_pe = torch.full((1, 64), -1.5, dtype=torch.bfloat16)
-    got = quant.ref_mla_token_bytes(kv_c, k_pe, scale="fp32")
+    got = main_ref(kv_c, k_pe, "fp32")
     assert got.shape == (1, 656)
     # 1 / (1/448 rounded) rounds back to 448; tile 1 has scale 1; tile 3 -> -448.
     assert got[0, :128].unique().tolist() == [0x7E]
@@ -476,12 +482,12 @@ def test_reference_by_hand():
     assert got[0, 256:384].unique().tolist() == [0x00]
     assert got[0, 384:512].unique().tolist() == [0xFE]
     scales = got[0, 512:528].view(torch.float32)
-    assert scales.tolist() == [np.float32(1) / np.float32(448), 1.0, quant.FLT_MIN, np.float32(2) / np.float32(448)]
+    assert scales.tolist() == [np.float32(1) / np.float32(448), 1.0, FLT_MIN, np.float32(2) / np.float32(448)]
     assert got[0, 528:].view(torch.bfloat16).tolist() == [-1.5] * 64
-    q, s = quant.ref_indexer_bytes(torch.ones(1, 128, dtype=torch.bfloat16))
-    assert s.tolist() == [2.0**-8] and q.unique().tolist() == [0x78]  # 1 / 2**-8 = 256
-    assert quant.ref_mla_token_bytes(kv_c[:0], k_pe[:0]).shape == (0, 656)
-    assert quant.ref_indexer_bytes(torch.ones(0, 128, dtype=torch.bfloat16))[0].shape == (0, 128)
+    q, s = indexer_ref(torch.ones(1, 128, dtype=torch.bfloat16), "ue8m0")
+    assert s.view(torch.float32).reshape(-1).tolist() == [2.0**-8] and q.unique().tolist() == [0x78]  # 1 / 2**-8 = 256
+    assert main_ref(kv_c[:0], k_pe[:0], "pow2").shape == (0, 656)
+    assert indexer_ref(torch.ones(0, 128, dtype=torch.bfloat16), "ue8m0")[0].shape == (0, 128)
 
 
 # --------------------------------------------------------------------------
@@ -498,9 +504,7 @@ def test_oracle_detects_truncating_rounding():
     with pytest.raises(AssertionError, match="fp8_ds_mla"):
         check_mla(kv_c, k_pe, truncate=True)
     # Truncation only ever lands one code below the right answer.
-    diff = quant.ref_mla_token_bytes(kv_c, k_pe, scale="fp32").to(torch.int16) - run_mla(kv_c, k_pe, True).to(
-        torch.int16
-    )
+    diff = main_ref(kv_c, k_pe, "fp32").to(torch.int16) - run_mla(kv_c, k_pe, True).to(torch.int16)
     assert set(diff.unique().tolist()) == {0, 1}
 
 

@@ -1,10 +1,14 @@
-"""The PCP direct-KV writer: the byte oracle, properties, bad input.
+"""The PCP direct-KV writer: the byte oracle, the fence it tests, properties, bad input.
 
-The byte oracle (tests/oracles.py): after a layer's fence, every replica's cache is
-byte-identical to what the all-gather + insert route produces, and to a cache built
-with plain torch from the whole prompt and the format rules; guard bytes around the
-backing stay untouched. It runs on the host backend, and on 2 GPUs where they exist
-(the ``backend`` fixture); the rest runs on the host backend.
+The byte oracle (tests/oracles.py): each rank reads its replica's raw bytes right after
+``write()`` returns, with one peer late (no barrier before the check: the writer's own
+fence must have made the peer's rows visible), and compares them with a cache built with
+plain torch from the whole prompt and the format rules, at offsets written out as numbers
+from the published layout; every byte outside the written regions keeps its poison. The
+all-gather route's bytes are a cross-check (the same kernel). The mutation tests remove
+the wait of the fused tail and of the separate fence and show the same oracle failing.
+It runs on the host backend, and on 2 GPUs where they exist (the ``backend`` fixture);
+the rest runs on the host backend.
 """
 
 import os
@@ -14,7 +18,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from oracles import assert_byte_oracle, byte_oracle, oracle_cache, prompt
+from oracles import WAITS, Cache, assert_byte_oracle, byte_oracle, byte_oracle_without, prompt
 
 import symmsync as ss
 from symmsync import pcp
@@ -65,6 +69,24 @@ def test_layout_offsets_of_every_field():
         pcp.CacheLayout(num_blocks=1, base=100)
 
 
+def test_the_oracle_places_a_token_by_the_published_numbers():
+    # The byte oracle's own geometry (tests/oracles.py), for the PCP2 test's cache: 4 blocks of 64
+    # tokens, 656 + 132 bytes each, per layer the main region then the indexer region.
+    c = Cache(num_blocks=4, num_layers=2, base=128)
+    assert (c.main_bytes, c.layer_bytes, c.layer_at(1), c.end) == (167936, 201728, 201856, 403584)
+    kv, pe, ix, _ = prompt(5, 1, 1)
+    want = c.expected_layer(kv, pe, ix, torch.tensor([70]), fill=0)  # slot 70: block 1, offset 6
+    main = 70 * 656
+    values = 167936 + 1 * 64 * 132 + 6 * 128
+    scale = 167936 + 1 * 64 * 132 + 64 * 128 + 6 * 4
+    assert torch.equal(want[main + 528 : main + 656], pe[0].view(torch.uint8))  # RoPE: copied
+    assert want[main : main + 528].any() and want[values : values + 128].any() and want[scale : scale + 4].any()
+    written = torch.zeros_like(want, dtype=torch.bool)
+    for at, n in ((main, 656), (values, 128), (scale, 4)):
+        written[at : at + n] = True
+    assert not want[~written].any()  # nothing else
+
+
 def test_split_rank_outside_the_group_is_a_bounds_error():
     s = pcp.pcp_split(10, 2)
     with pytest.raises(ss.BoundsError, match="rank 2 is out of range"):
@@ -77,7 +99,7 @@ def test_split_rank_outside_the_group_is_a_bounds_error():
 BYTE_ORACLE = {"host": (150, 2, 11), "cuda": (1000, 3, 5)}  # tokens, layers, seed
 
 
-def test_pcp2_every_replica_is_byte_identical_to_allgather_insert_and_to_torch(backend, host_ranks):
+def test_pcp2_every_replica_matches_torch_right_after_write_with_a_peer_late(backend, host_ranks):
     tokens, layers, seed = BYTE_ORACLE[backend]
     if backend == "host":
         results = host_ranks(byte_oracle, 2, 1, tokens, layers, seed, backend, timeout_s=600)
@@ -87,20 +109,40 @@ def test_pcp2_every_replica_is_byte_identical_to_allgather_insert_and_to_torch(b
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["pcp4", "tp2xpcp2"])
-def test_at_world_4_every_replica_is_byte_identical_to_allgather_insert_and_to_torch(tp, host_ranks):
+def test_at_world_4_every_replica_matches_torch_right_after_write_with_a_peer_late(tp, host_ranks):
     # On 4 GPUs: tests/gpu/test_gpu_four.py.
     assert_byte_oracle(host_ranks(byte_oracle, 4, tp, 150, 2, 11, timeout_s=600), 2)
 
 
+@pytest.mark.parametrize("mechanism", sorted(WAITS))
+def test_without_its_fence_wait_a_route_fails_the_byte_oracle(mechanism):
+    """The oracle tests the fence: with the wait of the fused tail (grid_fence) or of the
+    separate fence launch replaced by one that returns at once (in the rank processes),
+    rank 0 reads its replica before the late rank 1 wrote into it. The same route passes
+    with the wait; and after a barrier the whole buffer is right either way: a check made
+    only after a barrier, as this oracle's was before, does not test the fence."""
+    _, route = WAITS[mechanism]
+    key = f"{route[0]}{'-fused' if route[1] else ''}"
+    results = run(byte_oracle_without, 2, mechanism, 64, 1, 3, timeout_s=300)
+    for intact, removed in results:
+        assert intact[key] == [(0, [])] and intact["whole_buffer"] == (0, []), intact
+        assert removed["whole_buffer"] == (0, []), removed
+    removed = results[0][1][key][0]  # rank 0 checks layer 0 while rank 1 sleeps
+    assert removed[0] > 0, results[0]
+
+
 # ---------------------------------------------------------------------- properties
 def one_example(tokens, num_layers, pad, seed):
-    """Direct route vs torch for one prompt; returns per-layer equality on this rank."""
+    """Direct route vs torch for one prompt; returns per-layer equality on this rank, of the
+    raw bytes right after each write (the rows, the padding and the unwritten slots)."""
     world = dist.get_world_size()
-    layout = pcp.CacheLayout(num_blocks=max(1, -(-tokens // BLOCK)) + 1, num_layers=num_layers, base=128)
-    buf = ss.SymmetricBuffer(layout.end + 128, backend="host")
+    cache = Cache(num_blocks=max(1, -(-tokens // BLOCK)) + 1, num_layers=num_layers, base=128)
+    buf = ss.SymmetricBuffer(cache.end + 128, backend="host")
+    buf.tensor(0, (buf.nbytes,), torch.uint8).fill_(GUARD)
     view = buf.view(list(range(world)))
-    writer = pcp.DirectKVWriter(view, layout, timeout_s=60)
-    kv, pe, ix, slots = prompt(seed, tokens, layout.num_slots)
+    dist.barrier()  # every replica is poisoned before anyone writes into it
+    writer = pcp.DirectKVWriter(view, cache.layout, timeout_s=60)
+    kv, pe, ix, slots = prompt(seed, tokens, cache.num_slots)
     if pad:  # some prompt tokens have no cache slot (padding inside the prompt)
         g = torch.Generator().manual_seed(seed + 1)
         slots[torch.rand(tokens, generator=g) < pad] = -1
@@ -110,10 +152,8 @@ def one_example(tokens, num_layers, pad, seed):
     for layer in range(num_layers):
         rows = [(split.local_rows(t, buf.rank).float() + layer).to(torch.bfloat16).contiguous() for t in (kv, pe, ix)]
         writer.write(layer, *rows, batch)
-        want = oracle_cache(layout, *[(t.float() + layer).to(torch.bfloat16) for t in (kv, pe, ix)], slots)
-        ok.append(
-            torch.equal(layout.main_kv(buf, layer), want[0]) and torch.equal(layout.indexer_k(buf, layer), want[1])
-        )
+        want = cache.expected_layer(*[(t.float() + layer).to(torch.bfloat16) for t in (kv, pe, ix)], slots, GUARD)
+        ok.append(torch.equal(cache.raw_layer(buf, layer), want))
     buf.close()
     return ok
 
