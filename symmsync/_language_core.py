@@ -198,7 +198,7 @@ def scan_members(slots, me, epoch, record, SIZE: tl.constexpr, MODE: tl.constexp
     a = 0
     b = 0
     if MODE == FIRST_BEHIND or MODE == FIRST_FLAGGED:
-        a = SIZE + (me * 0)
+        a = tl.full((), SIZE, tl.int32)  # not from ``me``: a launch may pass it as the constant 1
     for base in tl.static_range(0, SIZE, LANES):
         idx = base + tl.arange(0, LANES)
         live = (idx < SIZE) & (idx != me)

@@ -237,7 +237,7 @@ def grid_fence(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.
     or 0.
     """
     ep = epoch_ptr(ptrs, cell, me)
-    status = (me * 0).to(tl.int32)
+    status = tl.full((), 0, tl.int32)  # not from ``me``: a launch may pass it as the constant 1
     if SIZE == 1:
         # A view of one member: nobody to publish to or wait for, and stream order shows
         # this launch's writes to the kernels after it. The epoch advances as in any fence.

@@ -1,11 +1,11 @@
 """Bit-exact fp8 (e4m3fn) quantization primitives for KV-cache writers.
 
-This module provides Triton device functions and pure-torch references for
-the two fp8 layouts used by DeepSeek-V3.2 sparse MLA KV caches, in each of
-their scale formats. The Triton
+This module provides Triton device functions for the two fp8 layouts used by
+DeepSeek-V3.2 sparse MLA KV caches, in each of their scale formats. The Triton
 functions give byte-identical results when compiled for NVIDIA GPUs and when
-run by Triton's CPU interpreter (``TRITON_INTERPRET=1``); the torch
-references define the expected bytes.
+run by Triton's CPU interpreter (``TRITON_INTERPRET=1``); the expected bytes
+come from plain torch references written from the formats' rules, which live with
+the tests (``tests/oracles.py``), apart from the code they check.
 
 Formats
 -------
@@ -14,8 +14,8 @@ The bytes of both caches and the scale rules of each format are stated once, in
 values, tile (main KV) or token (indexer K) scales from ``amax`` by IEEE fp32 division,
 ``"pow2"`` and ``"fp32"`` main-KV scales (:data:`MAIN_SCALES`), ``"ue8m0"``, ``"fp32"`` and
 ``"mxfp8"`` indexer scales (:data:`INDEXER_SCALES`; :func:`e8m0_word` builds the mxfp8
-field). The torch references here follow those rules; this module's docstring says how
-the Triton functions reach the same bytes on both backends.
+field). This docstring says how the Triton functions reach the same bytes on both
+backends.
 
 With a power-of-two scale the kernels multiply by its reciprocal
 (:func:`pow2_recip`, exact) instead of dividing: ``x * (1 / s)`` and the IEEE
@@ -86,7 +86,6 @@ positive ones), so such tiles are not byte-reproducible.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -114,9 +113,6 @@ __all__ = [
     "MAIN_SCALES",
     "MAIN_SCALE_FLOOR",
     "INDEXER_SCALES",
-    "ref_e4m3_bits",
-    "ref_mla_token_bytes",
-    "ref_indexer_bytes",
 ]
 
 FP8_E4M3_MAX = 448.0
@@ -336,93 +332,3 @@ else:
         all 2**32 bit patterns); a NaN input gives a NaN code.
         """
         return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-
-
-def ref_e4m3_bits(x: torch.Tensor) -> torch.Tensor:
-    """Reference fp32 -> float8_e4m3fn bit patterns via torch's cast.
-
-    Args:
-        x: fp32 tensor (any shape, CPU).
-
-    Returns:
-        uint8 tensor of the same shape.
-    """
-    return x.to(torch.float32).to(torch.float8_e4m3fn).view(torch.uint8)
-
-
-def ref_mla_token_bytes(kv_c: torch.Tensor, k_pe: torch.Tensor, scale: str = "pow2") -> torch.Tensor:
-    """Reference fp8_ds_mla bytes, 656 per token.
-
-    Args:
-        kv_c: bf16 tensor ``[T, 512]``.
-        k_pe: bf16 tensor ``[T, 64]``.
-        scale: the tile-scale format, ``"pow2"`` or ``"fp32"`` (:data:`MAIN_SCALES`).
-
-    Returns:
-        uint8 tensor ``[T, 656]``: 512 fp8 codes, 4 fp32 tile scales
-        (little endian), 64 bf16 values.
-    """
-    if kv_c.dtype != torch.bfloat16 or k_pe.dtype != torch.bfloat16:
-        raise TypeError("kv_c and k_pe must be bfloat16")
-    if kv_c.dim() != 2 or kv_c.shape[1] != MLA_NOPE_DIM:
-        raise ValueError(f"kv_c must be [T, {MLA_NOPE_DIM}], got {tuple(kv_c.shape)}")
-    if k_pe.shape != (kv_c.shape[0], MLA_ROPE_DIM):
-        raise ValueError(f"k_pe must be [T, {MLA_ROPE_DIM}], got {tuple(k_pe.shape)}")
-    if scale not in MAIN_SCALES:
-        raise ValueError(f"scale must be one of {MAIN_SCALES}, got {scale!r}")
-    t = kv_c.shape[0]
-    x = kv_c.cpu().to(torch.float32).reshape(t, MLA_NOPE_DIM // MLA_TILE, MLA_TILE)
-    amax = x.abs().amax(dim=-1, keepdim=True)
-    # Divide by a tensor (not a Python scalar) so torch performs a true IEEE
-    # division rather than any multiply-by-reciprocal shortcut.
-    q448 = amax / torch.full_like(amax, FP8_E4M3_MAX)
-    if scale == "fp32":
-        s = torch.clamp_min(q448, FLT_MIN)
-    else:
-        s = _ref_pow2_ceil(torch.maximum(q448, torch.tensor(MAIN_SCALE_FLOOR, dtype=torch.float32)))
-    q = ref_e4m3_bits(x / s).reshape(t, MLA_NOPE_DIM)
-    scale_bytes = _le_bytes(s.reshape(t, MLA_NOPE_DIM // MLA_TILE).contiguous())
-    pe_bytes = _le_bytes(k_pe.cpu().contiguous())
-    return torch.cat([q, scale_bytes, pe_bytes], dim=1)
-
-
-def _ref_pow2_ceil(m: torch.Tensor) -> torch.Tensor:
-    # m = mant * 2**e with mant in [0.5, 1): m is a power of two iff mant is
-    # 0.5, otherwise the next power of two up is 2**e. Exact.
-    mant, e = torch.frexp(m)
-    return torch.where(mant == 0.5, m, torch.ldexp(torch.ones_like(m), e))
-
-
-def ref_indexer_bytes(indexer_k: torch.Tensor, scale: str = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference indexer-K quantization.
-
-    Args:
-        indexer_k: bf16 tensor ``[T, 128]``.
-        scale: the scale format (:data:`INDEXER_SCALES`); ``"mxfp8"`` has the
-            scale of ``"ue8m0"``, only its stored field differs.
-
-    Returns:
-        ``(codes, scales)``: uint8 ``[T, 128]`` fp8 bit patterns and fp32
-        ``[T]`` scales.
-    """
-    if indexer_k.dtype != torch.bfloat16:
-        raise TypeError("indexer_k must be bfloat16")
-    if indexer_k.dim() != 2 or indexer_k.shape[1] != INDEXER_DIM:
-        raise ValueError(f"indexer_k must be [T, {INDEXER_DIM}], got {tuple(indexer_k.shape)}")
-    if scale not in INDEXER_SCALES:
-        raise ValueError(f"scale must be one of {INDEXER_SCALES}, got {scale!r}")
-    t = indexer_k.shape[0]
-    x = indexer_k.cpu().to(torch.float32)
-    amax = x.abs().amax(dim=-1, keepdim=True)
-    floor = torch.tensor(INDEXER_AMAX_FLOOR, dtype=torch.float32)
-    m = torch.maximum(amax, floor) / torch.full_like(amax, FP8_E4M3_MAX)
-    s = m if scale == "fp32" else _ref_pow2_ceil(m)
-    codes = ref_e4m3_bits(x / s)
-    return codes, s.reshape(t)
-
-
-def _le_bytes(t: torch.Tensor) -> torch.Tensor:
-    """Views a 2-D contiguous tensor's rows as little-endian bytes."""
-    if not torch.tensor([1], dtype=torch.int16).view(torch.uint8)[0].item():
-        raise RuntimeError("reference byte layout assumes a little-endian host")
-    return t.view(torch.uint8).reshape(t.shape[0], t.shape[1] * t.element_size())
