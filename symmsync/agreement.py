@@ -131,7 +131,7 @@ def agree(
        capture waits in the exchange until the group's timeout, as for a rank that left).
     2. One exchange of every rank's ``(values, problem, error)``: a rank with a problem
        sends ``None`` for its values.
-    3. ``received`` gets every rank's values, before anything is raised.
+    3. ``received`` gets every rank's values, before a problem or a mismatch is raised.
     4. Problems: when any rank had one, every rank raises the error that the first such
        rank's problem carries, ``"{call}: {failed}rank R (and ranks S, T): {problem}{tail}"``.
     5. Each field of ``same``, in its order: unless the ranks of its ``among`` sent equal

@@ -83,11 +83,12 @@ def _wait_kernel(
         ssl.wait_signal(sig, me, peer, slot, value, CMP, timeout_ns, record, SIZE, NSLOTS, TRAP)
 
 
-def _aborted_by(rank: int, reason: str, message: str) -> PeerAborted:
-    """The refusal every rank raises when ``rank`` had aborted the view (``reason``) before
-    making its Signals: a :class:`~symmsync.PeerAborted` naming it. Picklable as a partial:
-    it travels in the constructor's exchange."""
-    return PeerAborted(message, rank=rank, epoch=-1, late={}, channel=-1, aborted={rank: reason})
+def _aborted_by(aborter: int, reason: str, message: str) -> PeerAborted:
+    """The refusal every rank raises when rank ``aborter`` had aborted the view (``reason``)
+    before making its Signals: a :class:`~symmsync.PeerAborted` of the raising rank (its
+    ``rank``, as for every wait's error) naming the aborter. Picklable as a partial: it
+    travels in the constructor's exchange."""
+    return PeerAborted(message, rank=dist.get_rank(), epoch=-1, late={}, channel=-1, aborted={aborter: reason})
 
 
 class Signals:

@@ -204,7 +204,6 @@ def _hand_over(
     me,
     timeout_ns,
     record,
-    mism,
     e,
     header,
     src,
@@ -423,7 +422,7 @@ def collective_kernel(
     counter = ssl.peer_ptr(ptrs, me, counter_off, tl.int64)
     ep = ssl.epoch_ptr(sptrs, cell, me)
     numel, chunk, words, ok = _hand_over(
-        x, count, ptrs, sptrs, cell, me, timeout_ns, record, mism, e, header, src, counter, ep, hidden, pid, G,
+        x, count, ptrs, sptrs, cell, me, timeout_ns, record, e, header, src, counter, ep, hidden, pid, G,
         SIZE, OP, SYMMETRIC, BLOCK, TRAP, DTYPE_CODE, ALGORITHM, PHASES,
     )  # fmt: skip
     if ok:

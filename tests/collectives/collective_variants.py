@@ -95,7 +95,7 @@ def stalling_kernel(
     counter = ssl.peer_ptr(ptrs, me, counter_off, tl.int64)
     ep = ssl.epoch_ptr(sptrs, cell, me)
     numel, chunk, words, ok = K._hand_over(
-        x, count, ptrs, sptrs, cell, me, timeout_ns, record, mism, e, header, src, counter, ep, hidden, pid, G,
+        x, count, ptrs, sptrs, cell, me, timeout_ns, record, e, header, src, counter, ep, hidden, pid, G,
         SIZE, OP, SYMMETRIC, BLOCK, TRAP, DTYPE_CODE, ALGORITHM, PHASES,
     )  # fmt: skip
     if ok:
