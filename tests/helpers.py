@@ -74,6 +74,15 @@ def capture(step, warmup=3):
 
 
 @triton.jit
+def spin(ns):
+    """Hold this program for ``ns`` nanoseconds of symmsync's clock (a late member, on either backend)."""
+    start = ssl.clock_ns()
+    now = start
+    while now - start < ns:
+        now = ssl.clock_ns()
+
+
+@triton.jit
 def stamp_next_epoch(ptrs, cell, payload, me, SIZE: tl.constexpr):
     """Write ``1000 e + me`` into slot ``me`` of every member's payload half ``e % 2``, where
     ``e`` is the epoch the next fence on ``cell`` publishes (read on the device: graph-safe)."""

@@ -23,6 +23,7 @@ oracle catches a member that reads without waiting.
 import torch
 import triton
 import triton.language as tl
+from helpers import spin
 
 import symmsync.language as ssl
 from symmsync.collectives import kernels as K
@@ -31,14 +32,6 @@ from symmsync.collectives import protocol
 CONTROL = torch.tensor([0, 2], dtype=torch.int64)
 """[stall ns, input slots]: set by the test before each call (one process per rank)."""
 _CONTROL = tl.constexpr(CONTROL.data_ptr())  # the tensor lives as long as the process
-
-
-@triton.jit
-def _stall(ns):
-    start = ssl.clock_ns()
-    now = start
-    while now - start < ns:
-        now = ssl.clock_ns()
 
 
 @triton.jit
@@ -101,7 +94,7 @@ def stalling_kernel(
     if ok:
         go, run = K._verdict(ok, ptrs, header, me, words, counter, G, e, timeout_ns, mism, SIZE, TRAP, PHASES)
         if run:
-            _stall(tl.load(control))  # the change: hold this member between its wait and its reads
+            spin(tl.load(control))  # the change: hold this member between its wait and its reads
             K._read_members(
                 out, ptrs, sptrs, cell, me, timeout_ns, record, mism, e, header, src, counter, ep, reduced, residual,
                 weight, res_out, hidden, eps, numel, chunk, words, go, pid, G,

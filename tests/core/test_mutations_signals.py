@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
+from helpers import spin
 
 import symmsync as ss
 import symmsync.language as ssl
@@ -36,21 +37,13 @@ LAG_NS = 300_000_000  # the delayed side's spin: long against a poll's and a lau
 RUN_S = 120
 
 
-@triton.jit
-def _spin(ns):
-    t0 = ssl.clock_ns()
-    t = t0
-    while t - t0 < ns:
-        t = ssl.clock_ns()
-
-
 # ---------------------------------------------------------------------- the variants (mechanism removed)
 @triton.jit
 def put_signal_release_first(sig, me, peer, offset, values, mask, slot, NSLOTS: tl.constexpr):
     """``put_signal`` without the order its block barrier enforces: the release, then (a
     lagging warp) the tile's stores."""
     ssl.signal(sig, me, peer, slot, 1, ssl.ADD, NSLOTS)
-    _spin(LAG_NS)
+    spin(LAG_NS)
     tl.store(ssl.data_ptr(sig, peer, offset, values.dtype), values, mask=mask)
 
 
@@ -97,7 +90,7 @@ def exchange_kernel(
     i = tl.arange(0, TILE)
     for r in range(ROUNDS):
         if me == 1:
-            _spin(LAG_NS)
+            spin(LAG_NS)
             ssl.put_signal(sig, me, 0, (r * TILE + i) * 8, (r + 1) * 100 + i.to(tl.int64), i < TILE, 0, NSLOTS)
         else:
             ok = ssl.wait_count(sig, me, 1, 0, 1, timeout_ns, record, SIZE, NSLOTS, TRAP) == 0

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
+from helpers import spin
 
 import symmsync as ss
 import symmsync.language as ssl
@@ -26,14 +27,6 @@ from symmsync.testing import run
 CHUNKS, RING, CHUNK = 8, 4, 64
 DATA, CREDIT = 0, 1  # slots: the producer's data signals at the consumer; the consumer's credits back
 RUN_S = 240
-
-
-@triton.jit
-def _spin(delay_ns):
-    t0 = ssl.clock_ns()
-    t = t0
-    while t - t0 < delay_ns:
-        t = ssl.clock_ns()
 
 
 @triton.jit
@@ -55,7 +48,7 @@ def producer_kernel(
     CHUNK: tl.constexpr,
     CREDITS: tl.constexpr,
 ):
-    _spin(delay_ns)
+    spin(delay_ns)
     i = tl.arange(0, CHUNK)
     failed = me * 0
     for c in range(CHUNKS):
@@ -91,7 +84,7 @@ def consumer_kernel(
     for c in range(CHUNKS):
         if WAIT:
             failed += ssl.wait_count(sig, me, producer, 0, 1, timeout_ns, record, SIZE, NSLOTS, TRAP)
-        _spin(delay_ns)  # a slow consumer: the tile stays in use a while after it arrived
+        spin(delay_ns)  # a slow consumer: the tile stays in use a while after it arrived
         v = tl.load(ssl.data_ptr(sig, me, ring + ((c % RING) * CHUNK + i) * 8, tl.int64))
         tl.store(out + c * CHUNK + i, v, mask=(i < CHUNK) & (i * 0 + failed == 0))
         tl.store(log + c, ssl.clock_ns())
