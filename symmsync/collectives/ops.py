@@ -158,9 +158,12 @@ class _Collective:
 
         Raises:
             ConfigError: ``numel`` or ``dtype`` is not one the collective takes.
+            ClosedError: the buffer is closed.
         """
         dtype = self.dtype if dtype is None else dtype
         call = f"{self._NAME}.input"
+        if self._buffer.closed:
+            raise ClosedError(f"rank {self.rank}: {call}: used after its buffer was closed")
         if dtype not in self._limits:
             require(f"dtype must be one of {', '.join(map(str, L.DTYPES))}, got {dtype!r}", rank=self.rank, call=call)
         require(int_problem("numel", numel, minimum=0, maximum=self._limits[dtype]), rank=self.rank, call=call)
@@ -216,7 +219,14 @@ class _Collective:
             bound.update(per_call + fused, (x, out, count, *epilogue))
         else:
             bound.update(per_call, (x, out, count))
-        bound()
+        try:
+            bound()
+        except Exception as e:
+            # A launch that raised (an error of symmsync's from inside an interpreted kernel, a
+            # failed compile or launch) may have run part of the call: the collective fails with
+            # it and the members are told, so no later call of this rank's can meet theirs.
+            self._fail(e)
+            raise
         if self._host_checks:
             self._failure.settle(self, self._recorded_error, synchronize=False)
 
@@ -304,13 +314,20 @@ class _Collective:
         return torch.empty(self._out_numel(x.numel()), dtype=x.dtype, device=x.device) if out is None else out
 
     def _refuse(self, problem: str) -> None:
-        """Refuse a bad call on this member: tell the members (they may wait in it already), raise."""
+        """Refuse a bad call on this member before it launches: fail, tell the members, raise."""
         self._check_usable()  # a collective that failed, or whose view was aborted, raises that first
         err = InputError(f"rank {self.rank}: {self._NAME}: {problem}")
-        # The members raise PeerAborted naming this rank and the reason at once, instead of
-        # waiting out their budget for a call this rank never makes. Nothing was written.
-        self.view.abort(f"{self._NAME}: {problem}")  # its members name this rank themselves
+        self._fail(err, f"{self._NAME}: {problem}")
         raise err
+
+    def _fail(self, err: Exception, reason: str | None = None) -> None:
+        """This rank's call failed with ``err``: every later call raises ``err`` without launching,
+        and the members' calls raise :class:`~symmsync.PeerAborted` naming this rank and ``reason``
+        (default: the error's type and message), at once, instead of waiting out their budget for a call this
+        rank never makes. ``err`` is recorded first: the abort then fails the view's other waiters,
+        not this collective, whose own error stays the first failure."""
+        self._failure.fail(self, err)
+        self._failure.abort_quietly(reason or f"{self._NAME}: {type(err).__name__}: {err}")
 
     # ------------------------------------------------------------------ failures
     def _check_usable(self) -> None:
@@ -320,8 +337,10 @@ class _Collective:
         so that the members raise :class:`~symmsync.PeerAborted` instead of waiting for it."""
         if self._buffer.closed:
             raise ClosedError(f"rank {self.rank}: {self._NAME}: used after its buffer was closed")
-        self.fence.check_usable()  # a failed wait of the fence's own (used directly) first
+        # Its own failure first: the first failed call's error, raised again by every later call
+        # (an abort of the view that this failure caused fails the fence too, with another error).
         self._failure.check(self)
+        self.fence.check_usable()  # then a failed wait of the fence's own (used directly)
 
     def _recorded_error(self) -> SymmSyncError | None:
         """The error a call recorded (its fence's wait, then the collective's record), or ``None``:
@@ -330,6 +349,15 @@ class _Collective:
         return fence.timeout_error() or mismatch_error(
             self._record.tolist(), self._NAME, self.view.ranks, fence.timeout_s, fence.channel
         )
+
+    def release_tables(self) -> None:
+        """Drop the buffer's tables and memory this collective holds (the buffer's ``close()``
+        calls it, through the view's failure owner): its bound launches, their fixed arguments
+        and its symmetric input, so that only what users kept holds the mappings. Its calls
+        raise :class:`~symmsync.ClosedError` from then on, before any launch."""
+        self._bound = {}
+        self._fixed = ()
+        self._sym_bytes = None
 
     def abort_error(self, reason: str) -> PeerAborted:
         """The :class:`~symmsync.PeerAborted` this collective's calls raise once this rank
