@@ -14,13 +14,13 @@ import torch
 from .. import agreement, mode, records
 from ..checks import int_problem, number_problem, require
 from ..errors import BoundsError, ClosedError, ConfigError, InputError, PeerAborted, SymmSyncError
-from ..failure import used_after_abort
+from ..failure import Stall, used_after_abort
 from ..fence import Fence
 from ..launch import BoundLaunch, Launcher
 from ..views import PeerView
 from . import kernels, tuning
 from . import layout as L
-from .mismatch import mismatch_error
+from .mismatch import gpu_identity, mismatch_error, shared_gpu_note, stalled_error
 
 ALGORITHMS = ("auto", *L.ALGORITHM_CODES)
 """The algorithms of :class:`AllReduce`: ``"auto"`` (:func:`symmsync.collectives.tuning.choose` picks), then
@@ -97,7 +97,12 @@ class _Collective:
             "the offset": offset,
             "the channel": channel,
         }
-        agreement.agree(buf.group, call, mine, problem=problem, error=error, same=dict.fromkeys(mine, alike))
+        same = dict.fromkeys(mine, alike)
+        mine["the GPU"] = gpu_identity(buf.device) if buf.capabilities.streams else None  # exchanged, not compared
+        agreed = agreement.agree(buf.group, call, mine, problem=problem, error=error, same=same)
+        gpu = mine["the GPU"]
+        # The other members on this rank's GPU (several processes on one device: see synchronize()).
+        self._shares_gpu = tuple(r for r in members if r != buf.rank and gpu and agreed[r]["the GPU"] == gpu)
         self.view = view
         self.size = view.size
         self.max_numel = max_numel
@@ -181,8 +186,22 @@ class _Collective:
         differ) records what it saw and traps; this raises that error
         (:class:`~symmsync.FenceTimeout`, :class:`~symmsync.PeerAborted`,
         :class:`CollectiveMismatch`). On the host backend calls raise by themselves.
+
+        Members that share one GPU (two processes on one device): a trap in one member's
+        CUDA context has left another's ``torch.cuda.synchronize()`` blocked for good. There
+        this raises the recorded error as soon as the record holds it, without waiting for
+        the device, and a :class:`~symmsync.FenceTimeout` saying so when neither the device
+        nor a record answers within twice the fence's budget (plus 30 s); every error of
+        such a member names the members it shares its GPU with.
         """
-        self._failure.settle(self, self._recorded_error)
+        stall = None
+        if self._shares_gpu:
+            after_s = 2 * self.fence.timeout_s + 30.0
+            ranks, channel = self.view.ranks, self.fence.channel
+            stall = Stall(
+                after_s, lambda: stalled_error(self.rank, self._NAME, ranks, self._shares_gpu, after_s, channel)
+            )
+        self._failure.settle(self, self._recorded_error, stall=stall)
 
     # ------------------------------------------------------------------ a call
     def _launch(
@@ -346,9 +365,12 @@ class _Collective:
         """The error a call recorded (its fence's wait, then the collective's record), or ``None``:
         this collective's record reader (:meth:`symmsync.failure.ViewFailure.settle`)."""
         fence = self.fence
-        return fence.timeout_error() or mismatch_error(
+        err = fence.timeout_error() or mismatch_error(
             self._record.tolist(), self._NAME, self.view.ranks, fence.timeout_s, fence.channel
         )
+        if err is not None and self._shares_gpu:
+            err.args = (f"{err.args[0]} ({shared_gpu_note(self.rank, self._shares_gpu)})", *err.args[1:])
+        return err
 
     def release_tables(self) -> None:
         """Drop the buffer's tables and memory this collective holds (the buffer's ``close()``

@@ -8,13 +8,16 @@
   every rank raises that rank's first failure, the same error object, and launches nothing;
 * a peer never returns a result for a call that a member refused, whatever the timing;
 * a launch kept past ``close()`` publishes nothing a peer could take for an arrival, writes
-  nothing, and fails, also when a stray store left a passing count in its slot.
+  nothing, and fails, also when a stray store left a passing count in its slot;
+* where members share one GPU, a ``synchronize()`` whose device never comes back still ends
+  with the recorded error (or the stall's).
 
 Each rank returns what it saw (types, messages, whether two errors are one object); the
 oracles are the documented errors of docs/collectives.md ("When a call fails").
 """
 
 import random
+import threading
 import time
 
 import pytest
@@ -24,7 +27,7 @@ import triton
 import triton.language as tl
 
 import symmsync as ss
-from symmsync import cells, records
+from symmsync import cells, failure, records
 from symmsync import collectives as C
 from symmsync.collectives import kernels as K
 from symmsync.collectives import ops
@@ -272,3 +275,37 @@ def test_a_launch_kept_past_close_fails_writes_nothing_and_never_completes_a_pee
     assert closed["record"], closed  # its wait failed and said so
     (call,) = peer["calls"]
     assert call[0] == "PeerAborted" and call[2] == {0: "closed"}, peer
+
+
+# ---------------------------------------------------------------------- a device that never comes back
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "nothing_recorded"])
+def test_a_synchronize_that_never_returns_on_a_shared_gpu_raises_the_recorded_error_or_says_it_stalled(
+    recorded, monkeypatch
+):
+    """Where members share one GPU, a trap in one context has left another's
+    ``torch.cuda.synchronize()`` blocked for good (docs/gpu.md). Stood in for here by a
+    ``torch.cuda.synchronize`` that never returns: the wait still ends, with the record's error
+    once the record holds one, else with the stall's error after its bound."""
+    blocked = threading.Event()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: blocked.wait())
+    err = ss.InputError("rank 1: AllReduce: the members' calls differ")
+    t0 = time.monotonic()
+    reads = []
+
+    def read_error():
+        reads.append(time.monotonic() - t0)
+        return err if recorded and reads[-1] > 0.05 else None
+
+    stalled = ss.FenceTimeout("stalled", rank=1, epoch=-1, late={}, channel=0)
+    got = []
+    waiter = threading.Thread(
+        target=lambda: got.append(
+            failure._synchronize(torch.device("cpu"), read_error, failure.Stall(0.5, lambda: stalled))
+        ),
+        daemon=True,
+    )
+    waiter.start()
+    waiter.join(10.0)  # a wait that blocks with the device fails here instead of hanging the test
+    blocked.set()
+    assert got == [err if recorded else stalled], (got, "still waiting" if waiter.is_alive() else "")
+    assert reads and reads[-1] < (0.4 if recorded else 5.0), reads[-1:]
