@@ -474,11 +474,15 @@ class AllReduce(_Collective):
             out = dtype(h / sqrt(mean(h * h) + eps) * float32(norm_weight))
 
         Raises:
-            InputError: a bad argument on this member (its members raise
-                :class:`~symmsync.PeerAborted` naming it); :class:`CollectiveMismatch` on
-                every member when their calls differ.
+            InputError: a bad argument on this member, before anything is launched (its
+                members raise :class:`~symmsync.PeerAborted` naming it);
+                :class:`CollectiveMismatch` on every member when their calls differ.
             FenceTimeout: a member did not arrive within the budget
                 (:class:`~symmsync.PeerAborted`: it aborted).
+            ClosedError: the buffer is closed (nothing is launched).
+
+        A call that failed fails the collective for good: every later call raises the same
+        error again without launching (docs/collectives.md, "When a call fails").
         """
         if residual is not None or norm_weight is not None:
             return self._fused(x, out, algorithm, residual, norm_weight, eps, residual_out)
