@@ -217,8 +217,10 @@ def test_a_bad_construction_argument_raises_on_every_rank(case, kind, text, host
 def bad_call(case):
     buf, view, ar, ag = _setup()
     rank = dist.get_rank()
-    x = torch.ones(N // 2)
-    if rank == 1:
+    x, out = torch.ones(N // 2), None
+    if rank == 1 and case == "out":
+        out = torch.empty(3)
+    elif rank == 1:
         x = {
             "dtype": torch.ones(8, dtype=torch.int32),
             "too_many": torch.ones(N + 1),
@@ -226,7 +228,7 @@ def bad_call(case):
             "not_a_tensor": [1.0, 2.0],
         }[case]
     try:
-        ar(x)
+        ar(x, out)
         return "returned"
     except ss.PeerAborted as e:
         return {"type": "PeerAborted", "aborted": e.aborted}
@@ -243,6 +245,7 @@ def bad_call(case):
         ("too_many", "x has 1025 elements, more than the 1024 torch.float32 elements the workspace holds"),
         ("not_contiguous", "x must be contiguous"),
         ("not_a_tensor", "x must be a torch.Tensor, got list"),
+        ("out", "out must be a contiguous torch.float32 tensor of 512 elements on cpu, got torch.float32 of 3"),
     ],
 )
 def test_a_bad_call_raises_input_error_on_the_caller_and_peer_aborted_naming_it_on_the_others(case, text, host_ranks):
