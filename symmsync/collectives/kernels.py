@@ -415,7 +415,7 @@ def collective_kernel(
     G = tl.num_programs(0)
     e = protocol.next_epoch(sptrs, cell, me)
     if protocol.closed(e):  # launched through arguments kept past close(): it fails, and does nothing else
-        protocol.fail_closed(sptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
+        protocol.fail_closed(sptrs, cell, me, e, record, SIZE, TRAP)
     else:
         header = headers + (e % 2) * _HEADER_BYTES
         if SYMMETRIC:

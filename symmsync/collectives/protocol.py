@@ -12,7 +12,7 @@ are :mod:`symmsync.records`'.
 Pseudocode of one call, as every member runs it (``G`` programs, the epoch on the device)::
 
     e = epoch + 1;  q = e % 2                      # parity of this call's slots (device-side)
-    if closed(e): fail_closed(e); return           # a launch kept past close(): fails, publishes nothing
+    if closed(e): fail_closed(e); return           # a launch kept past close(): fails at once, publishes nothing
     copy x into input[q] (unless the caller filled the symmetric input in place)
     program 0: header[q] = (op, numel, dtype, algorithm, symmetric, e, epilogue)
     arrive(): the last program of the launch publishes e      [release, system scope]
@@ -77,11 +77,12 @@ def closed(e):
 
 
 @triton.jit
-def fail_closed(sptrs, cell, me, e, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.constexpr):
-    """The whole of a launch after ``close()``: its wait for ``e``, which no member's publish
-    reaches, fails (record, trap on GPUs); a slot that holds a count no member published (a
-    stray store) may pass it, and the launch fails all the same, with a timeout record."""
-    if wait(sptrs, cell, me, e, timeout_ns, record, SIZE, TRAP):
+def fail_closed(sptrs, cell, me, e, record, SIZE: tl.constexpr, TRAP: tl.constexpr):
+    """The whole of a launch after ``close()``: a wait for ``e``, which no member's publish
+    reaches, with no budget, so it fails at its first polls (record, trap on GPUs); a slot
+    that holds a count no member published (a stray store) may pass it, and the launch
+    fails all the same, with a timeout record."""
+    if wait(sptrs, cell, me, e, 0, record, SIZE, TRAP):
         records.write_timeout_record(record, sptrs, cell, me, e, SIZE)
         if TRAP:
             core.trap()

@@ -242,8 +242,11 @@ def test_a_launch_that_raises_fails_the_collective_and_its_peer_raises_peer_abor
 
 
 # ---------------------------------------------------------------------- launches kept past close()
+KEPT_BUDGET_S = 8.0
+
+
 def kept_launch_after_close(garbage):
-    buf, view, ar = _setup(timeout_s=2.0)
+    buf, view, ar = _setup(timeout_s=KEPT_BUDGET_S)
     rank = dist.get_rank()
     out = torch.empty(8)
     ar(torch.ones(8), out)
@@ -257,7 +260,9 @@ def kept_launch_after_close(garbage):
         if garbage:  # a stray store left member 1's slot in this rank's cell past the closed epoch
             cell_words[cells.SLOTS // 8 + 1] = CLOSED_EPOCH + 5
         out.fill_(-1.0)
+        t0 = time.monotonic()
         bound()  # out is bound: -1 must stay
+        result["elapsed_s"] = time.monotonic() - t0
         result["out"] = out.tolist()
         result["record"] = records.read_fence_record(record.tolist()) is not None
         dist.barrier()
@@ -273,6 +278,7 @@ def test_a_launch_kept_past_close_fails_writes_nothing_and_never_completes_a_pee
     closed, peer = host_ranks(kept_launch_after_close, 2, garbage)
     assert closed["out"] == [-1.0] * 8, closed
     assert closed["record"], closed  # its wait failed and said so
+    assert closed["elapsed_s"] < KEPT_BUDGET_S / 2, closed  # at its first polls, not after the budget
     (call,) = peer["calls"]
     assert call[0] == "PeerAborted" and call[2] == {0: "closed"}, peer
 
