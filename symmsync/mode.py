@@ -4,7 +4,9 @@ Triton decides when a ``@triton.jit`` function is defined whether it runs compil
 (on a GPU) or under Triton's interpreter (on the CPU, as the host backend needs), and
 :mod:`symmsync.language` picks its device primitives at the same moment. This module
 makes that decision once (:func:`kernels_interpreted`) and is the only place that
-reads Triton's setting; everything else asks it.
+reads Triton's setting; everything else asks it. Where kernels are interpreted, it also
+makes every launch raise an error of symmsync's raised inside a kernel as itself, not
+wrapped in Triton's ``InterpreterError`` (:func:`_raise_own_errors_from_kernels`).
 """
 
 from __future__ import annotations
