@@ -37,6 +37,8 @@ The states, and what moves between them:
 
 from __future__ import annotations
 
+import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,6 +94,51 @@ def used_after_abort(view: PeerView, what: str, reason: str, channel: int = -1) 
         channel=channel,
         aborted={view.rank: reason},
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """How :meth:`ViewFailure.settle` waits for a device that may never come back: where
+    ranks share one GPU, a trap in one rank's CUDA context has left another rank's
+    ``torch.cuda.synchronize()`` blocked for good (docs/gpu.md). The device is then waited
+    for in a thread of its own while the record is read every 2 ms: the record's error
+    is raised as soon as it holds one, and ``error()`` once ``after_s`` seconds passed
+    with neither the device done nor an error recorded.
+
+    Attributes:
+        after_s: how long to wait for the device or a recorded error.
+        error: makes the error to raise then (it says why the device may be stuck).
+    """
+
+    after_s: float
+    error: Callable[[], Exception]
+
+
+def _synchronize(device: torch.device, read_error: Callable[[], Exception | None], stall: Stall) -> Exception | None:
+    """``torch.cuda.synchronize(device)`` under ``stall``: ``None`` once the device is done,
+    else the error to raise (the record's, or the stall's); the device's own error is raised."""
+    done = threading.Event()
+    raised: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            torch.cuda.synchronize(device)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            raised.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name="symmsync-synchronize", daemon=True).start()
+    deadline = time.monotonic() + stall.after_s
+    while not done.wait(0.002):
+        err = read_error()  # the record's flag is written last: once it is seen, the record is complete
+        if err is not None:
+            return err
+        if time.monotonic() > deadline:
+            return stall.error()
+    if raised:
+        raise raised[0]
+    return None
 
 
 @dataclass(slots=True)
@@ -157,7 +204,13 @@ class ViewFailure:
             self.abort_quietly(f"rank {self._view.rank}: {type(entry.error).__name__} on {entry.where}")
         raise entry.error
 
-    def settle(self, waiter: Waiter, read_error: Callable[[], Exception | None], synchronize: bool = True) -> None:
+    def settle(
+        self,
+        waiter: Waiter,
+        read_error: Callable[[], Exception | None],
+        synchronize: bool = True,
+        stall: Stall | None = None,
+    ) -> None:
         """Raise the error ``waiter``'s record holds, after reporting it (:meth:`fail`).
 
         The one "synchronize, read the record, report, raise" of every waiter: each supplies
@@ -172,17 +225,27 @@ class ViewFailure:
                 error it leaves is raised as the record's error (chained to it), or as is
                 when the record holds none (the trap was not this waiter's). False reads the
                 record as it is now (the host backend's launches have finished already).
+            stall: where the device may never come back (ranks sharing a GPU): wait for it
+                in a thread and raise the record's error as soon as it holds one
+                (:class:`Stall`); ``None`` waits in this thread.
         """
         buf = self._view.buffer
         if synchronize and buf.capabilities.streams:
             try:
-                torch.cuda.synchronize(buf.device)
+                early = None
+                if stall is None:
+                    torch.cuda.synchronize(buf.device)
+                else:
+                    early = _synchronize(buf.device, read_error, stall)
             except RuntimeError as e:
                 err = read_error()
                 if err is None:
                     raise
                 self.fail(waiter, err)
                 raise err from e
+            if early is not None:
+                self.fail(waiter, early)
+                raise early
         err = read_error()
         if err is not None:
             self.fail(waiter, err)

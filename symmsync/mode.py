@@ -4,7 +4,9 @@ Triton decides when a ``@triton.jit`` function is defined whether it runs compil
 (on a GPU) or under Triton's interpreter (on the CPU, as the host backend needs), and
 :mod:`symmsync.language` picks its device primitives at the same moment. This module
 makes that decision once (:func:`kernels_interpreted`) and is the only place that
-reads Triton's setting; everything else asks it.
+reads Triton's setting; everything else asks it. Where kernels are interpreted, it also
+makes every launch raise an error of symmsync's raised inside a kernel as itself, not
+wrapped in Triton's ``InterpreterError`` (:func:`_raise_own_errors_from_kernels`).
 """
 
 from __future__ import annotations
@@ -104,7 +106,51 @@ def kernels_interpreted() -> bool:
     global _decided
     if _decided is None:
         _decided = interpreter_active()
+        if _decided:
+            _raise_own_errors_from_kernels()
     return _decided
+
+
+def _raise_own_errors_from_kernels() -> None:
+    """Make a symmsync error raised inside an interpreted kernel reach the launch's caller as itself.
+
+    Triton's interpreter wraps whatever a kernel raises in an ``InterpreterError``, once at
+    the launch and once more at every nested ``@triton.jit`` call, so a
+    :class:`~symmsync.DebugCheckError` raised by a device primitive would arrive three
+    wrappers deep, missed by ``except ss.DebugCheckError``. Every launch under the
+    interpreter (symmsync's and the user's own ``kernel[grid](...)``: they share Triton's
+    ``GridExecutor``) is wrapped, once per process: when the innermost error of the chain
+    is a :class:`~symmsync.SymmSyncError`, that error is raised, with Triton's outermost
+    ``InterpreterError`` as its ``__cause__`` (whose own chain keeps the kernel's frames and
+    ends at the innermost wrapper, so the chain has no cycle). Any other error is raised
+    exactly as Triton raised it. Checked against the interpreters of triton 3.6 and 3.9.
+    """
+    from triton.runtime import interpreter
+    from triton.runtime.errors import InterpreterError
+
+    from .errors import SymmSyncError
+
+    executor = interpreter.GridExecutor
+    if getattr(executor, "_symmsync_own_errors", False):
+        return
+    launch = executor.__call__
+
+    @functools.wraps(launch)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return launch(self, *args, **kwargs)
+        except InterpreterError as outer:
+            inner = outer
+            while isinstance(inner.__cause__, InterpreterError):
+                inner = inner.__cause__
+            own = inner.__cause__
+            if not isinstance(own, SymmSyncError):
+                raise
+            inner.__cause__ = inner.__context__ = None  # own.__cause__ is outer: no cycle
+            raise own from outer
+
+    executor.__call__ = call
+    executor._symmsync_own_errors = True
 
 
 def interpreter_active() -> bool:

@@ -414,22 +414,25 @@ def collective_kernel(
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     e = protocol.next_epoch(sptrs, cell, me)
-    header = headers + (e % 2) * _HEADER_BYTES
-    if SYMMETRIC:
-        src = symmetric + e * 0
+    if protocol.closed(e):  # launched through arguments kept past close(): it fails, and does nothing else
+        protocol.fail_closed(sptrs, cell, me, e, record, SIZE, TRAP)
     else:
-        src = inputs + (e % 2) * input_stride  # the input slot of this call's parity
-    counter = ssl.peer_ptr(ptrs, me, counter_off, tl.int64)
-    ep = ssl.epoch_ptr(sptrs, cell, me)
-    numel, chunk, words, ok = _hand_over(
-        x, count, ptrs, sptrs, cell, me, timeout_ns, record, e, header, src, counter, ep, hidden, pid, G,
-        SIZE, OP, SYMMETRIC, BLOCK, TRAP, DTYPE_CODE, ALGORITHM, PHASES,
-    )  # fmt: skip
-    if ok:
-        go, run = _verdict(ok, ptrs, header, me, words, counter, G, e, timeout_ns, mism, SIZE, TRAP, PHASES)
-        if run:
-            _read_members(
-                out, ptrs, sptrs, cell, me, timeout_ns, record, mism, e, header, src, counter, ep, reduced, residual,
-                weight, res_out, hidden, eps, numel, chunk, words, go, pid, G,
-                SIZE, OP, TWO_SHOT, BLOCK, TRAP, BF16_BITS, EPILOGUE, ROW, PHASES,
-            )  # fmt: skip
+        header = headers + (e % 2) * _HEADER_BYTES
+        if SYMMETRIC:
+            src = symmetric + e * 0
+        else:
+            src = inputs + (e % 2) * input_stride  # the input slot of this call's parity
+        counter = ssl.peer_ptr(ptrs, me, counter_off, tl.int64)
+        ep = ssl.epoch_ptr(sptrs, cell, me)
+        numel, chunk, words, ok = _hand_over(
+            x, count, ptrs, sptrs, cell, me, timeout_ns, record, e, header, src, counter, ep, hidden, pid, G,
+            SIZE, OP, SYMMETRIC, BLOCK, TRAP, DTYPE_CODE, ALGORITHM, PHASES,
+        )  # fmt: skip
+        if ok:
+            go, run = _verdict(ok, ptrs, header, me, words, counter, G, e, timeout_ns, mism, SIZE, TRAP, PHASES)
+            if run:
+                _read_members(
+                    out, ptrs, sptrs, cell, me, timeout_ns, record, mism, e, header, src, counter, ep, reduced,
+                    residual, weight, res_out, hidden, eps, numel, chunk, words, go, pid, G,
+                    SIZE, OP, TWO_SHOT, BLOCK, TRAP, BF16_BITS, EPILOGUE, ROW, PHASES,
+                )  # fmt: skip

@@ -1,12 +1,15 @@
 """What a collective's record says went wrong in a call: members whose calls differ, a launch
-that stalled. (What makes a call valid on one member is one function, ``_Collective._problem``
-in :mod:`.ops`; a failure's path, from the record to the raise, is
-:meth:`symmsync.failure.ViewFailure.settle`.)"""
+that stalled; and what its errors add where members share one GPU. (What makes a call valid
+on one member is one function, ``_Collective._problem`` in :mod:`.ops`; a failure's path,
+from the record to the raise, is :meth:`symmsync.failure.ViewFailure.settle`.)"""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from ..errors import FenceTimeout, InputError, SymmSyncError
 from ..records import read_collective_record
@@ -94,3 +97,35 @@ def _describe(h: list[int], epoch: int) -> dict[str, Any]:
         "epilogue": f"residual + RMS norm over rows of {h[L.H_EPILOGUE]}" if h[L.H_EPILOGUE] else "none",
         "call": "this one" if h[L.H_EPOCH] == epoch else f"another (epoch {h[L.H_EPOCH]})",
     }
+
+
+# ---------------------------------------------------------------------- members sharing one GPU
+def gpu_identity(device: torch.device) -> str:
+    """A name of ``device`` that is the same in every process using it: its UUID (where torch
+    gives none, the host and the device index)."""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return str(uuid) if uuid is not None else f"{socket.gethostname()}:{device.index}"
+
+
+def shared_gpu_note(rank: int, others: Sequence[int]) -> str:
+    """What every error of a member that shares its GPU with ``others`` adds (docs/gpu.md)."""
+    return (
+        f"rank {rank} shares its GPU with rank(s) {', '.join(map(str, others))}: a trap in one of their CUDA "
+        "contexts can leave another's torch.cuda.synchronize() blocked for good, and this CUDA context may be "
+        "unusable; run one rank per GPU"
+    )
+
+
+def stalled_error(
+    rank: int, name: str, ranks: Sequence[int], others: Sequence[int], waited_s: float, channel: int
+) -> FenceTimeout:
+    """The error of ``rank``'s ``synchronize()`` on a shared GPU that saw neither the device finish
+    nor a failure recorded within ``waited_s`` (``others``: the members sharing its GPU)."""
+    return FenceTimeout(
+        f"rank {rank}: {name} on view {list(ranks)}: synchronize() waited {waited_s:g} s, and neither did the "
+        f"device finish nor did a call record a failure ({shared_gpu_note(rank, others)})",
+        rank=rank,
+        epoch=-1,
+        late={},
+        channel=channel,
+    )

@@ -14,13 +14,13 @@ import torch
 from .. import agreement, mode, records
 from ..checks import int_problem, number_problem, require
 from ..errors import BoundsError, ClosedError, ConfigError, InputError, PeerAborted, SymmSyncError
-from ..failure import used_after_abort
+from ..failure import Stall, used_after_abort
 from ..fence import Fence
 from ..launch import BoundLaunch, Launcher
 from ..views import PeerView
 from . import kernels, tuning
 from . import layout as L
-from .mismatch import mismatch_error
+from .mismatch import gpu_identity, mismatch_error, shared_gpu_note, stalled_error
 
 ALGORITHMS = ("auto", *L.ALGORITHM_CODES)
 """The algorithms of :class:`AllReduce`: ``"auto"`` (:func:`symmsync.collectives.tuning.choose` picks), then
@@ -97,7 +97,12 @@ class _Collective:
             "the offset": offset,
             "the channel": channel,
         }
-        agreement.agree(buf.group, call, mine, problem=problem, error=error, same=dict.fromkeys(mine, alike))
+        same = dict.fromkeys(mine, alike)
+        mine["the GPU"] = gpu_identity(buf.device) if buf.capabilities.streams else None  # exchanged, not compared
+        agreed = agreement.agree(buf.group, call, mine, problem=problem, error=error, same=same)
+        gpu = mine["the GPU"]
+        # The other members on this rank's GPU (several processes on one device: see synchronize()).
+        self._shares_gpu = tuple(r for r in members if r != buf.rank and gpu and agreed[r]["the GPU"] == gpu)
         self.view = view
         self.size = view.size
         self.max_numel = max_numel
@@ -158,9 +163,12 @@ class _Collective:
 
         Raises:
             ConfigError: ``numel`` or ``dtype`` is not one the collective takes.
+            ClosedError: the buffer is closed.
         """
         dtype = self.dtype if dtype is None else dtype
         call = f"{self._NAME}.input"
+        if self._buffer.closed:
+            raise ClosedError(f"rank {self.rank}: {call}: used after its buffer was closed")
         if dtype not in self._limits:
             require(f"dtype must be one of {', '.join(map(str, L.DTYPES))}, got {dtype!r}", rank=self.rank, call=call)
         require(int_problem("numel", numel, minimum=0, maximum=self._limits[dtype]), rank=self.rank, call=call)
@@ -178,8 +186,22 @@ class _Collective:
         differ) records what it saw and traps; this raises that error
         (:class:`~symmsync.FenceTimeout`, :class:`~symmsync.PeerAborted`,
         :class:`CollectiveMismatch`). On the host backend calls raise by themselves.
+
+        Members that share one GPU (two processes on one device): a trap in one member's
+        CUDA context has left another's ``torch.cuda.synchronize()`` blocked for good. There
+        this raises the recorded error as soon as the record holds it, without waiting for
+        the device, and a :class:`~symmsync.FenceTimeout` saying so when neither the device
+        nor a record answers within twice the fence's budget (plus 30 s); every error of
+        such a member names the members it shares its GPU with.
         """
-        self._failure.settle(self, self._recorded_error)
+        stall = None
+        if self._shares_gpu:
+            after_s = 2 * self.fence.timeout_s + 30.0
+            ranks, channel = self.view.ranks, self.fence.channel
+            stall = Stall(
+                after_s, lambda: stalled_error(self.rank, self._NAME, ranks, self._shares_gpu, after_s, channel)
+            )
+        self._failure.settle(self, self._recorded_error, stall=stall)
 
     # ------------------------------------------------------------------ a call
     def _launch(
@@ -216,7 +238,14 @@ class _Collective:
             bound.update(per_call + fused, (x, out, count, *epilogue))
         else:
             bound.update(per_call, (x, out, count))
-        bound()
+        try:
+            bound()
+        except Exception as e:
+            # A launch that raised (an error of symmsync's from inside an interpreted kernel, a
+            # failed compile or launch) may have run part of the call: the collective fails with
+            # it and the members are told, so no later call of this rank's can meet theirs.
+            self._fail(e)
+            raise
         if self._host_checks:
             self._failure.settle(self, self._recorded_error, synchronize=False)
 
@@ -304,13 +333,20 @@ class _Collective:
         return torch.empty(self._out_numel(x.numel()), dtype=x.dtype, device=x.device) if out is None else out
 
     def _refuse(self, problem: str) -> None:
-        """Refuse a bad call on this member: tell the members (they may wait in it already), raise."""
+        """Refuse a bad call on this member before it launches: fail, tell the members, raise."""
         self._check_usable()  # a collective that failed, or whose view was aborted, raises that first
         err = InputError(f"rank {self.rank}: {self._NAME}: {problem}")
-        # The members raise PeerAborted naming this rank and the reason at once, instead of
-        # waiting out their budget for a call this rank never makes. Nothing was written.
-        self.view.abort(f"{self._NAME}: {problem}")  # its members name this rank themselves
+        self._fail(err, f"{self._NAME}: {problem}")
         raise err
+
+    def _fail(self, err: Exception, reason: str | None = None) -> None:
+        """This rank's call failed with ``err``: every later call raises ``err`` without launching,
+        and the members' calls raise :class:`~symmsync.PeerAborted` naming this rank and ``reason``
+        (default: the error's type and message), at once, instead of waiting out their budget for a call this
+        rank never makes. ``err`` is recorded first: the abort then fails the view's other waiters,
+        not this collective, whose own error stays the first failure."""
+        self._failure.fail(self, err)
+        self._failure.abort_quietly(reason or f"{self._NAME}: {type(err).__name__}: {err}")
 
     # ------------------------------------------------------------------ failures
     def _check_usable(self) -> None:
@@ -320,16 +356,30 @@ class _Collective:
         so that the members raise :class:`~symmsync.PeerAborted` instead of waiting for it."""
         if self._buffer.closed:
             raise ClosedError(f"rank {self.rank}: {self._NAME}: used after its buffer was closed")
-        self.fence.check_usable()  # a failed wait of the fence's own (used directly) first
+        # Its own failure first: the first failed call's error, raised again by every later call
+        # (an abort of the view that this failure caused fails the fence too, with another error).
         self._failure.check(self)
+        self.fence.check_usable()  # then a failed wait of the fence's own (used directly)
 
     def _recorded_error(self) -> SymmSyncError | None:
         """The error a call recorded (its fence's wait, then the collective's record), or ``None``:
         this collective's record reader (:meth:`symmsync.failure.ViewFailure.settle`)."""
         fence = self.fence
-        return fence.timeout_error() or mismatch_error(
+        err = fence.timeout_error() or mismatch_error(
             self._record.tolist(), self._NAME, self.view.ranks, fence.timeout_s, fence.channel
         )
+        if err is not None and self._shares_gpu:
+            err.args = (f"{err.args[0]} ({shared_gpu_note(self.rank, self._shares_gpu)})", *err.args[1:])
+        return err
+
+    def release_tables(self) -> None:
+        """Drop the buffer's tables and memory this collective holds (the buffer's ``close()``
+        calls it, through the view's failure owner): its bound launches, their fixed arguments
+        and its symmetric input, so that only what users kept holds the mappings. Its calls
+        raise :class:`~symmsync.ClosedError` from then on, before any launch."""
+        self._bound = {}
+        self._fixed = ()
+        self._sym_bytes = None
 
     def abort_error(self, reason: str) -> PeerAborted:
         """The :class:`~symmsync.PeerAborted` this collective's calls raise once this rank
@@ -424,11 +474,15 @@ class AllReduce(_Collective):
             out = dtype(h / sqrt(mean(h * h) + eps) * float32(norm_weight))
 
         Raises:
-            InputError: a bad argument on this member (its members raise
-                :class:`~symmsync.PeerAborted` naming it); :class:`CollectiveMismatch` on
-                every member when their calls differ.
+            InputError: a bad argument on this member, before anything is launched (its
+                members raise :class:`~symmsync.PeerAborted` naming it);
+                :class:`CollectiveMismatch` on every member when their calls differ.
             FenceTimeout: a member did not arrive within the budget
                 (:class:`~symmsync.PeerAborted`: it aborted).
+            ClosedError: the buffer is closed (nothing is launched).
+
+        A call that failed fails the collective for good: every later call raises the same
+        error again without launching (docs/collectives.md, "When a call fails").
         """
         if residual is not None or norm_weight is not None:
             return self._fused(x, out, algorithm, residual, norm_weight, eps, residual_out)

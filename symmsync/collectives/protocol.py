@@ -12,6 +12,7 @@ are :mod:`symmsync.records`'.
 Pseudocode of one call, as every member runs it (``G`` programs, the epoch on the device)::
 
     e = epoch + 1;  q = e % 2                      # parity of this call's slots (device-side)
+    if closed(e): fail_closed(e); return           # a launch kept past close(): fails at once, publishes nothing
     copy x into input[q] (unless the caller filled the symmetric input in place)
     program 0: header[q] = (op, numel, dtype, algorithm, symmetric, e, epilogue)
     arrive(): the last program of the launch publishes e      [release, system scope]
@@ -50,9 +51,11 @@ import symmsync.language as ssl
 from symmsync import _language_core as core
 from symmsync import records
 from symmsync._language_core import arrive  # noqa: F401 - the collectives' arrival: symmsync's one counter
+from symmsync.memory import CLOSED_EPOCH
 
 from . import layout as L
 
+_CLOSED_EPOCH = tl.constexpr(CLOSED_EPOCH)
 _HEADER_WORDS = tl.constexpr(L.HEADER_WORDS)
 _HEADER_CHECKED = tl.constexpr(L.HEADER_CHECKED)
 
@@ -61,6 +64,28 @@ _HEADER_CHECKED = tl.constexpr(L.HEADER_CHECKED)
 def next_epoch(sptrs, cell, me):
     """The epoch this launch's first publish will return (read before any program arrives)."""
     return tl.load(ssl.epoch_ptr(sptrs, cell, me)) + 1
+
+
+@triton.jit
+def closed(e):
+    """True for a launch after this rank's ``close()`` (``e`` from :func:`next_epoch`): its
+    epoch is past :data:`symmsync.memory.CLOSED_EPOCH`. Such a launch (arguments kept past
+    ``close()``) runs :func:`fail_closed` and nothing else: no copy-in, no header, no
+    publish (a publish would still count at the members that map this rank's cells and
+    could complete a wait of theirs for a call this rank never made)."""
+    return e > _CLOSED_EPOCH
+
+
+@triton.jit
+def fail_closed(sptrs, cell, me, e, record, SIZE: tl.constexpr, TRAP: tl.constexpr):
+    """The whole of a launch after ``close()``: a wait for ``e``, which no member's publish
+    reaches, with no budget, so it fails at its first polls (record, trap on GPUs); a slot
+    that holds a count no member published (a stray store) may pass it, and the launch
+    fails all the same, with a timeout record."""
+    if wait(sptrs, cell, me, e, 0, record, SIZE, TRAP):
+        records.write_timeout_record(record, sptrs, cell, me, e, SIZE)
+        if TRAP:
+            core.trap()
 
 
 @triton.jit
