@@ -63,6 +63,8 @@ _REASON_LANES = tl.constexpr(triton.next_power_of_2(cells.REASON_WORDS))
 ABORT_FLAG = tl.constexpr(cells.ABORT_FLAG)
 #: The bits of a slot that count publishes.
 COUNT_MASK = tl.constexpr(cells.COUNT_MASK)
+#: The epoch close() stores in this rank's cells: a wait for one at or past it fails at once.
+_CLOSED_EPOCH = tl.constexpr(cells.CLOSED_EPOCH)
 
 #: Wait statuses: every member arrived; the budget ran out; a member aborted.
 ARRIVED, TIMED_OUT_STATUS, ABORTED_STATUS = 0, 1, 2

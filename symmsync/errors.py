@@ -236,3 +236,34 @@ class DebugCheckError(SymmSyncError):
     second program publishing on one channel in one launch, or a peer offset outside the
     user region. The message names the rank, the program and the offset. On GPUs the kernel
     prints the same and traps."""
+
+
+class IndexCheckError(SymmSyncError, IndexError):
+    """A kernel passed a signal or fence primitive an index out of range: a peer or a member
+    index outside ``[0, SIZE)``, or a slot outside ``[0, NSLOTS)``.
+
+    Checked on every call, debug mode or not. The access is not made (no member's word is
+    read or written through the bad index); the kernel records the rank, the program, the
+    primitive, which index, its value and the bound. Under the interpreter the launch raises
+    this error; on GPUs the kernel prints the same, writes the record and traps, and
+    :meth:`Signals.check() <symmsync.Signals.check>` / :meth:`~symmsync.Signals.synchronize`
+    (or the fence's :meth:`~symmsync.Fence.synchronize`) raise it from the record.
+
+    Attributes:
+        rank: the rank whose kernel made the call (-1 when the kernel did not know it).
+        primitive: the primitive's name (``"signal"``, ``"wait"``, ...).
+        which: ``"peer"``, ``"slot"`` or ``"member"``.
+        value: the index passed.
+        bound: the exclusive upper bound it had to stay below (and >= 0).
+    """
+
+    def __init__(self, message: str, *, rank: int, primitive: str, which: str, value: int, bound: int):
+        super().__init__(message)
+        self.rank, self.primitive, self.which, self.value, self.bound = rank, primitive, which, value, bound
+
+    def __reduce__(self):
+        return _rebuild_index_check, (str(self), self.rank, self.primitive, self.which, self.value, self.bound)
+
+
+def _rebuild_index_check(message, rank, primitive, which, value, bound):
+    return IndexCheckError(message, rank=rank, primitive=primitive, which=which, value=value, bound=bound)
