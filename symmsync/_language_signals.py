@@ -32,7 +32,7 @@ from .records import (
     P_WAIT_SIGNAL,
     PEER,
     SLOT,
-    check_index,
+    report_index,
     write_misuse_record,
     write_signal_record,
 )
@@ -61,13 +61,18 @@ assert cells.handle_cell(7) == cells.HANDLE_INBOX + 14
 # ---------------------------------------------------------------------- checks
 @triton.jit
 def _check_target(sig, me, peer, slot, size, NSLOTS: tl.constexpr, PRIMITIVE: tl.constexpr):
-    # The indices a primitive addresses a slot with, on every call: a bad one is recorded at
-    # the handle's record and reported, and nothing is read or written through it.
-    rec = tl.load(sig + _HANDLE_RECORD)
-    rank = tl.load(sig + _HANDLE_RANK)
-    check_index(me, size, rec, rank, PRIMITIVE, MEMBER, True)
-    check_index(peer, size, rec, rank, PRIMITIVE, PEER, True)
-    check_index(slot, NSLOTS, rec, rank, PRIMITIVE, SLOT, True)
+    # The indices a primitive addresses a slot with, on every call, with one cold path: a bad
+    # one is recorded at the handle's record and reported (never returns), so nothing is read
+    # or written through it. The first bad one is reported: me, then peer, then slot.
+    bad_me = (me < 0) | (me >= size)
+    bad_peer = (peer < 0) | (peer >= size)
+    bad_slot = (slot < 0) | (slot >= NSLOTS)
+    if bad_me | bad_peer | bad_slot:
+        which = tl.where(bad_me, MEMBER, tl.where(bad_peer, PEER, SLOT))
+        value = tl.where(bad_me, me, tl.where(bad_peer, peer, slot))
+        bound = tl.where(bad_me | bad_peer, size, NSLOTS)
+        rank = tl.load(sig + _HANDLE_RANK)
+        report_index(tl.load(sig + _HANDLE_RECORD), rank, PRIMITIVE, which, value, bound, True)
 
 
 @triton.jit
@@ -348,7 +353,7 @@ def data_ptr(sig, peer, offset, DTYPE: tl.constexpr):
     if _DEBUG:
         _debug_offsets(sig, offset, 1, DTYPE.primitive_bitwidth // 8)
     size = tl.load(sig + _HANDLE_SIZE)
-    check_index(peer, size, tl.load(sig + _HANDLE_RECORD), tl.load(sig + _HANDLE_RANK), P_DATA_PTR, PEER, True)
+    _check_target(sig, 0, peer, 0, size, 1, P_DATA_PTR)  # peer alone: me 0 and slot 0 of 1 check away
     return (tl.load(sig + _HANDLE_INBOX + size + peer) + offset).to(tl.pointer_type(DTYPE))
 
 

@@ -142,7 +142,7 @@ def debug_fail(bad, KIND: tl.constexpr, who, value):
 
 
 @triton.jit
-def index_fail(rank, PRIMITIVE: tl.constexpr, WHICH: tl.constexpr, value, bound):
+def index_fail(rank, PRIMITIVE: tl.constexpr, which, value, bound):
     """Print what an index check found (rank, program, primitive, which index, value, bound), then trap.
 
     Called by :func:`symmsync.records.check_index` after it wrote the record (where there is one)."""
@@ -153,7 +153,7 @@ def index_fail(rank, PRIMITIVE: tl.constexpr, WHICH: tl.constexpr, value, bound)
         tl.full((), 0, tl.int64) + rank,  # each may be a compile-time constant: print them as tensors
         pid,
         tl.full((), PRIMITIVE, tl.int32),
-        tl.full((), WHICH, tl.int32),
+        tl.full((), 0, tl.int32) + which,
         tl.full((), 0, tl.int64) + value,
         tl.full((), 0, tl.int64) + bound,
     )

@@ -141,7 +141,7 @@ def debug_fail(bad, KIND, who, value):
     )
 
 
-def index_fail(rank, PRIMITIVE, WHICH, value, bound):
+def index_fail(rank, PRIMITIVE, which, value, bound):
     """Raise :class:`~symmsync.IndexCheckError` naming the rank, program, primitive, index and bound
     (called by :func:`symmsync.records.check_index` only for a bad index).
 
@@ -155,7 +155,7 @@ def index_fail(rank, PRIMITIVE, WHICH, value, bound):
     if who < 0:
         who = dist.get_rank() if dist.is_initialized() else 0
     primitive = PRIMITIVES[int(getattr(PRIMITIVE, "value", PRIMITIVE))]
-    which = INDEX_NAMES[int(getattr(WHICH, "value", WHICH))]
+    which = INDEX_NAMES[_value(getattr(which, "value", which))]
     value, bound = _value(value), _value(bound)
     raise IndexCheckError(
         index_message(who, primitive, _program(), which, value, bound),

@@ -315,9 +315,23 @@ def write_misuse_record(record, flag, rank, PRIMITIVE: tl.constexpr, which, valu
     finish_record(rec, flag, False)
 
 
+@triton.jit(noinline=True)  # the cold path stays out of line: nothing of it is hoisted into the hot one
+def report_index(record, rank, PRIMITIVE: tl.constexpr, which, value, bound, RECORDED: tl.constexpr):
+    """Report an index out of range; never returns (the cold path of :func:`check_index`).
+
+    With ``RECORDED``, write an :data:`INDEX` misuse record at ``record`` first; then the
+    per-mode report: the interpreter raises :class:`~symmsync.IndexCheckError`, a GPU kernel
+    prints the rank, program, primitive, which index, value and bound, and traps.
+    """
+    if RECORDED:
+        write_misuse_record(record, _INDEX, rank, PRIMITIVE, which, value, bound)
+    _prims.index_fail(rank, PRIMITIVE, which, value, bound)
+
+
 @triton.jit
 def check_index(index, bound, record, rank, PRIMITIVE: tl.constexpr, WHICH: tl.constexpr, RECORDED: tl.constexpr):
-    """Refuse ``index`` outside ``[0, bound)``: the check every signal and fence primitive makes on every call.
+    """Refuse ``index`` outside ``[0, bound)``: the check every fence primitive makes on every call
+    (the signal primitives check their three indices at once, the same way).
 
     Pseudocode::
 
@@ -332,9 +346,7 @@ def check_index(index, bound, record, rank, PRIMITIVE: tl.constexpr, WHICH: tl.c
     raise (interpreter) alone.
     """
     if (index < 0) | (index >= bound):
-        if RECORDED:
-            write_misuse_record(record, _INDEX, rank, PRIMITIVE, WHICH, index, bound)
-        _prims.index_fail(rank, PRIMITIVE, WHICH, index, bound)
+        report_index(record, rank, PRIMITIVE, WHICH, index, bound, RECORDED)
 
 
 @triton.jit
