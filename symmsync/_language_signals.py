@@ -37,7 +37,6 @@ from .records import (
     write_signal_record,
 )
 
-
 # ---------------------------------------------------------------------- point-to-point signals
 #: Signal operations (``OP`` of :func:`signal`): add the value; store it.
 ADD = tl.constexpr(0)
@@ -334,7 +333,9 @@ def wait_count(
     tl.debug_barrier()
     tl.store(bp, tl.where(status == 0, b + count, b))
     if status != 0:
-        write_signal_record(record, sig + _HANDLE_CELLS + 2 * SIZE, me, peer, slot, count, b, v, state, GE, 1, SIZE, TRAP)
+        write_signal_record(
+            record, sig + _HANDLE_CELLS + 2 * SIZE, me, peer, slot, count, b, v, state, GE, 1, SIZE, TRAP
+        )
     return status
 
 

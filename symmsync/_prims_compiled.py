@@ -136,7 +136,10 @@ def debug_fail(bad, KIND: tl.constexpr, who, value):
             )
         else:
             tl.device_print(
-                "symmsync debug: wait_count on a slot a peer SET (use wait_signal): rank, program, slot", who, pid, value
+                "symmsync debug: wait_count on a slot a peer SET (use wait_signal): rank, program, slot",
+                who,
+                pid,
+                value,
             )
         trap()
 

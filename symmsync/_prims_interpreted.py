@@ -118,7 +118,7 @@ _KINDS = (
     "program per launch (or let grid_fence / grid_sync pick it)",
     "peer offset {value} is outside the view's user region: keep offsets in [0, nbytes)",
     "wait_count on slot {value}, which a peer SET: a counted wait would read the stored value as that many "
-    "signals; wait on a SET slot with wait_signal (docs/signals.md, \"Slot kinds\")",
+    'signals; wait on a SET slot with wait_signal (docs/signals.md, "Slot kinds")',
 )
 
 
@@ -148,20 +148,12 @@ def index_fail(rank, PRIMITIVE, which, value, bound):
     ``rank`` is the handle's rank, or -1 (a fence primitive): then this process's rank."""
     import torch.distributed as dist
 
+    from .cells import INDEX_NAMES, PRIMITIVES
     from .errors import IndexCheckError
-    from .records import INDEX_NAMES, PRIMITIVES, index_message
 
     who = _value(rank)
     if who < 0:
         who = dist.get_rank() if dist.is_initialized() else 0
     primitive = PRIMITIVES[int(getattr(PRIMITIVE, "value", PRIMITIVE))]
-    which = INDEX_NAMES[_value(getattr(which, "value", which))]
-    value, bound = _value(value), _value(bound)
-    raise IndexCheckError(
-        index_message(who, primitive, _program(), which, value, bound),
-        rank=who,
-        primitive=primitive,
-        which=which,
-        value=value,
-        bound=bound,
-    )
+    kind = INDEX_NAMES[_value(getattr(which, "value", which))]
+    raise IndexCheckError.describe(who, primitive, _program(), kind, _value(value), _value(bound))

@@ -189,6 +189,26 @@ def signal_memory_bytes(size: int, slots: int) -> int:
     return 3 * inbox_bytes(size, slots)
 
 
+#: The primitives an index record names (``symmsync.records``' misuse record), in this order,
+#: and the kinds of index they check.
+PRIMITIVES = (
+    "signal",
+    "wait_signal",
+    "wait_count",
+    "read_signal",
+    "put_signal",
+    "data_ptr",
+    "publish",
+    "pending",
+    "wait",
+    "mark_abort",
+    "publish_and_wait",
+    "wait_or_trap",
+    "grid_fence",
+    "grid_sync",
+)
+INDEX_NAMES = ("peer", "slot", "member")
+
 #: Comparisons of a signal wait (``CMP``), in this order.
 CMP_NAMES = ("EQ", "NE", "GE", "GT", "LE", "LT")
 CMP_SYMBOLS = ("==", "!=", ">=", ">", "<=", "<")

@@ -261,6 +261,22 @@ class IndexCheckError(SymmSyncError, IndexError):
         super().__init__(message)
         self.rank, self.primitive, self.which, self.value, self.bound = rank, primitive, which, value, bound
 
+    @classmethod
+    def describe(
+        cls, rank: int, primitive: str, program: object, which: str, value: int, bound: int
+    ) -> IndexCheckError:
+        """The error, with its message, for what a kernel's check found (its report or its record)."""
+        fix = {
+            "peer": "pass a view index in [0, SIZE) (Signals.size, view.size)",
+            "slot": "pass a slot in [0, NSLOTS) (Signals.slots)",
+            "member": "pass this rank's view.local_index (the me of kernel_args)",
+        }
+        message = (
+            f"rank {rank}, program {program}: {primitive}: {which} index {value} is out of range [0, {bound}); "
+            f"nothing was read or written through it. Fix the kernel: {fix.get(which, 'keep the index in range')}"
+        )
+        return cls(message, rank=rank, primitive=primitive, which=which, value=value, bound=bound)
+
     def __reduce__(self):
         return _rebuild_index_check, (str(self), self.rank, self.primitive, self.which, self.value, self.bound)
 

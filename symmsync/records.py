@@ -61,7 +61,6 @@ import triton
 import triton.language as tl
 
 from . import cells
-from .errors import ClosedError, IndexCheckError, SymmSyncError
 from ._language_core import (
     _CLOSED_EPOCH,
     _REASON_LANES,
@@ -73,6 +72,7 @@ from ._language_core import (
     scan_members,
     slots_ptr,
 )
+from .errors import ClosedError, IndexCheckError, SymmSyncError
 
 #: Flags (word 0) of the fence and signal records: a wait timed out ("SYMMTIME"); a wait
 #: saw a member's abort ("SYMMABRT").
@@ -118,23 +118,7 @@ REFUSED = 0x5359_4D4D_5348_5554
 MISUSE_FLAG, MISUSE_RANK, MISUSE_PRIMITIVE, MISUSE_PROGRAM, MISUSE_WHICH, MISUSE_VALUE, MISUSE_BOUND = range(7)
 MISUSE_RECORD_WORDS = 7
 #: The primitives a misuse record names (``primitive``), and the indices they check (``which``).
-PRIMITIVES = (
-    "signal",
-    "wait_signal",
-    "wait_count",
-    "read_signal",
-    "put_signal",
-    "data_ptr",
-    "publish",
-    "pending",
-    "wait",
-    "mark_abort",
-    "publish_and_wait",
-    "wait_or_trap",
-    "grid_fence",
-    "grid_sync",
-)
-INDEX_NAMES = ("peer", "slot", "member")
+PRIMITIVES, INDEX_NAMES = cells.PRIMITIVES, cells.INDEX_NAMES
 #: The kernels' names for them (``PRIMITIVE`` and ``WHICH`` of :func:`check_index`).
 P_SIGNAL, P_WAIT_SIGNAL, P_WAIT_COUNT, P_READ_SIGNAL, P_PUT_SIGNAL, P_DATA_PTR = (tl.constexpr(i) for i in range(6))
 P_PUBLISH, P_PENDING, P_WAIT, P_MARK_ABORT, P_PUBLISH_AND_WAIT = (tl.constexpr(i) for i in range(6, 11))
@@ -477,20 +461,6 @@ def read_misuse_record(words: list[int]) -> MisuseRecord | None:
     )
 
 
-def index_message(rank: int, primitive: str, program: int | str, which: str, value: int, bound: int) -> str:
-    """The message of an :class:`~symmsync.IndexCheckError` (the kernel's report and the record's)."""
-    what = {"peer": "the view's members", "slot": "the Signals object's slots", "member": "the view's members"}
-    fix = {
-        "peer": "pass a view index in [0, SIZE) (Signals.size)",
-        "slot": "pass a slot in [0, NSLOTS) (Signals.slots)",
-        "member": "pass view.local_index (the me of kernel_args)",
-    }
-    return (
-        f"rank {rank}, program {program}: {primitive}: {which} index {value} is out of range [0, {bound}) "
-        f"({what.get(which, which)}); nothing was read or written through it. Fix the kernel: {fix.get(which, '')}"
-    )
-
-
 def misuse_error(rec: MisuseRecord, rank: int, what: str) -> SymmSyncError:
     """The error a misuse record describes (:func:`symmsync.records.read_misuse_record`), for
     the host reader of a Signals object or a fence (``what``) on rank ``rank``: an
@@ -504,7 +474,7 @@ def misuse_error(rec: MisuseRecord, rank: int, what: str) -> SymmSyncError:
             "peer's wait pass). Take kernel_args from a live object"
         )
     return IndexCheckError(
-        index_message(who, rec.primitive, rec.program, rec.which, rec.value, rec.bound),
+        IndexCheckError.describe(who, rec.primitive, rec.program, rec.which, rec.value, rec.bound),
         rank=who,
         primitive=rec.primitive,
         which=rec.which,

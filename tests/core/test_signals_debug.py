@@ -166,5 +166,8 @@ def test_debug_mode_compiles_its_checks_for_sm90_and_off_leaves_only_the_index_c
     # calls each (device_print prints each of its six operands): the fence's member index in
     # publish and in wait_or_trap; put_signal's me and peer (its slot is the constant 0, which
     # the compiler checks away). Debug mode adds its own reports to those.
-    assert _reports(off["fence"]) == 2 * 6 and _reports(off["put"]) == 2 * 6, (_reports(off["fence"]), _reports(off["put"]))
+    assert _reports(off["fence"]) == 2 * 6 and _reports(off["put"]) == 2 * 6, (
+        _reports(off["fence"]),
+        _reports(off["put"]),
+    )
     assert _reports(on["fence"]) > _reports(off["fence"]) and _reports(on["put"]) > _reports(off["put"])
