@@ -162,7 +162,7 @@ def wait(ptrs, cell, me, epoch, timeout_ns, SIZE: tl.constexpr):
     in step, and it reads no flag, clock or reason. (symmsync's one bounded poll,
     :func:`symmsync._language_core.bounded_poll`, on the members' slots.) A wait for an
     epoch at or past the one ``close()`` stores (through arguments kept past close) returns
-    2 before any poll, whatever the slots hold. ``me`` is checked on every call.
+    2 at its first poll, whatever the slots hold. ``me`` is checked on every call.
     """
     check_index(me, SIZE, 0, -1, P_WAIT, MEMBER, False)
     return _wait(ptrs, cell, me, epoch, timeout_ns, SIZE)
@@ -171,12 +171,10 @@ def wait(ptrs, cell, me, epoch, timeout_ns, SIZE: tl.constexpr):
 @triton.jit
 def _wait(ptrs, cell, me, epoch, timeout_ns, SIZE: tl.constexpr):
     # wait() after its check. close() stores CLOSED_EPOCH as this rank's epoch, so a wait for
-    # an epoch at or past it runs through arguments kept past close: it fails before reading
-    # a slot (a slot that garbage or an overrun pushed past the epoch must not pass it).
-    if epoch >= _CLOSED_EPOCH:
-        status = tl.full((), 2, tl.int32)  # ABORTED_STATUS
-    else:
-        status, _left = bounded_poll(ptrs, epoch, ptrs, cell, me, timeout_ns, SIZE, MEMBERS, GE)
+    # an epoch at or past it runs through arguments kept past close: its first poll fails
+    # whatever it saw (a slot that garbage or an overrun pushed past the epoch must not pass it).
+    closed = epoch >= _CLOSED_EPOCH
+    status, _left = bounded_poll(ptrs, epoch, ptrs, cell, me, timeout_ns, SIZE, MEMBERS, GE, closed)
     return status
 
 
