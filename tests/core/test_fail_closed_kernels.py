@@ -126,16 +126,15 @@ def forge_then_fence(ptrs, cell, me, timeout_ns, record, peer, forged, out, SIZE
 
 
 # ---------------------------------------------------------------------- indices (item 2), 3 ranks, debug off
-def bad_indices():
+def reported_case():
     buf = ss.SymmetricBuffer(NBYTES, backend="host")
     view = buf.view([0, 1, 2])
     sigs = ss.Signals(view, slots=1, timeout_s=1.0)
-    fence = ss.Fence(view, timeout_s=30)
     me, c = view.local_index, sigs.constexprs
     args = sigs.kernel_args
     out = {"debug": ssl.DEBUG}
     status = torch.full((1,), -1, dtype=torch.int64)
-    if me == 0:  # the reported case: slot 1 of 1, to member 2
+    if me == 0:  # the reported case: slot 1 of 1, to member 2 (inbox[0][1] is inbox[1][0] there)
         out["reported"] = _outcome(lambda: signal_kernel[(1,)](args[0], me, 2, 1, 1, OP=ssl.ADD, NSLOTS=1))
     dist.barrier()
     if me == 2:  # rank 1 never signalled: the wait on its slot 0 must not pass
@@ -143,6 +142,20 @@ def bad_indices():
             lambda: wait_kernel[(1,)](*args, 1, 0, 1, status, COUNTED=False, **c) or int(status.item())
         )
     dist.barrier()
+    out["values"] = sigs.values().tolist()
+    buf.close()
+    return out
+
+
+def bad_indices():
+    buf = ss.SymmetricBuffer(NBYTES, backend="host")
+    view = buf.view([0, 1, 2])
+    sigs = ss.Signals(view, slots=1, timeout_s=1.0)
+    fence = ss.Fence(view, timeout_s=30)
+    me, c = view.local_index, sigs.constexprs
+    args = sigs.kernel_args
+    out = {}
+    status = torch.full((1,), -1, dtype=torch.int64)
     cases = {
         "signal peer 3": lambda: signal_kernel[(1,)](args[0], me, 3, 0, 1, OP=ssl.ADD, NSLOTS=1),
         "signal peer -1": lambda: signal_kernel[(1,)](args[0], me, -1, 0, 1, OP=ssl.SET, NSLOTS=1),
@@ -181,15 +194,16 @@ def index_runs():
     return run(bad_indices, 3, backend="host", timeout_s=RUN_S)
 
 
-def test_the_reported_slot_past_the_end_raises_on_the_signalling_rank_and_never_passes_the_victims_wait(index_runs):
-    kind, msg, fields = index_runs[0]["reported"]
-    assert not index_runs[0]["debug"]
-    assert kind == "IndexCheckError", index_runs[0]["reported"]
+def test_the_reported_slot_past_the_end_raises_on_the_signalling_rank_and_never_passes_the_victims_wait():
+    runs = run(reported_case, 3, backend="host", timeout_s=RUN_S)
+    assert not runs[0]["debug"]
+    victim = runs[2]["victim"]
+    assert victim == ("ok", 1, {}), victim  # timed out, never 0: rank 1 never signalled
+    assert runs[2]["values"] == [[0], [0], [0]]  # rank 1's slot at rank 2 untouched
+    kind, msg, fields = runs[0]["reported"]
+    assert kind == "IndexCheckError", runs[0]["reported"]
     assert fields == {"rank": 0, "primitive": "signal", "which": "slot", "value": 1, "bound": 1}, fields
     assert "rank 0, program (0, 0, 0): signal: slot index 1 is out of range [0, 1)" in msg, msg
-    victim = index_runs[2]["victim"]
-    assert victim == ("ok", 1, {}), victim  # timed out, never 0: rank 1 never signalled
-    assert index_runs[2]["values"] == [[0], [0], [0]]  # rank 1's slot at rank 2 untouched
 
 
 BAD = [
