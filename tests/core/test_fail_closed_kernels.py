@@ -324,6 +324,8 @@ def kept_fence(_):
     forged = cells.CLOSED_EPOCH + 5  # past the epoch this launch's publish waits for
     forge_then_fence[(1,)](*args, 1 - view.local_index, forged, status, SIZE=2)
     rec = records.read_fence_record(_words(args[4], records.fence_record_words(2)))
+    if rec is None:  # the wait passed: nothing recorded
+        return int(status.item()), None
     return int(status.item()), rec.aborted, rec.aborter == rec.index, cells.decode_reason(rec.reason)
 
 
