@@ -173,7 +173,7 @@ def _wait(ptrs, cell, me, epoch, timeout_ns, SIZE: tl.constexpr):
     # wait() after its check. close() stores CLOSED_EPOCH as this rank's epoch, so a wait for
     # an epoch at or past it runs through arguments kept past close: its first poll fails
     # whatever it saw (a slot that garbage or an overrun pushed past the epoch must not pass it).
-    closed = epoch >= _CLOSED_EPOCH
+    closed = tl.full((), 0, tl.int64) + epoch >= _CLOSED_EPOCH  # int64: a launch may pass an int32 epoch
     status, _left = bounded_poll(ptrs, epoch, ptrs, cell, me, timeout_ns, SIZE, MEMBERS, GE, closed)
     return status
 

@@ -235,7 +235,7 @@ def write_timeout_record(record, ptrs, cell, me, epoch, SIZE: tl.constexpr):
     """
     rec = record.to(tl.pointer_type(tl.int64))
     first, _unused = scan_members(slots_ptr(ptrs, cell, me), me, epoch, rec + _FENCE_SLOTS, SIZE, FIRST_BEHIND)
-    first = tl.where(epoch >= _CLOSED_EPOCH, me, first)
+    first = tl.where(tl.full((), 0, tl.int64) + epoch >= _CLOSED_EPOCH, me, first)  # int64: see _wait
     found = _copy_reason(rec + _FENCE_REASON + SIZE, ptrs, cell, first, me, SIZE)
     tl.store(rec + _FENCE_ABORTER + SIZE, tl.where(found, first, -1))
     tl.store(rec + _FENCE_EPOCH, epoch)
