@@ -233,9 +233,10 @@ def _rebuild_signal_timeout(cls, message, rank, peer, slot, cmp, expected, obser
 
 class DebugCheckError(SymmSyncError):
     """A check of debug mode (``SYMMSYNC_DEBUG=1``) caught a misuse inside a kernel: a
-    second program publishing on one channel in one launch, or a peer offset outside the
-    user region. The message names the rank, the program and the offset. On GPUs the kernel
-    prints the same and traps."""
+    second program publishing on one channel in one launch, a peer offset outside the
+    user region, or a counted wait (``wait_count``) on a slot a peer SET. The message names
+    the rank, the program and the offset (or slot). On GPUs the kernel prints the same and
+    traps. (Indices out of range are checked always: :class:`IndexCheckError`.)"""
 
 
 class IndexCheckError(SymmSyncError, IndexError):
