@@ -21,6 +21,12 @@ each launch) and :meth:`Signals.synchronize` (GPUs) raise :class:`~symmsync.Sign
 from it. A member's abort (its ``close()``, an error, :meth:`~symmsync.PeerView.abort`) ends
 every signal wait on the view within a poll, with :class:`~symmsync.SignalAborted` naming it:
 the waits read the abort flags that the view's abort sets in its cells.
+
+Every primitive checks its indices (me, peer, slot) on every call and raises
+:class:`~symmsync.IndexCheckError` (GPUs: records it and traps; :meth:`Signals.check` and
+:meth:`Signals.synchronize` raise it from the record). Through kernel arguments kept past
+:meth:`Signals.close`, the buffer's ``close()`` or this rank's abort, every wait fails at
+once and nothing is stored (the handle's state word).
 """
 
 from __future__ import annotations
@@ -211,7 +217,10 @@ class Signals:
             kernel[grid](*sigs.kernel_args, ..., **sigs.constexprs)
 
         Raises :class:`~symmsync.PeerAborted` once this rank aborted the view, and this
-        rank's earlier signal error after one.
+        rank's earlier signal error after one. Arguments kept past :meth:`close`, the
+        buffer's ``close()`` or this rank's abort stay safe to launch and fail closed: the
+        handle's state word makes every wait through them return 2 at its first poll and
+        every signal store nothing (docs/signals.md, "Fail closed").
         """
         self._check_usable()
         return self._kernel_args
