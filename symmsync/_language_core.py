@@ -63,6 +63,8 @@ _REASON_LANES = tl.constexpr(triton.next_power_of_2(cells.REASON_WORDS))
 ABORT_FLAG = tl.constexpr(cells.ABORT_FLAG)
 #: The bits of a slot that count publishes.
 COUNT_MASK = tl.constexpr(cells.COUNT_MASK)
+#: The epoch close() stores in this rank's cells: a wait for one at or past it fails at once.
+_CLOSED_EPOCH = tl.constexpr(cells.CLOSED_EPOCH)
 
 #: Wait statuses: every member arrived; the budget ran out; a member aborted.
 ARRIVED, TIMED_OUT_STATUS, ABORTED_STATUS = 0, 1, 2
@@ -275,7 +277,9 @@ def _waiting(x, target, KIND: tl.constexpr):
 
 
 @triton.jit
-def bounded_poll(src, target, table, cell, me, timeout_ns, SIZE: tl.constexpr, KIND: tl.constexpr, CMP: tl.constexpr):
+def bounded_poll(
+    src, target, table, cell, me, timeout_ns, SIZE: tl.constexpr, KIND: tl.constexpr, CMP: tl.constexpr, refused=0
+):
     """Poll until a condition holds, a member aborted or the budget ran out: the one bounded wait.
 
     Pseudocode::
@@ -294,11 +298,13 @@ def bounded_poll(src, target, table, cell, me, timeout_ns, SIZE: tl.constexpr, K
     ``*src CMP target`` (system-scope acquire loads), with the abort flags of the cell at
     ``table[me] + cell``; the value seen is the slot's. ``COUNTER``: ``*src >= target`` for
     a GPU-scope counter of this launch (GPU-scope acquire loads; no abort flags: status 0
-    or 1). The clock is :func:`clock_ns`'s. Returns ``(status, seen)``.
+    or 1). The clock is :func:`clock_ns`'s. ``refused`` not 0 fails the first poll whatever
+    it saw (status 2, no further poll): a wait through arguments kept past ``close()``.
+    Returns ``(status, seen)``.
     """
     x, seen, aborted = _probe(src, target, table, cell, me, SIZE, KIND, CMP, False)
-    aborted = (x * 0).to(tl.int32)  # a tensor: the loop carries it
-    if _waiting(x, target, KIND):  # the clock and the flags only after a first poll that failed
+    aborted = (x * 0).to(tl.int32) + tl.where(refused != 0, 1, 0)  # a tensor: the loop carries it
+    if _waiting(x, target, KIND) | (refused != 0):  # the clock and the flags only after a first poll that failed
         start = _prims.clock_ns()
         elapsed = start - start
         while _waiting(x, target, KIND) & (aborted == 0) & (elapsed <= timeout_ns):
@@ -310,6 +316,7 @@ def bounded_poll(src, target, table, cell, me, timeout_ns, SIZE: tl.constexpr, K
         status = tl.where(x != 0, 0, tl.where(aborted > 0, 2, 1))
     else:
         status = _waiting(x, target, KIND).to(tl.int32)
+    status = tl.where(refused != 0, 2, status)
     return status.to(tl.int32), seen
 
 

@@ -5,6 +5,12 @@ source, :mod:`symmsync.language` exports them and states their contract (its ``c
 block). The arrival counter, the bounded poll and the scan of the members' slots they use
 are :mod:`symmsync._language_core`'s; the timeout record is :mod:`symmsync.records`'s.
 Import :mod:`symmsync.language`, not this module.
+
+Every primitive that takes a member index (``me``) checks ``0 <= me < SIZE`` on every call
+(:func:`symmsync.records.check_index`): those that take a ``record`` (wait_or_trap,
+grid_fence, grid_sync) write an index record there first; all then report it (the
+interpreter raises :class:`~symmsync.IndexCheckError`; a GPU kernel prints it and traps).
+:func:`peer_ptr` and :func:`translate` take no size and are unchecked.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ._language_core import (
+    _CLOSED_EPOCH,
     _DEBUG,
     _REASON_LANES,
     _REASON_WORDS,
@@ -31,7 +38,19 @@ from ._language_core import (
     scan_members,
     slots_ptr,
 )
-from .records import write_timeout_record
+from .records import (
+    MEMBER,
+    P_GRID_FENCE,
+    P_GRID_SYNC,
+    P_MARK_ABORT,
+    P_PENDING,
+    P_PUBLISH,
+    P_PUBLISH_AND_WAIT,
+    P_WAIT,
+    P_WAIT_OR_TRAP,
+    check_index,
+    write_timeout_record,
+)
 
 
 @triton.jit
@@ -48,7 +67,10 @@ def peer_ptr(ptrs, index, offset, DTYPE: tl.constexpr):
         offset: byte offset from the member's base, a multiple of DTYPE's size.
         DTYPE: element type of the returned pointer (``tl.float32``, ...).
 
-    Cost: one load from the table (cached), one add. Graph-safe.
+    Unchecked: ``index`` is not compared with the view's size (the table carries none), so
+    an index out of range reads past the table. :func:`data_ptr` is the checked form (through
+    a :class:`~symmsync.Signals` handle, which knows the size). Cost: one load from the table
+    (cached), one add. Graph-safe.
     """
     return (tl.load(ptrs + index) + offset).to(tl.pointer_type(DTYPE))
 
@@ -63,6 +85,7 @@ def translate(ptr, ptrs, from_index, to_index):
 
     Base addresses are multiples of 16 bytes (page aligned where symmsync allocated; a
     registered base is checked), so the difference is a whole number of elements.
+    Unchecked, as :func:`peer_ptr` is: keep both indices in ``[0, SIZE)``.
     Cost: two table loads, a subtract. Graph-safe.
     """
     ELEM: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
@@ -87,8 +110,10 @@ def publish(ptrs, cell, me, SIZE: tl.constexpr):
     each call adds exactly 1 to each peer's slot; debug mode (:data:`DEBUG`) reports a
     second program of one launch publishing on the channel. Graph-safe.
     Cost: one local load and store, SIZE-1 remote reductions issued back to back and in
-    flight together, no reply awaited, nothing sent to itself.
+    flight together, no reply awaited, nothing sent to itself. ``me`` is checked on every
+    call (``0 <= me < SIZE``: :func:`symmsync.records.check_index`).
     """
+    check_index(me, SIZE, 0, -1, P_PUBLISH, MEMBER, False)
     if _DEBUG:
         _debug_publish(ptrs, cell, me)
     return _publish(ptrs, cell, me, SIZE)
@@ -104,8 +129,9 @@ def pending(ptrs, cell, me, epoch, SIZE: tl.constexpr):
 
     A member that published ``epoch`` and aborted afterwards counts as arrived: its
     data is valid. One that aborted before it counts as pending here; :func:`wait`
-    tells the two apart.
+    tells the two apart. ``me`` is checked on every call.
     """
+    check_index(me, SIZE, 0, -1, P_PENDING, MEMBER, False)
     n, _unused = scan_members(slots_ptr(ptrs, cell, me), me, epoch, ptrs, SIZE, BEHIND)
     return n
 
@@ -134,9 +160,21 @@ def wait(ptrs, cell, me, epoch, timeout_ns, SIZE: tl.constexpr):
     report the status to the host. Graph-safe. Cost: one acquire load
     per member per poll and a mask; the first poll usually succeeds when the members are
     in step, and it reads no flag, clock or reason. (symmsync's one bounded poll,
-    :func:`symmsync._language_core.bounded_poll`, on the members' slots.)
+    :func:`symmsync._language_core.bounded_poll`, on the members' slots.) A wait for an
+    epoch at or past the one ``close()`` stores (through arguments kept past close) returns
+    2 at its first poll, whatever the slots hold. ``me`` is checked on every call.
     """
-    status, _left = bounded_poll(ptrs, epoch, ptrs, cell, me, timeout_ns, SIZE, MEMBERS, GE)
+    check_index(me, SIZE, 0, -1, P_WAIT, MEMBER, False)
+    return _wait(ptrs, cell, me, epoch, timeout_ns, SIZE)
+
+
+@triton.jit
+def _wait(ptrs, cell, me, epoch, timeout_ns, SIZE: tl.constexpr):
+    # wait() after its check. close() stores CLOSED_EPOCH as this rank's epoch, so a wait for
+    # an epoch at or past it runs through arguments kept past close: its first poll fails
+    # whatever it saw (a slot that garbage or an overrun pushed past the epoch must not pass it).
+    closed = tl.full((), 0, tl.int64) + epoch >= _CLOSED_EPOCH  # int64: a launch may pass an int32 epoch
+    status, _left = bounded_poll(ptrs, epoch, ptrs, cell, me, timeout_ns, SIZE, MEMBERS, GE, closed)
     return status
 
 
@@ -157,8 +195,9 @@ def mark_abort(ptrs, cell, me, reason, SIZE: tl.constexpr):
     :func:`wait` within one poll. Idempotent (an OR). ``reason`` points at
     :data:`REASON_WORDS` int64 words. Run it from one program, on a stream that is not
     blocked behind this rank's own waits. Cost: REASON_WORDS local stores, SIZE-1 remote
-    reductions.
+    reductions. ``me`` is checked on every call.
     """
+    check_index(me, SIZE, 0, -1, P_MARK_ABORT, MEMBER, False)
     own = (tl.load(ptrs + me) + cell + REASON).to(tl.pointer_type(tl.int64))
     w = tl.arange(0, _REASON_LANES)
     src = reason.to(tl.pointer_type(tl.int64))
@@ -179,10 +218,14 @@ def publish_and_wait(ptrs, cell, me, timeout_ns, SIZE: tl.constexpr):
 
     Contract: on 0, every member reached this point and all their writes before it are
     visible here. Call it from one program (or use :func:`grid_fence`), after a
-    ``tl.debug_barrier()`` when other threads wrote the payload. Graph-safe.
+    ``tl.debug_barrier()`` when other threads wrote the payload. Graph-safe. ``me`` is
+    checked once, on every call.
     """
-    e = publish(ptrs, cell, me, SIZE)
-    return wait(ptrs, cell, me, e, timeout_ns, SIZE)
+    check_index(me, SIZE, 0, -1, P_PUBLISH_AND_WAIT, MEMBER, False)
+    if _DEBUG:
+        _debug_publish(ptrs, cell, me)
+    e = _publish(ptrs, cell, me, SIZE)
+    return _wait(ptrs, cell, me, e, timeout_ns, SIZE)
 
 
 @triton.jit
@@ -193,9 +236,17 @@ def wait_or_trap(ptrs, cell, me, epoch, timeout_ns, record, SIZE: tl.constexpr, 
     Returns the wait status (0: arrived, 1: timed out, 2: a member aborted). With
     ``TRAP`` (the GPU default) a failed kernel never returns, so nothing downstream on
     the stream runs on stale data; the record is written before the trap, because the
-    CUDA context is unusable after it.
+    CUDA context is unusable after it. ``me`` is checked on every call; a bad one is
+    recorded in ``record`` (an index record) before the report.
     """
-    status = wait(ptrs, cell, me, epoch, timeout_ns, SIZE)
+    check_index(me, SIZE, record, -1, P_WAIT_OR_TRAP, MEMBER, True)
+    return _wait_or_trap(ptrs, cell, me, epoch, timeout_ns, record, SIZE, TRAP)
+
+
+@triton.jit
+def _wait_or_trap(ptrs, cell, me, epoch, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.constexpr):
+    # wait_or_trap() after its check (grid_fence and grid_sync check first themselves).
+    status = _wait(ptrs, cell, me, epoch, timeout_ns, SIZE)
     if status != 0:
         write_timeout_record(record, ptrs, cell, me, epoch, SIZE)
         if TRAP:
@@ -236,6 +287,7 @@ def grid_fence(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.
     total (with one member: one load and store). Returns the wait status (last program)
     or 0.
     """
+    check_index(me, SIZE, record, -1, P_GRID_FENCE, MEMBER, True)
     ep = epoch_ptr(ptrs, cell, me)
     status = tl.full((), 0, tl.int32)  # not from ``me``: a launch may pass it as the constant 1
     if SIZE == 1:
@@ -248,7 +300,7 @@ def grid_fence(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.
         last = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2) - 1
         n, e = arrive(counter, ep, last, ptrs, cell, me, SIZE, True)  # e: read before arriving
         if n == last:
-            status = wait_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
+            status = _wait_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
     return status
 
 
@@ -287,10 +339,11 @@ def grid_sync(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, TRAP: tl.c
     program, one publish, one wait per program. Returns the wait status.
     """
     _prims.check_co_resident()
+    check_index(me, SIZE, record, -1, P_GRID_SYNC, MEMBER, True)
     counter = (tl.load(ptrs + me) + cell + ARRIVALS).to(tl.pointer_type(tl.int64))
     last = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2) - 1
     _n, e = arrive(counter, epoch_ptr(ptrs, cell, me), last, ptrs, cell, me, SIZE, True)  # e: see above
-    return wait_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
+    return _wait_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
 
 
 # ---------------------------------------------------------------------- debug checks

@@ -135,5 +135,29 @@ def debug_fail(bad, KIND: tl.constexpr, who, value):
                 "symmsync debug: peer offset outside the user region: rank, program, offset", who, pid, value
             )
         else:
-            tl.device_print("symmsync debug: peer or slot out of range: rank, program, value", who, pid, value)
+            tl.device_print(
+                "symmsync debug: wait_count on a slot a peer SET (use wait_signal): rank, program, slot",
+                who,
+                pid,
+                value,
+            )
         trap()
+
+
+@triton.jit
+def index_fail(rank, PRIMITIVE: tl.constexpr, which, value, bound):
+    """Print what an index check found (rank, program, primitive, which index, value, bound), then trap.
+
+    Called by :func:`symmsync.records.check_index` after it wrote the record (where there is one)."""
+    pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+    tl.device_print(
+        "symmsync: index out of range (IndexCheckError): rank, program, primitive, which (0 peer 1 slot 2 member), "
+        "value, bound",
+        tl.full((), 0, tl.int64) + rank,  # each may be a compile-time constant: print them as tensors
+        pid,
+        tl.full((), PRIMITIVE, tl.int32),
+        tl.full((), 0, tl.int32) + which,
+        tl.full((), 0, tl.int64) + value,
+        tl.full((), 0, tl.int64) + bound,
+    )
+    trap()

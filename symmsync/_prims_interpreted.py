@@ -117,7 +117,8 @@ _KINDS = (
     "publish from a second program of one launch on the channel cell at offset {value}: publish from one "
     "program per launch (or let grid_fence / grid_sync pick it)",
     "peer offset {value} is outside the view's user region: keep offsets in [0, nbytes)",
-    "peer or slot {value} is out of range for the Signals object",
+    "wait_count on slot {value}, which a peer SET: a counted wait would read the stored value as that many "
+    'signals; wait on a SET slot with wait_signal (docs/signals.md, "Slot kinds")',
 )
 
 
@@ -138,3 +139,21 @@ def debug_fail(bad, KIND, who, value):
     raise DebugCheckError(
         f"rank {rank} ({whom}), program {_program()}: SYMMSYNC_DEBUG: " + _KINDS[kind].format(value=_value(value))
     )
+
+
+def index_fail(rank, PRIMITIVE, which, value, bound):
+    """Raise :class:`~symmsync.IndexCheckError` naming the rank, program, primitive, index and bound
+    (called by :func:`symmsync.records.check_index` only for a bad index).
+
+    ``rank`` is the handle's rank, or -1 (a fence primitive): then this process's rank."""
+    import torch.distributed as dist
+
+    from .cells import INDEX_NAMES, PRIMITIVES
+    from .errors import IndexCheckError
+
+    who = _value(rank)
+    if who < 0:
+        who = dist.get_rank() if dist.is_initialized() else 0
+    primitive = PRIMITIVES[int(getattr(PRIMITIVE, "value", PRIMITIVE))]
+    kind = INDEX_NAMES[_value(getattr(which, "value", which))]
+    raise IndexCheckError.describe(who, primitive, _program(), kind, _value(value), _value(bound))

@@ -31,17 +31,23 @@ buffer of their own. The handle a kernel takes (``Signals.kernel_args[0]``, int6
 the buffer's device), and each member's signal memory::
 
     --8<-- [start:handle]
-    handle     [nbytes, rank, size, slots, bases, inbox[size], data[size], cell[size]]
+    handle     [nbytes, rank, size, slots, bases, record, state, inbox[size], data[size], cell[size]]
       nbytes     bytes of the view's user region (what debug mode checks peer offsets against)
-      rank       this rank's global rank (what debug mode reports)
+      rank       this rank's global rank (what a failed check reports)
       bases      address of this member's own base array
+      record     address of the Signals object's record: where a primitive that takes no
+                 record argument (signal, read_signal, data_ptr, put_signal) reports a bad index
+      state      0 while the object is usable; REASON_CLOSED once it (or its buffer) closed,
+                 REASON_ERROR once this rank aborted the view (set by the host, in stream
+                 order): every wait then fails at once, and signal and put_signal store nothing
       inbox[p]   member p's slot array (in its signal memory); first after the header, so
                  a signal or a wait finds a slot with one load from the handle
       data[p]    member p's user-region base (view.ptrs[p])
       cell[p]    member p's channel-0 cell of the view (its abort flags and reasons)
-    memory     two int64 arrays per member, each padded to whole lines:
+    memory     three int64 arrays per member, each padded to whole lines:
       inbox[q][s]  what member q signalled to this member on slot s (peers update it)
       base[q][s]   how much of inbox[q][s] this member's wait_count consumed (only it writes)
+      kind[q][s]   debug mode only: 1 once member q SET slot s (wait_count refuses such a slot)
     --8<-- [end:handle]
 
 A failed signal wait's record is :mod:`symmsync.records`'.
@@ -64,6 +70,11 @@ REASON_WORDS = 14
 REASON_TEXT_BYTES = 8 * (REASON_WORDS - 2)
 #: Reason codes (word 0 of a reason): the member closed its buffer; it failed (any other cause).
 REASON_CLOSED, REASON_ERROR = 1, 2
+
+#: The epoch ``close()`` stores in each of this rank's cells (``symmsync.memory.close_cells``):
+#: a fence wait for an epoch at or past it is a wait through arguments kept past close, and
+#: fails at once (status 2) whatever the slots hold. No real epoch gets there (2**62 fences).
+CLOSED_EPOCH = 1 << 62
 
 #: The abort flag of a slot: its sign bit. A slot that carries it is negative, so a plain
 #: ``slot >= e`` never takes an abort for an arrival; the count is ``slot & COUNT_MASK``.
@@ -149,8 +160,8 @@ def decode_reason(words: list[int], closed: str = "closed") -> str:
 # The handle's and the signal memory's geometry: the module docstring has the layout.
 
 #: Word indices of the handle's header, and where its first table starts (plus the member index).
-HANDLE_NBYTES, HANDLE_RANK, HANDLE_SIZE, HANDLE_SLOTS, HANDLE_BASES = 0, 1, 2, 3, 4
-HANDLE_INBOX = 5
+HANDLE_NBYTES, HANDLE_RANK, HANDLE_SIZE, HANDLE_SLOTS, HANDLE_BASES, HANDLE_RECORD, HANDLE_STATE = 0, 1, 2, 3, 4, 5, 6
+HANDLE_INBOX = 7
 
 
 def handle_data(size: int) -> int:
@@ -174,9 +185,29 @@ def inbox_bytes(size: int, slots: int) -> int:
 
 
 def signal_memory_bytes(size: int, slots: int) -> int:
-    """Bytes of a member's signal memory: the inbox, then the bases."""
-    return 2 * inbox_bytes(size, slots)
+    """Bytes of a member's signal memory: the inbox, the bases, then the kinds (debug mode)."""
+    return 3 * inbox_bytes(size, slots)
 
+
+#: The primitives an index record names (``symmsync.records``' misuse record), in this order,
+#: and the kinds of index they check.
+PRIMITIVES = (
+    "signal",
+    "wait_signal",
+    "wait_count",
+    "read_signal",
+    "put_signal",
+    "data_ptr",
+    "publish",
+    "pending",
+    "wait",
+    "mark_abort",
+    "publish_and_wait",
+    "wait_or_trap",
+    "grid_fence",
+    "grid_sync",
+)
+INDEX_NAMES = ("peer", "slot", "member")
 
 #: Comparisons of a signal wait (``CMP``), in this order.
 CMP_NAMES = ("EQ", "NE", "GE", "GT", "LE", "LT")

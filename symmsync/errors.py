@@ -233,6 +233,54 @@ def _rebuild_signal_timeout(cls, message, rank, peer, slot, cmp, expected, obser
 
 class DebugCheckError(SymmSyncError):
     """A check of debug mode (``SYMMSYNC_DEBUG=1``) caught a misuse inside a kernel: a
-    second program publishing on one channel in one launch, or a peer offset outside the
-    user region. The message names the rank, the program and the offset. On GPUs the kernel
-    prints the same and traps."""
+    second program publishing on one channel in one launch, a peer offset outside the
+    user region, or a counted wait (``wait_count``) on a slot a peer SET. The message names
+    the rank, the program and the offset (or slot). On GPUs the kernel prints the same and
+    traps. (Indices out of range are checked always: :class:`IndexCheckError`.)"""
+
+
+class IndexCheckError(SymmSyncError, IndexError):
+    """A kernel passed a signal or fence primitive an index out of range: a peer or a member
+    index outside ``[0, SIZE)``, or a slot outside ``[0, NSLOTS)``.
+
+    Checked on every call, debug mode or not. The access is not made (no member's word is
+    read or written through the bad index); the kernel records the rank, the program, the
+    primitive, which index, its value and the bound. Under the interpreter the launch raises
+    this error; on GPUs the kernel prints the same, writes the record and traps, and
+    :meth:`Signals.check() <symmsync.Signals.check>` / :meth:`~symmsync.Signals.synchronize`
+    (or the fence's :meth:`~symmsync.Fence.synchronize`) raise it from the record.
+
+    Attributes:
+        rank: the rank whose kernel made the call (-1 when the kernel did not know it).
+        primitive: the primitive's name (``"signal"``, ``"wait"``, ...).
+        which: ``"peer"``, ``"slot"`` or ``"member"``.
+        value: the index passed.
+        bound: the exclusive upper bound it had to stay below (and >= 0).
+    """
+
+    def __init__(self, message: str, *, rank: int, primitive: str, which: str, value: int, bound: int):
+        super().__init__(message)
+        self.rank, self.primitive, self.which, self.value, self.bound = rank, primitive, which, value, bound
+
+    @classmethod
+    def describe(
+        cls, rank: int, primitive: str, program: object, which: str, value: int, bound: int
+    ) -> IndexCheckError:
+        """The error, with its message, for what a kernel's check found (its report or its record)."""
+        fix = {
+            "peer": "pass a view index in [0, SIZE) (Signals.size, view.size)",
+            "slot": "pass a slot in [0, NSLOTS) (Signals.slots)",
+            "member": "pass this rank's view.local_index (the me of kernel_args)",
+        }
+        message = (
+            f"rank {rank}, program {program}: {primitive}: {which} index {value} is out of range [0, {bound}); "
+            f"nothing was read or written through it. Fix the kernel: {fix.get(which, 'keep the index in range')}"
+        )
+        return cls(message, rank=rank, primitive=primitive, which=which, value=value, bound=bound)
+
+    def __reduce__(self):
+        return _rebuild_index_check, (str(self), self.rank, self.primitive, self.which, self.value, self.bound)
+
+
+def _rebuild_index_check(message, rank, primitive, which, value, bound):
+    return IndexCheckError(message, rank=rank, primitive=primitive, which=which, value=value, bound=bound)

@@ -72,6 +72,11 @@ class Waiter(Protocol):
         called when the buffer closes, so that only what users kept holds the mappings."""
         ...
 
+    def refuse_kernel_args(self, reason: str) -> None:
+        """Optional: make kernel arguments kept by users fail closed from now on (this rank
+        aborted the view with ``reason``): a :class:`~symmsync.Signals` handle's state word."""
+        ...
+
 
 def used_after_abort(view: PeerView, what: str, reason: str, channel: int = -1) -> PeerAborted:
     """The :class:`~symmsync.PeerAborted` a waiter's calls raise once this rank aborted ``view``
@@ -293,6 +298,9 @@ class ViewFailure:
         for waiter, entry in list(self._waiters.items()):
             if entry.error is None:
                 entry.error = waiter.abort_error(reason)
+            refuse = getattr(waiter, "refuse_kernel_args", None)
+            if refuse is not None:
+                refuse(reason)
 
     def _mark(self, code: int, text: str) -> None:
         # One launch per channel: every channel's fences wait in their own cell. Where launches

@@ -52,13 +52,22 @@ from . import backends, cells, memory, records
 from . import driver as cuda
 from . import language as ssl
 from .checks import require, timeout_problem
-from .errors import CLOSED_REASON, CaptureError, ClosedError, ConfigError, FenceTimeout, PeerAborted
+from .errors import (
+    CLOSED_REASON,
+    CaptureError,
+    ClosedError,
+    ConfigError,
+    FenceTimeout,
+    PeerAborted,
+    SymmSyncError,
+)
 from .failure import used_after_abort
 from .launch import Launcher, cu_stream, current_stream
 from .mode import kernels_interpreted
 from .views import PeerView
 
 _FENCE, _ARRIVE, _WAIT = 0, 1, 2  # indices into Fence._launch, in this order
+assert memory.CLOSED_EPOCH == cells.CLOSED_EPOCH, "the kernels refuse a wait at the epoch close() stores"
 
 
 @triton.jit
@@ -288,14 +297,29 @@ class Fence:
         """Wait for the device; turn a trapped fence timeout into :class:`~symmsync.FenceTimeout`."""
         self._failure.settle(self, self.timeout_error)
 
-    def timeout_error(self) -> FenceTimeout | None:
+    def timeout_error(self) -> SymmSyncError | None:
         """The :class:`~symmsync.FenceTimeout` (or :class:`~symmsync.PeerAborted`) that this
-        fence's record describes, if a wait failed."""
-        rec = records.read_fence_record(self._record.tolist())
+        fence's record describes, if a wait failed; the :class:`~symmsync.IndexCheckError`
+        when a kernel passed a member index out of range with this fence's record."""
+        words = self._record.tolist()
+        misuse = records.read_misuse_record(words)
+        if misuse is not None:
+            return records.misuse_error(misuse, self.view.rank, "fence")
+        rec = records.read_fence_record(words)
         if rec is None:
             return None
         epoch, me = rec.epoch, rec.index
         ranks = self.view.ranks
+        if rec.aborted and rec.aborter == me:  # a wait for an epoch past close()'s: kept arguments
+            why = cells.decode_reason(rec.reason, closed=CLOSED_REASON)
+            msg = (
+                f"rank {ranks[me]}: fence on view {list(ranks)} channel {self.channel}: a wait for epoch {epoch} "
+                f"through kernel arguments kept past close() ({why}) failed at once without reading a slot. "
+                "Take kernel_args from a live fence"
+            )
+            return PeerAborted(
+                msg, rank=ranks[me], epoch=epoch, late={}, channel=self.channel, aborted={ranks[me]: why}
+            )
         late: dict[int, int] = {}
         aborted: dict[int, str] = {}
         counts: dict[int, int] = {}

@@ -48,6 +48,11 @@ Memory model (the contract, on both backends; the one statement of it)::
                    one whose count is below e and whose flag is set aborted (status 2).
     members        every member calls the same sequence of fences on a channel; a fence
                    orders the members of its view on its channel only.
+    indices        every primitive that takes me checks 0 <= me < SIZE on every call: a bad
+                   one is reported (IndexCheckError; recorded first where there is a record)
+                   and never used as an address.
+    closed         close() stores an epoch past any count (CLOSED_EPOCH): a wait for an epoch
+                   at or past it (arguments kept past close) returns 2 before reading a slot.
     reuse          a fence orders visibility; it does not stop a fast member from
                    overwriting memory a slow one still reads: double-buffer reused payload
                    (by epoch parity) or fence twice.
@@ -82,18 +87,29 @@ Point-to-point signals (a :class:`~symmsync.Signals` object gives their argument
                    wait on the view within a poll (status 2): the waits read the abort flags
                    that the view's abort sets in its cells. A signal that arrived before the
                    abort still counts.
+    indices        every primitive checks me and peer (0..SIZE-1) and slot (0..NSLOTS-1) on
+                   every call: a bad one is recorded and reported (IndexCheckError), never
+                   used as an address.
+    closed         through kernel_args kept past Signals.close(), the buffer's close() or
+                   this rank's abort of the view, a wait returns 2 before reading its slot,
+                   whatever the slot holds; signal and put_signal store nothing.
+    kinds          a slot is a counter (ADD, wait_count) or a flag (SET, wait_signal), never
+                   both (docs/signals.md, "Slot kinds"; debug mode refuses wait_count on SET).
     reuse          a signal orders visibility only: a ring of reused tiles needs credits.
     --8<-- [end:signals-contract]
 
-:func:`data_ptr` is :func:`peer_ptr` through the handle (debug mode checks the user region).
+:func:`data_ptr` is :func:`peer_ptr` through the handle, with the peer checked (debug mode
+also checks the user region); :func:`peer_ptr` and :func:`translate` are unchecked.
 Peer atomics are Triton's own on a :func:`peer_ptr` (``tl.atomic_add(ptr, v, sem=...,
 scope="sys")``): pass ``scope="sys"`` for a peer's memory (docs/signals.md lists each and
 its order).
 
 :func:`grid_sync` is a fence in which every program of a co-resident grid waits
-(:func:`symmsync.launch_grid_sync` checks the grid). With ``SYMMSYNC_DEBUG=1`` (:data:`DEBUG`)
-the kernels check that one program per launch publishes on a channel and that the offsets
-of :func:`data_ptr` and :func:`put_signal` lie inside the user region.
+(:func:`symmsync.launch_grid_sync` checks the grid). Indices (``me``, ``peer``, ``slot``) are
+checked on every call. With ``SYMMSYNC_DEBUG=1`` (:data:`DEBUG`) the kernels also check
+that one program per launch publishes on a channel, that the offsets of :func:`data_ptr` and
+:func:`put_signal` lie inside the user region, and that :func:`wait_count` is not used on a
+slot a peer SET.
 
 A cell is the same byte offset ``cell`` in every member's memory; its layout (epoch,
 arrivals, abort reason, slots) is :mod:`symmsync.cells`'s, exported here as constants
@@ -131,6 +147,7 @@ record barrier    ``memory_barrier_sys``  ``fence.sc.sys``                    no
 trap              ``trap``                ``trap`` (stream stops)             none: the host reads the status
 debug stamp       ``launch_id``           ``%gridid``                         a count of interpreter launches
 debug report      ``debug_fail``          ``printf`` and ``trap``             raises DebugCheckError
+index report      ``index_fail``          ``printf`` and ``trap``             raises IndexCheckError
 co-residency      ``check_co_resident``   none (checked before the launch)    refuses a grid of > 1 program
 ================  ======================  ==================================  ===============================
 

@@ -31,6 +31,21 @@ Collective record (:func:`write_mismatch_record`, :func:`write_grid_stall_record
                 words each) or GRID_STALL (a grid barrier ran out of time: ``arrived``
                 programs of the launch had arrived)
 
+Misuse record (:func:`write_misuse_record`; :func:`read_misuse_record`, used by
+:class:`~symmsync.Fence` and :class:`~symmsync.Signals`): the first words of a fence or a
+signal record, written instead of a wait's record when a primitive was misused::
+
+    [flag, rank, primitive, program, which, value, bound]
+      flag       INDEX: an index out of range (checked on every call: see check_index);
+                 REFUSED: a signal or put_signal through a closed or aborted handle, which
+                 stored nothing
+      rank       the rank whose kernel made the call (a Signals handle's), or -1 (a fence
+                 primitive: the host fills in its own)
+      primitive  which primitive (an index into PRIMITIVES);  program: the program's linear index
+      which      INDEX: 0 a peer, 1 a slot, 2 a member index (INDEX_NAMES);  REFUSED: the
+                 handle's state (cells.REASON_CLOSED or REASON_ERROR)
+      value      the index passed (REFUSED: the peer);  bound: the index had to be in [0, bound)
+
 Every writer ends with :func:`finish_record`, in the order :func:`symmsync.language.record_barrier`
 states: the words, a block barrier and a system fence, the flag word, a system fence and a
 block barrier, then the trap. A host that sees the flag sees every other word, and no
@@ -47,6 +62,7 @@ import triton.language as tl
 
 from . import cells
 from ._language_core import (
+    _CLOSED_EPOCH,
     _REASON_LANES,
     _REASON_WORDS,
     FIRST_BEHIND,
@@ -56,6 +72,7 @@ from ._language_core import (
     scan_members,
     slots_ptr,
 )
+from .errors import ClosedError, IndexCheckError, SymmSyncError
 
 #: Flags (word 0) of the fence and signal records: a wait timed out ("SYMMTIME"); a wait
 #: saw a member's abort ("SYMMABRT").
@@ -91,6 +108,22 @@ def fence_record_words(size: int) -> int:
 SIGNAL_FLAG, SIGNAL_INDEX, SIGNAL_PEER, SIGNAL_SLOT, SIGNAL_CMP, SIGNAL_COUNTED = 0, 1, 2, 3, 4, 5
 SIGNAL_VALUE, SIGNAL_BASE, SIGNAL_OBSERVED, SIGNAL_ABORTER, SIGNAL_REASON = 6, 7, 8, 9, 10
 SIGNAL_RECORD_WORDS = SIGNAL_REASON + cells.REASON_WORDS
+
+# ---------------------------------------------------------------------- the misuse record
+#: Flags of the misuse record: an index out of range ("SYMMINDX"); a signal through a
+#: closed or aborted handle, refused ("SYMMSHUT").
+INDEX = 0x5359_4D4D_494E_4458
+REFUSED = 0x5359_4D4D_5348_5554
+#: Word indices of the misuse record (the first words of a fence or a signal record).
+MISUSE_FLAG, MISUSE_RANK, MISUSE_PRIMITIVE, MISUSE_PROGRAM, MISUSE_WHICH, MISUSE_VALUE, MISUSE_BOUND = range(7)
+MISUSE_RECORD_WORDS = 7
+#: The primitives a misuse record names (``primitive``), and the indices they check (``which``).
+PRIMITIVES, INDEX_NAMES = cells.PRIMITIVES, cells.INDEX_NAMES
+#: The kernels' names for them (``PRIMITIVE`` and ``WHICH`` of :func:`check_index`).
+P_SIGNAL, P_WAIT_SIGNAL, P_WAIT_COUNT, P_READ_SIGNAL, P_PUT_SIGNAL, P_DATA_PTR = (tl.constexpr(i) for i in range(6))
+P_PUBLISH, P_PENDING, P_WAIT, P_MARK_ABORT, P_PUBLISH_AND_WAIT = (tl.constexpr(i) for i in range(6, 11))
+P_WAIT_OR_TRAP, P_GRID_FENCE, P_GRID_SYNC = (tl.constexpr(i) for i in range(11, 14))
+PEER, SLOT, MEMBER = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 # ---------------------------------------------------------------------- the collective record
 #: int64 words of a collective call's header (its fields: :mod:`symmsync.collectives.layout`).
@@ -133,7 +166,16 @@ _COLL_HEADERS = tl.constexpr(COLL_HEADERS)
 _HEADER_WORDS = tl.constexpr(HEADER_WORDS)
 _MISMATCH = tl.constexpr(MISMATCH)
 _GRID_STALL = tl.constexpr(GRID_STALL)
-assert FENCE_FLAG == SIGNAL_FLAG == COLL_FLAG == 0, "finish_record writes the flag at word 0"
+_INDEX = tl.constexpr(INDEX)
+_REFUSED = tl.constexpr(REFUSED)
+_MISUSE_RANK = tl.constexpr(MISUSE_RANK)
+_MISUSE_PRIMITIVE = tl.constexpr(MISUSE_PRIMITIVE)
+_MISUSE_PROGRAM = tl.constexpr(MISUSE_PROGRAM)
+_MISUSE_WHICH = tl.constexpr(MISUSE_WHICH)
+_MISUSE_VALUE = tl.constexpr(MISUSE_VALUE)
+_MISUSE_BOUND = tl.constexpr(MISUSE_BOUND)
+assert FENCE_FLAG == SIGNAL_FLAG == COLL_FLAG == MISUSE_FLAG == 0, "finish_record writes the flag at word 0"
+assert MISUSE_RECORD_WORDS <= min(SIGNAL_RECORD_WORDS, fence_record_words(1)), "a misuse record fits every record"
 assert all(fence_aborter(n) - n == fence_aborter(0) and fence_reason(n) - n == fence_reason(0) for n in (1, 8, 64))
 
 
@@ -187,10 +229,13 @@ def write_timeout_record(record, ptrs, cell, me, epoch, SIZE: tl.constexpr):
     Slots are raw: count and flag. The flag goes last (:func:`finish_record`, no trap:
     :func:`~symmsync.language.wait_or_trap` traps after it). The host turns the record into a
     :class:`~symmsync.FenceTimeout` (or :class:`~symmsync.PeerAborted`) that names the
-    late or aborted members.
+    late or aborted members. A wait for an epoch at or past ``CLOSED_EPOCH`` (through
+    arguments kept past ``close()``) names this rank itself as the aborter, with its own
+    cell's reason ("closed").
     """
     rec = record.to(tl.pointer_type(tl.int64))
     first, _unused = scan_members(slots_ptr(ptrs, cell, me), me, epoch, rec + _FENCE_SLOTS, SIZE, FIRST_BEHIND)
+    first = tl.where(tl.full((), 0, tl.int64) + epoch >= _CLOSED_EPOCH, me, first)  # int64: see _wait
     found = _copy_reason(rec + _FENCE_REASON + SIZE, ptrs, cell, first, me, SIZE)
     tl.store(rec + _FENCE_ABORTER + SIZE, tl.where(found, first, -1))
     tl.store(rec + _FENCE_EPOCH, epoch)
@@ -209,6 +254,7 @@ def write_signal_record(
     value,
     base,
     observed,
+    state,
     CMP: tl.constexpr,
     COUNTED: tl.constexpr,
     SIZE: tl.constexpr,
@@ -217,12 +263,16 @@ def write_signal_record(
     """Write what a failed signal wait saw to ``record`` (the signal record above), then trap with ``TRAP``.
 
     ``cell_table`` points at the view's table of channel-0 cell addresses in the handle
-    (``cell[p]``), where the members' abort flags and reasons are.
+    (``cell[p]``), where the members' abort flags and reasons are. ``state`` is the handle's
+    state word: when it is not 0 (the wait ran through a closed or aborted handle) the record
+    names this rank as the aborter, with its own cell's reason and ``state`` as the reason code.
     """
     rec = record.to(tl.pointer_type(tl.int64))
     own = slots_ptr(cell_table, 0, me)
     first, _unused = scan_members(own, me, 0, own, SIZE, FIRST_FLAGGED)
+    first = tl.where(state != 0, me, first)
     found = _copy_reason(rec + _SIGNAL_REASON, cell_table, 0, first, me, SIZE)
+    tl.store(rec + _SIGNAL_REASON, state, mask=state != 0)
     tl.store(rec + _SIGNAL_ABORTER, tl.where(found, first, -1))
     tl.store(rec + _SIGNAL_INDEX, me)
     tl.store(rec + _SIGNAL_PEER, peer)
@@ -233,6 +283,54 @@ def write_signal_record(
     tl.store(rec + _SIGNAL_BASE, base)
     tl.store(rec + _SIGNAL_OBSERVED, observed)
     finish_record(rec, tl.where(found, _ABORTED, _TIMED_OUT), TRAP)
+
+
+@triton.jit
+def write_misuse_record(record, flag, rank, PRIMITIVE: tl.constexpr, which, value, bound):
+    """Write a misuse record (``flag``: :data:`INDEX` or :data:`REFUSED`; the layout above) to ``record``."""
+    rec = record.to(tl.pointer_type(tl.int64))
+    pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+    tl.store(rec + _MISUSE_RANK, rank)
+    tl.store(rec + _MISUSE_PRIMITIVE, PRIMITIVE)
+    tl.store(rec + _MISUSE_PROGRAM, pid)
+    tl.store(rec + _MISUSE_WHICH, which)
+    tl.store(rec + _MISUSE_VALUE, value)
+    tl.store(rec + _MISUSE_BOUND, bound)
+    finish_record(rec, flag, False)
+
+
+@triton.jit(noinline=True)  # the cold path stays out of line: nothing of it is hoisted into the hot one
+def report_index(record, rank, PRIMITIVE: tl.constexpr, which, value, bound, RECORDED: tl.constexpr):
+    """Report an index out of range; never returns (the cold path of :func:`check_index`).
+
+    With ``RECORDED``, write an :data:`INDEX` misuse record at ``record`` first; then the
+    per-mode report: the interpreter raises :class:`~symmsync.IndexCheckError`, a GPU kernel
+    prints the rank, program, primitive, which index, value and bound, and traps.
+    """
+    if RECORDED:
+        write_misuse_record(record, _INDEX, rank, PRIMITIVE, which, value, bound)
+    _prims.index_fail(rank, PRIMITIVE, which, value, bound)
+
+
+@triton.jit
+def check_index(index, bound, record, rank, PRIMITIVE: tl.constexpr, WHICH: tl.constexpr, RECORDED: tl.constexpr):
+    """Refuse ``index`` outside ``[0, bound)``: the check every fence primitive makes on every call
+    (the signal primitives check their three indices at once, the same way).
+
+    Pseudocode::
+
+        if index < 0 or index >= bound:                   # the hot path: two compares, a branch
+            if RECORDED: write an INDEX misuse record at record (rank, program, index, bound)
+            index_fail(...)       # interpreter: raise IndexCheckError; GPU: printf, then trap
+
+    The report never returns (the interpreter raises, a GPU kernel traps), so nothing after
+    the check runs with the bad index: no member's word is read or written through it.
+    ``RECORDED`` is False for primitives that take no record (the fence's publish, pending,
+    wait, mark_abort, publish_and_wait): they report by the print and the trap (GPU) or the
+    raise (interpreter) alone.
+    """
+    if (index < 0) | (index >= bound):
+        report_index(record, rank, PRIMITIVE, WHICH, index, bound, RECORDED)
 
 
 @triton.jit
@@ -325,6 +423,63 @@ def read_signal_record(words: list[int]) -> SignalRecord | None:
         observed=words[SIGNAL_OBSERVED],
         aborter=words[SIGNAL_ABORTER],
         reason=words[SIGNAL_REASON : SIGNAL_REASON + cells.REASON_WORDS],
+    )
+
+
+@dataclass
+class MisuseRecord:
+    """A misuse record, read back (see the layout above)."""
+
+    refused: bool  #: a signal through a closed or aborted handle (else: an index out of range)
+    rank: int  #: the rank whose kernel made the call, or -1 (a fence primitive)
+    primitive: str  #: the primitive's name
+    program: int  #: the program's linear index
+    which: str  #: INDEX: "peer", "slot" or "member";  REFUSED: "closed" or "aborted"
+    value: int  #: the index passed (REFUSED: the peer)
+    bound: int  #: the index had to be in [0, bound)
+
+
+def read_misuse_record(words: list[int]) -> MisuseRecord | None:
+    """The misuse record in ``words`` (a fence's or a signal record's), or ``None`` when there is none."""
+    if words[MISUSE_FLAG] not in (INDEX, REFUSED):
+        return None
+    refused = words[MISUSE_FLAG] == REFUSED
+    which = words[MISUSE_WHICH]
+    if refused:
+        name = "closed" if which == cells.REASON_CLOSED else "aborted"
+    else:
+        name = INDEX_NAMES[which] if 0 <= which < len(INDEX_NAMES) else f"index kind {which}"
+    primitive = words[MISUSE_PRIMITIVE]
+    return MisuseRecord(
+        refused=refused,
+        rank=words[MISUSE_RANK],
+        primitive=PRIMITIVES[primitive] if 0 <= primitive < len(PRIMITIVES) else f"primitive {primitive}",
+        program=words[MISUSE_PROGRAM],
+        which=name,
+        value=words[MISUSE_VALUE],
+        bound=words[MISUSE_BOUND],
+    )
+
+
+def misuse_error(rec: MisuseRecord, rank: int, what: str) -> SymmSyncError:
+    """The error a misuse record describes (:func:`symmsync.records.read_misuse_record`), for
+    the host reader of a Signals object or a fence (``what``) on rank ``rank``: an
+    :class:`~symmsync.IndexCheckError`, or a :class:`~symmsync.ClosedError` for a signal
+    refused through a closed or aborted handle."""
+    who = rec.rank if rec.rank >= 0 else rank
+    if rec.refused:
+        return ClosedError(
+            f"rank {who}, program {rec.program}: {rec.primitive} to peer index {rec.value} through {what} kernel "
+            f"arguments kept past the object being {rec.which}: nothing was stored (a closed handle never makes a "
+            "peer's wait pass). Take kernel_args from a live object"
+        )
+    return IndexCheckError(
+        IndexCheckError.describe(who, rec.primitive, rec.program, rec.which, rec.value, rec.bound),
+        rank=who,
+        primitive=rec.primitive,
+        which=rec.which,
+        value=rec.value,
+        bound=rec.bound,
     )
 
 

@@ -21,11 +21,18 @@ each launch) and :meth:`Signals.synchronize` (GPUs) raise :class:`~symmsync.Sign
 from it. A member's abort (its ``close()``, an error, :meth:`~symmsync.PeerView.abort`) ends
 every signal wait on the view within a poll, with :class:`~symmsync.SignalAborted` naming it:
 the waits read the abort flags that the view's abort sets in its cells.
+
+Every primitive checks its indices (me, peer, slot) on every call and raises
+:class:`~symmsync.IndexCheckError` (GPUs: records it and traps; :meth:`Signals.check` and
+:meth:`Signals.synchronize` raise it from the record). Through kernel arguments kept past
+:meth:`Signals.close`, the buffer's ``close()`` or this rank's abort, every wait fails at
+once and nothing is stored (the handle's state word).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import torch
@@ -45,6 +52,7 @@ from .errors import (
     PeerAborted,
     SignalAborted,
     SignalTimeout,
+    SymmSyncError,
 )
 from .failure import used_after_abort
 from .memory import keep_alive
@@ -52,6 +60,8 @@ from .views import PeerView
 
 #: Most slots per peer a Signals object holds.
 MAX_SLOTS = 4096
+
+log = logging.getLogger(__name__)
 
 _OPS = {"add": 0, "set": 1}
 _INT64 = (-(2**63), 2**63 - 1)
@@ -168,17 +178,19 @@ class Signals:
         inbox = mem.ptrs.cpu()[members]
         data = view.ptrs.cpu()
         cell = view.cell_ptrs.cpu() + view.cell_offset(0)
-        header = [
-            buf.nbytes,
-            buf.rank,
-            self.size,
-            slots,
-            int(inbox[view.local_index]) + cells.inbox_bytes(self.size, slots),
-        ]
+        self._record = torch.zeros(records.SIGNAL_RECORD_WORDS, dtype=torch.int64, pin_memory=caps.pinned_record)
+        header = [0] * cells.HANDLE_INBOX
+        header[cells.HANDLE_NBYTES] = buf.nbytes
+        header[cells.HANDLE_RANK] = buf.rank
+        header[cells.HANDLE_SIZE] = self.size
+        header[cells.HANDLE_SLOTS] = slots
+        header[cells.HANDLE_BASES] = int(inbox[view.local_index]) + cells.inbox_bytes(self.size, slots)
+        header[cells.HANDLE_RECORD] = self._record.data_ptr()
+        header[cells.HANDLE_STATE] = 0  # usable: _refuse_kernel_args sets it
         handle = torch.tensor(header, dtype=torch.int64)
         self._handle = torch.cat([handle, inbox, data, cell]).to(buf.device)
+        self._state = 0  # the handle's state word, as last set from here
         assert self._handle.numel() == cells.handle_words(self.size)
-        self._record = torch.zeros(records.SIGNAL_RECORD_WORDS, dtype=torch.int64, pin_memory=caps.pinned_record)
         # The handle names the slots' memory, the view's user regions and cells, and the
         # record: a kernel launched through kernel_args kept past close() finds them all
         # still mapped (as tensors kept past close() do), never freed memory.
@@ -205,7 +217,10 @@ class Signals:
             kernel[grid](*sigs.kernel_args, ..., **sigs.constexprs)
 
         Raises :class:`~symmsync.PeerAborted` once this rank aborted the view, and this
-        rank's earlier signal error after one.
+        rank's earlier signal error after one. Arguments kept past :meth:`close`, the
+        buffer's ``close()`` or this rank's abort stay safe to launch and fail closed: the
+        handle's state word makes every wait through them return 2 at its first poll and
+        every signal store nothing (docs/signals.md, "Fail closed").
         """
         self._check_usable()
         return self._kernel_args
@@ -308,9 +323,16 @@ class Signals:
         self._check_usable()
         self.view.failure.settle(self, self.timeout_error)
 
-    def timeout_error(self) -> SignalTimeout | None:
-        """The error this object's record describes, if a wait failed (else ``None``)."""
-        rec = records.read_signal_record(self._record.tolist())
+    def timeout_error(self) -> SymmSyncError | None:
+        """The error this object's record describes, if a wait failed or a primitive was
+        misused (else ``None``): :class:`~symmsync.SignalTimeout`,
+        :class:`~symmsync.SignalAborted`, :class:`~symmsync.IndexCheckError` or
+        :class:`~symmsync.ClosedError`."""
+        words = self._record.tolist()
+        misuse = records.read_misuse_record(words)
+        if misuse is not None:
+            return records.misuse_error(misuse, self.view.rank, "Signals")
+        rec = records.read_signal_record(words)
         if rec is None:
             return None
         ranks = self.view.ranks
@@ -327,6 +349,15 @@ class Signals:
         fields = dict(
             rank=me, peer=peer, slot=rec.slot, cmp=cmp, observed=rec.observed, base=rec.base, counted=rec.counted
         )
+        if rec.aborted and rec.aborter == rec.index:  # through a handle that was closed or aborted
+            why = cells.decode_reason(rec.reason, closed=CLOSED_REASON)
+            what = "closed" if why == CLOSED_REASON else f"aborted by this rank ({why})"
+            msg = (
+                f"{where} waiting for {want} ran through kernel arguments kept past this rank's Signals "
+                f"being {what}: it failed at once without reading the slot (a closed handle never passes a "
+                "wait). Take kernel_args from a live Signals object."
+            )
+            return SignalAborted(msg, expected=rec.value, aborted={me: why}, **fields)
         if rec.aborted and rec.aborter >= 0:
             who = ranks[rec.aborter]
             why = cells.decode_reason(rec.reason, closed=CLOSED_REASON)
@@ -345,8 +376,29 @@ class Signals:
 
     def release_tables(self) -> None:
         """The view's buffer closed: drop the tables this object holds (the buffer's ``close()``
-        calls it through the view's failure owner); only a kept ``kernel_args`` holds them now."""
+        calls it through the view's failure owner); only a kept ``kernel_args`` holds them now,
+        and its handle says closed (:meth:`refuse_kernel_args`)."""
+        self.refuse_kernel_args(CLOSED_REASON)
         self._kernel_args = None
+
+    def refuse_kernel_args(self, reason: str) -> None:
+        """Make the handle refuse every wait and signal from now on: set its state word to
+        closed (``reason`` ``"closed"``) or aborted (any other reason), in stream order.
+
+        Called by :meth:`close`, by the buffer's ``close()`` and by this rank's abort of the
+        view (through the view's failure owner, :class:`symmsync.failure.ViewFailure`), so that
+        a kernel launched through ``kernel_args`` kept past them fails at its first poll
+        (status 2, recorded) and stores nothing, whatever the slots hold. Best effort: a CUDA
+        context that a trap made unusable takes no store, and runs nothing either.
+        """
+        code = cells.REASON_CLOSED if reason == CLOSED_REASON else cells.REASON_ERROR
+        if self._state == cells.REASON_CLOSED:  # closed is final; a later abort does not undo it
+            return
+        self._state = code
+        try:
+            self._handle[cells.HANDLE_STATE].fill_(code)  # a device tensor on GPUs: stream ordered
+        except Exception as e:  # noqa: BLE001 - close() and abort must not raise for it
+            log.warning("Signals: could not mark the handle %s: %s", reason, e)
 
     def abort_error(self, reason: str) -> PeerAborted:
         """The error every host call raises once this rank aborted the view with ``reason``
@@ -367,7 +419,12 @@ class Signals:
         """Release the slots' memory on this rank (idempotent; needs no other rank).
 
         A member still waiting on a slot this rank would signal runs into its budget,
-        unless the view is aborted too (``close()`` of the view's buffer does that)."""
+        unless the view is aborted too (``close()`` of the view's buffer does that).
+        ``kernel_args`` kept past it stay safe to launch and fail closed: every wait through
+        them returns 2 at its first poll, and signal and put_signal store nothing (the handle's
+        state word, :meth:`refuse_kernel_args`)."""
+        if not self._memory.closed:
+            self.refuse_kernel_args(CLOSED_REASON)
         self._memory.close()
 
     def __repr__(self) -> str:
