@@ -438,7 +438,10 @@ class SymmetricBuffer:
         return self._memory.local_memory(self._nbytes)
 
     def cell_memory(self) -> torch.Tensor:
-        """``uint8`` tensor over this rank's cells, from its :attr:`cell_ptrs` base: cell ``c`` is at ``[c, c + cell_bytes)``."""
+        """``uint8`` tensor over this rank's cells, from its :attr:`cell_ptrs` base.
+
+        Cell ``c`` is at ``[c, c + cell_bytes)``.
+        """
         self._check_open("cell_memory")
         return self._memory.cell_memory()
 

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from . import backends
-from .agreement import Transaction, agree, barrier
+from .agreement import Transaction, agree
 from .backends import Backend, LocalExport, Memory, Piece
 from .cells import EPOCH, CellLayout, round_up
 from .checks import int_problem, is_int, positive_int_problem
@@ -189,12 +189,11 @@ def allocate(tx: Transaction, be: Backend, nbytes: int) -> Shared:
     return shared
 
 
-def _between_guards(be: Backend, mem: Memory, guard: int, nbytes: int) -> Memory:
+def _between_guards(mem: Memory, guard: int, nbytes: int) -> Memory:
     """The ``nbytes`` after the first ``guard`` bytes of reservation ``mem``, as a Memory of
     their own: its tensor covers those bytes only and holds the reservation alive."""
-    ptr = mem.ptr + guard
-    tensor = keep_alive(backends.tensor_at(ptr, nbytes, be.device), mem.tensor)
-    return Memory(ptr=ptr, nbytes=nbytes, tensor=tensor, owner=mem.owner, state=mem.state)
+    tensor = backends.part_of(mem.tensor, guard, nbytes)
+    return Memory(ptr=mem.ptr + guard, nbytes=nbytes, tensor=tensor, owner=mem.owner, state=mem.state)
 
 
 def reserve(tx: Transaction, be: Backend, nbytes: int) -> Shared:
@@ -212,7 +211,7 @@ def reserve(tx: Transaction, be: Backend, nbytes: int) -> Shared:
 
     def reserve_here() -> None:
         for r in range(len(shared.peers)):
-            shared.peers[r] = _between_guards(be, be.reserve(guard + room + guard, r), guard, room)
+            shared.peers[r] = _between_guards(be.reserve(guard + room + guard, r), guard, room)
         shared.own = shared.peers[rank]
 
     tx.step("reserve address space on", reserve_here)
@@ -250,8 +249,9 @@ def share_chunks(tx: Transaction, shared: Shared, pieces: list[tuple[int, int]])
 def share_local(tx: Transaction, shared: Shared, nbytes: int, known: int, max_nbytes: int) -> LocalExport:
     """Export this rank's registered memory in ``[0, nbytes)`` (the pieces wholly below
     ``known`` were exported before), map every peer's: at registration (``known`` 0) each
-    peer's whole memory (a guard of :data:`GUARD_BYTES` after it), at a grow the pieces it grew by. The caller forgets the export
-    (:meth:`~symmsync.backends.Backend.forget_local`) once the transaction committed."""
+    peer's whole memory (a guard of :data:`GUARD_BYTES` after it), at a grow the pieces it
+    grew by. The caller forgets the export (:meth:`~symmsync.backends.Backend.forget_local`)
+    once the transaction committed."""
     be, rank = shared.backend, dist.get_rank(tx.group)
     export: list[LocalExport] = []
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..errors import BackendError
-from . import tensor_at
+from . import part_of, tensor_at
 from .base import INTERPRETER, Backend, Chunk, LocalExport, Memory, Piece
 
 #: Prefix of segment names; ``symmsync.testing`` sets it per job so that it can
@@ -281,7 +281,7 @@ class HostBackend(Backend):
         size = delta + nbytes + (-(delta + nbytes)) % mmap.PAGESIZE
         res = self.reserve(size + guard, owner)
         res.state.size = size  # chunks map below it: the guard after it is never mapped
-        tensor = res.tensor[delta : delta + nbytes]
+        tensor = part_of(res.tensor, delta, nbytes)  # a storage that spans no guard
         mem = Memory(ptr=res.ptr + delta, nbytes=nbytes, tensor=tensor, owner=owner, state=res.state)
         self.extend_local(mem, pieces)
         return mem
