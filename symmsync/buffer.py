@@ -140,7 +140,7 @@ class SymmetricBuffer:
         # still finds every mapping (memory.address_table).
         self._ptrs: torch.Tensor | None = memory.address_table(kind.data, self._device)
         self._cell_ptrs = memory.address_table(kind.cells, self._device)
-        self._finalizer = weakref.finalize(self, memory.release, kind.shared())
+        self._finalizer = weakref.finalize(self, kind.release)
 
     # ---------------------------------------------------------------- adoption
     @classmethod
@@ -435,7 +435,7 @@ class SymmetricBuffer:
         The cells are never part of it: they live apart (:meth:`cell_memory`).
         """
         self._check_open("local_memory")
-        return self._memory.local_memory(self._nbytes)
+        return self._memory.user_tensor(self._rank)[: self._nbytes]
 
     def cell_memory(self) -> torch.Tensor:
         """``uint8`` tensor over this rank's cells, from its :attr:`cell_ptrs` base.
@@ -512,7 +512,7 @@ class SymmetricBuffer:
                 call=call,
                 error=BoundsError,
             )
-        return self._memory.data.peers[rank].tensor[offset : offset + size].view(dtype).view(shape)
+        return self._memory.user_tensor(rank)[offset : offset + size].view(dtype).view(shape)
 
     # ---------------------------------------------------------------- views
     def view(self, ranks: Sequence[int]) -> PeerView:
@@ -573,7 +573,7 @@ class SymmetricBuffer:
         for view in list(self._views):
             view.release_tables()  # and its fences': only what users kept holds the mappings now
         self._ptrs = self._cell_ptrs = None
-        memory.release(self._memory.shared())
+        self._memory.release()
 
     def __enter__(self) -> SymmetricBuffer:
         return self

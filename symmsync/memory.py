@@ -117,12 +117,6 @@ class Shared:
         self.own = None
 
 
-def release(shared: list[Shared]) -> None:
-    """Release each (the finalizer of a buffer nobody closed)."""
-    for s in shared:
-        s.release()
-
-
 def args_problem(nbytes: Any, max_views: Any, channels: Any, max_nbytes: Any, options: Any) -> str | None:
     """What is wrong with the arguments every kind of memory is made from (the sizes, the
     backend's options), or ``None``; adopted and registered memory check the rest in their
@@ -311,22 +305,35 @@ class Kind:
         self.data = data
         self.layout = layout
         self.cells = cells
+        # Every rank's committed user bytes, for memory that commits less than it reserves.
+        self._committed: list[torch.Tensor] | None = None
 
     @property
     def capabilities(self) -> backends.Capabilities:
         return self.cells.backend.capabilities
 
-    def shared(self) -> list[Shared]:
-        """Everything close releases."""
-        return [self.data, self.cells]
+    def release(self) -> None:
+        """Release every mapping (``close()``, or the finalizer of a buffer nobody closed). Idempotent."""
+        self._committed = None
+        self.data.release()
+        self.cells.release()
 
     def cell_ptrs(self) -> list[int]:
         """The bases of every rank's cells, as mapped on this rank."""
         return self.cells.ptrs
 
-    def local_memory(self, nbytes: int) -> torch.Tensor:
-        """This rank's user region of ``nbytes`` (never the cells: they live apart)."""
-        return self.data.own.tensor[:nbytes]
+    def user_tensor(self, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s user region as mapped on this rank (never the cells: they live apart).
+
+        Its storage spans mapped bytes only: torch.compile's functionalization reads whole
+        storages, and one over a guard, or over reserved address space not committed yet,
+        would make it fault. The same tensor (one storage) until a grow commits more.
+        """
+        return self.data.peers[rank].tensor if self._committed is None else self._committed[rank]
+
+    def _commit_views(self, nbytes: int) -> None:
+        """Make :meth:`user_tensor` span the first ``nbytes`` of every rank's reservation."""
+        self._committed = [backends.part_of(m.tensor, 0, nbytes) for m in self.data.peers]
 
     def cell_memory(self) -> torch.Tensor:
         return self.cells.own.tensor
@@ -383,6 +390,7 @@ class Growable(Kind):
         super().__init__(data, layout, cells)
         self.max_nbytes = max_nbytes
         self.committed = committed
+        self._commit_views(committed)
 
     @classmethod
     def build(cls, group: Any, be: Backend, nbytes: int, max_nbytes: int, max_views: int, channels: int) -> Growable:
@@ -399,6 +407,7 @@ class Growable(Kind):
             with Transaction(group, "SymmetricBuffer.grow", kept=f"the buffer keeps its {nbytes_now} bytes") as tx:
                 share_chunks(tx, self.data, [(self.committed, end - self.committed)])
             self.committed = end
+            self._commit_views(end)
 
 
 class Adopted(Kind):
@@ -457,6 +466,7 @@ class Registered(Kind):
         super().__init__(data, layout, cells)
         self.max_nbytes = max_nbytes
         self.committed = nbytes
+        self._commit_views(nbytes)
         self.end = end  #: where the pieces peers mapped end, from the registered address
 
     @staticmethod
@@ -502,6 +512,7 @@ class Registered(Kind):
             self.end = export.end
             self.data.backend.forget_local(export)
             self.committed = nbytes
+            self._commit_views(nbytes)
 
 
 def _local_address(local: Any, nbytes: Any, device: Any) -> tuple[int, torch.device | None, str | None]:
