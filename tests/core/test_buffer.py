@@ -201,10 +201,10 @@ def map_fails_on_rank_1(prefix_env: str):
 
     if dist.get_rank() == 1:
 
-        def broken(self, handle, owner):
+        def broken(self, mem, offset, handle):
             raise ss.BackendError("planted mapping failure")
 
-        host.HostBackend.import_handle = broken
+        host.HostBackend.map_chunk = broken  # how a rank maps a peer's memory
     try:
         ss.SymmetricBuffer(1 << 16, backend="host")
     except ss.BackendError as e:
