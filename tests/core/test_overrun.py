@@ -17,6 +17,7 @@ bound would; then rank 1 waits, and rank 0 never fenced: the wait must raise
 Each kind runs in fresh processes (``testing.run(..., may_die=[0])``): the writer may die.
 """
 
+import gc
 import os
 import signal
 import time
@@ -29,7 +30,7 @@ import triton.language as tl
 
 import symmsync as ss
 import symmsync.language as ssl
-from symmsync import cells
+from symmsync import cells, memory
 from symmsync.runtime_alloc import HostCacheAllocator
 from symmsync.testing import Died, run
 
@@ -136,3 +137,44 @@ def test_an_overrun_of_any_length_never_makes_a_fence_pass(kind, tmp_path):
         assert writer == "survived", writer
     else:  # the long stores reached the guard after the user region: the writer died there
         assert writer == Died(0, -signal.SIGSEGV), writer
+
+
+# ---------------------------------------------------------------------- the guards come and go with the mappings
+def _inaccessible(lo, hi):
+    """Whether every byte of ``[lo, hi)`` lies in an inaccessible (``---p``) mapping of this process."""
+    covered = lo
+    with open("/proc/self/maps") as f:
+        spans = sorted(tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f if line.split()[1] == "---p")
+    for start, end in spans:
+        if start <= covered < end:
+            covered = end
+    return covered >= hi
+
+
+def _anything_at(lo, hi):
+    with open("/proc/self/maps") as f:
+        spans = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f]
+    return any(start < hi and lo < end for start, end in spans)
+
+
+def guards_over_a_lifetime():
+    """The guards around every mapping of two buffers (each rank's user region and cells, as
+    mapped here): inaccessible while the buffers are open, gone once they are closed."""
+    bufs = [ss.SymmetricBuffer(NBYTES, backend="host"), ss.SymmetricBuffer(NBYTES, backend="host", max_nbytes=1 << 20)]
+    guard = memory.GUARD_BYTES
+    fronts = [p - guard for b in bufs for p in b.ptrs.tolist() + b.cell_ptrs.tolist()]
+    ends = [p + memory.round_up(b.max_nbytes or b.nbytes, 4096) for b in bufs for p in b.ptrs.tolist()]
+    ends += [p + memory.round_up(b.cells.size, 4096) for b in bufs for p in b.cell_ptrs.tolist()]
+    opened = all(_inaccessible(p, p + guard) for p in fronts + ends)
+    for b in bufs:
+        b.close()
+    del bufs
+    gc.collect()
+    left = [p for p in fronts + ends if _anything_at(p, p + guard)]
+    return opened, left
+
+
+def test_every_mapping_lies_between_guards_that_close_unmaps(host_ranks):
+    for opened, left in host_ranks(guards_over_a_lifetime, 2):
+        assert opened  # a guard before and after each user region and each rank's cells
+        assert left == [], [hex(p) for p in left]  # no reservation outlives close()
