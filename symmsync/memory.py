@@ -32,8 +32,9 @@ mappings' own tensors do: a table kept past ``close()`` never names unmapped mem
 Every step that maps memory on every rank is a step of one
 :class:`~symmsync.agreement.Transaction`: all or nothing, the same
 :class:`~symmsync.BackendError` on every rank when any rank fails, and what was mapped
-undone. :func:`allocate`, :func:`reserve`, :func:`share_chunks` and :func:`share_local`
-are those steps, in the order :mod:`symmsync.backends.base` gives for the backend's calls.
+undone. :func:`reserve`, :func:`share_chunks` (the two make :func:`guarded`),
+:func:`allocate` and :func:`share_local` are those steps, in the order
+:mod:`symmsync.backends.base` gives for the backend's calls.
 """
 
 from __future__ import annotations
@@ -161,7 +162,8 @@ def _abandon_pieces(be: Backend, everyone: list[Any]) -> None:
 
 
 def allocate(tx: Transaction, be: Backend, nbytes: int) -> Shared:
-    """Allocate ``nbytes`` on every rank, exchange the handles, map every peer's."""
+    """Allocate ``nbytes`` on every rank, exchange the handles, map every peer's: for a
+    backend that cannot reserve address space (:func:`guarded` says when), so without guards."""
     rank, shared = dist.get_rank(tx.group), Shared(be, dist.get_world_size(tx.group))
     tx.on_failure(shared.release)
 
