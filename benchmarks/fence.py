@@ -205,7 +205,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     # Instruction candidates for publish and poll (graph replay), each on its own channel.
     for i, (pub, poll) in enumerate(VARIANTS if view.size == 2 else ()):
         f = fences[8 + i]
-        k = Launcher(variant_fence, (1,), num_warps=1, PUB=pub, POLL=poll).bind(view.ptrs, f.cell, view.local_index)
+        k = Launcher(variant_fence, (1,), num_warps=1, PUB=pub, POLL=poll).bind(
+            view.cell_ptrs, f.cell, view.local_index
+        )
         R[f"variant_pub{pub}_poll{poll}.graph"] = common.graph_us(k, iters=it, reps=reps)
 
     # Where the time goes (graph replay): publish alone, a satisfied wait, the full fence.

@@ -27,15 +27,15 @@ N = 64  # int64 values each rank sends to each member
 
 # --8<-- [start:kernel]
 @triton.jit
-def exchange_kernel(ptrs, cell, me, timeout_ns, record, SIZE: tl.constexpr, N: tl.constexpr):
-    e = tl.load(ssl.epoch_ptr(ptrs, cell, me)) + 1  # the epoch publish() will return
+def exchange_kernel(data, cells, cell, me, timeout_ns, record, SIZE: tl.constexpr, N: tl.constexpr):
+    e = tl.load(ssl.epoch_ptr(cells, cell, me)) + 1  # the epoch publish() will return
     values = e * 1000 + me * 100 + tl.arange(0, N)
     for p in tl.static_range(SIZE):  # my block in every member's memory, mine included
-        dst = ssl.peer_ptr(ptrs, p, 0, tl.int64)
+        dst = ssl.peer_ptr(data, p, 0, tl.int64)
         tl.store(dst + me * N + tl.arange(0, N), values)
     tl.debug_barrier()  # every thread's stores before the release
-    e = ssl.publish(ptrs, cell, me, SIZE)  # release, system scope
-    ssl.wait_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, False)  # bounded acquire wait
+    e = ssl.publish(cells, cell, me, SIZE)  # release, system scope
+    ssl.wait_or_trap(cells, cell, me, e, timeout_ns, record, SIZE, False)  # bounded acquire wait
     # --8<-- [end:kernel]
 
 
@@ -45,9 +45,9 @@ def consumer(rounds: int, backend: str) -> int:
     view = buf.view(list(range(buf.world_size)))
     fence = ss.Fence(view, timeout_s=60)
     for _ in range(rounds):
-        # fence.kernel_args: (view.cell_ptrs, fence.cell, view.local_index, fence.timeout_ns, fence.record);
-        # view.cell_ptrs is view.ptrs here: the kernel addresses payload and cells through one table
-        exchange_kernel[(1,)](*fence.kernel_args, SIZE=view.size, N=N)  # one program: one publish per round
+        # view.ptrs: the members' user regions (the payload); fence.kernel_args: (view.cell_ptrs,
+        # fence.cell, view.local_index, fence.timeout_ns, fence.record), the cells apart from them
+        exchange_kernel[(1,)](view.ptrs, *fence.kernel_args, SIZE=view.size, N=N)  # one program: one publish
         fence.synchronize()  # raises FenceTimeout if the kernel's wait ran out
         got = buf.tensor(0, (view.size, N), torch.int64).cpu()  # my memory, written by every member
         e = fence.epoch

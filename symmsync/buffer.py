@@ -5,22 +5,21 @@ handles are exchanged through the group and every rank maps every peer, so a
 kernel on any rank can load from and store to any rank's memory through a table
 of base addresses (:attr:`SymmetricBuffer.ptrs`).
 
-Each rank's allocation is laid out as::
+Each rank has two allocations, each mapped (on this rank, and on every peer) between
+guards of address space that is never mapped (``memory.GUARD_BYTES``, 2 MiB)::
 
-    [0, nbytes)                  the user region: what tensor() and kernels address
-    [nbytes, cell_base)          slack and a guard (memory.GUARD_BYTES) nobody reads or writes
-    [cell_base, + cell_size)     cells of the peer views' fences (see views.py)
+    [guard | user region: [0, nbytes), what tensor() and kernels address | guard]
+    [guard | cells of the peer views' fences (see views.py)                | guard]
 
-so user offsets are the same on every rank and never touch a fence's slots, and a
-kernel that stores past the user region by less than the slack and the 64 KiB guard
-after it never reaches a cell. A growable buffer (``max_nbytes``)
-reserves address space for ``max_nbytes`` and keeps its cells after that
-reservation's user part and a guard that is never mapped, so growing never moves
-them. Memory a runtime registers (:meth:`SymmetricBuffer.register`) holds only the
-runtime's bytes: the cells then live in a small allocation of symmsync's own,
-addressed through :attr:`SymmetricBuffer.cell_ptrs`. Each of these kinds of memory
-is one object of :mod:`symmsync.memory`, which also holds the collective steps that
-map them.
+so user offsets are the same on every rank, and a kernel that stores past the user
+region faults at the guard (the host backend: the process dies of SIGSEGV; a GPU: the
+kernel traps) before it could reach a cell. Kernels address the user region through
+:attr:`SymmetricBuffer.ptrs` and the cells through :attr:`SymmetricBuffer.cell_ptrs`.
+A growable buffer (``max_nbytes``) reserves address space for ``max_nbytes`` between
+the guards and commits it as it grows. Memory a runtime adopts or registers
+(:meth:`SymmetricBuffer.register`) holds only the runtime's bytes; the cells live in
+symmsync's own guarded allocation as for every kind. Each of these kinds of memory is
+one object of :mod:`symmsync.memory`, which also holds the collective steps that map them.
 
 The pointer tables (:attr:`~SymmetricBuffer.ptrs`, :attr:`~SymmetricBuffer.cell_ptrs`,
 a view's) hold the mappings they name alive, as tensors from
@@ -140,8 +139,8 @@ class SymmetricBuffer:
         # Tables that hold what they name: a kernel launched through one kept past close()
         # still finds every mapping (memory.address_table).
         self._ptrs: torch.Tensor | None = memory.address_table(kind.data, self._device)
-        self._cell_ptrs = self._ptrs if kind.cells is None else memory.address_table(kind.cells, self._device)
-        self._finalizer = weakref.finalize(self, memory.release, kind.shared())
+        self._cell_ptrs = memory.address_table(kind.cells, self._device)
+        self._finalizer = weakref.finalize(self, kind.release)
 
     # ---------------------------------------------------------------- adoption
     @classmethod
@@ -165,20 +164,20 @@ class SymmetricBuffer:
             nbytes: size of each rank's memory (the same on every rank).
             group: the process group of those ranks (default: the world group).
             device: where the memory is (default: the current CUDA device, else CPU).
-            cells: where symmsync keeps its fence cells. ``"separate"``
-                (default): in a small allocation of its own, so every adopted byte stays
-                the runtime's (:attr:`nbytes` is ``nbytes``; kernels address the cells
-                through :attr:`cell_ptrs`). ``"tail"``: in the last bytes of the
-                adopted memory, zeroed here on every rank (:attr:`nbytes` is what is
-                left before them; :attr:`cell_ptrs` is :attr:`ptrs`).
-            backend_options: for the cells' own allocation (``cells="separate"``): passed
-                to its backend, e.g. ``{"handle_type": "cuda_ipc"}`` where shareable
-                handles are unavailable.
+            cells: where symmsync keeps its fence cells: ``"separate"`` (the default, and
+                the only placement), in an allocation of its own between guards, so every
+                adopted byte stays the runtime's (:attr:`nbytes` is ``nbytes``; kernels
+                address the cells through :attr:`cell_ptrs`) and no store past the
+                adopted memory reaches a cell. ``"tail"`` (the cells in the last adopted
+                bytes) is refused: drop the argument.
+            backend_options: for the cells' own allocation: passed to its backend, e.g.
+                ``{"handle_type": "cuda_ipc"}`` where shareable handles are unavailable
+                (that memory has no guards).
 
         The runtime keeps ownership: :meth:`close` releases nothing it adopted.
 
         Raises (on every rank): ConfigError, SizeMismatchError for bad or differing
-        arguments; CaptureError during CUDA graph capture; BackendError.
+        arguments (``cells="tail"`` too); CaptureError during CUDA graph capture; BackendError.
         """
         call = "SymmetricBuffer.from_peer_addresses"
         return cls._adopt(ptrs, nbytes, group, device, cells, max_views, channels, backend_options, call)
@@ -204,14 +203,12 @@ class SymmetricBuffer:
         except ConfigError as e:
             dev, problem = torch.device("cpu"), problem or str(e)
         if problem is None:
-            ptrs, problem = memory.Adopted.local_problem(ptrs, nbytes, cells, self._world, max_views, channels)
+            ptrs, problem = memory.Adopted.local_problem(ptrs, cells, self._world)
         sizes = {"nbytes": nbytes, "max_views": max_views, "channels": channels}
         self._agree(call, dev, problem, {"backend": dev.type, "cells": cells, **sizes})
         self._device = dev
-        kind, self._nbytes = memory.Adopted.build(
-            self._group, dev, ptrs, nbytes, cells, max_views, channels, backend_options or {}
-        )
-        self._finish(kind)
+        self._nbytes = nbytes
+        self._finish(memory.Adopted.build(self._group, dev, ptrs, nbytes, max_views, channels, backend_options or {}))
         return self
 
     @classmethod
@@ -409,10 +406,10 @@ class SymmetricBuffer:
     def cell_ptrs(self) -> torch.Tensor:
         """int64 tensor ``[world_size]``: the base each rank's cells are offset from.
 
-        :attr:`ptrs` itself (the same tensor) for memory symmsync allocated, or adopted
-        with ``cells="tail"``; the bases of symmsync's own cell allocations for
-        registered memory and ``cells="separate"``. Like :attr:`ptrs`, it holds the
-        mappings it names alive.
+        The bases of symmsync's own cell allocations, apart from the user regions of
+        :attr:`ptrs` for every kind of memory (each between guards: no store past a user
+        region reaches a cell). Kernels pass it, never :attr:`ptrs`, to the fence
+        primitives. Like :attr:`ptrs`, it holds the mappings it names alive.
         """
         self._check_open("cell_ptrs")
         return self._cell_ptrs
@@ -438,13 +435,12 @@ class SymmetricBuffer:
         The cells are never part of it: they live apart (:meth:`cell_memory`).
         """
         self._check_open("local_memory")
-        return self._memory.local_memory(self._nbytes)
+        return self._memory.user_tensor(self._rank)[: self._nbytes]
 
     def cell_memory(self) -> torch.Tensor:
-        """``uint8`` tensor from this rank's :attr:`cell_ptrs` base: cell ``c`` is at ``[c, c + cell_bytes)``.
+        """``uint8`` tensor over this rank's cells, from its :attr:`cell_ptrs` base.
 
-        Index the cells only: where they share the base with the user region, the bytes
-        between the two are a guard that is not mapped, or not accessible.
+        Cell ``c`` is at ``[c, c + cell_bytes)``.
         """
         self._check_open("cell_memory")
         return self._memory.cell_memory()
@@ -516,7 +512,7 @@ class SymmetricBuffer:
                 call=call,
                 error=BoundsError,
             )
-        return self._memory.data.peers[rank].tensor[offset : offset + size].view(dtype).view(shape)
+        return self._memory.user_tensor(rank)[offset : offset + size].view(dtype).view(shape)
 
     # ---------------------------------------------------------------- views
     def view(self, ranks: Sequence[int]) -> PeerView:
@@ -577,7 +573,7 @@ class SymmetricBuffer:
         for view in list(self._views):
             view.release_tables()  # and its fences': only what users kept holds the mappings now
         self._ptrs = self._cell_ptrs = None
-        memory.release(self._memory.shared())
+        self._memory.release()
 
     def __enter__(self) -> SymmetricBuffer:
         return self

@@ -162,7 +162,7 @@ class Fence:
     def kernel_args(self) -> tuple[torch.Tensor, int, int, int, int]:
         """What a kernel takes to fence on this channel: ``(ptrs, cell, me, timeout_ns, record)``.
 
-        ``view.cell_ptrs`` (``view.ptrs`` for memory symmsync allocated), :attr:`cell`,
+        ``view.cell_ptrs`` (the cells' own table, never ``view.ptrs``), :attr:`cell`,
         ``view.local_index``, :attr:`timeout_ns` and :attr:`record`, in the order of
         :func:`symmsync.language.grid_fence` and :func:`symmsync.language.wait_or_trap`
         (``SIZE`` is ``view.size``)::

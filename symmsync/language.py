@@ -1,27 +1,28 @@
 """Device-side primitives for Triton kernels: peer addresses, publish, wait, fence.
 
 Call these from your own ``@triton.jit`` kernels. They take a peer view's pointer
-table (``view.ptrs``, int64 base addresses in view order), the byte offset of a
-cell (``view.cell_offset(channel)``), this rank's index in the view
-(``view.local_index``) and the view size as a compile-time constant (``SIZE``)::
+tables (``view.ptrs``, the members' user regions, and ``view.cell_ptrs``, their cells:
+int64 base addresses in view order), the byte offset of a cell from the cell table
+(``view.cell_offset(channel)``), this rank's index in the view (``view.local_index``)
+and the view size as a compile-time constant (``SIZE``)::
 
     @triton.jit
-    def exchange(ptrs, cell, me, value, timeout_ns, SIZE: tl.constexpr):
+    def exchange(data, cells, cell, me, value, timeout_ns, SIZE: tl.constexpr):
         for p in tl.static_range(SIZE):
-            dst = ssl.peer_ptr(ptrs, p, 0, tl.int64)
+            dst = ssl.peer_ptr(data, p, 0, tl.int64)
             tl.store(dst + me, value)            # payload into every peer
         tl.debug_barrier()                        # every thread's payload before the release
-        e = ssl.publish(ptrs, cell, me, SIZE)
-        status = ssl.wait(ptrs, cell, me, e, timeout_ns, SIZE)
+        e = ssl.publish(cells, cell, me, SIZE)
+        status = ssl.wait(cells, cell, me, e, timeout_ns, SIZE)
 
-A :class:`~symmsync.Fence` hands a kernel its arguments at once:
-``fence.kernel_args`` is ``(ptrs, cell, me, timeout_ns, record)``.
+A :class:`~symmsync.Fence` hands a kernel its fence arguments at once:
+``fence.kernel_args`` is ``(cells, cell, me, timeout_ns, record)``.
 
 The fence primitives (publish, wait, and everything built on them) take the table the
-cells are offset from, ``view.cell_ptrs``. For memory symmsync allocated that is the
-same tensor as ``view.ptrs``, so one table serves the payload and the cells, as above;
-a runtime's registered memory keeps its cells apart, and then a kernel takes both
-tables (``fence.kernel_args`` carries the cell table).
+cells are offset from, ``view.cell_ptrs``, never ``view.ptrs``: for every kind of memory
+the cells live in an allocation of their own, between guards, apart from the user
+regions (so no store past a user region reaches a cell), and a kernel that writes
+payload and fences takes both tables, as above.
 
 Memory model (the contract, on both backends; the one statement of it)::
 

@@ -2,18 +2,29 @@
 
 A buffer's memory is one of four kinds, chosen at construction, each one object::
 
-    kind         the bytes are   the cells live           grow                  close releases
-    Allocated    symmsync's      past the user region, a guard   (cannot grow)         every mapping
-    Growable     symmsync's      past the reservation, a guard   commits, maps chunks  every mapping
-    Adopted      the runtime's   apart, or at its tail, a gap    (cannot grow)         symmsync's cells only
-    Registered   the runtime's   apart                           maps what it grew by  the peers' mappings, the cells
+    kind         the bytes are   grow                  close releases
+    Allocated    symmsync's      (cannot grow)         every mapping
+    Growable     symmsync's      commits, maps chunks  every mapping
+    Adopted      the runtime's   (cannot grow)         symmsync's cells only
+    Registered   the runtime's   maps what it grew by  the peers' mappings, the cells
 
-No store past a user region lands in a cell: the cells live in an allocation of their
-own, or behind a guard (:data:`GUARD_BYTES` that nobody reads or writes), so a kernel
-that overruns the user region by less than the slack and the guard can never make a
-fence's wait pass. Only
-``cells="tail"`` adoption, where the runtime gives symmsync the last bytes of its own
-memory, keeps a plain gap (:data:`TAIL_GAP_BYTES`) between the two.
+No store through a user region's address reaches a cell. The cells of every kind live in
+an allocation of their own (:func:`guarded`), addressed through their own table
+(:attr:`SymmetricBuffer.cell_ptrs`), and every mapping symmsync makes, of this rank's
+memory and of each peer's, lies between two guards of :data:`GUARD_BYTES` of address
+space that is reserved and never mapped::
+
+    [guard | user region (mapped: rounded up to the backend's granularity) | guard]
+    [guard | cells | guard]
+
+So a store that runs past the user region (or past any other mapping of the process)
+faults at the first byte of a guard before it could reach a cell: on the host backend
+the writing process dies of ``SIGSEGV``, on a GPU its kernel traps with an illegal
+address. No tensor's storage spans a guard or the cells (torch.compile's
+functionalization reads whole storages): each mapping's tensor covers only its own bytes
+(:func:`reserve`). A store at an arbitrary address, or one that jumps further than a
+guard, is not covered. Memory of the CUDA backend's ``handle_type="cuda_ipc"`` has no
+guards (the driver places those allocations); its cells still live apart.
 
 The pointer tables (:func:`address_table`) hold every mapping they name alive, as the
 mappings' own tensors do: a table kept past ``close()`` never names unmapped memory.
@@ -21,8 +32,9 @@ mappings' own tensors do: a table kept past ``close()`` never names unmapped mem
 Every step that maps memory on every rank is a step of one
 :class:`~symmsync.agreement.Transaction`: all or nothing, the same
 :class:`~symmsync.BackendError` on every rank when any rank fails, and what was mapped
-undone. :func:`allocate`, :func:`reserve`, :func:`share_chunks` and :func:`share_local`
-are those steps, in the order :mod:`symmsync.backends.base` gives for the backend's calls.
+undone. :func:`reserve`, :func:`share_chunks` (the two make :func:`guarded`),
+:func:`allocate` and :func:`share_local` are those steps, in the order
+:mod:`symmsync.backends.base` gives for the backend's calls.
 """
 
 from __future__ import annotations
@@ -38,9 +50,9 @@ import torch
 import torch.distributed as dist
 
 from . import backends
-from .agreement import Transaction, agree, barrier
+from .agreement import Transaction, agree
 from .backends import Backend, LocalExport, Memory, Piece
-from .cells import EPOCH, LINE, CellLayout, round_up
+from .cells import EPOCH, CellLayout, round_up
 from .checks import int_problem, is_int, positive_int_problem
 from .errors import BackendError, ConfigError
 
@@ -49,14 +61,10 @@ log = logging.getLogger("symmsync")
 #: What a failed construction leaves, in its error.
 RELEASED = "every rank released what it had mapped"
 
-#: Bytes between the end of a user region (rounded up to them) and the cells of
-#: memory symmsync maps: never read or written. They stay accessible (a tensor's storage
-#: spans them, and torch.compile's functionalization reads whole storages: a
-#: ``PROT_NONE`` guard made it fault), so they absorb a stray store instead of faulting.
-GUARD_BYTES = 64 << 10
-#: Bytes left unused between the user region and the cells of ``cells="tail"`` adoption
-#: (fewer when the adopted memory is too small for them; the user region keeps a line).
-TAIL_GAP_BYTES = 4096
+#: Bytes of address space reserved and never mapped before and after every mapping
+#: symmsync makes (rounded up to the backend's granularity): a store that runs into
+#: them faults. 2 MiB, the CUDA backend's granularity: a whole unit of its address space.
+GUARD_BYTES = 2 << 20
 #: The epoch ``close()`` leaves in every cell of this rank: past any count a peer can
 #: publish, so a wait through arguments kept past ``close()`` never passes.
 CLOSED_EPOCH = 1 << 62
@@ -110,12 +118,6 @@ class Shared:
         self.own = None
 
 
-def release(shared: list[Shared]) -> None:
-    """Release each (the finalizer of a buffer nobody closed)."""
-    for s in shared:
-        s.release()
-
-
 def args_problem(nbytes: Any, max_views: Any, channels: Any, max_nbytes: Any, options: Any) -> str | None:
     """What is wrong with the arguments every kind of memory is made from (the sizes, the
     backend's options), or ``None``; adopted and registered memory check the rest in their
@@ -160,7 +162,8 @@ def _abandon_pieces(be: Backend, everyone: list[Any]) -> None:
 
 
 def allocate(tx: Transaction, be: Backend, nbytes: int) -> Shared:
-    """Allocate ``nbytes`` on every rank, exchange the handles, map every peer's."""
+    """Allocate ``nbytes`` on every rank, exchange the handles, map every peer's: for a
+    backend that cannot reserve address space (:func:`guarded` says when), so without guards."""
     rank, shared = dist.get_rank(tx.group), Shared(be, dist.get_world_size(tx.group))
     tx.on_failure(shared.release)
 
@@ -182,14 +185,29 @@ def allocate(tx: Transaction, be: Backend, nbytes: int) -> Shared:
     return shared
 
 
+def _between_guards(mem: Memory, guard: int, nbytes: int) -> Memory:
+    """The ``nbytes`` after the first ``guard`` bytes of reservation ``mem``, as a Memory of
+    their own: its tensor covers those bytes only and holds the reservation alive."""
+    tensor = backends.part_of(mem.tensor, guard, nbytes)
+    return Memory(ptr=mem.ptr + guard, nbytes=nbytes, tensor=tensor, owner=mem.owner, state=mem.state)
+
+
 def reserve(tx: Transaction, be: Backend, nbytes: int) -> Shared:
-    """Reserve ``nbytes`` of address space for this rank's memory and every peer's."""
+    """Reserve address space for ``nbytes`` of this rank's memory and of every peer's, each
+    between two guards of :data:`GUARD_BYTES` that are never mapped.
+
+    Each reservation is ``[guard | nbytes, rounded up | guard]``; its :class:`Memory`
+    starts after the first guard and its tensor spans the rounded ``nbytes`` only, so
+    that no tensor's storage covers a guard. Offsets of :func:`share_chunks` count from there.
+    """
     rank, shared = dist.get_rank(tx.group), Shared(be, dist.get_world_size(tx.group))
     tx.on_failure(shared.release)
+    g = be.granularity
+    guard, room = round_up(GUARD_BYTES, g), round_up(nbytes, g)
 
     def reserve_here() -> None:
         for r in range(len(shared.peers)):
-            shared.peers[r] = be.reserve(nbytes, r)
+            shared.peers[r] = _between_guards(be.reserve(guard + room + guard, r), guard, room)
         shared.own = shared.peers[rank]
 
     tx.step("reserve address space on", reserve_here)
@@ -227,8 +245,9 @@ def share_chunks(tx: Transaction, shared: Shared, pieces: list[tuple[int, int]])
 def share_local(tx: Transaction, shared: Shared, nbytes: int, known: int, max_nbytes: int) -> LocalExport:
     """Export this rank's registered memory in ``[0, nbytes)`` (the pieces wholly below
     ``known`` were exported before), map every peer's: at registration (``known`` 0) each
-    peer's whole memory, at a grow the pieces it grew by. The caller forgets the export
-    (:meth:`~symmsync.backends.Backend.forget_local`) once the transaction committed."""
+    peer's whole memory (a guard of :data:`GUARD_BYTES` after it), at a grow the pieces it
+    grew by. The caller forgets the export (:meth:`~symmsync.backends.Backend.forget_local`)
+    once the transaction committed."""
     be, rank = shared.backend, dist.get_rank(tx.group)
     export: list[LocalExport] = []
 
@@ -245,7 +264,7 @@ def share_local(tx: Transaction, shared: Shared, nbytes: int, known: int, max_nb
             if r == rank:
                 continue
             if not known:
-                shared.peers[r] = be.import_local(theirs, r, max_nbytes)
+                shared.peers[r] = be.import_local(theirs, r, max_nbytes, round_up(GUARD_BYTES, be.granularity))
                 continue
             peer = shared.peers[r]
             for c in be.extend_local(peer, theirs):
@@ -255,14 +274,27 @@ def share_local(tx: Transaction, shared: Shared, nbytes: int, known: int, max_nb
     return export[0]
 
 
+def guarded(tx: Transaction, be: Backend, nbytes: int) -> Shared:
+    """``nbytes`` of zero-filled memory on every rank, every peer's mapped, each mapping
+    between two guards (:func:`reserve`, then :func:`share_chunks` of all of it).
+
+    Where the backend cannot reserve address space (the CUDA backend's ``cuda_ipc``), one
+    allocation per rank (:func:`allocate`), without guards.
+    """
+    if not be.reserves:
+        return allocate(tx, be, nbytes)
+    shared = reserve(tx, be, nbytes)
+    share_chunks(tx, shared, [(0, round_up(nbytes, be.granularity))])
+    return shared
+
+
 # ---------------------------------------------------------------------- kinds
 class Kind:
     """What differs between the kinds of a buffer's memory (see the module's table).
 
     Attributes:
         data: the memory kernels address (:attr:`SymmetricBuffer.ptrs`).
-        cells: symmsync's own allocation of cells, apart from ``data``; ``None``
-            when the cells live in ``data``.
+        cells: symmsync's own allocation of the cells (:func:`guarded`), apart from ``data``.
         layout: where the cells are, as offsets from the cells' base.
         max_nbytes: the most the user region can grow to; ``None`` when it cannot grow.
         registered: the memory is a runtime's, registered (:meth:`SymmetricBuffer.register`).
@@ -271,33 +303,42 @@ class Kind:
     registered = False
     max_nbytes: int | None = None
 
-    def __init__(self, data: Shared, layout: CellLayout, cells: Shared | None = None):
+    def __init__(self, data: Shared, layout: CellLayout, cells: Shared):
         self.data = data
         self.layout = layout
         self.cells = cells
-
-    @property
-    def _cell_home(self) -> Shared:
-        return self.cells if self.cells is not None else self.data
+        # Every rank's committed user bytes, for memory that commits less than it reserves.
+        self._committed: list[torch.Tensor] | None = None
 
     @property
     def capabilities(self) -> backends.Capabilities:
-        return self._cell_home.backend.capabilities
+        return self.cells.backend.capabilities
 
-    def shared(self) -> list[Shared]:
-        """Everything close releases."""
-        return [self.data] if self.cells is None else [self.data, self.cells]
+    def release(self) -> None:
+        """Release every mapping (``close()``, or the finalizer of a buffer nobody closed). Idempotent."""
+        self._committed = None
+        self.data.release()
+        self.cells.release()
 
-    def cell_ptrs(self) -> list[int] | None:
-        """The bases of the cells apart, or ``None`` when the cells are based at :attr:`data`'s."""
-        return None if self.cells is None else self.cells.ptrs
+    def cell_ptrs(self) -> list[int]:
+        """The bases of every rank's cells, as mapped on this rank."""
+        return self.cells.ptrs
 
-    def local_memory(self, nbytes: int) -> torch.Tensor:
-        """This rank's user region of ``nbytes`` (never the cells: they live apart)."""
-        return self.data.own.tensor[:nbytes]
+    def user_tensor(self, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s user region as mapped on this rank (never the cells: they live apart).
+
+        Its storage spans mapped bytes only: torch.compile's functionalization reads whole
+        storages, and one over a guard, or over reserved address space not committed yet,
+        would make it fault. The same tensor (one storage) until a grow commits more.
+        """
+        return self.data.peers[rank].tensor if self._committed is None else self._committed[rank]
+
+    def _commit_views(self, nbytes: int) -> None:
+        """Make :meth:`user_tensor` span the first ``nbytes`` of every rank's reservation."""
+        self._committed = [backends.part_of(m.tensor, 0, nbytes) for m in self.data.peers]
 
     def cell_memory(self) -> torch.Tensor:
-        return self._cell_home.own.tensor
+        return self.cells.own.tensor
 
     def close_cells(self) -> None:
         """Set every epoch of this rank's cells to :data:`CLOSED_EPOCH` (``close()``).
@@ -325,44 +366,42 @@ class Kind:
         raise AssertionError("grow() checks that the buffer can grow before it gets here")
 
 
-class Allocated(Kind):
-    """Memory symmsync allocated: the user region, a guard of :data:`GUARD_BYTES`, the cells.
+def _cells(tx: Transaction, be: Backend, group: Any, max_views: int, channels: int) -> tuple[Shared, CellLayout]:
+    """Every rank's cells, zero, in an allocation of their own between guards, and their layout."""
+    layout = CellLayout(0, dist.get_world_size(group), max_views, channels)
+    return guarded(tx, be, layout.size), layout
 
-    One allocation per rank, laid out ``[user | slack | guard | cells]``: the user region
-    rounded up to a multiple of :data:`GUARD_BYTES` (the slack is mapped and unused), then
-    the guard (mapped, never read or written), then the cells.
-    """
+
+class Allocated(Kind):
+    """Memory symmsync allocated: the user region (rounded up to the backend's
+    granularity, the rest mapped and unused) between guards; the cells apart."""
 
     @classmethod
     def build(cls, group: Any, be: Backend, nbytes: int, max_views: int, channels: int) -> Allocated:
-        start = round_up(nbytes, GUARD_BYTES)
-        layout = CellLayout(start + GUARD_BYTES, dist.get_world_size(group), max_views, channels)
         with Transaction(group, "SymmetricBuffer", kept=RELEASED) as tx:
-            data = allocate(tx, be, layout.base + layout.size)
-        return cls(data, layout)
+            data = guarded(tx, be, nbytes)
+            cells, layout = _cells(tx, be, group, max_views, channels)
+        return cls(data, layout, cells)
 
 
 class Growable(Kind):
-    """Memory symmsync allocated in address space reserved for ``max_nbytes``; the cells
-    after that reservation's user part and a guard of :data:`GUARD_BYTES` of address space
-    that is never mapped, so growing never moves them and no store past the user region
-    reaches them."""
+    """Memory symmsync allocated in address space reserved for ``max_nbytes`` between
+    guards, committed as it grows; the cells apart, so growing never moves them."""
 
-    def __init__(self, data: Shared, layout: CellLayout, max_nbytes: int, committed: int):
-        super().__init__(data, layout)
+    def __init__(self, data: Shared, layout: CellLayout, cells: Shared, max_nbytes: int, committed: int):
+        super().__init__(data, layout, cells)
         self.max_nbytes = max_nbytes
         self.committed = committed
+        self._commit_views(committed)
 
     @classmethod
     def build(cls, group: Any, be: Backend, nbytes: int, max_nbytes: int, max_views: int, channels: int) -> Growable:
-        g = be.granularity
-        guard = round_up(GUARD_BYTES, g)
-        layout = CellLayout(round_up(max_nbytes, g) + guard, dist.get_world_size(group), max_views, channels)
-        total = layout.base + round_up(layout.size, g)
+        committed = round_up(nbytes, be.granularity)
         with Transaction(group, "SymmetricBuffer", kept=RELEASED) as tx:
-            data = reserve(tx, be, total)
-            share_chunks(tx, data, [(layout.base, total - layout.base), (0, round_up(nbytes, g))])
-        return cls(data, layout, max_nbytes, round_up(nbytes, g))
+            data = reserve(tx, be, max_nbytes)
+            share_chunks(tx, data, [(0, committed)])
+            cells, layout = _cells(tx, be, group, max_views, channels)
+        return cls(data, layout, cells, max_nbytes, committed)
 
     def grow(self, group: Any, nbytes_now: int, nbytes: int) -> None:
         end = round_up(nbytes, self.data.backend.granularity)
@@ -370,19 +409,23 @@ class Growable(Kind):
             with Transaction(group, "SymmetricBuffer.grow", kept=f"the buffer keeps its {nbytes_now} bytes") as tx:
                 share_chunks(tx, self.data, [(self.committed, end - self.committed)])
             self.committed = end
+            self._commit_views(end)
 
 
 class Adopted(Kind):
     """Memory a runtime allocated and mapped on every rank; symmsync releases only its own cells."""
 
     @staticmethod
-    def local_problem(
-        ptrs: Any, nbytes: int, placement: Any, world: int, max_views: int, channels: int
-    ) -> tuple[list[int], str | None]:
+    def local_problem(ptrs: Any, placement: Any, world: int) -> tuple[list[int], str | None]:
         """``(addresses, problem)`` of what :meth:`SymmetricBuffer.from_peer_addresses` was
         given (its sizes already checked): what keeps it from being adopted on this rank, or ``None``."""
-        if placement not in ("separate", "tail"):
-            return [], f"cells must be 'separate' or 'tail', got {placement!r}"
+        if placement == "tail":
+            return [], (
+                "cells='tail' is gone: symmsync keeps the cells in an allocation of its own between guards, "
+                "where no store past the adopted memory reaches them; drop the cells argument"
+            )
+        if placement != "separate":
+            return [], f"cells must be 'separate' (the default), got {placement!r}"
         try:
             ptrs = [operator.index(p) for p in ptrs]
         except TypeError:
@@ -391,9 +434,6 @@ class Adopted(Kind):
             return ptrs, f"ptrs holds {[p for p in ptrs if not 0 < p < 2**64]}, which are not addresses"
         if len(ptrs) != world:
             return ptrs, f"ptrs holds {len(ptrs)} addresses for a group of {world} ranks"
-        cells = CellLayout(0, world, max_views, channels).size
-        if placement == "tail" and nbytes < cells + LINE:
-            return ptrs, f"{nbytes} bytes cannot hold symmsync's {cells} bytes of cells; adopt a larger region"
         return ptrs, None
 
     @classmethod
@@ -403,34 +443,20 @@ class Adopted(Kind):
         dev: torch.device,
         ptrs: list[int],
         nbytes: int,
-        placement: str,
         max_views: int,
         channels: int,
         options: dict[str, Any],
-    ) -> tuple[Adopted, int]:
-        """The adopted memory and its user region's size (``nbytes`` less the cells at its tail)."""
+    ) -> Adopted:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         be = backends.adopted(dev)
         data = Shared(be, world)
         for r, p in enumerate(ptrs):
             data.peers[r] = be.import_handle(backends.Address(p, nbytes), r)
         data.own = data.peers[rank]
-        if placement == "tail":
-            probe = CellLayout(0, world, max_views, channels)
-            base = (nbytes - probe.size) // LINE * LINE
-            layout = CellLayout(base, world, max_views, channels)
-            data.own.tensor[base : base + layout.size].zero_()
-            if be.capabilities.streams:
-                torch.cuda.synchronize(dev)
-            barrier(group)  # no rank fences before every rank's cells are zero
-            # A gap between the user region and the cells: a short overrun of the user
-            # region lands in bytes nobody reads (the runtime's memory cannot be protected).
-            return cls(data, layout), max(LINE, base - TAIL_GAP_BYTES)
-        layout = CellLayout(0, world, max_views, channels)
         cells_be = create_backend(group, backends.name_for(dev), dev, dict(options))
         with Transaction(group, "SymmetricBuffer.from_peer_addresses", kept=RELEASED) as tx:
-            cells = allocate(tx, cells_be, layout.size)
-        return cls(data, layout, cells), nbytes
+            cells, layout = _cells(tx, cells_be, group, max_views, channels)
+        return cls(data, layout, cells)
 
 
 class Registered(Kind):
@@ -442,6 +468,7 @@ class Registered(Kind):
         super().__init__(data, layout, cells)
         self.max_nbytes = max_nbytes
         self.committed = nbytes
+        self._commit_views(nbytes)
         self.end = end  #: where the pieces peers mapped end, from the registered address
 
     @staticmethod
@@ -471,9 +498,8 @@ class Registered(Kind):
         channels: int,
     ) -> Registered:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        layout = CellLayout(0, world, max_views, channels)
         with Transaction(group, "SymmetricBuffer.register", kept="nothing stays mapped") as tx:
-            cells = allocate(tx, cells_be, layout.size)
+            cells, layout = _cells(tx, cells_be, group, max_views, channels)
             data = Shared(be, world)
             tx.on_failure(data.release)
             data.own = data.peers[rank] = Memory(ptr, max_nbytes, backends.tensor_at(ptr, max_nbytes, be.device), rank)
@@ -488,6 +514,7 @@ class Registered(Kind):
             self.end = export.end
             self.data.backend.forget_local(export)
             self.committed = nbytes
+            self._commit_views(nbytes)
 
 
 def _local_address(local: Any, nbytes: Any, device: Any) -> tuple[int, torch.device | None, str | None]:

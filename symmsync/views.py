@@ -54,7 +54,7 @@ class PeerView:
         table = buffer.ptrs
         self._ptrs: torch.Tensor | None = memory.keep_alive(table[list(ranks)].contiguous(), table)
         cells = buffer.cell_ptrs
-        self._cell_ptrs = self._ptrs if cells is table else memory.keep_alive(cells[list(ranks)].contiguous(), cells)
+        self._cell_ptrs = memory.keep_alive(cells[list(ranks)].contiguous(), cells)
         self.failure = ViewFailure(self)
 
     # ------------------------------------------------------------------ kernel inputs
@@ -77,11 +77,10 @@ class PeerView:
     def cell_ptrs(self) -> torch.Tensor:
         """int64 tensor ``[size]``: the bases the cells are offset from, in view order.
 
-        Signal primitives (:mod:`symmsync.language`) take this table with
-        :meth:`cell_offset`. It is :attr:`ptrs` itself (the same tensor) for memory
-        symmsync allocated; registered memory keeps its cells apart from the runtime's
-        bytes, so there the two tables differ. It holds the cells alive, as :attr:`ptrs`
-        holds the memory.
+        The fence primitives (:mod:`symmsync.language`) take this table with
+        :meth:`cell_offset`, never :attr:`ptrs`: for every kind of memory the cells live
+        in an allocation of their own, between guards, apart from the user regions. It
+        holds the cells alive, as :attr:`ptrs` holds the memory.
         """
         self._check_open("cell_ptrs")
         return self._cell_ptrs

@@ -83,20 +83,20 @@ def spin(ns):
 
 
 @triton.jit
-def stamp_next_epoch(ptrs, cell, payload, me, SIZE: tl.constexpr):
+def stamp_next_epoch(ptrs, cell_ptrs, cell, payload, me, SIZE: tl.constexpr):
     """Write ``1000 e + me`` into slot ``me`` of every member's payload half ``e % 2``, where
     ``e`` is the epoch the next fence on ``cell`` publishes (read on the device: graph-safe)."""
-    e = tl.load(ssl.epoch_ptr(ptrs, cell, me)) + 1
+    e = tl.load(ssl.epoch_ptr(cell_ptrs, cell, me)) + 1
     for p in tl.static_range(SIZE):
         dst = ssl.peer_ptr(ptrs, p, payload, tl.int64)
         tl.store(dst + (e % 2) * SIZE + me, e * 1000 + me)
 
 
 @triton.jit
-def check_current_epoch(ptrs, cell, payload, me, errors, SIZE: tl.constexpr):
+def check_current_epoch(ptrs, cell_ptrs, cell, payload, me, errors, SIZE: tl.constexpr):
     """Add to ``errors`` the slots of this rank's payload half ``e % 2`` that do not hold
     ``1000 e + slot`` for the current epoch ``e``."""
-    e = tl.load(ssl.epoch_ptr(ptrs, cell, me))
+    e = tl.load(ssl.epoch_ptr(cell_ptrs, cell, me))
     idx = tl.arange(0, 32)
     own = ssl.peer_ptr(ptrs, me, payload, tl.int64)
     got = tl.load(own + (e % 2) * SIZE + idx, mask=idx < SIZE, other=0)
@@ -111,7 +111,7 @@ def graph_replay(batches, per_batch):
     view = buf.view(list(range(buf.world_size)))
     fence = ss.Fence(view, timeout_s=30)
     errors = torch.zeros(1, dtype=torch.int32, device=buf.device)
-    args = (view.ptrs, fence.cell, 0, view.local_index)
+    args = (view.ptrs, view.cell_ptrs, fence.cell, 0, view.local_index)
 
     def step():
         stamp_next_epoch[(1,)](*args, SIZE=view.size)

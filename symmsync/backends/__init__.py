@@ -7,7 +7,7 @@ interface and the order of its calls are in :mod:`symmsync.backends.base`. Nothi
 outside this package knows which backend is in use: everything above works with
 :class:`Memory` (an address, a size and a zero-copy ``uint8`` tensor over it).
 This module picks a backend (:func:`resolve`, :func:`create`) and wraps memory as
-tensors (:func:`tensor_at`).
+tensors (:func:`tensor_at`, :func:`part_of`).
 
 Backends:
     ``host``: POSIX shared memory, one segment per rank; kernels run under Triton's
@@ -47,6 +47,7 @@ __all__ = [
     "create",
     "default_device",
     "name_for",
+    "part_of",
     "resolve",
     "tensor_at",
 ]
@@ -164,6 +165,24 @@ def tensor_at(
         # torch keeps one Python object per storage for as long as any tensor uses that
         # storage (views and slices share it), so its finalizer runs after the last use.
         weakref.finalize(t.untyped_storage(), on_last_use).atexit = False
+    return t
+
+
+def _hold(_owner: torch.Tensor) -> None:
+    """What a part's finalizer does: nothing, once it dropped its reference to the whole."""
+
+
+def part_of(whole: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    """A ``uint8`` tensor over bytes ``[offset, offset + nbytes)`` of ``whole``'s memory,
+    with a storage of its own that spans those bytes only and holds ``whole`` (and so the
+    mapping it owns) alive until its last view is gone.
+
+    A slice of ``whole`` would share its storage, and torch.compile's functionalization
+    reads whole storages: a part never makes it touch the bytes around it (the guards of a
+    reservation, which fault).
+    """
+    t = tensor_at(whole.data_ptr() + offset, nbytes, whole.device)
+    weakref.finalize(t.untyped_storage(), _hold, whole).atexit = False
     return t
 
 

@@ -121,23 +121,25 @@ class Backend(abc.ABC):
     the latest first: :meth:`abandon` for every handle it received, :meth:`unmap_chunk`,
     :meth:`forget_local` or :meth:`release` for what it mapped or kept.
 
-    Allocate (``SymmetricBuffer(nbytes)``; the cells of adopted and registered memory)::
-
-        allocate(n) -> export_handle(own) -> [gather handles] -> exchanged(own, handles)
-        -> import_handle(h, r) for every peer -> [gather] -> all_mapped(own) -> [barrier]
-
-    Grow (``SymmetricBuffer(nbytes, max_nbytes=)`` starts with ``reserve`` and the first
-    commits; ``grow`` repeats the commits)::
+    Reserve and commit (every allocation of a backend that :attr:`reserves`: a buffer's
+    user region, growable or not, and the cells of every kind; ``grow`` repeats the commits).
+    Each reservation holds guards around what is committed (:mod:`symmsync.memory`)::
 
         reserve(total, r) for every rank -> [gather]
         -> commit(own, offset, n) per piece -> [gather pieces, pids] -> chunk_exchanged(c, pids)
         -> map_chunk(peer, offset, handle) for every peer's piece -> [gather]
         -> chunk_all_mapped(c) -> [barrier]
 
+    Allocate (the same allocations, where a backend cannot reserve address space: the
+    CUDA backend's ``cuda_ipc``, whose memory has no guards)::
+
+        allocate(n) -> export_handle(own) -> [gather handles] -> exchanged(own, handles)
+        -> import_handle(h, r) for every peer -> [gather] -> all_mapped(own) -> [barrier]
+
     Register (``SymmetricBuffer.register``; its ``grow`` repeats it with ``known``)::
 
         export_local(ptr, n, rank, known) -> [gather pieces, pids] -> local_exchanged(export, pids)
-        -> import_local(pieces, r, max_nbytes) (register) or extend_local(peer, pieces) (grow)
+        -> import_local(pieces, r, max_nbytes, guard) (register) or extend_local(peer, pieces) (grow)
         -> [gather] -> [barrier] -> forget_local(export)
 
     Close (local, any time after construction): :meth:`release` of every peer's
@@ -148,27 +150,30 @@ class Backend(abc.ABC):
             this package: ask :attr:`capabilities`.
         capabilities: what kernels over this memory do (:class:`Capabilities`).
         granularity: chunks and reservations are multiples of this many bytes.
+        reserves: the backend reserves address space (:meth:`reserve`), which lets
+            symmsync keep guards around every mapping; else it only allocates (:meth:`allocate`).
     """
 
     name: str = ""
     capabilities: Capabilities = INTERPRETER
     granularity: int = 4096
+    reserves: bool = False
 
     def __init__(self, device: torch.device):
         self.device = device
 
     # ------------------------------------------------------------ allocated memory
-    @abc.abstractmethod
     def allocate(self, nbytes: int, rank: int) -> Memory:
-        """Allocate ``nbytes`` (zero-filled) that peers can map."""
+        """Allocate ``nbytes`` (zero-filled) that peers can map (a backend that does not :attr:`reserves`)."""
+        raise BackendError(f"the {self.name} backend maps memory into reservations; it does not allocate")
 
-    @abc.abstractmethod
     def export_handle(self, mem: Memory) -> Any:
         """A picklable description of ``mem`` that a peer passes to :meth:`import_handle`."""
+        raise BackendError(f"the {self.name} backend exports chunks of reservations only")
 
-    @abc.abstractmethod
     def import_handle(self, handle: Any, owner: int) -> Memory:
         """Map a peer's memory from its handle."""
+        raise BackendError(f"the {self.name} backend maps chunks of reservations only")
 
     def exchanged(self, mem: Memory, handles: list[Any]) -> None:  # noqa: B027 - optional hook
         """Every rank's handle arrived (``handles[r]`` is rank ``r``'s, own included), before
@@ -229,9 +234,10 @@ class Backend(abc.ABC):
     def local_exchanged(self, export: LocalExport, pids: list[int]) -> None:  # noqa: B027 - optional hook
         """Like :meth:`chunk_exchanged`, for :meth:`export_local`'s export."""
 
-    def import_local(self, pieces: list[Piece], owner: int, nbytes: int) -> Memory:
+    def import_local(self, pieces: list[Piece], owner: int, nbytes: int, guard: int = 0) -> Memory:
         """Map a peer's registered memory from its :meth:`export_local` pieces, with
-        address space for ``nbytes`` (the most it may grow to)."""
+        address space for ``nbytes`` (the most it may grow to), then ``guard`` bytes of
+        address space that are never mapped."""
         raise BackendError(f"the {self.name} backend cannot map registered memory")
 
     def extend_local(self, mem: Memory, pieces: list[Piece]) -> list[Chunk]:

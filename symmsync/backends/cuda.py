@@ -1,9 +1,11 @@
 """CUDA backend: device memory through the driver's virtual-memory management (cuda-python).
 
-Each rank creates physical device memory with ``cuMemCreate`` (requesting a
-shareable handle type), maps it into a reserved virtual range, and exports a
-shareable handle. Peers import the handle, reserve their own range, map the same
-physical memory, and grant their device read/write access (``cuMemSetAccess``).
+Each rank reserves a virtual range (``cuMemAddressReserve``), creates physical device
+memory with ``cuMemCreate`` (requesting a shareable handle type), maps it into the range,
+and exports a shareable handle. Peers import the handle, map the same physical memory at
+the same offset of their own range for that rank, and grant their device read/write
+access (``cuMemSetAccess``). What of a range is not mapped (the guards symmsync keeps
+around every mapping) makes a kernel that stores there trap with an illegal address.
 docs/design.md says why this mechanism and not legacy CUDA IPC.
 
 Handle types (the ``handle_type`` option):
@@ -14,7 +16,8 @@ Handle types (the ``handle_type`` option):
         a multi-node NVLink domain can import; needs a driver and system with fabric
         support (IMEX). Not tested here (no multi-node NVLink machine).
     ``cuda_ipc``: legacy ``cuIpcGetMemHandle`` on ``cuMemAlloc`` memory, for drivers
-        or containers where shareable handles are unavailable; one host only.
+        or containers where shareable handles are unavailable; one host only. It
+        reserves no address space: no guards, and no growable buffers.
 
 Peer memory becomes a torch tensor on *this* rank's device without a copy. The
 tensors own their mappings: every mapping, own or peer, is unmapped when the last
@@ -25,7 +28,7 @@ A ``posix_fd`` descriptor travels through :mod:`symmsync.backends.fd_passing`, w
 serves it only to the group's ranks.
 
 Peers receive a :class:`PosixFdHandle`, :class:`FabricHandle` or :class:`CudaIpcHandle`;
-this rank keeps one dataclass per kind of mapping (``_VmmOwn``, ``_Reservation``, ...).
+this rank keeps one dataclass per kind of mapping (``_Reservation``, ``_IpcOwn``, ...).
 """
 
 from __future__ import annotations
@@ -51,21 +54,19 @@ log = logging.getLogger("symmsync")
 
 # ---------------------------------------------------------------------- handles (sent to peers)
 class PosixFdHandle(NamedTuple):
-    """``size`` bytes of physical memory (``nbytes`` of them used), whose file descriptor
-    the owner's process ``pid`` serves on the Unix socket ``address``."""
+    """``size`` bytes of physical memory, whose file descriptor the owner's process
+    ``pid`` serves on the Unix socket ``address``."""
 
     address: str
     size: int
-    nbytes: int
     pid: int
 
 
 class FabricHandle(NamedTuple):
-    """``size`` bytes of physical memory (``nbytes`` used) as a fabric handle's bytes."""
+    """``size`` bytes of physical memory as a fabric handle's bytes."""
 
     data: bytes
     size: int
-    nbytes: int
 
 
 class CudaIpcHandle(NamedTuple):
@@ -104,33 +105,6 @@ class _Mapping:
 
 
 @dataclass
-class _VmmOwn(_Mapping):
-    """This rank's ``cuMemCreate`` memory, mapped at its own reservation."""
-
-    label: ClassVar[str] = "vmm-own"
-    handle: Any
-    size: int
-    exchange: _Exchange = field(default_factory=_Exchange)
-
-    def unmap(self, drv: Any, ptr: int) -> None:
-        drv.cuMemUnmap(ptr, self.size)
-        drv.cuMemAddressFree(ptr, self.size)
-        drv.cuMemRelease(self.handle)
-
-
-@dataclass
-class _VmmPeer(_Mapping):
-    """A peer's memory, imported and mapped at a reservation of this rank's."""
-
-    label: ClassVar[str] = "vmm-peer"
-    size: int
-
-    def unmap(self, drv: Any, ptr: int) -> None:
-        drv.cuMemUnmap(ptr, self.size)
-        drv.cuMemAddressFree(ptr, self.size)
-
-
-@dataclass
 class _IpcOwn(_Mapping):
     """This rank's ``cuMemAlloc`` memory (``handle_type="cuda_ipc"``)."""
 
@@ -154,18 +128,20 @@ class _IpcPeer(_Mapping):
 
 @dataclass
 class _Reservation(_Mapping):
-    """Address space ``[base, base + size)`` and the chunks mapped into it (a growable
-    buffer's, or a peer's registered memory)."""
+    """Address space ``[base, base + size)`` and the chunks mapped into it (a buffer's
+    memory, its cells, or a peer's registered memory), then ``guard`` bytes reserved
+    that are never mapped."""
 
     label: ClassVar[str] = "reservation"
     base: int
     size: int
+    guard: int = 0
     chunks: list[Chunk] = field(default_factory=list)
 
     def unmap(self, drv: Any, ptr: int) -> None:
         for chunk in self.chunks:
             _release_chunk(drv, chunk)
-        _warn_if_failed(drv, drv.cuMemAddressFree(self.base, self.size), "cuMemAddressFree")
+        _warn_if_failed(drv, drv.cuMemAddressFree(self.base, self.size + self.guard), "cuMemAddressFree")
 
 
 @dataclass
@@ -258,6 +234,7 @@ class CudaBackend(Backend):
         if not torch.cuda.is_available():
             raise BackendError("the cuda backend needs a CUDA device, and torch sees none")
         self.handle_type = handle_type
+        self.reserves = handle_type != "cuda_ipc"
         self.drv = drv = driver()
         torch.cuda.set_device(device)
         torch.empty(1, device=device)  # make torch's primary context current on this thread
@@ -301,16 +278,6 @@ class CudaBackend(Backend):
         g = self.granularity
         return (nbytes + g - 1) // g * g
 
-    def _map(self, handle: Any, size: int) -> int:
-        drv = self.drv
-        ptr = check(drv.cuMemAddressReserve(size, self.granularity, 0, 0), "cuMemAddressReserve")
-        try:
-            self._map_at(int(ptr), size, handle)
-        except BackendError:
-            drv.cuMemAddressFree(ptr, size)
-            raise
-        return int(ptr)
-
     def _tensor(self, ptr: int, nbytes: int, state: _Mapping) -> torch.Tensor:
         """The mapping's tensor; it owns the mapping (released after its last view is gone).
 
@@ -333,54 +300,24 @@ class CudaBackend(Backend):
             )
         )
 
-    # ------------------------------------------------------------------ allocated memory
+    # ------------------------------------------------------------------ allocated memory (cuda_ipc)
     def allocate(self, nbytes: int, rank: int) -> Memory:
+        if self.reserves:
+            return super().allocate(nbytes, rank)
         _flush_deferred()
         drv = self.drv
-        state: _Mapping
-        if self.handle_type == "cuda_ipc":
-            ptr = int(check(drv.cuMemAlloc(nbytes), "cuMemAlloc"))
-            size = nbytes
-            state = _IpcOwn()
-        else:
-            size = self._round(nbytes)
-            handle = check(drv.cuMemCreate(size, self.prop, 0), f"cuMemCreate({size} bytes)")
-            try:
-                ptr = self._map(handle, size)
-            except BackendError:
-                drv.cuMemRelease(handle)
-                raise
-            state = _VmmOwn(handle=handle, size=size)
-        check(drv.cuMemsetD8(ptr, 0, size), "cuMemsetD8")
+        ptr = int(check(drv.cuMemAlloc(nbytes), "cuMemAlloc"))
+        check(drv.cuMemsetD8(ptr, 0, nbytes), "cuMemsetD8")
         check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
-        return self._memory(ptr, nbytes, rank, state)
+        return self._memory(ptr, nbytes, rank, _IpcOwn())
 
-    def export_handle(self, mem: Memory) -> PosixFdHandle | FabricHandle | CudaIpcHandle:
-        if self.handle_type == "cuda_ipc":
-            h = check(self.drv.cuIpcGetMemHandle(mem.ptr), "cuIpcGetMemHandle")
-            return CudaIpcHandle(raw=bytes(h.reserved), size=mem.nbytes)
-        st: _VmmOwn = mem.state
-        return self._export_chunk(st.handle, st.size, mem.owner, st.exchange, nbytes=mem.nbytes)
+    def export_handle(self, mem: Memory) -> CudaIpcHandle:
+        h = check(self.drv.cuIpcGetMemHandle(mem.ptr), "cuIpcGetMemHandle")
+        return CudaIpcHandle(raw=bytes(h.reserved), size=mem.nbytes)
 
-    def exchanged(self, mem: Memory, handles: list[Any]) -> None:
-        server = mem.state.exchange.server if isinstance(mem.state, _VmmOwn) else None
-        if server is not None:
-            server.expect(h.pid for h in handles if isinstance(h, PosixFdHandle))
-
-    def import_handle(self, handle: PosixFdHandle | FabricHandle | CudaIpcHandle, owner: int) -> Memory:
-        if isinstance(handle, CudaIpcHandle):
-            ptr = self._open_ipc(handle.raw, owner)
-            return self._memory(ptr, handle.size, owner, _IpcPeer())
-        phys = self._import_phys(handle, owner)
-        try:
-            ptr = self._map(phys, handle.size)
-        finally:
-            self.drv.cuMemRelease(phys)  # the mapping holds the memory from here on
-        return self._memory(ptr, handle.nbytes, owner, _VmmPeer(size=handle.size))
-
-    def all_mapped(self, mem: Memory) -> None:
-        if isinstance(mem.state, _VmmOwn):
-            mem.state.exchange.close()
+    def import_handle(self, handle: CudaIpcHandle, owner: int) -> Memory:
+        ptr = self._open_ipc(handle.raw, owner)
+        return self._memory(ptr, handle.size, owner, _IpcPeer())
 
     def release(self, mem: Memory) -> None:
         """Close the handle servers and drop symmsync's tensor over ``mem``.
@@ -388,7 +325,6 @@ class CudaBackend(Backend):
         The mapping itself goes with the last tensor over it (:meth:`_tensor`): at once
         when nobody else holds one, else when the user's last tensor is gone.
         """
-        self.all_mapped(mem)
         if isinstance(mem.state, _Reservation):
             for chunk in mem.state.chunks:
                 self.chunk_all_mapped(chunk)
@@ -400,9 +336,10 @@ class CudaBackend(Backend):
         if self.handle_type == "cuda_ipc":
             raise BackendError(f"{what} needs the driver's virtual-memory management; handle_type='cuda_ipc' has none")
 
-    def _reservation(self, size: int) -> _Reservation:
-        base = int(check(self.drv.cuMemAddressReserve(size, self.granularity, 0, 0), "cuMemAddressReserve"))
-        return _Reservation(base=base, size=size)
+    def _reservation(self, size: int, guard: int = 0) -> _Reservation:
+        total = size + guard
+        base = int(check(self.drv.cuMemAddressReserve(total, self.granularity, 0, 0), "cuMemAddressReserve"))
+        return _Reservation(base=base, size=size, guard=guard)
 
     def reserve(self, nbytes: int, owner: int) -> Memory:
         self._need_vmm("a growable buffer")
@@ -429,21 +366,18 @@ class CudaBackend(Backend):
             )
         return at
 
-    def _export_chunk(
-        self, handle: Any, size: int, owner: int, exchange: _Exchange, nbytes: int | None = None
-    ) -> PosixFdHandle | FabricHandle:
-        """The handle peers map ``size`` bytes of physical memory with (``nbytes`` of them
-        used): fabric bytes, or the address of a descriptor server kept in ``exchange``."""
-        nbytes = size if nbytes is None else nbytes
+    def _export_chunk(self, handle: Any, size: int, owner: int, exchange: _Exchange) -> PosixFdHandle | FabricHandle:
+        """The handle peers map ``size`` bytes of physical memory with: fabric bytes, or
+        the address of a descriptor server kept in ``exchange``."""
         shareable = check(
             self.drv.cuMemExportToShareableHandle(handle, self.cu_handle_type, 0),
             f"cuMemExportToShareableHandle({self.handle_type})",
         )
         if self.handle_type == "fabric":
-            return FabricHandle(data=bytes(shareable.data), size=size, nbytes=nbytes)
+            return FabricHandle(data=bytes(shareable.data), size=size)
         exchange.fd = int(shareable)
         exchange.server = FdServer(exchange.fd, owner=owner)
-        return PosixFdHandle(address=exchange.server.address, size=size, nbytes=nbytes, pid=os.getpid())
+        return PosixFdHandle(address=exchange.server.address, size=size, pid=os.getpid())
 
     def _import_phys(self, handle: PosixFdHandle | FabricHandle, owner: int) -> Any:
         drv = self.drv
@@ -583,7 +517,7 @@ class CudaBackend(Backend):
             if h is not None:
                 self.drv.cuMemRelease(h)
 
-    def import_local(self, pieces: list[Piece], owner: int, nbytes: int) -> Memory:
+    def import_local(self, pieces: list[Piece], owner: int, nbytes: int, guard: int = 0) -> Memory:
         if not pieces:
             raise BackendError(f"rank {owner} registered no memory")
         first = pieces[0].handle
@@ -594,7 +528,8 @@ class CudaBackend(Backend):
             return self._memory(opened + delta, view, owner, _IpcPeer(opened=opened))
         delta = -min(p.offset for p in pieces)  # the registered address may start inside a chunk
         largest = max(p.handle.size for p in pieces)
-        state = self._reservation(self._round(delta + nbytes + largest))  # room for a last chunk past max_nbytes
+        # Room for a last chunk past max_nbytes, then the guard (never mapped: past state.size).
+        state = self._reservation(self._round(delta + nbytes + largest), self._round(guard))
         mem = self._memory(state.base + delta, nbytes, owner, state)
         self.extend_local(mem, pieces)
         return mem

@@ -1,8 +1,11 @@
-"""Host backend: one POSIX shared-memory segment per rank, mapped by every process.
+"""Host backend: POSIX shared-memory segments, mapped by every process into reservations.
 
-Each rank creates a segment, sends its name to the group, maps every peer's segment
-and, once all ranks have mapped everything, unlinks its own name. From then on the
-segments exist only as mappings, so a crash cannot leave anything in ``/dev/shm``.
+Every mapping lives in a reservation of address space (``mmap`` with ``PROT_NONE``): each
+rank creates a segment per chunk, maps it into its own reservation, sends its name to the
+group; every peer maps it at the same offset of its reservation of that rank's memory and,
+once all ranks have mapped everything, the creator unlinks the name. From then on the
+segments exist only as mappings, so a crash cannot leave anything in ``/dev/shm``. What of a
+reservation is not mapped stays ``PROT_NONE``: a store there kills the process with ``SIGSEGV``.
 
 Kernels that use this memory run under Triton's interpreter (``TRITON_INTERPRET=1``),
 whose int32/int64 atomics are real lock-free atomics across processes; that is what
@@ -20,14 +23,11 @@ import mmap
 import os
 import secrets
 import sys
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import torch
-
 from ..errors import BackendError
-from . import tensor_at
+from . import part_of, tensor_at
 from .base import INTERPRETER, Backend, Chunk, LocalExport, Memory, Piece
 
 #: Prefix of segment names; ``symmsync.testing`` sets it per job so that it can
@@ -47,17 +47,9 @@ class Segment(NamedTuple):
 
 
 @dataclass
-class _SegmentMapping:
-    """A segment mapped whole: ``name`` while this rank still has it linked (its own, until
-    every peer mapped it); the ``mmap`` object until release (its tensors keep it after)."""
-
-    name: str | None
-    mmap: mmap.mmap | None
-
-
-@dataclass
 class _Reservation:
-    """Address space ``[base, base + size)`` mapped ``PROT_NONE``, and the chunks mapped into it."""
+    """Address space from ``base`` mapped ``PROT_NONE``, and the chunks mapped into it
+    (within ``[base, base + size)``; a guard past ``size`` stays ``PROT_NONE``)."""
 
     base: int
     size: int
@@ -200,34 +192,12 @@ def _open_segment(name: str, owner: int, need: int, place: Any) -> Any:
         os.close(fd)
 
 
-def _as_tensor(mm: mmap.mmap) -> torch.Tensor:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # frombuffer warns on writable buffers; we want writes
-        return torch.frombuffer(mm, dtype=torch.uint8)
-
-
 class HostBackend(Backend):
     """POSIX shared memory (``shm_open`` + ``mmap``); the device is the CPU."""
 
     name = "host"
     capabilities = INTERPRETER
-
-    def allocate(self, nbytes: int, rank: int) -> Memory:
-        name, mm = _new_segment(rank, nbytes, lambda fd: mmap.mmap(fd, nbytes))
-        t = _as_tensor(mm)
-        return Memory(ptr=t.data_ptr(), nbytes=nbytes, tensor=t, owner=rank, state=_SegmentMapping(name, mm))
-
-    def export_handle(self, mem: Memory) -> Segment:
-        return Segment(mem.state.name, mem.nbytes)
-
-    def import_handle(self, handle: Segment, owner: int) -> Memory:
-        nbytes = handle.nbytes
-        mm = _open_segment(handle.name, owner, nbytes, lambda fd: mmap.mmap(fd, nbytes))
-        t = _as_tensor(mm)
-        return Memory(ptr=t.data_ptr(), nbytes=nbytes, tensor=t, owner=owner, state=_SegmentMapping(None, mm))
-
-    def all_mapped(self, mem: Memory) -> None:
-        _unlink(mem.state.name)
+    reserves = True
 
     def abandon(self, handle: Segment) -> None:
         # A peer killed before it unlinked its name would leave the segment in /dev/shm.
@@ -237,17 +207,10 @@ class HostBackend(Backend):
             pass  # already unlinked by its owner or another rank
 
     def release(self, mem: Memory) -> None:
+        # Drop symmsync's tensor only: the reservation (and every segment mapped into it)
+        # is unmapped when its last tensor is gone, at once when the user holds none.
         st = mem.state
-        if isinstance(st, _SegmentMapping):
-            if st.name:
-                _unlink(st.name)
-            # Drop symmsync's references and never call mmap.close(): torch.frombuffer keeps
-            # a reference to the mmap object but no buffer export, so close() would unmap
-            # pages that a tensor the user still holds points to (a segfault on its next
-            # access). Unreferenced, the mmap object unmaps when its last tensor is gone:
-            # at once when there is none.
-            st.mmap = None
-        elif isinstance(st, _Reservation):
+        if isinstance(st, _Reservation):
             for chunk in st.chunks:
                 if chunk.state.name:
                     _unlink(chunk.state.name)
@@ -311,13 +274,14 @@ class HostBackend(Backend):
             last = max(last, end)
         return LocalExport(pieces=pieces, end=last - ptr)  # nothing for forget_local: peers open by name
 
-    def import_local(self, pieces: list[Piece], owner: int, nbytes: int) -> Memory:
+    def import_local(self, pieces: list[Piece], owner: int, nbytes: int, guard: int = 0) -> Memory:
         if not pieces:
             raise BackendError(f"rank {owner} registered no memory")
         delta = -min(p.offset for p in pieces)  # the page the owner's memory starts in
         size = delta + nbytes + (-(delta + nbytes)) % mmap.PAGESIZE
-        res = self.reserve(size, owner)
-        tensor = res.tensor[delta : delta + nbytes]
+        res = self.reserve(size + guard, owner)
+        res.state.size = size  # chunks map below it: the guard after it is never mapped
+        tensor = part_of(res.tensor, delta, nbytes)  # a storage that spans no guard
         mem = Memory(ptr=res.ptr + delta, nbytes=nbytes, tensor=tensor, owner=owner, state=res.state)
         self.extend_local(mem, pieces)
         return mem

@@ -201,10 +201,10 @@ def map_fails_on_rank_1(prefix_env: str):
 
     if dist.get_rank() == 1:
 
-        def broken(self, handle, owner):
+        def broken(self, mem, offset, handle):
             raise ss.BackendError("planted mapping failure")
 
-        host.HostBackend.import_handle = broken
+        host.HostBackend.map_chunk = broken  # how a rank maps a peer's memory
     try:
         ss.SymmetricBuffer(1 << 16, backend="host")
     except ss.BackendError as e:
@@ -242,17 +242,31 @@ def adopt_peer_addresses(cells):
     return seen_via_adopted, seen_via_owner, still, nbytes, short, untouched, separate_table
 
 
-@pytest.mark.parametrize("cells", ["separate", "tail"])
-def test_adopting_memory_a_runtime_mapped_gives_views_and_fences(cells, host_ranks):
+def test_adopting_memory_a_runtime_mapped_gives_views_and_fences(host_ranks):
     for rank, (adopted, owner, still, nbytes, short, untouched, apart) in enumerate(
-        host_ranks(adopt_peer_addresses, 2, cells)
+        host_ranks(adopt_peer_addresses, 2, "separate")
     ):
         assert adopted == owner == still == [1 - rank + 5] * 4
         assert "1 addresses for a group of 2 ranks" in short
-        if cells == "separate":  # every adopted byte stays the runtime's
-            assert nbytes == 1 << 16 and untouched == (1 << 16) - 16 and apart
-        else:  # the cells live at the end of the adopted memory, which was zeroed there
-            assert 0 < nbytes < 1 << 16 and untouched < (1 << 16) - 16 and not apart
+        assert nbytes == 1 << 16 and untouched == (1 << 16) - 16 and apart  # every adopted byte stays the runtime's
+
+
+def adopt_with_cells_at_the_tail():
+    own = ss.SymmetricBuffer(1 << 16, backend="host")
+    try:
+        ss.SymmetricBuffer.from_peer_addresses(own.ptrs.tolist(), 1 << 16, device="cpu", cells="tail")
+        outcome = "adopted"
+    except ss.ConfigError as e:
+        outcome = str(e)
+    own.close()
+    return outcome
+
+
+def test_cells_at_the_tail_of_adopted_memory_are_refused_on_every_rank(host_ranks):
+    # The runtime's memory has no guard symmsync controls: the cells always live in its own guarded allocation.
+    for msg in host_ranks(adopt_with_cells_at_the_tail, 2):
+        assert msg.startswith("SymmetricBuffer.from_peer_addresses: rank 0 (and rank 1): cells='tail' is gone"), msg
+        assert "drop the cells argument" in msg, msg
 
 
 def test_a_tensor_over_raw_memory_owns_it_until_its_last_view_is_gone():

@@ -92,8 +92,8 @@ def test_the_mapping_goes_with_the_last_tensor_and_cycles_leave_nothing_mapped()
     for counts in run(mapping_lifetime, 2):
         assert counts == {
             "start": 0,
-            "open": 2,  # own memory and the peer's
-            "closed, tensor held": 1,  # the peer mapping went; the held tensor's own mapping stays
+            "open": 4,  # own memory and the peer's, own cells and the peer's
+            "closed, tensor held": 1,  # the peers' mappings and the cells went; the held tensor's own memory stays
             "tensor dropped": 0,
             "after 20 cycles": 0,
         }, counts

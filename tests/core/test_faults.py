@@ -134,10 +134,14 @@ def killed_while_building(victim, stage):
     prefix = os.environ["SYMMSYNC_SHM_PREFIX"]
     if dist.get_rank() == victim:
         # Die after allocating: before sending the segment's name, or while mapping the peers.
+        commit = host.HostBackend.commit
+
         def die(*args, **kwargs):
+            if stage == "before_exchange":
+                commit(*args, **kwargs)  # the segment exists, linked; only this rank knows its name
             os.kill(os.getpid(), signal.SIGKILL)
 
-        setattr(host.HostBackend, {"before_exchange": "export_handle", "while_mapping": "import_handle"}[stage], die)
+        setattr(host.HostBackend, {"before_exchange": "commit", "while_mapping": "map_chunk"}[stage], die)
     t0 = time.monotonic()
     try:
         ss.SymmetricBuffer(1 << 14, backend="host")

@@ -211,7 +211,7 @@ def kernel_args_drive_a_kernel(rounds, backend="host"):
     view = buf.view(list(range(buf.world_size)))
     fence = ss.Fence(view)
     ptrs, *rest = fence.kernel_args
-    same = ptrs is view.ptrs and rest == [fence.cell, view.local_index, fence.timeout_ns, fence.record]
+    same = ptrs is view.cell_ptrs and rest == [fence.cell, view.local_index, fence.timeout_ns, fence.record]
     status = torch.full((1,), -1, dtype=torch.int32, device=buf.device)
     statuses = []
     for _ in range(rounds):

@@ -6,9 +6,11 @@
   (``symmsync.backends.capturing``) is planted on one rank, which is what the exchange
   carries. tests/gpu/test_gpu_misuse.py captures for real.
 * A store past a buffer's user region never lands in a cell: garbage written over
-  the bytes just past ``nbytes`` does not make a peer's fence pass early (the payload
-  oracle of tests/core/test_fence.py holds) and a fence whose peer never arrives still
-  times out. The same garbage written over the cells does both, which shows the oracle sees it.
+  the bytes just past ``nbytes`` (the slack of its last page) does not make a peer's fence
+  pass early (the payload oracle of tests/core/test_fence.py holds) and a fence whose peer
+  never arrives still times out. The same garbage written over the cells (through the cell
+  table) does both, which shows the oracle sees it. Longer overruns, which reach the guard
+  after the user region: tests/core/test_overrun.py.
 """
 
 import glob
@@ -140,17 +142,18 @@ LATE_S = 0.3  # how long the late rank waits between its stray stores and its pa
 def _buffer(kind):
     if kind == "allocated":
         return ss.SymmetricBuffer(NBYTES, backend="host"), None
-    if kind == "growable":  # grown to its end: only the guard separates it from the cells
+    if kind == "growable":  # its reservation ends at a page: the guard follows
         return ss.SymmetricBuffer(NBYTES, backend="host", max_nbytes=4 * KIB), None
-    own = ss.SymmetricBuffer(1 << 16, backend="host")
-    return ss.SymmetricBuffer.from_peer_addresses(own.ptrs.tolist(), 1 << 16, device="cpu", cells="tail"), own
+    own = ss.SymmetricBuffer(1 << 16, backend="host")  # the runtime's mapping: the garbage lands in its bytes
+    return ss.SymmetricBuffer.from_peer_addresses(own.ptrs.tolist(), NBYTES, device="cpu"), own
 
 
-def _scribble(buf, target, start, n):
-    """Stray stores: ``n`` garbage bytes from ``start`` of each of ``target``'s memory, through
-    raw addresses (as a kernel that overran would). 0x7F... reads as a huge epoch count."""
+def _scribble(table, target, start, n):
+    """Stray stores: ``n`` garbage bytes from ``start`` of each of ``target``'s memory in
+    ``table``, through raw addresses (as a kernel that overran would). 0x7F... reads as a
+    huge epoch count."""
     for r in target:
-        backends.tensor_at(int(buf.ptrs[r]) + start, n, torch.device("cpu")).fill_(0x7F)
+        backends.tensor_at(int(table[r]) + start, n, torch.device("cpu")).fill_(0x7F)
 
 
 def stray_stores(kind, over_cells):
@@ -163,14 +166,14 @@ def stray_stores(kind, over_cells):
     me = buf.rank
     payload = 0
     if over_cells:
-        start, target = fence.cell + cells.SLOTS, [0]
+        table, start, target = buf.cell_ptrs, fence.cell + cells.SLOTS, [0]
     else:
-        start, target = buf.nbytes, [0, 1]
+        table, start, target = buf.ptrs, buf.nbytes, [0, 1]
     errors = 0
     dist.barrier()
     for e in range(1, ROUNDS + 1):
         if me == 1:
-            _scribble(buf, target, start, 8 * view.size if over_cells else GARBAGE)
+            _scribble(table, target, start, 8 * view.size if over_cells else GARBAGE)
             time.sleep(LATE_S)  # rank 0 is in its fence by now: the garbage has had its chance
         for p in range(view.size):
             view.tensor(payload, (2, view.size), torch.int64, index=p)[e % 2, me] = e * 1000 + me
@@ -180,7 +183,7 @@ def stray_stores(kind, over_cells):
     dist.barrier()
     last = "no fence"
     if me == 1:
-        _scribble(buf, target, start, 8 * view.size if over_cells else GARBAGE)
+        _scribble(table, target, start, 8 * view.size if over_cells else GARBAGE)
     else:
         short = ss.Fence(view, timeout_s=1.0)  # the same channel, a short budget
         try:
@@ -195,7 +198,7 @@ def stray_stores(kind, over_cells):
     return errors, last
 
 
-@pytest.mark.parametrize("kind", ["allocated", "growable", "tail"])
+@pytest.mark.parametrize("kind", ["allocated", "growable", "adopted"])
 def test_stores_past_the_user_region_never_make_a_fence_pass_early(kind, host_ranks):
     for rank, (errors, last) in enumerate(host_ranks(stray_stores, 2, kind, False)):
         assert errors == 0  # every fence waited for the late rank's payload

@@ -412,14 +412,14 @@ def test_peer_atomics_on_the_host_backend_are_exact_across_three_ranks(host_rank
 
 # ---------------------------------------------------------------------- grid-wide wait
 @triton.jit
-def sync_read_kernel(ptrs, cell, me, timeout_ns, record, out, epoch, SIZE: tl.constexpr, BLOCK: tl.constexpr):
+def sync_read_kernel(data, ptrs, cell, me, timeout_ns, record, out, epoch, SIZE: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     half = (epoch % 2) * SIZE * BLOCK  # double-buffered: a fast member writes the next round's half
     for p in tl.static_range(SIZE):  # this member's part of every member's payload
-        tl.store(ssl.peer_ptr(ptrs, p, 0, tl.int64) + half + me * BLOCK + i, epoch * 100 + me)
+        tl.store(ssl.peer_ptr(data, p, 0, tl.int64) + half + me * BLOCK + i, epoch * 100 + me)
     status = ssl.grid_sync(ptrs, cell, me, timeout_ns, record, SIZE, False)
     for p in tl.static_range(SIZE):  # and every member's part, read in the same launch
-        got = tl.load(ssl.peer_ptr(ptrs, me, 0, tl.int64) + half + p * BLOCK + i)
+        got = tl.load(ssl.peer_ptr(data, me, 0, tl.int64) + half + p * BLOCK + i)
         tl.store(out + p * BLOCK + i, tl.where(status == 0, got, -1))
 
 
@@ -436,17 +436,17 @@ def grid_wide(rounds):
     wrong = 0
     for e in range(1, rounds + 1):
         out = torch.zeros(2 * 16, dtype=torch.int64)
-        ss.launch_grid_sync(sync_read_kernel, (1,), *fence.kernel_args, out, e, SIZE=2, BLOCK=16)
+        ss.launch_grid_sync(sync_read_kernel, (1,), view.ptrs, *fence.kernel_args, out, e, SIZE=2, BLOCK=16)
         fence.check()
         want = torch.tensor([e * 100 + p for p in range(2)]).repeat_interleave(16)
         wrong += int((out != want).sum())
     res = {"wrong": wrong, "epoch": fence.epoch}
     try:
-        ss.launch_grid_sync(sync_read_kernel, (2,), *fence.kernel_args, out, 0, SIZE=2, BLOCK=16)
+        ss.launch_grid_sync(sync_read_kernel, (2,), view.ptrs, *fence.kernel_args, out, 0, SIZE=2, BLOCK=16)
     except ss.ConfigError as e:
         res["refused"] = str(e)
     try:  # launched without the helper: the primitive refuses too, before waiting
-        sync_read_kernel[(2,)](*fence.kernel_args, out, 0, SIZE=2, BLOCK=16)
+        sync_read_kernel[(2,)](view.ptrs, *fence.kernel_args, out, 0, SIZE=2, BLOCK=16)
     except Exception as e:  # noqa: BLE001 - the interpreter wraps it: the cause is symmsync's
         res["direct"] = type(_own_cause(e)).__name__
     buf.close()
@@ -464,13 +464,13 @@ def test_the_grid_wide_wait_reads_every_members_data_in_the_same_launch_and_refu
 
 # ---------------------------------------------------------------------- publish_and_wait from a kernel
 @triton.jit
-def stamp_and_fence_kernel(ptrs, cell, me, timeout_ns, record, out, step, SIZE: tl.constexpr):
+def stamp_and_fence_kernel(data, ptrs, cell, me, timeout_ns, record, out, step, SIZE: tl.constexpr):
     for p in tl.static_range(SIZE):
-        tl.store(ssl.peer_ptr(ptrs, p, 0, tl.int64) + (step % 2) * SIZE + me, step * 10 + me)
+        tl.store(ssl.peer_ptr(data, p, 0, tl.int64) + (step % 2) * SIZE + me, step * 10 + me)
     tl.debug_barrier()
     status = ssl.publish_and_wait(ptrs, cell, me, timeout_ns, SIZE)
     for p in tl.static_range(SIZE):
-        got = tl.load(ssl.peer_ptr(ptrs, me, 0, tl.int64) + (step % 2) * SIZE + p)
+        got = tl.load(ssl.peer_ptr(data, me, 0, tl.int64) + (step % 2) * SIZE + p)
         tl.store(out + p, tl.where(status == 0, got, -1))
 
 
@@ -483,7 +483,7 @@ def publish_and_wait_from_a_kernel(steps):
         if step % 3 == view.local_index:
             time.sleep(0.05)  # one member late now and then
         out = torch.zeros(2, dtype=torch.int64)
-        stamp_and_fence_kernel[(1,)](*fence.kernel_args, out, step, SIZE=2)
+        stamp_and_fence_kernel[(1,)](view.ptrs, *fence.kernel_args, out, step, SIZE=2)
         fence.check()
         wrong += int((out != torch.tensor([step * 10, step * 10 + 1])).sum())
     r = (wrong, fence.epoch)

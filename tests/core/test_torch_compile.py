@@ -52,3 +52,39 @@ def test_the_compiled_path_goes_through_a_compiler_boundary():
     from symmsync import fence
 
     assert getattr(fence._compiler_boundary, "_torchdynamo_disable", False)
+
+
+def compiled_mutation_of_buffer_views(kind):
+    """A compiled function mutates ``buf.tensor`` views it takes as inputs (functionalized:
+    the mutation is copied back into the input's storage); returns what each view holds."""
+    if kind == "allocated":
+        buf = ss.SymmetricBuffer(4096, backend="host")
+    else:  # growable: most of its reservation is not committed yet
+        buf = ss.SymmetricBuffer(4096, backend="host", max_nbytes=1 << 20)
+    mine = buf.tensor(0, (8,), torch.float32)
+    peer = buf.tensor(64, (8,), torch.float32, rank=1 - buf.rank)
+
+    def step(a, b, x):
+        a.mul_(2.0).add_(x)
+        b.copy_(a + 1.0)
+        return a.sum()
+
+    compiled = torch.compile(step, backend="aot_eager")
+    mine.fill_(1.0)
+    total = float(compiled(mine, peer, torch.arange(8, dtype=torch.float32)))
+    torch.distributed.barrier()
+    seen = buf.tensor(64, (8,), torch.float32).tolist()  # what the peer's compiled call wrote here
+    storage = mine.untyped_storage().nbytes()
+    buf.close()
+    return total, mine.tolist(), seen, storage
+
+
+def test_a_compiled_function_that_mutates_buffer_views_touches_only_the_user_region():
+    # Functionalization reads and writes its inputs' whole storages: a storage that spanned a
+    # guard (address space that is never mapped) would make it fault.
+    want = [2.0 + i for i in range(8)]
+    for kind in ("allocated", "growable"):
+        for total, mine, seen, storage in run(compiled_mutation_of_buffer_views, 2, kind, timeout_s=300):
+            assert mine == want and total == sum(want), (kind, mine, total)
+            assert seen == [w + 1.0 for w in want], (kind, seen)
+            assert storage == 4096, (kind, storage)  # the mapped user bytes: no guard, nothing uncommitted

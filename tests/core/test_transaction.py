@@ -79,16 +79,16 @@ def test_a_transaction_that_succeeds_everywhere_returns_every_value_and_undoes_n
 # ---------------------------------------------------------------------- every step of a buffer
 #: (how the buffer is made, the host backend's method that fails on one rank, the call named)
 CASES = [
-    ("allocated", "allocate", "SymmetricBuffer: could not allocate on rank 1"),
-    ("allocated", "export_handle", "SymmetricBuffer: could not allocate on rank 1"),
-    ("allocated", "import_handle", "SymmetricBuffer: could not map on rank 1"),
+    ("allocated", "reserve", "SymmetricBuffer: could not reserve address space on rank 1"),
+    ("allocated", "commit", "SymmetricBuffer: could not commit memory on rank 1"),
+    ("allocated", "map_chunk", "SymmetricBuffer: could not map on rank 1"),
     ("growable", "reserve", "SymmetricBuffer: could not reserve address space on rank 1"),
     ("growable", "commit", "SymmetricBuffer: could not commit memory on rank 1"),
     ("growable", "map_chunk", "SymmetricBuffer: could not map on rank 1"),
-    ("registered", "allocate", "SymmetricBuffer.register: could not allocate on rank 1"),
+    ("registered", "reserve", "SymmetricBuffer.register: could not reserve address space on rank 1"),
     ("registered", "export_local", "SymmetricBuffer.register: could not share the registered memory of rank 1"),
     ("registered", "import_local", "SymmetricBuffer.register: could not map the registered memory of rank 1"),
-    ("adopted", "allocate", "SymmetricBuffer.from_peer_addresses: could not allocate on rank 1"),
+    ("adopted", "commit", "SymmetricBuffer.from_peer_addresses: could not commit memory on rank 1"),
 ]
 
 

@@ -80,10 +80,10 @@ def map_fails_on_rank_1():
     free_before, _ = torch.cuda.mem_get_info()
     if dist.get_rank() == 1:
 
-        def broken(self, handle, owner):
+        def broken(self, mem, offset, handle):
             raise ss.BackendError("planted mapping failure")
 
-        cuda_backend.CudaBackend.import_handle = broken
+        cuda_backend.CudaBackend.map_chunk = broken  # how a rank maps a peer's memory
     try:
         ss.SymmetricBuffer(1 << 24, backend="cuda")
     except ss.BackendError as e:

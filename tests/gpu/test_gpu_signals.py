@@ -200,18 +200,18 @@ PART = 128
 
 
 @triton.jit
-def grid_kernel(ptrs, cell, me, timeout_ns, record, r, errors, SIZE: tl.constexpr, PART: tl.constexpr):
+def grid_kernel(data, ptrs, cell, me, timeout_ns, record, r, errors, SIZE: tl.constexpr, PART: tl.constexpr):
     pid = tl.program_id(0)
     n = tl.num_programs(0)
     i = tl.arange(0, PART)
     half = (r % 2) * n * PART * SIZE
     for p in tl.static_range(SIZE):  # this program's part, into every member
-        dst = ssl.peer_ptr(ptrs, p, 0, tl.int64) + half + (me * n + pid) * PART + i
+        dst = ssl.peer_ptr(data, p, 0, tl.int64) + half + (me * n + pid) * PART + i
         tl.store(dst, r * 10_000_000 + (me * n + pid) * PART + i)
     ssl.grid_sync(ptrs, cell, me, timeout_ns, record, SIZE, True)
     q = n - 1 - pid  # read what another program of each member wrote, in this same launch
     for p in tl.static_range(SIZE):
-        src = ssl.peer_ptr(ptrs, me, 0, tl.int64) + half + (p * n + q) * PART + i
+        src = ssl.peer_ptr(data, me, 0, tl.int64) + half + (p * n + q) * PART + i
         v = tl.load(src)
         bad = ((v != r * 10_000_000 + (p * n + q) * PART + i) & (me != p)).to(tl.int32)
         tl.atomic_add(errors, tl.sum(bad, axis=0))
@@ -223,11 +223,11 @@ def grid_wide(programs, rounds):
     fence = ss.Fence(view, timeout_s=60)
     errors = torch.zeros(1, dtype=torch.int32, device=buf.device)
     for r in range(rounds):
-        ss.launch_grid_sync(grid_kernel, (programs,), *fence.kernel_args, r, errors, SIZE=2, PART=PART)
+        ss.launch_grid_sync(grid_kernel, (programs,), view.ptrs, *fence.kernel_args, r, errors, SIZE=2, PART=PART)
     fence.synchronize()
     out = {"rounds": rounds, "errors": int(errors.item()), "epoch": fence.epoch}
     try:
-        ss.launch_grid_sync(grid_kernel, (1 << 20,), *fence.kernel_args, 0, errors, SIZE=2, PART=PART)
+        ss.launch_grid_sync(grid_kernel, (1 << 20,), view.ptrs, *fence.kernel_args, 0, errors, SIZE=2, PART=PART)
     except ss.ConfigError as e:
         out["refused"] = str(e)
     buf.close()

@@ -45,8 +45,8 @@ def soak(total, per_graph, wait):
     view = buf.view(list(range(buf.world_size)))
     fence = ss.Fence(view, timeout_s=30)
     errors = torch.zeros(1, dtype=torch.int32, device=buf.device)
-    args = (view.ptrs, fence.cell, 0, view.local_index)
-    spin = (view.ptrs, fence.cell, view.local_index)
+    args = (view.ptrs, view.cell_ptrs, fence.cell, 0, view.local_index)
+    spin = (view.cell_ptrs, fence.cell, view.local_index)
 
     def step():
         for _ in range(per_graph):
