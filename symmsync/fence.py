@@ -67,7 +67,6 @@ from .mode import kernels_interpreted
 from .views import PeerView
 
 _FENCE, _ARRIVE, _WAIT = 0, 1, 2  # indices into Fence._launch, in this order
-assert memory.CLOSED_EPOCH == cells.CLOSED_EPOCH, "the kernels refuse a wait at the epoch close() stores"
 
 
 @triton.jit

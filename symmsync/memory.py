@@ -52,7 +52,7 @@ import torch.distributed as dist
 from . import backends
 from .agreement import Transaction, agree
 from .backends import Backend, LocalExport, Memory, Piece
-from .cells import EPOCH, CellLayout, round_up
+from .cells import CLOSED_EPOCH, EPOCH, CellLayout, round_up
 from .checks import int_problem, is_int, positive_int_problem
 from .errors import BackendError, ConfigError
 
@@ -65,9 +65,6 @@ RELEASED = "every rank released what it had mapped"
 #: symmsync makes (rounded up to the backend's granularity): a store that runs into
 #: them faults. 2 MiB, the CUDA backend's granularity: a whole unit of its address space.
 GUARD_BYTES = 2 << 20
-#: The epoch ``close()`` leaves in every cell of this rank: past any count a peer can
-#: publish, so a wait through arguments kept past ``close()`` never passes.
-CLOSED_EPOCH = 1 << 62
 
 
 def _drop(_owners: tuple[Any, ...]) -> None:

@@ -51,7 +51,7 @@ import symmsync.language as ssl
 from symmsync import _language_core as core
 from symmsync import records
 from symmsync._language_core import arrive  # noqa: F401 - the collectives' arrival: symmsync's one counter
-from symmsync.memory import CLOSED_EPOCH
+from symmsync.cells import CLOSED_EPOCH
 
 from . import layout as L
 
@@ -69,7 +69,7 @@ def next_epoch(sptrs, cell, me):
 @triton.jit
 def closed(e):
     """True for a launch after this rank's ``close()`` (``e`` from :func:`next_epoch`): its
-    epoch is past :data:`symmsync.memory.CLOSED_EPOCH`. Such a launch (arguments kept past
+    epoch is past :data:`symmsync.cells.CLOSED_EPOCH`. Such a launch (arguments kept past
     ``close()``) runs :func:`fail_closed` and nothing else: no copy-in, no header, no
     publish (a publish would still count at the members that map this rank's cells and
     could complete a wait of theirs for a call this rank never made)."""
