@@ -52,6 +52,7 @@ def cycles(n):
     with ss.SymmetricBuffer(1 << 22, backend="cuda"):  # warm-up: contexts, NCCL buffers
         pass
     torch.cuda.synchronize()
+    dist.barrier()  # the device's free memory: measured once every rank released (ranks may share a GPU)
     free_before, _ = torch.cuda.mem_get_info()
     for i in range(n):
         buf = ss.SymmetricBuffer(1 << 22, backend="cuda")
@@ -61,6 +62,7 @@ def cycles(n):
         buf.close()
         buf.close()
     torch.cuda.synchronize()
+    dist.barrier()
     free_after, _ = torch.cuda.mem_get_info()
     return free_before, free_after
 
@@ -77,6 +79,9 @@ def map_fails_on_rank_1():
     with ss.SymmetricBuffer(1 << 22, backend="cuda"):
         pass
     torch.cuda.synchronize()
+    # The free memory is the device's: where ranks share a GPU, each measures only once every
+    # rank finished releasing (the warm-up buffer here; the failed build below).
+    dist.barrier()
     free_before, _ = torch.cuda.mem_get_info()
     if dist.get_rank() == 1:
 
@@ -88,6 +93,7 @@ def map_fails_on_rank_1():
         ss.SymmetricBuffer(1 << 24, backend="cuda")
     except ss.BackendError as e:
         torch.cuda.synchronize()
+        dist.barrier()
         free_after, _ = torch.cuda.mem_get_info()
         return str(e), free_before - free_after
     return None, 0
