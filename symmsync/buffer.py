@@ -556,8 +556,9 @@ class SymmetricBuffer:
         closed) touches mapped memory and never crashes. Its fence waits fail closed:
         close sets every epoch of this rank's cells past any count a peer can publish
         (:data:`symmsync.cells.CLOSED_EPOCH`), so such a wait fails at its first poll
-        (status 2, the record naming this rank as closed) whatever the slots hold. Its publishes still count at the peers that map this
-        rank's cells, as the writes before them still land. symmsync's own objects drop
+        (status 2, the record naming this rank as closed) whatever the slots hold. Its
+        publishes still count at the peers that map this rank's cells, as the writes
+        before them still land. symmsync's own objects drop
         their references here: a buffer, view or fence that stays alive after close holds
         nothing mapped. The runtime's own registered or adopted memory is never kept: a
         table entry naming it is the runtime's to keep valid.
