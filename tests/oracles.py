@@ -310,11 +310,11 @@ def _no_wait(ptrs, cell, me, epoch, timeout_ns, record, SIZE: tl.constexpr, TRAP
     return (me * 0).to(tl.int32)
 
 
-#: Per mechanism: the module whose global ``wait_or_trap`` it calls at run time under
-#: Triton's interpreter, and the route that relies on it.
+#: Per mechanism: the module and the global (a ``wait_or_trap``) it calls at run time
+#: under Triton's interpreter, and the route that relies on it.
 WAITS = {
-    "fused tail": ("symmsync._language_fence", ("direct", True)),  # grid_fence's wait
-    "separate fence": ("symmsync.language", ("direct", False)),  # Fence's kernel: ssl.wait_or_trap
+    "fused tail": ("symmsync._language_fence", "_wait_or_trap", ("direct", True)),  # grid_fence's wait, after its check
+    "separate fence": ("symmsync.language", "wait_or_trap", ("direct", False)),  # Fence's kernel: ssl.wait_or_trap
 }
 
 
@@ -324,15 +324,15 @@ def byte_oracle_without(mechanism, tokens, num_layers, seed):
     replaced by one that returns at once (and the peer later still). Returns both results."""
     import importlib
 
-    module_name, route = WAITS[mechanism]
+    module_name, name, route = WAITS[mechanism]
     module = importlib.import_module(module_name)
     intact = byte_oracle(1, tokens, num_layers, seed, routes=[route])
-    real = module.wait_or_trap
-    module.wait_or_trap = _no_wait
+    real = getattr(module, name)
+    setattr(module, name, _no_wait)
     try:
         # Late by several times what a small layer's write and check take on a loaded
         # 2-core machine (about 0.5 s), so that the check always comes first.
         removed = byte_oracle(1, tokens, num_layers, seed, routes=[route], delay_s=2.5)
     finally:
-        module.wait_or_trap = real
+        setattr(module, name, real)
     return intact, removed

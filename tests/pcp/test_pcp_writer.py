@@ -121,7 +121,7 @@ def test_without_its_fence_wait_a_route_fails_the_byte_oracle(mechanism):
     rank 0 reads its replica before the late rank 1 wrote into it. The same route passes
     with the wait; and after a barrier the whole buffer is right either way: a check made
     only after a barrier, as this oracle's was before, does not test the fence."""
-    _, route = WAITS[mechanism]
+    _, _, route = WAITS[mechanism]
     key = f"{route[0]}{'-fused' if route[1] else ''}"
     results = run(byte_oracle_without, 2, mechanism, 64, 1, 3, timeout_s=300)
     for intact, removed in results:
