@@ -564,7 +564,7 @@ class AllGather(_Collective):
         Raises: as :meth:`AllReduce.__call__`. Under ``torch.compile``: ``symmsync::all_gather``.
         """
         if torch.compiler.is_compiling():
-            return self._traced(torch.ops.symmsync.all_gather, (x,), out)
+            return self._traced(torch.ops.symmsync.all_gather, (x,), out, self.size)
         out = self._output(x, out)
         self._launch(x, out, x.numel(), -1)
         return out
@@ -590,7 +590,7 @@ class ReduceScatter(_Collective):
         Raises: as :meth:`AllReduce.__call__`. Under ``torch.compile``: ``symmsync::reduce_scatter``.
         """
         if torch.compiler.is_compiling():
-            return self._traced(torch.ops.symmsync.reduce_scatter, (x,), out)
+            return self._traced(torch.ops.symmsync.reduce_scatter, (x,), out, self.size)
         out = self._output(x, out)
         self._launch(x, out, x.numel(), -1, self._out_numel(x.numel()))
         return out
