@@ -12,7 +12,9 @@ and must give the bits the eager calls give, on every member:
   frame counter);
 * a graph that drops a collective's result still makes the call (its members wait for it);
 * a bad input inside a compiled graph fails all or nothing, as an eager call does;
-* ``out=`` under compile raises ConfigError while tracing, on every rank.
+* ``out=`` under compile raises ConfigError while tracing, on every rank;
+* the symmetric input (``ar.input(n)``) is a plain input: filled outside the graph or inside
+  it, the result is the eager one.
 """
 
 import random
@@ -159,3 +161,28 @@ def out_under_compile() -> list[str]:
 def test_out_under_compile_raises_config_error_while_tracing():
     for seen in run(out_under_compile, 2, timeout_s=600):
         assert seen == ["Unsupported: True"] * 4
+
+
+def symmetric_input_in_a_graph() -> list[bool]:
+    """``ar.input(n)`` passed to a compiled function: filled outside it, and filled inside it."""
+    buf, ar, _ag, _rs = _collectives()
+    rank, n = dist.get_rank(), 2 * HIDDEN
+    x = torch.arange(n, dtype=torch.float32) * (rank + 1)
+    want = ar(x.clone())  # eager, copied in
+
+    def fill_and_reduce(t, x):
+        t.copy_(x)  # functionalized: the op receives the copy, which it copies in
+        return ar(t)
+
+    t = ar.input(n)
+    t.copy_(x)
+    filled_outside = torch.compile(lambda t: ar(t), fullgraph=True, backend="aot_eager")(t)
+    filled_inside = torch.compile(fill_and_reduce, fullgraph=True, backend="aot_eager")(ar.input(n), x)
+    seen = [same_bytes(filled_outside, want), same_bytes(filled_inside, want), same_bytes(ar.input(n), x)]
+    dist.barrier()
+    buf.close()
+    return seen
+
+
+def test_the_symmetric_input_is_a_plain_input_under_compile():
+    assert run(symmetric_input_in_a_graph, 2, timeout_s=600) == [[True, True, True]] * 2
