@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .. import agreement, mode, records
+from .. import agreement, handles, mode, records
 from ..checks import int_problem, number_problem, require
 from ..errors import BoundsError, ClosedError, ConfigError, InputError, PeerAborted, SymmSyncError
 from ..failure import Stall, used_after_abort
@@ -152,6 +152,8 @@ class _Collective:
         # mismatch) and fails it when the view is aborted: _check_usable() asks it.
         self._failure = view.failure
         self._failure.register(self, f"{self._NAME} (channel {channel})")
+        self.handle = handles.register(self)
+        """The int that names this object to its torch custom op (:mod:`symmsync.collectives.torch_ops`)."""
 
     # ------------------------------------------------------------------ public
     def input(self, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -204,6 +206,16 @@ class _Collective:
         self._failure.settle(self, self._recorded_error, stall=stall)
 
     # ------------------------------------------------------------------ a call
+    def _traced(self, op: Any, args: tuple, out: Any, *after: Any) -> Any:
+        """A call ``torch.compile`` traces: ``op(*args, self.handle, *after)`` (:mod:`.torch_ops`), which
+        makes the eager call, checks included, when the graph runs; no data pointer is read. Raises
+        ConfigError while tracing for an ``out=`` (the op returns new tensors) or a half epilogue."""
+        half = any(a is None for a in args)
+        if out is not None or half:
+            what = "pass residual= and norm_weight=" if half else "out= is eager-only (the op returns new tensors)"
+            raise ConfigError(f"rank {self.rank}: {self._NAME} under torch.compile: {what} (docs/collectives.md)")
+        return op(*args, self.handle, *after)
+
     def _launch(
         self,
         x: torch.Tensor,
@@ -424,13 +436,7 @@ class AllReduce(_Collective):
         timeout_s: float | None = None,
     ):
         super().__init__(
-            view,
-            max_numel,
-            dtype,
-            algorithm=algorithm,
-            offset=offset,
-            channel=channel,
-            timeout_s=timeout_s,
+            view, max_numel, dtype, algorithm=algorithm, offset=offset, channel=channel, timeout_s=timeout_s
         )
         self.algorithm = algorithm
         self._codes = {**L.ALGORITHM_CODES, "auto": -1}
@@ -482,8 +488,15 @@ class AllReduce(_Collective):
             ClosedError: the buffer is closed (nothing is launched).
 
         A call that failed fails the collective for good: every later call raises the same
-        error again without launching (docs/collectives.md, "When a call fails").
+        error again without launching (docs/collectives.md, "When a call fails"). Under
+        ``torch.compile``: ``symmsync::all_reduce`` (``all_reduce_residual_rms_norm``), no ``out=``.
         """
+        if torch.compiler.is_compiling():
+            alg = algorithm or self.algorithm
+            if residual is None and norm_weight is None:
+                return self._traced(torch.ops.symmsync.all_reduce, (x,), out, alg)
+            args, outs = (x, residual, norm_weight, eps), out if residual_out is None else residual_out
+            return self._traced(torch.ops.symmsync.all_reduce_residual_rms_norm, args, outs, alg)
         if residual is not None or norm_weight is not None:
             return self._fused(x, out, algorithm, residual, norm_weight, eps, residual_out)
         code = self._codes.get(algorithm or self.algorithm)
@@ -548,8 +561,10 @@ class AllGather(_Collective):
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Gather every member's ``x`` (same numel and dtype on every member) into ``out``.
 
-        Raises: as :meth:`AllReduce.__call__`.
+        Raises: as :meth:`AllReduce.__call__`. Under ``torch.compile``: ``symmsync::all_gather``.
         """
+        if torch.compiler.is_compiling():
+            return self._traced(torch.ops.symmsync.all_gather, (x,), out, self.size)
         out = self._output(x, out)
         self._launch(x, out, x.numel(), -1)
         return out
@@ -572,8 +587,10 @@ class ReduceScatter(_Collective):
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Reduce-scatter every member's ``x`` into ``out`` (this member's chunk of the sum).
 
-        Raises: as :meth:`AllReduce.__call__`.
+        Raises: as :meth:`AllReduce.__call__`. Under ``torch.compile``: ``symmsync::reduce_scatter``.
         """
+        if torch.compiler.is_compiling():
+            return self._traced(torch.ops.symmsync.reduce_scatter, (x,), out, self.size)
         out = self._output(x, out)
         self._launch(x, out, x.numel(), -1, self._out_numel(x.numel()))
         return out
