@@ -27,19 +27,41 @@ The ops are marked side-effecting (``torch.fx.node.has_side_effect``): a graph t
 a collective's result still makes the call, since its members wait for it; a pure op whose
 output went unused would be removed by dead-code elimination (Dynamo's, AOTAutograd's and
 Inductor's) on that rank alone.
+
+An op's call keeps none of its tensors: it drops the collective's bound launches
+(:class:`~symmsync.launch.BoundLaunch` holds the last call's tensors, so that an eager call
+with the same tensors repacks nothing) once it launched. Under
+``torch.compile(mode="reduce-overhead")`` the op runs while torch records a CUDA graph into
+its own memory pool, and torch refuses a recording whose pool memory something outside the
+graph still holds ("tensor(s) in the cudagraph pool not tracked as outputs"). A compiled call
+repacks its arguments each time; replays of a captured graph run no Python at all.
 """
+
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 from .. import handles
 from .ops import AllGather, AllReduce, ReduceScatter
 
+T = TypeVar("T")
+
+
+def _call(handle: int, kind: type[T], call: Callable[[T], Any]) -> Any:
+    """``call`` on the object ``handle`` names; then drop what its bound launches hold."""
+    obj = handles.lookup(handle, kind)
+    try:
+        return call(obj)
+    finally:
+        obj._bound.clear()  # the last call's tensors (see the module's docstring)
+
 
 @torch.library.custom_op(
     "symmsync::all_reduce", mutates_args=(), schema="(Tensor x, int handle, str algorithm) -> Tensor"
 )
 def all_reduce(x, handle, algorithm):
-    return handles.lookup(handle, AllReduce)(x, algorithm=algorithm)
+    return _call(handle, AllReduce, lambda ar: ar(x, algorithm=algorithm))
 
 
 @all_reduce.register_fake
@@ -53,7 +75,9 @@ def _(x, handle, algorithm):
     schema="(Tensor x, Tensor residual, Tensor weight, float eps, int handle, str algorithm) -> (Tensor, Tensor)",
 )
 def all_reduce_residual_rms_norm(x, residual, weight, eps, handle, algorithm):
-    return handles.lookup(handle, AllReduce)(x, algorithm=algorithm, residual=residual, norm_weight=weight, eps=eps)
+    return _call(
+        handle, AllReduce, lambda ar: ar(x, algorithm=algorithm, residual=residual, norm_weight=weight, eps=eps)
+    )
 
 
 @all_reduce_residual_rms_norm.register_fake
@@ -63,7 +87,7 @@ def _(x, residual, weight, eps, handle, algorithm):
 
 @torch.library.custom_op("symmsync::all_gather", mutates_args=(), schema="(Tensor x, int handle, int size) -> Tensor")
 def all_gather(x, handle, size):
-    return handles.lookup(handle, AllGather)(x)
+    return _call(handle, AllGather, lambda ag: ag(x))
 
 
 @all_gather.register_fake
@@ -75,7 +99,7 @@ def _(x, handle, size):
     "symmsync::reduce_scatter", mutates_args=(), schema="(Tensor x, int handle, int size) -> Tensor"
 )
 def reduce_scatter(x, handle, size):
-    return handles.lookup(handle, ReduceScatter)(x)
+    return _call(handle, ReduceScatter, lambda rs: rs(x))
 
 
 @reduce_scatter.register_fake
