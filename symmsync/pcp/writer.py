@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import triton
 
-from .. import agreement, mode
+from .. import agreement, handles, mode
 from ..checks import int_problem, require
 from ..errors import ClosedError, ConfigError, InputError, SymmSyncError
 from ..fence import Fence
@@ -143,6 +143,21 @@ class Tuning:
             return dataclasses.replace(base, **given), None  # runs __post_init__: the one check
         except ConfigError as e:
             return None, str(e).removeprefix("Tuning: ")
+
+
+def _spans(buf, layout: CacheLayout | CacheTensors) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, ...]]]:
+    """Per layer, the ``uint8`` tensor over this rank's bytes from the first to the last byte
+    of its caches, and the caches as views of it: views of one base tensor, which
+    functionalization needs to see that they alias (a graph input it mutates)."""
+    user = buf.tensor(0, (buf.nbytes,), torch.uint8)
+    spans, caches = [], []
+    for layer in range(layout.num_layers):
+        pair = layout.main_kv(buf, layer), layout.indexer_k(buf, layer)
+        starts = [t.data_ptr() - user.data_ptr() for t in pair]
+        lo = min(starts)
+        spans.append(user[lo : max(at + t.numel() for at, t in zip(starts, pair))])
+        caches.append(tuple(spans[-1][at - lo : at - lo + t.numel()].view(t.shape) for at, t in zip(starts, pair)))
+    return spans, caches
 
 
 class DirectKVWriter:
@@ -301,6 +316,11 @@ class DirectKVWriter:
         self._offsets = list(placement.offsets)
         self._strides = (placement.main_block_stride, placement.indexer_block_stride)
         self._usable = (-1, 0)  # (buffer size, blocks usable at that size)
+        # Compiled code: the op (symmsync.pcp.torch_ops) names this writer by a handle and
+        # declares that it mutates the one span of this rank's memory a layer's caches lie in.
+        self._handle = handles.register(self)
+        self._spans: list[torch.Tensor] | None = None  # made once every block is mapped (prepare)
+        self._last_batch: Batch | None = None
 
     # ------------------------------------------------------------------ per batch
     def prepare(self, slot_mapping: torch.Tensor) -> Batch:
@@ -366,7 +386,33 @@ class DirectKVWriter:
             batch._packed = (packed, *[packed[:, f] for f in fields])
             batch._gathered = (gathered, *[gathered[:, f] for f in fields])
         batch._grid = self._grid_for(launched_rows)
+        self._last_batch = batch  # what a compiled write() names by its slots
+        if self._spans is None and self._usable_blocks() == self.layout.num_blocks:
+            self._spans, self._caches = _spans(buf, self.layout)  # what a compiled write() declares it mutates
         return batch
+
+    def caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``(main_kv, indexer_k)`` cache tensors of ``layer`` (as
+        ``layout.main_kv(buffer, layer)`` and ``layout.indexer_k(buffer, layer)``): the
+        tensors a compiled :meth:`write` declares it mutates. Read the cache through
+        them inside compiled code, so the compiler orders the reads after the write.
+
+        Raises:
+            BoundsError: ``layer`` is not one of the layout's layers.
+        """
+        self.layout.check_layer(layer)
+        if self._spans is None:
+            self._unmapped()
+        return self._caches[layer]
+
+    def _unmapped(self) -> None:
+        require(
+            f"the caches reach past the buffer's {self.buffer.nbytes} mapped bytes ({self._usable_blocks()} of "
+            f"{self.layout.num_blocks} blocks are usable); grow the buffer, then prepare() a batch, before "
+            "compiling code that writes or reads them",
+            rank=self.buffer.rank,
+            call="DirectKVWriter.caches",
+        )
 
     @property
     def usable_blocks(self) -> int:
@@ -439,6 +485,11 @@ class DirectKVWriter:
                 that this writer's :meth:`prepare` did not return.
             ClosedError: the buffer was closed.
         """
+        if torch.compiler.is_compiling():
+            if self._spans is None:
+                self._unmapped()
+            span = self._spans[layer]
+            return torch.ops.symmsync.kv_write(self._handle, layer, kv_c, k_pe, indexer_k, batch.slots, span)
         bad = self._input_problem(layer, kv_c, k_pe, indexer_k, batch)
         if bad is not None:
             error, problem = bad
