@@ -23,6 +23,8 @@ way) are not seen.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 
@@ -43,12 +45,38 @@ def fence_op(handle: int, kind: int, orders: list[torch.Tensor]) -> None:
 
 @fence_op.register_fake
 def _(handle: int, kind: int, orders: list[torch.Tensor]) -> None:
-    # Dynamo runs this on fresh fake tensors while it traces: a version above zero means
-    # the graph wrote into symmetric memory before the fence, a write functionalization
-    # would apply after it. Refuse the graph (on every rank: they trace the same code).
-    written = [i for i, t in enumerate(orders) if t._version]
+    from .fence import Fence
+
+    real = handles.lookup(handle, Fence)._orders()
+    written = [
+        i
+        for i, (t, r) in enumerate(zip(orders, real))
+        if _version(t) not in (0, r._version, _op_versions.get(_root(t)))
+    ]
     if written:
         raise ConfigError(UNORDERED.format(members=written))
+
+
+# Dynamo runs the fakes while it traces, on fake tensors whose version starts at zero or at
+# the real tensor's (views), and every write into a tensor or a view of it bumps it: a
+# version that neither that start nor a symmsync op's own write (which runs in place, or
+# refuses to run) explains means the graph wrote into symmetric memory with plain torch, a
+# write functionalization would apply at the end of the graph. A best-effort check: a plain
+# write that happens to land on one of those versions is not seen.
+_op_versions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fake base -> version after an op
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
+def _version(t: torch.Tensor) -> int:
+    return _root(t)._version
+
+
+def note_op_write(t: torch.Tensor) -> None:
+    """Record, in a mutating symmsync op's fake, the write it makes into ``t``."""
+    _op_versions[_root(t)] = _version(t) + 1
 
 
 #: The refusal of a graph that writes into symmetric memory before a fence.
@@ -56,7 +84,7 @@ UNORDERED = (
     "a compiled fence follows writes into symmetric memory (of view members {members}) in the same graph: "
     "functionalization applies a graph's writes into its inputs at the end of the graph, after the fence, so "
     "peers would read stale bytes. Make those writes before the compiled code (or in a graph that ends "
-    "before the fence), or write through a symmsync op (DirectKVWriter.write fences itself)"
+    "before the fence), or write through a symmsync op that declares what it mutates (DirectKVWriter.write)"
 )
 
 _register_effectful_op(torch.ops.symmsync.fence.default, _EffectType.ORDERED)
