@@ -1,6 +1,7 @@
 """The fence as a torch custom op, for code compiled with ``torch.compile``.
 
-``Fence.fence()``, ``arrive()`` and ``wait()`` call ``torch.ops.symmsync.fence(handle, kind)``
+``Fence.fence()``, ``arrive()`` and ``wait()`` call ``symmsync::fence(int handle, int kind,
+Tensor[] orders) -> ()``
 while Dynamo traces (``torch.compiler.is_compiling()``), so a model compiled with
 ``fullgraph=True`` keeps its fences in the graph instead of breaking it; eager calls never
 reach the op (they launch directly, as before).
@@ -12,18 +13,17 @@ ops make (the direct-KV writer's op declares the caches it writes, and runs in p
 It does not order plain torch writes into symmetric memory: functionalization applies a
 graph's writes into its inputs at the end of the graph, after the fence, so peers would
 read stale bytes (tests/core/test_torch_compile.py measures it). Such writes belong in
-eager code, in a piece of a split graph that runs before the fence, or in a custom op of
-their own that declares the tensor it mutates. The op takes the members' user regions
-(``orders``) so that Dynamo's trace sees such writes: a fence that follows writes into
-them in the same graph raises :class:`~symmsync.ConfigError` at trace time, whatever the
-backend (Dynamo cannot know whether the backend splits the graph at the fence). Writes
-through tensors that are not views of the buffer's (registered memory reached another
-way) are not seen.
+eager code before the compiled code, or in a custom op that declares the tensor it
+mutates. The op takes the members' user regions (``orders``) so that its fake, which
+Dynamo runs while it traces, finds such writes in the graph traced so far: a fence that
+follows them raises :class:`~symmsync.ConfigError` at trace time, whatever the backend
+(Dynamo cannot know whether the backend will split the graph at the fence). Writes
+through tensors over other storage (registered memory reached another way) are not seen.
 """
 
 from __future__ import annotations
 
-import weakref
+import operator
 
 import torch
 from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
@@ -45,38 +45,47 @@ def fence_op(handle: int, kind: int, orders: list[torch.Tensor]) -> None:
 
 @fence_op.register_fake
 def _(handle: int, kind: int, orders: list[torch.Tensor]) -> None:
-    from .fence import Fence
-
-    real = handles.lookup(handle, Fence)._orders()
-    written = [
-        i
-        for i, (t, r) in enumerate(zip(orders, real))
-        if _version(t) not in (0, r._version, _op_versions.get(_root(t)))
-    ]
+    written = plain_writes(orders)
     if written:
         raise ConfigError(UNORDERED.format(members=written))
 
 
-# Dynamo runs the fakes while it traces, on fake tensors whose version starts at zero or at
-# the real tensor's (views), and every write into a tensor or a view of it bumps it: a
-# version that neither that start nor a symmsync op's own write (which runs in place, or
-# refuses to run) explains means the graph wrote into symmetric memory with plain torch, a
-# write functionalization would apply at the end of the graph. A best-effort check: a plain
-# write that happens to land on one of those versions is not seen.
-_op_versions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fake base -> version after an op
+def plain_writes(tensors: list[torch.Tensor]) -> list[int]:
+    """Which of ``tensors`` (fakes) the graph Dynamo is tracing wrote into before this point
+    with plain torch: an in-place method or op, or an item assignment, on a tensor that
+    shares its storage. Writes by symmsync's own ops (which run in place, or refuse to run)
+    are in order and do not count. Outside Dynamo's trace (the later passes): none."""
+    from torch._dynamo import symbolic_convert  # imported by Dynamo already when this runs
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    tx = getattr(getattr(symbolic_convert, "tls", None), "current_tx", None)  # InstructionTranslator.current_tx()
+    if not isinstance(tx, symbolic_convert.InstructionTranslator):
+        return []
+    index = {StorageWeakRef(t.untyped_storage()): i for i, t in enumerate(tensors)}
+    written = set()
+    for node in tx.output.graph.nodes:
+        target = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+        value = target.meta.get("example_value") if target is not None else None
+        if isinstance(value, torch.Tensor) and _writes(node):
+            i = index.get(StorageWeakRef(value.untyped_storage()))
+            if i is not None:
+                written.add(i)
+    return sorted(written)
 
 
-def _root(t: torch.Tensor) -> torch.Tensor:
-    return t._base if t._base is not None else t
-
-
-def _version(t: torch.Tensor) -> int:
-    return _root(t)._version
-
-
-def note_op_write(t: torch.Tensor) -> None:
-    """Record, in a mutating symmsync op's fake, the write it makes into ``t``."""
-    _op_versions[_root(t)] = _version(t) + 1
+def _writes(node: torch.fx.Node) -> bool:
+    """Whether ``node`` writes into its first argument (and is not a symmsync op)."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op != "call_function" or str(node.target).startswith("symmsync."):
+        return False
+    if node.target is operator.setitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return schema.is_mutable
+    name = getattr(node.target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
 
 
 #: The refusal of a graph that writes into symmetric memory before a fence.
