@@ -31,7 +31,7 @@ with :class:`~symmsync.PeerAborted`, naming the rank and its reason.
 all be resident at once.
 
 Under torch.compile each operation is the custom op ``symmsync::fence``
-(:mod:`symmsync.fence_ops`), an ordered effect in the graph: ``fullgraph=True`` compiles,
+(:mod:`symmsync.fence_ops`), an side-effectful op in the graph: ``fullgraph=True`` compiles,
 and the fence stays ordered with symmsync's own ops (the direct-KV writer's). Plain torch
 writes into symmetric memory in the same graph are not ordered by it (functionalization
 applies them at the end of the graph): see :mod:`symmsync.fence_ops`.
@@ -159,6 +159,8 @@ class Fence:
         ]
         self._launch = [launcher.bind(*self._kernel_args) for launcher in self._launchers]
         self._handle = handles.register(self)  # names this fence to the op (symmsync.fence_ops)
+        # Views, made here: aot_autograd refuses a base among mutated views of it as graph inputs.
+        self._order_views = [fence_ops.user_views(buf)[r] for r in view.ranks]
 
     @property
     def kernel_args(self) -> tuple[torch.Tensor, int, int, int, int]:
@@ -202,8 +204,7 @@ class Fence:
 
     def _orders(self) -> list[torch.Tensor]:
         # What the compiled op takes (symmsync.fence_ops): the members' user regions.
-        memory = self._buffer._memory
-        return [memory.user_tensor(r) for r in self.view.ranks]
+        return self._order_views
 
     @contextlib.contextmanager
     def overlap(self) -> Iterator[None]:

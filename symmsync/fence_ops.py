@@ -6,10 +6,10 @@ while Dynamo traces (``torch.compiler.is_compiling()``), so a model compiled wit
 ``fullgraph=True`` keeps its fences in the graph instead of breaking it; eager calls never
 reach the op (they launch directly, as before).
 
-The op returns nothing and mutates nothing. It is registered as an *ordered effect*
-(torch threads an effect token through every such op), so no compiler drops it or moves
-it past another effectful op: the fence stays ordered with the writes that symmsync's own
-ops make (the direct-KV writer's op declares the caches it writes, and runs in place).
+The op returns nothing and mutates nothing. It is registered as side-effectful
+(``torch.fx.node.has_side_effect``), so no compiler drops it; it stays where it was traced
+among symmsync's other ops, which are side-effectful too (the direct-KV writer's op
+declares the caches it writes, and runs in place).
 It does not order plain torch writes into symmetric memory: functionalization applies a
 graph's writes into its inputs at the end of the graph, after the fence, so peers would
 read stale bytes (tests/core/test_torch_compile.py measures it). Such writes belong in
@@ -24,9 +24,10 @@ through tensors over other storage (registered memory reached another way) are n
 from __future__ import annotations
 
 import operator
+import weakref
+from typing import Any
 
 import torch
-from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 
 from . import handles
 from .errors import ConfigError
@@ -88,6 +89,21 @@ def _writes(node: torch.fx.Node) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
+_user_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # buffer -> its ranks' user regions
+
+
+def user_views(buf: Any) -> list[torch.Tensor]:
+    """Every rank's user region of ``buf`` as ``uint8`` tensors, the same objects for every
+    caller while the size stays: aot_autograd takes mutated views of one memory as graph
+    inputs only when they share one ``_base``, so the fence's ``orders`` and the tensors
+    symmsync's ops mutate (the writer's caches) are views of these."""
+    views = _user_views.get(buf)
+    if views is None or views[0].numel() != buf.nbytes:
+        views = [buf.tensor(0, (buf.nbytes,), torch.uint8, rank=r) for r in range(buf.world_size)]
+        _user_views[buf] = views
+    return views
+
+
 #: The refusal of a graph that writes into symmetric memory before a fence.
 UNORDERED = (
     "a compiled fence follows writes into symmetric memory (of view members {members}) in the same graph: "
@@ -96,4 +112,7 @@ UNORDERED = (
     "before the fence), or write through a symmsync op that declares what it mutates (DirectKVWriter.write)"
 )
 
-_register_effectful_op(torch.ops.symmsync.fence.default, _EffectType.ORDERED)
+# Never dropped as dead code (it returns nothing). Not an ordered effect: torch 2.13's effect
+# tokens broke graphs that also mutate aliased inputs (the writer's caches): aot_eager
+# failed at run time, Inductor asked for a backward token.
+torch.fx.node.has_side_effect(torch.ops.symmsync.fence.default)
