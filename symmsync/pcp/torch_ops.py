@@ -57,7 +57,7 @@ def kv_write(
     if type(layer) is int and 0 <= layer < writer.layout.num_layers:  # else write() raises the layout's error
         if cache.data_ptr() != writer._spans[layer].data_ptr():
             problem = CLONED.format(layer=layer)
-    batch = writer._last_batch
+    batch = writer._last_batch() if writer._last_batch is not None else None
     if problem is None and (batch is None or batch.slots.data_ptr() != slots.data_ptr() or batch.rows != len(slots)):
         problem = "a compiled write() takes the Batch that this writer's prepare() returned last (once per batch)"
     if problem is not None:

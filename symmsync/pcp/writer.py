@@ -29,6 +29,7 @@ launch.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -244,7 +245,7 @@ class DirectKVWriter:
         # Compiled code: the op (symmsync.pcp.torch_ops) names this writer by a handle.
         self._handle = handles.register(self)
         self._spans: list[torch.Tensor] | None = None  # made once every block is mapped (prepare)
-        self._last_batch: Batch | None = None
+        self._last_batch: weakref.ReferenceType | None = None  # weak: a batch refers to its writer
 
     # ------------------------------------------------------------------ per batch
     def prepare(self, slot_mapping: torch.Tensor) -> Batch:
@@ -310,7 +311,7 @@ class DirectKVWriter:
             batch._packed = (packed, *[packed[:, f] for f in fields])
             batch._gathered = (gathered, *[gathered[:, f] for f in fields])
         batch._grid = self._grid_for(launched_rows)
-        self._last_batch = batch  # what a compiled write() names by its slots
+        self._last_batch = weakref.ref(batch)  # what a compiled write() names by its slots
         if self._spans is None and self._usable_blocks() == self.layout.num_blocks:
             self._spans, self._caches = layer_spans(buf, self.layout)  # what a compiled write() declares it mutates
         return batch
