@@ -25,7 +25,7 @@ import symmsync as ss
 from symmsync import pcp
 from symmsync.testing import run
 
-STEPS = int(__import__("os").environ.get("H5_STEPS", 50))
+STEPS = 50
 LAYERS = 2
 BLOCK = 64
 MAX_ROWS = 3  # per rank per step; at least 2 (a size-1 dimension would be specialized)
