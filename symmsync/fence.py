@@ -30,9 +30,11 @@ with :class:`~symmsync.PeerAborted`, naming the rank and its reason.
 (a fence in which every program of the launch waits) after checking that its programs can
 all be resident at once.
 
-Under torch.compile each operation is a compiler boundary: the graph ends before it
-and a new one starts after it, so every write before it is in memory when it runs
-and every read after it happens after it, whatever the compiler backend.
+Under torch.compile each operation is the custom op ``symmsync::fence``
+(:mod:`symmsync.fence_ops`), an side-effectful op in the graph: ``fullgraph=True`` compiles,
+and the fence stays ordered with symmsync's own ops (the direct-KV writer's). Plain torch
+writes into symmetric memory in the same graph are not ordered by it (functionalization
+applies them at the end of the graph): see :mod:`symmsync.fence_ops`.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from . import backends, cells, memory, records
+from . import backends, cells, fence_ops, handles, memory, records
 from . import driver as cuda
 from . import language as ssl
 from .checks import require, timeout_problem
@@ -156,6 +158,9 @@ class Fence:
             for _kind, (arrive, wait) in ((_FENCE, (True, True)), (_ARRIVE, (True, False)), (_WAIT, (False, True)))
         ]
         self._launch = [launcher.bind(*self._kernel_args) for launcher in self._launchers]
+        self._handle = handles.register(self)  # names this fence to the op (symmsync.fence_ops)
+        # Views, made here: aot_autograd refuses a base among mutated views of it as graph inputs.
+        self._order_views = [fence_ops.user_views(buf)[r] for r in view.ranks]
 
     @property
     def kernel_args(self) -> tuple[torch.Tensor, int, int, int, int]:
@@ -182,20 +187,24 @@ class Fence:
     def fence(self) -> None:
         """Advance the epoch, publish it, wait for every member: one launch."""
         if torch.compiler.is_compiling():
-            return _compiler_boundary(self, _FENCE)
+            return fence_ops.fence_op(self._handle, _FENCE, self._orders())
         self._launch_now(_FENCE)
 
     def arrive(self) -> None:
         """Advance the epoch and publish it (first half of a split fence)."""
         if torch.compiler.is_compiling():
-            return _compiler_boundary(self, _ARRIVE)
+            return fence_ops.fence_op(self._handle, _ARRIVE, self._orders())
         self._launch_now(_ARRIVE)
 
     def wait(self) -> None:
         """Wait until every member published this rank's current epoch (second half)."""
         if torch.compiler.is_compiling():
-            return _compiler_boundary(self, _WAIT)
+            return fence_ops.fence_op(self._handle, _WAIT, self._orders())
         self._launch_now(_WAIT)
+
+    def _orders(self) -> list[torch.Tensor]:
+        # What the compiled op takes (symmsync.fence_ops): the members' user regions.
+        return self._order_views
 
     @contextlib.contextmanager
     def overlap(self) -> Iterator[None]:
@@ -414,18 +423,6 @@ class _ForkJoin:
 
 
 _OVERLAP = "Fence.overlap"  # the operation a failed driver call of _ForkJoin is reported under
-
-
-# torch.compile: a fence is a compiler boundary. Dynamo ends the graph before the call
-# and starts a new one after it, so the graph's writes are in memory when the fence
-# runs and its reads come after. A custom op inside the graph would not be safe:
-# functionalization turns writes into graph inputs (views of symmetric memory) into
-# copies applied at the end of the graph, and auto-functionalized ops run on clones,
-# so the fence would publish before the payload reached memory. Eager calls never
-# reach this wrapper (it costs microseconds per call).
-@torch.compiler.disable
-def _compiler_boundary(fence: Fence, kind: int) -> None:
-    fence._launch_now(kind)
 
 
 def launch_grid_sync(kernel: Any, grid: Sequence[int], *args: Any, **kwargs: Any) -> None:

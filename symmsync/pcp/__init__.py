@@ -15,6 +15,7 @@ ranks of :mod:`symmsync.agreement`, the argument checks of :mod:`symmsync.checks
         writer.write(layer, kv_c, k_pe, indexer_k, batch)
 """
 
+from . import torch_ops  # noqa: E402, F401  (registers symmsync::kv_write)
 from .layout import CacheLayout, CacheTensors, IndexerKLayout, MainKVLayout, Placement
 from .quant import INDEXER_SCALES, MAIN_SCALES
 from .split import PCPSplit, pcp_split

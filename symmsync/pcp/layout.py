@@ -49,6 +49,7 @@ import torch
 
 from ..checks import index_problem, int_problem, is_int, positive_int_problem
 from ..errors import BoundsError, ConfigError
+from ..fence_ops import user_views
 from .quant import INDEXER_DIM, INDEXER_SCALES, MAIN_SCALES, MLA_NOPE_DIM, MLA_ROPE_DIM, MLA_TILE, MLA_TOKEN_BYTES
 
 if TYPE_CHECKING:
@@ -409,3 +410,18 @@ class CacheTensors(_Layers):
             f"block strides {self.main_block_stride}/{self.indexer_block_stride}, "
             f"{self.main_scale}/{self.indexer_scale})"
         )
+
+
+def layer_spans(buf, layout: CacheLayout | CacheTensors) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, ...]]]:
+    """Per layer, the ``uint8`` tensor over this rank's bytes from the first to the last byte
+    of its caches, and the caches as views of it: views of one base tensor, which
+    functionalization needs to see that they alias (a graph input it mutates)."""
+    user = user_views(buf)[buf.rank]
+    spans, caches = [], []
+    for layer in range(layout.num_layers):
+        pair = layout.main_kv(buf, layer), layout.indexer_k(buf, layer)
+        starts = [t.data_ptr() - user.data_ptr() for t in pair]
+        lo = min(starts)
+        spans.append(user[lo : max(at + t.numel() for at, t in zip(starts, pair))])
+        caches.append(tuple(spans[-1][at - lo : at - lo + t.numel()].view(t.shape) for at, t in zip(starts, pair)))
+    return spans, caches

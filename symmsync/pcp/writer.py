@@ -29,7 +29,7 @@ launch.
 
 from __future__ import annotations
 
-import dataclasses
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import triton
 
-from .. import agreement, mode
+from .. import agreement, handles, mode
 from ..checks import int_problem, require
 from ..errors import ClosedError, ConfigError, InputError, SymmSyncError
 from ..fence import Fence
@@ -47,8 +47,9 @@ from .kernels import NOPE as _NOPE
 from .kernels import ROPE as _ROPE
 from .kernels import TOKEN_BYTES as _TOKEN_BYTES
 from .kernels import _quantize_write_kernel
-from .layout import CacheLayout, CacheTensors, IndexerKLayout, MainKVLayout
+from .layout import CacheLayout, CacheTensors, IndexerKLayout, MainKVLayout, layer_spans
 from .quant import INDEXER_SCALES
+from .tuning import Tuning
 
 _BF16 = torch.bfloat16
 
@@ -83,66 +84,6 @@ class Batch:
     _grid: tuple[int, int, int] = field(default=(1, 1, 1), repr=False, compare=False)
     _packed: tuple[torch.Tensor, ...] | None = field(default=None, repr=False, compare=False)
     _gathered: tuple[torch.Tensor, ...] | None = field(default=None, repr=False, compare=False)
-
-
-@dataclass(frozen=True)
-class Tuning:
-    """How the writer's kernel is launched: knobs of speed, never of the bytes written.
-
-    Args:
-        block_rows: rows per work item of the kernel (a power of two, at most 1024).
-        num_warps: warps per program (a power of two, at most 32). The kernel's stores
-            are 16 bytes per lane when ``block_rows >= 4 * num_warps``.
-        spread: give each destination replica its own programs (each quantizes its rows
-            itself), so that programs storing to peers and programs storing locally run
-            side by side instead of one after the other in every program.
-        programs_per_sm: ``n``: a persistent grid of at most ``n`` programs per
-            multiprocessor, each taking work items until none are left and loading its
-            next item before it stores the current one; ``0``: one program per work item.
-
-    The defaults (4 rows, 1 warp, 8 programs per multiprocessor) were the fastest
-    overall of the sweep of benchmarks/pcp_local.py on one H200, from 4k to 32k tokens,
-    with the fence fused into the writer's tail (docs/performance.md, "The PCP writer
-    on one GPU"): a persistent grid pays the tail's arrival once per program, a grid of
-    one program per work item once per item.
-
-    Raises:
-        ConfigError: a knob outside its range (the message names it).
-    """
-
-    block_rows: int = 4
-    num_warps: int = 1
-    spread: bool = False
-    programs_per_sm: int = 8
-
-    def __post_init__(self) -> None:
-        problem = self._problem()
-        if problem is not None:
-            raise ConfigError(f"Tuning: {problem}")
-
-    def _problem(self) -> str | None:
-        """What is wrong with these knobs, or ``None`` (the one check of a tuning)."""
-        return (
-            int_problem("block_rows", self.block_rows, maximum=1024, power_of_two=True)
-            or int_problem("num_warps", self.num_warps, maximum=32, power_of_two=True)
-            or int_problem("programs_per_sm", self.programs_per_sm, minimum=0)
-        )
-
-    @classmethod
-    def _with(cls, base: object, **shorthand: object) -> tuple[Tuning | None, str | None]:
-        """``base`` with the knobs given as shorthand (``None``: keep ``base``'s), and the
-        problem that refuses it, if any: what the writer agrees across ranks."""
-        if base is None:
-            base = cls()
-        elif not isinstance(base, cls):
-            return None, f"tuning must be a symmsync.pcp.Tuning, got {type(base).__name__}"
-        given = {k: v for k, v in shorthand.items() if v is not None}
-        if not given:
-            return base, None
-        try:
-            return dataclasses.replace(base, **given), None  # runs __post_init__: the one check
-        except ConfigError as e:
-            return None, str(e).removeprefix("Tuning: ")
 
 
 class DirectKVWriter:
@@ -301,6 +242,10 @@ class DirectKVWriter:
         self._offsets = list(placement.offsets)
         self._strides = (placement.main_block_stride, placement.indexer_block_stride)
         self._usable = (-1, 0)  # (buffer size, blocks usable at that size)
+        # Compiled code: the op (symmsync.pcp.torch_ops) names this writer by a handle.
+        self._handle = handles.register(self)
+        self._spans: list[torch.Tensor] | None = None  # made once every block is mapped (prepare)
+        self._last_batch: weakref.ReferenceType | None = None  # weak: a batch refers to its writer
 
     # ------------------------------------------------------------------ per batch
     def prepare(self, slot_mapping: torch.Tensor) -> Batch:
@@ -366,7 +311,25 @@ class DirectKVWriter:
             batch._packed = (packed, *[packed[:, f] for f in fields])
             batch._gathered = (gathered, *[gathered[:, f] for f in fields])
         batch._grid = self._grid_for(launched_rows)
+        self._last_batch = weakref.ref(batch)  # what a compiled write() names by its slots
+        if self._spans is None and self._usable_blocks() == self.layout.num_blocks:
+            self._spans, self._caches = layer_spans(buf, self.layout)  # what a compiled write() declares it mutates
         return batch
+
+    def caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``(main_kv, indexer_k)`` of ``layer`` (the layout's), views of what a compiled
+        :meth:`write` declares it mutates: read them in compiled code so that the compiler orders the
+        reads after the write. Made by the first ``prepare()`` with every block in mapped memory.
+
+        Raises:
+            BoundsError: ``layer`` is not one of the layout's layers.
+            ConfigError: no such ``prepare()`` yet.
+        """
+        self.layout.check_layer(layer)
+        if self._spans is None:
+            problem = f"{self._usable_blocks()} of the {self.layout.num_blocks} blocks are mapped: prepare() first"
+            require(problem, rank=self.buffer.rank, call="DirectKVWriter.caches")
+        return self._caches[layer]
 
     @property
     def usable_blocks(self) -> int:
@@ -439,6 +402,10 @@ class DirectKVWriter:
                 that this writer's :meth:`prepare` did not return.
             ClosedError: the buffer was closed.
         """
+        if torch.compiler.is_compiling():
+            self.caches(layer)  # refuses a writer without them at trace time
+            span = self._spans[layer]
+            return torch.ops.symmsync.kv_write(self._handle, layer, kv_c, k_pe, indexer_k, batch.slots, span)
         bad = self._input_problem(layer, kv_c, k_pe, indexer_k, batch)
         if bad is not None:
             error, problem = bad

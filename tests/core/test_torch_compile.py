@@ -1,20 +1,27 @@
-"""torch.compile keeps write -> fence -> read order (a fence is a compiler boundary).
+"""torch.compile keeps write -> fence -> read order, or refuses the graph.
 
-Functionalization turns writes into graph inputs into copies applied at the end of
-the graph; if the fence lived inside the graph, peers would read before the payload
-reached memory. Each rank writes into its peer through a view, fences, and reads
-what the peer wrote, inside one compiled function, with one rank delayed.
+A fence in compiled code is the op ``symmsync::fence`` (fullgraph compiles). Functionalization
+turns writes into graph inputs into copies applied at the end of the graph, after the fence,
+so peers would read before the payload reached memory: a graph that writes into symmetric
+memory and then fences is refused at trace time. Each rank writes into its peer through a
+view, fences, and reads what the peer wrote, with one rank delayed: with the write made
+before the compiled fence-and-read, every read sees the peer's data; without a fence the
+same oracle sees stale data.
 """
 
 import time
 
+import pytest
 import torch
 
 import symmsync as ss
 from symmsync.testing import run
 
 
-def compiled_exchange(n, with_fence):
+def compiled_exchange(n, mode):
+    """``mode``: ``"fence"`` (write, fence and read in one compiled graph), ``"eager write"``
+    (the write before the compiled fence and read) or ``"no fence"`` (write and read
+    compiled, no fence). Returns how many steps read stale data, or the error."""
     buf = ss.SymmetricBuffer(4096, backend="host")
     r = buf.rank
     fence = ss.Fence(buf.view([0, 1]), timeout_s=60)
@@ -22,36 +29,74 @@ def compiled_exchange(n, with_fence):
     mine = buf.tensor(0, (2, 4), torch.float32)
 
     def step(x, parity: int):
-        peer[parity].copy_(x * 2.0)
-        if with_fence:
+        if mode != "eager write":
+            peer[parity].copy_(x * 2.0)
+        if mode != "no fence":
             fence.fence()
         return mine[parity] + 1.0
 
-    compiled = torch.compile(step, backend="aot_eager")
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=mode != "no fence")
     wrong = 0
-    for i in range(1, n + 1):
-        if r == 1 and i % 3 == 0:
-            time.sleep(0.05)
-        y = compiled(torch.full((4,), float(100 * r + i)), i % 2)
-        wrong += int(not torch.equal(y, torch.full((4,), 2.0 * (100 * (1 - r) + i) + 1.0)))
-        if not with_fence:
-            torch.distributed.barrier()  # keep the ranks within one step of each other
+    try:
+        for i in range(1, n + 1):
+            if r == 1 and i % 3 == 0:
+                time.sleep(0.05)
+            x = torch.full((4,), float(100 * r + i))
+            if mode == "eager write":
+                peer[i % 2].copy_(x * 2.0)
+            y = compiled(x, i % 2)
+            wrong += int(not torch.equal(y, torch.full((4,), 2.0 * (100 * (1 - r) + i) + 1.0)))
+            if mode == "no fence":
+                torch.distributed.barrier()  # keep the ranks within one step of each other
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps what a fake raises; the cause is symmsync's
+        cause = e
+        while cause is not None and not isinstance(cause, ss.ConfigError):
+            cause = cause.__cause__ or cause.__context__
+        wrong = f"{type(cause).__name__}: {cause}" if cause is not None else repr(e)
     buf.close()
     return wrong
 
 
-def test_compiled_write_fence_read_sees_the_peers_data():
-    assert run(compiled_exchange, 2, 12, True, timeout_s=300) == [0, 0]
+def test_compiled_fence_then_read_sees_the_peers_data():
+    assert run(compiled_exchange, 2, 12, "eager write", timeout_s=300) == [0, 0]
 
 
 def test_the_compiled_oracle_bites_without_the_fence():
-    assert sum(run(compiled_exchange, 2, 12, False, timeout_s=300)) > 0
+    assert sum(run(compiled_exchange, 2, 12, "no fence", timeout_s=300)) > 0
 
 
-def test_the_compiled_path_goes_through_a_compiler_boundary():
-    from symmsync import fence
+def test_a_graph_that_writes_symmetric_memory_then_fences_is_refused_at_trace_time():
+    # Compiled with the fence in the graph, the write would land after it (12 of 12 steps read
+    # stale data when measured): every rank refuses the graph before running any of it.
+    for error in run(compiled_exchange, 2, 12, "fence", timeout_s=300):
+        assert isinstance(error, str) and error.startswith("ConfigError: a compiled fence follows writes"), error
 
-    assert getattr(fence._compiler_boundary, "_torchdynamo_disable", False)
+
+def fenced_counts(kind):
+    """Compile ``fence()``, ``arrive(); wait()`` or both fullgraph; the epochs they leave."""
+    buf = ss.SymmetricBuffer(4096, backend="host")
+    fence = ss.Fence(buf.view([0, 1]), timeout_s=60)
+    mine = buf.tensor(0, (4,), torch.float32)
+
+    def step(x):
+        if kind == "fence":
+            fence.fence()
+        else:
+            fence.arrive()
+            fence.wait()
+        return mine.sum() + x
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for _ in range(3):
+        compiled(torch.ones(()))
+    epoch = fence.epoch
+    buf.close()
+    return epoch
+
+
+@pytest.mark.parametrize("kind", ["fence", "split"])
+def test_a_compiled_fence_is_one_op_in_a_fullgraph_and_runs_every_call(kind):
+    assert run(fenced_counts, 2, kind, timeout_s=300) == [3, 3]
 
 
 def compiled_mutation_of_buffer_views(kind):

@@ -1,0 +1,152 @@
+"""The direct-KV writer and the fence inside ``torch.compile(fullgraph=True)``: the PCP
+decode pattern, against eager and against the plain-torch oracle, on the host backend.
+
+One compiled step is the PCP pattern a model runs per decode step: for every layer, write
+this rank's KV rows into every replica (``writer.write``: the ``symmsync::kv_write`` op,
+its fence fused), read the local cache (an attention stand-in: the written slots' rows,
+gathered, and a sum over the layer's indexer cache), then fence (``symmsync::fence``). Every rank sees every rank's
+rows right after the write, so a write that landed late, on a clone, or after the read
+shows as a difference. Each run takes 50 steps with a varying token count (one dynamic
+dimension: compiled once), one rank sleeping a random time before some steps, and
+compares every step's reads with what plain torch computes (:func:`oracles.oracle_cache`,
+independent of the kernels, which eager writes match byte for byte: tests/pcp), and the
+whole caches at the end.
+"""
+
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from oracles import Cache, first_difference, oracle_cache
+
+import symmsync as ss
+from symmsync import pcp
+from symmsync.testing import run
+
+STEPS = 50
+LAYERS = 2
+BLOCK = 64
+MAX_ROWS = 3  # per rank per step; at least 2 (a size-1 dimension would be specialized)
+
+
+def step_rows(step: int, world: int) -> tuple[int, list[torch.Tensor]]:
+    """``(rows per rank, [kv_c, k_pe, indexer_k, slots] of every rank, rank-major)`` of a
+    step, the same on every rank: each step's tokens take fresh slots (a decode step)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    rows = int(torch.randint(2, MAX_ROWS + 1, (1,), generator=g))
+    n = rows * world
+    kv = torch.randn(n, 512, generator=g) * torch.exp(torch.randn(n, 1, generator=g) * 2)
+    pe, ix = torch.randn(n, 64, generator=g), torch.randn(n, 128, generator=g) * 10
+    slots = step * MAX_ROWS * world + torch.randperm(n, generator=g)
+    return rows, [kv.bfloat16(), pe.bfloat16(), ix.bfloat16(), slots]
+
+
+def splitting_backend(gm: torch.fx.GraphModule, example_inputs):
+    """A piecewise backend as vLLM's: split the Dynamo graph at the symmsync ops (its
+    ``splitting_ops``), run those between the pieces as they are, compile the pieces."""
+    from torch.fx.passes.split_module import split_module
+
+    part, parts = 0, {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and str(node.target).startswith("symmsync."):
+            part += 1
+            parts[node] = part  # the op alone in its piece
+            part += 1
+        else:
+            parts[node] = part
+    split = split_module(gm, None, lambda node: parts[node], keep_original_order=True)  # as vLLM does
+    splits = {parts[n] for n in parts if n.op == "call_function" and str(n.target).startswith("symmsync.")}
+    for name, piece in list(split.named_children()):
+        if int(name.removeprefix("submod_")) not in splits:
+            setattr(split, name, torch.compile(piece, backend="aot_eager", dynamic=True))
+    splitting_backend.pieces = len(list(split.named_children()))
+    return split
+
+
+def compiled_decode(modes):
+    """Rank function: 50 decode steps, each compiled with every mode of ``modes``
+    (``"inductor"``, ``"aot_eager"``, ``"piecewise"``) on its own cache, steps interleaved;
+    returns per mode the steps whose reads differ from plain torch's, the error if one was
+    raised, the final caches' differences, the token counts seen and Dynamo's stats."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    num_blocks = -(-STEPS * MAX_ROWS * world // BLOCK)
+    caches = [Cache(num_blocks, LAYERS, BLOCK, base=i * (1 << 20)) for i in range(len(modes))]
+    buf = ss.SymmetricBuffer(caches[-1].end, backend="host", channels=len(modes))
+    view = buf.view(list(range(world)))
+    writers = [pcp.DirectKVWriter(view, c.layout, channel=i, timeout_s=60) for i, c in enumerate(caches)]
+
+    def decode(writer, kv, pe, ix, batch, every_slot):
+        out = []
+        for layer in range(LAYERS):
+            writer.write(layer, (kv.float() * (layer + 1)).bfloat16(), pe, ix, batch)
+            main, index = writer.caches(layer)
+            out.append(main.view(-1, main.shape[-1])[every_slot])  # the rows every rank wrote
+            out.append(index.to(torch.int64).sum().reshape(1))
+            writer.fence.fence()  # a fence after the write in the same graph (symmsync::fence)
+        return out
+
+    backends = [{"piecewise": splitting_backend}.get(m, m) for m in modes]
+    compiled = [torch.compile(decode, backend=b, fullgraph=True) for b in backends]
+    rng = random.Random(7)
+    result = {m: {"wrong": [], "error": None} for m in modes}
+    rows_seen = set()
+    torch._dynamo.utils.counters.clear()
+    index_sums = [0] * LAYERS
+    for step in range(STEPS):
+        rows, (kv, pe, ix, slots) = step_rows(step, world)
+        rows_seen.add(rows)
+        want = []  # plain torch: this step's rows, and the indexer caches' running sums
+        for layer in range(LAYERS):
+            main, index = oracle_cache(caches[0].layout, (kv.float() * (layer + 1)).bfloat16(), pe, ix, slots)
+            index_sums[layer] += int(index.to(torch.int64).sum())
+            want += [main.view(-1, main.shape[-1])[slots], torch.tensor([index_sums[layer]])]
+        mine = [t[me * rows : (me + 1) * rows].contiguous() for t in (kv, pe, ix, slots)]
+        for mode, writer, fn in zip(modes, writers, compiled):
+            if result[mode]["error"] is not None:
+                continue
+            batch = writer.prepare(mine[3])
+            for t in (*mine[:3], batch.slots, slots):
+                torch._dynamo.mark_dynamic(t, 0)
+            if me == 1 and rng.random() < 0.3:
+                time.sleep(rng.random() * 0.05)  # a late peer
+            try:
+                got = fn(writer, *mine[:3], batch, slots)
+            except ss.SymmSyncError as e:
+                result[mode]["error"] = f"{type(e).__name__}: {e}"
+                continue
+            result[mode]["wrong"] += [step] * int(not all(torch.equal(g, w) for g, w in zip(got, want)))
+    every = [step_rows(s, world)[1] for s in range(STEPS)]
+    kv, pe, ix, slots = [torch.cat([e[i] for e in every]) for i in range(4)]
+    for mode, writer in zip(modes, writers):  # the whole caches, byte for byte, as plain torch makes them
+        final = []
+        for layer in range(LAYERS):
+            if result[mode]["error"] is None:
+                want = oracle_cache(caches[0].layout, (kv.float() * (layer + 1)).bfloat16(), pe, ix, slots)
+                got = writer.caches(layer)
+                final += [first_difference(g.reshape(-1), w.reshape(-1)) for g, w in zip(got, want)]
+        result[mode]["final"] = final
+    result["rows"] = sorted(rows_seen)
+    result["stats"] = dict(torch._dynamo.utils.counters["stats"])
+    dist.barrier()
+    buf.close()
+    return result
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_compiled_pcp_decode_is_bytes_identical_to_plain_torch_and_compiles_once(world):
+    modes = ["inductor", "piecewise"]
+    for r in run(compiled_decode, world, modes, timeout_s=600):
+        for mode in modes:
+            assert r[mode]["error"] is None, (mode, r[mode]["error"])
+            assert r[mode]["wrong"] == [], (mode, r[mode]["wrong"])
+            assert r[mode]["final"] == [(0, [])] * (2 * LAYERS), (mode, r[mode]["final"])
+        assert len(r["rows"]) > 1  # the token count varied
+        assert r["stats"].get("unique_graphs") == len(modes), r["stats"]  # one graph per mode for every count
+
+
+def test_aot_eager_raises_instead_of_writing_on_a_clone():
+    for r in run(compiled_decode, 2, ["aot_eager"], timeout_s=600):
+        error = r["aot_eager"]["error"]
+        assert error is not None and "passed copies of the caches" in error, error
