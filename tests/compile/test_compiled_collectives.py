@@ -88,7 +88,7 @@ def decode_steps(backend: str) -> tuple[list[int], int]:
     return wrong, counter.frame_count
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.soak)])  # world 3: make test-soak (CI time)
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
 def test_compiled_decode_steps_give_the_eager_bits_and_compile_once(backend, world):
     for wrong, compilations in run(decode_steps, world, backend, timeout_s=600):

@@ -134,7 +134,7 @@ def compiled_decode(modes):
     return result
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.soak)])  # world 3: make test-soak (CI time)
 def test_compiled_pcp_decode_is_bytes_identical_to_plain_torch_and_compiles_once(world):
     modes = ["inductor", "piecewise"]
     for r in run(compiled_decode, world, modes, timeout_s=600):
