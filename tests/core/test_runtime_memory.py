@@ -84,11 +84,6 @@ def test_bad_grows_raise_on_every_rank_and_change_nothing(host_ranks):
         assert nbytes == 8 * KIB
 
 
-def _maps_lines() -> int:
-    with open("/proc/self/maps") as f:
-        return len(f.readlines())
-
-
 def _mapping_lines() -> int:
     """The lines of /proc/self/maps a grow could leave: all but anonymous private read-write
     memory (Python's and torch's heaps, which grow on their own: pymalloc maps 1 MiB arenas)."""
@@ -197,8 +192,8 @@ def register_cycles(n):
         buf.grow(128 * KIB)
         buf.close()
         if i == 0:
-            start = _maps_lines()
-    end = _maps_lines()
+            start = _mapping_lines()
+    end = _mapping_lines()  # not the heaps' anonymous memory: pymalloc maps arenas on its own
     dist.barrier()
     rt.free()
     return start, end
