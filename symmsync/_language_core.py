@@ -349,6 +349,12 @@ def trap():
 
 
 @triton.jit
+def program_index():
+    """This program's index in its launch's grid, row-major over (x, y, z): what records and reports name."""
+    return tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+
+
+@triton.jit
 def clock_ns():
     """Nanoseconds from a monotonic clock, as an int64 scalar: the clock of a wait's budget.
 

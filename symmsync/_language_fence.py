@@ -35,6 +35,7 @@ from ._language_core import (
     arrive,
     bounded_poll,
     epoch_ptr,
+    program_index,
     scan_members,
     slots_ptr,
 )
@@ -352,18 +353,13 @@ _STAMP_PROGRAM = tl.constexpr((1 << 24) - 1)
 
 
 @triton.jit
-def _program_index():
-    return tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
-
-
-@triton.jit
 def _debug_publish(ptrs, cell, me):
     # Slot ``me`` of this rank's own cell is a word no protocol uses (a rank never publishes
     # to itself): debug mode keeps there the launch and the program of the last publish. A
     # publish by another program of the same launch is the misuse; the same program
     # publishing again (or in a replay of the same graph node) is not.
     mine = (tl.load(ptrs + me) + cell + SLOTS).to(tl.pointer_type(tl.int64)) + me
-    pid = _program_index().to(tl.int64)
+    pid = program_index().to(tl.int64)
     stamp = ((_prims.launch_id() + 1) << _STAMP_SHIFT) | pid
     old = tl.atomic_xchg(mine, stamp, sem="relaxed", scope="gpu")
     bad = ((old >> _STAMP_SHIFT) == (stamp >> _STAMP_SHIFT)) & ((old & _STAMP_PROGRAM) != pid)

@@ -122,10 +122,16 @@ def check_co_resident():
 
 
 @triton.jit
+def _program_index():
+    # _language_core.program_index (the core imports this module, not the other way round)
+    return tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+
+
+@triton.jit
 def debug_fail(bad, KIND: tl.constexpr, who, value):
     """When ``bad``: print what a debug check found (rank or index, program, value), then trap."""
     if bad:
-        pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+        pid = _program_index()
         if KIND == 0:
             tl.device_print(
                 "symmsync debug: publish from a second program of one launch: index, program, cell", who, pid, value
@@ -149,7 +155,7 @@ def index_fail(rank, PRIMITIVE: tl.constexpr, which, value, bound):
     """Print what an index check found (rank, program, primitive, which index, value, bound), then trap.
 
     Called by :func:`symmsync.records.check_index` after it wrote the record (where there is one)."""
-    pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+    pid = _program_index()
     tl.device_print(
         "symmsync: index out of range (IndexCheckError): rank, program, primitive, which (0 peer 1 slot 2 member), "
         "value, bound",

@@ -69,6 +69,7 @@ from ._language_core import (
     FIRST_FLAGGED,
     REASON,
     _prims,
+    program_index,
     scan_members,
     slots_ptr,
 )
@@ -289,7 +290,7 @@ def write_signal_record(
 def write_misuse_record(record, flag, rank, PRIMITIVE: tl.constexpr, which, value, bound):
     """Write a misuse record (``flag``: :data:`INDEX` or :data:`REFUSED`; the layout above) to ``record``."""
     rec = record.to(tl.pointer_type(tl.int64))
-    pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+    pid = program_index()
     tl.store(rec + _MISUSE_RANK, rank)
     tl.store(rec + _MISUSE_PRIMITIVE, PRIMITIVE)
     tl.store(rec + _MISUSE_PROGRAM, pid)
