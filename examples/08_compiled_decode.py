@@ -43,9 +43,10 @@ class Model:
         self.layout = pcp.CacheLayout(num_blocks=-(-slots // 64), num_layers=LAYERS, base=base)
         self.buf = ss.SymmetricBuffer(self.layout.end, backend=backend)
         view = self.buf.view(list(range(world)))
-        # Collective constructors: every rank, same order, before compiling (or capturing).
-        self.ar = collectives.AllReduce(view, numel, torch.float32, channel=0)
-        self.writer = pcp.DirectKVWriter(view, self.layout, channel=1)
+        # Collective constructors: every rank, same order, before compiling (or capturing). The
+        # budget of a wait covers a peer still compiling: the first compiled call waits for it.
+        self.ar = collectives.AllReduce(view, numel, torch.float32, channel=0, timeout_s=120.0)
+        self.writer = pcp.DirectKVWriter(view, self.layout, channel=1, timeout_s=120.0)
         g = torch.Generator().manual_seed(0)  # the same norm weights on every rank
         self.norm = [(1 + 0.1 * torch.randn(HIDDEN, generator=g)).to(self.buf.device) for _ in range(LAYERS)]
         self.start = ss.Fence(view, channel=2)  # for the eager start of a loop
@@ -71,7 +72,7 @@ def decode_step(model: Model, hidden, residual, batch: pcp.Batch, every_slot):
         main_kv, _indexer_k = model.writer.caches(layer)  # my replica, as attention reads it
         seen = main_kv.view(-1, main_kv.shape[-1])[every_slot]  # every rank's rows of this step, as stored
         context = seen[:, :HIDDEN].float().sum(dim=0)  # attention stand-in: exact (sums of small integers)
-        model.writer.fence.fence()  # every member read this layer before any member writes again
+        model.writer.fence.fence()  # every member has read this layer's rows before any goes on
         hidden = y + context * 2.0**-16  # the next layer's partial output (a product by a power of two: exact)
     return hidden, residual
     # --8<-- [end:step]
@@ -90,7 +91,8 @@ def decode_loop(model: Model, step_fn, steps: int) -> tuple[list[torch.Tensor], 
         hidden = torch.randn(tokens, HIDDEN, generator=g).to(dev)
         residual = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(step)).to(dev)
         every_slot = torch.arange(step * max(ROWS) * world, step * max(ROWS) * world + tokens, device=dev)
-        batch = model.writer.prepare(every_slot[rank * rows : (rank + 1) * rows])  # collective, once per batch: outside compiled code
+        # Collective, once per batch, outside the compiled code: rank r owns the r-th share of the tokens.
+        batch = model.writer.prepare(every_slot[rank * rows : (rank + 1) * rows])
         for t in (hidden, residual, batch.slots, every_slot):
             torch._dynamo.mark_dynamic(t, 0)  # the token count changes: compile once for every count
         out, _ = step_fn(model, hidden, residual, batch, every_slot)
