@@ -14,10 +14,22 @@ time per call, eagerly and in CUDA-graph replay, medians of ``--reps`` runs:
   * torch symmetric memory's ``one_shot_all_reduce`` and ``two_shot_all_reduce_`` (never
     its multimem variants: multicast is off on these machines);
   * the host time of an eager symmsync all-reduce call (the clock stops when the call
-    returns), against the 8 µs target.
+    returns), against the 8 µs target;
+  * host time per call of a decode batch's all-reduce and fused all-reduce + residual +
+    RMS norm (8 × 1024 bf16): the plain eager call, the same call compiled with
+    ``torch.compile(fullgraph=True)`` (Inductor; the graph holds the ``symmsync::`` op),
+    and compiled with ``mode="reduce-overhead"`` (torch's CUDA graphs: a replay per call).
 Prints a table of µs and ratios, the size from which two-shot beats one-shot (the
 crossover that ``symmsync.collectives.tuning`` should hold), the targets, and writes
 ``collectives_<machine>.json`` and ``.png`` into ``--out``. Refuses on fewer than 2 GPUs.
+
+With ``SYMMSYNC_SHARE_GPUS=1`` the ranks share the GPUs there are (rank r on GPU
+r % count, torch.distributed over gloo: NCCL refuses two ranks on one GPU), and the run
+measures host time only (the last item above): the GPU time of ranks that share a GPU
+is not an NVLink number, and NCCL and torch symmetric memory do not run there. It
+writes ``collectives_<machine>_shared.json``::
+
+    SYMMSYNC_SHARE_GPUS=1 python benchmarks/collectives.py --world 2
 """
 
 from __future__ import annotations
@@ -35,6 +47,10 @@ import common  # noqa: E402
 KB = 1024
 TARGET_EAGER_HOST_US = 8.0
 TARGET_16K_US = 4.0
+PORT = 29533
+HOST_TOKENS, HOST_HIDDEN = 8, 1024  # the host-time calls: a decode batch, 16 KB of bf16
+HOST_CALLS = (("ar", "all-reduce"), ("fused", "fused norm"))
+HOST_MODES = (("eager", "eager"), ("compiled", "compiled"), ("reduce_overhead", "reduce-overhead"))
 
 SYMMSYNC_AR = ("one_shot", "two_shot", "auto")
 ROWS_AR = [
@@ -68,19 +84,80 @@ def iters_for(nbytes: int, base: int) -> int:
     return max(10, min(base, (64 << 20) // nbytes * 8))
 
 
+def sharing_gpus() -> bool:
+    """``SYMMSYNC_SHARE_GPUS=1``: the ranks share the GPUs there are (a host-time run)."""
+    return os.environ.get("SYMMSYNC_SHARE_GPUS", "0") not in ("", "0")
+
+
+def init(rank: int, world: int) -> torch.device:
+    """One process per rank: on its own GPU over NCCL, or sharing the GPUs over gloo."""
+    if not sharing_gpus():
+        return common.init_worker(rank, world, PORT)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(PORT))
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return dev
+
+
+def host_times(ar, dev: torch.device, iters: int, reps: int) -> dict[str, float | None]:
+    """Host µs per call (the clock stops when the calls return) of the all-reduce and the fused
+    norm: eager, compiled (fullgraph, Inductor) and compiled with ``mode="reduce-overhead"``."""
+    g = torch.Generator(dev).manual_seed(dist.get_rank())
+    x = torch.randn(HOST_TOKENS, HOST_HIDDEN, generator=g, device=dev).to(torch.bfloat16)
+    residual = torch.randn(HOST_TOKENS, HOST_HIDDEN, generator=g, device=dev).to(torch.bfloat16)
+    weight = torch.ones(HOST_HIDDEN, dtype=torch.bfloat16, device=dev)
+    calls = {
+        "ar": lambda x, r: ar(x),
+        "fused": lambda x, r: ar(x, residual=r, norm_weight=weight, eps=1e-6),
+    }
+    out: dict[str, float | None] = {}
+    for name, fn in calls.items():
+        for mode, _ in HOST_MODES:
+            key = f"host_{name}_{mode}"
+            step = fn
+            if mode == "compiled":
+                step = torch.compile(fn, fullgraph=True)
+            elif mode == "reduce_overhead":
+                step = torch.compile(fn, fullgraph=True, mode="reduce-overhead")
+            try:
+                with torch.no_grad():  # inference: the ops have no autograd formula
+                    step(x, residual)  # compiles (the peers' first calls wait for this rank's)
+                    common.sync_all()
+                    out[key] = common.eager_us(lambda s=step: s(x, residual), iters, reps, warmup=20, host_only=True)
+            except Exception as e:  # noqa: BLE001 - a mode that cannot run is reported, not fatal
+                print(f"rank {dist.get_rank()}: host time of {name}, {mode}, failed: {e!r}", flush=True)
+                out[key] = None
+                common.sync_all()
+    return out
+
+
 def worker(rank: int, world: int, args: argparse.Namespace) -> None:
-    dev = common.init_worker(rank, world, 29533)
+    dev = init(rank, world)
     import torch.distributed._symmetric_memory as symm_mem
 
     import symmsync as ss
     from symmsync import collectives as C
 
     group = dist.group.WORLD
-    max_numel = args.max_mb * KB * KB // 2
+    shared = sharing_gpus()
+    max_numel = HOST_TOKENS * HOST_HIDDEN if shared else args.max_mb * KB * KB // 2
     per = C.workspace_bytes(max_numel, torch.bfloat16, world)
     buf = ss.SymmetricBuffer(3 * per, backend="cuda")
     view = buf.view(list(range(world)))
-    ar = C.AllReduce(view, max_numel, torch.bfloat16)
+    # The budget of a wait covers a peer still compiling: a first compiled call waits for it.
+    ar = C.AllReduce(view, max_numel, torch.bfloat16, timeout_s=300.0)
+    if shared:  # host time only: the GPU time of ranks that share a GPU means nothing here
+        R = host_times(ar, dev, iters=min(args.iters, 100), reps=args.reps)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (R, {}))
+        if rank == 0:
+            report(gathered, args, shared=True)
+        common.sync_all()
+        buf.close()
+        dist.destroy_process_group()
+        return
     ag = C.AllGather(view, max_numel, torch.bfloat16, offset=per, channel=1)
     rs = C.ReduceScatter(view, max_numel, torch.bfloat16, offset=2 * per, channel=2)
     symm = symm_mem.empty(max_numel, dtype=torch.bfloat16, device=dev)
@@ -132,6 +209,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     for nbytes in sizes(args.max_mb):
         one_size(nbytes)
     R["launch_path"] = next(iter(ar._bound.values())).launcher.path  # type: ignore[assignment]
+    R.update(host_times(ar, dev, iters=args.iters, reps=reps))  # after: a compiled call drops the bound launches
     gathered_r: list = [None] * world
     dist.all_gather_object(gathered_r, (R, same_bits))
     if rank == 0:
@@ -165,7 +243,20 @@ def _size(b: int) -> str:
     return f"{b // (KB * KB)} MB" if b >= KB * KB else f"{b // KB} KB"
 
 
-def report(per_rank: list, args: argparse.Namespace) -> None:
+def host_lines(res: dict) -> list[str]:
+    """The host-time table: per call, eager against compiled and reduce-overhead."""
+    lines = [
+        f"host time per call, {HOST_TOKENS}x{HOST_HIDDEN} bf16 (the clock stops when the call returns), µs:",
+        f"{'':>11s} " + " ".join(f"{label:>15s}" for _, label in HOST_MODES) + "  compiled/eager",
+    ]
+    for name, label in HOST_CALLS:
+        vals = [res.get(f"host_{name}_{mode}") for mode, _ in HOST_MODES]
+        ratio = f"{vals[1] / vals[0]:13.2f}×" if vals[0] and vals[1] else f"{'-':>14s}"
+        lines.append(f"{label:>11s} " + " ".join(f"{_fmt(v):>15s}" for v in vals) + f"  {ratio}")
+    return lines
+
+
+def report(per_rank: list, args: argparse.Namespace, shared: bool = False) -> None:
     info = common.machine()
     stats = [r for r, _ in per_rank]
     keys = {k for r in stats for k, v in r.items() if isinstance(v, float) or v is None}
@@ -175,6 +266,14 @@ def report(per_rank: list, args: argparse.Namespace) -> None:
         f"collectives, {args.world} ranks, bf16, µs per call (max over ranks of the median of {args.reps} runs); "
         f"{info['gpu_count']}× {info['gpus'][0]}, torch {info['torch']}, triton {info['triton']}",
     ]
+    if shared:
+        lines.append(
+            f"the {args.world} ranks share {info['gpu_count']} GPU(s) (SYMMSYNC_SHARE_GPUS=1): host time only; "
+            "the GPU time of ranks that share a GPU is not an NVLink number, and NCCL does not run there"
+        )
+        lines += host_lines(res)
+        finish(lines, res, stats, info, args, None, shared)
+        return
     for mode in ("graph", "eager"):
         lines.append(f"all-reduce, {mode}:")
         lines.append(f"{'size':>7s} " + " ".join(f"{c:>9s}" for c in SHORT_AR) + "  auto/best-torch  NCCL/auto")
@@ -232,15 +331,24 @@ def report(per_rank: list, args: argparse.Namespace) -> None:
             f"  host time per eager call (16 KB, auto) at most {TARGET_EAGER_HOST_US} µs: {host:.2f} µs "
             f"({'met' if host <= TARGET_EAGER_HOST_US else 'MISSED'})"
         )
+    lines += host_lines(res)
     lines.append(f"launch path: {per_rank[0][0].get('launch_path')}")
+    finish(lines, res, stats, info, args, cross, shared)
+
+
+def finish(lines: list[str], res: dict, stats: list, info: dict, args, cross: dict | None, shared: bool) -> None:
+    """Print the table; write the JSON (and, with the sweep, the PNG)."""
     text = "\n".join(lines)
     print(text, flush=True)
     name = f"collectives_{common.slug(info)}"
     if args.world != 2:
         name += f"_w{args.world}"
+    if shared:
+        name += "_shared"
     payload = {
         "machine": info,
         "world": args.world,
+        "shared_gpus": shared,
         "results_us": res,
         "per_rank_us": stats,
         "crossover_bytes": cross,
@@ -248,7 +356,10 @@ def report(per_rank: list, args: argparse.Namespace) -> None:
         "table": text,
     }
     common.write_json(os.path.join(args.out, name + ".json"), payload)
-    plot(res, info, all_sizes, os.path.join(args.out, name + ".png"), args.world)
+    if shared:
+        print(f"wrote {os.path.join(args.out, name)}.json", flush=True)
+        return
+    plot(res, info, sizes(args.max_mb), os.path.join(args.out, name + ".png"), args.world)
     print(f"wrote {os.path.join(args.out, name)}.json and .png", flush=True)
 
 
@@ -291,10 +402,16 @@ def main() -> None:
     parser.add_argument("--max-mb", type=int, default=64, help="largest message, MB")
     args = parser.parse_args()
     n = torch.cuda.device_count()
+    if sharing_gpus():
+        if n < 1 or args.world < 2:
+            sys.exit(f"SYMMSYNC_SHARE_GPUS=1 benchmarks/collectives.py: needs a GPU and --world >= 2 (GPUs: {n})")
+        torch.multiprocessing.spawn(worker, args=(args.world, args), nprocs=args.world, join=True)
+        return
     if n < 2 or args.world < 2 or n < args.world:
         sys.exit(
             f"benchmarks/collectives.py measures collectives between GPUs: it needs --world >= 2 GPUs and this "
-            f"machine has {n} (asked for --world {args.world}). Run it on a machine with 2 or more NVLinked GPUs."
+            f"machine has {n} (asked for --world {args.world}). Run it on a machine with 2 or more NVLinked GPUs, "
+            "or measure host time only with the ranks sharing a GPU: SYMMSYNC_SHARE_GPUS=1."
         )
     args.tp = 1
     common.spawn(worker, args, "benchmarks/collectives.py")

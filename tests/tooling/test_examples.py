@@ -42,6 +42,11 @@ EXPECTED = {
         "pipeline: 8 chunks through a ring of 4 tiles to a slow consumer: every chunk exact; "
         "chunk 0 was done before chunk 7 was sent"
     ],
+    "08_compiled_decode.py": [
+        f"rank {r}: 6 compiled decode steps of 2 layers (4/6 tokens), one graph: "
+        "outputs and caches bit for bit the eager loop's"
+        for r in (0, 1)
+    ],
 }
 HOST_ONLY = {
     "01_buffer.py": [f"rank {r}: host backend, 1024 bytes on cpu" for r in (0, 1)],

@@ -49,6 +49,15 @@ def test_the_runtime_cache_example_runs_under_torchrun():
         assert f"rank {r}: the cache grew from 3 to 16 blocks" in proc.stdout
 
 
+def test_the_compiled_decode_example_runs_under_torchrun():
+    # torch.compile(fullgraph=True) of the symmsync ops in a plain torchrun job (examples/08_compiled_decode.py).
+    proc = torchrun("examples/08_compiled_decode.py")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in (0, 1):
+        line = f"rank {r}: 6 compiled decode steps of 2 layers (4/6 tokens), one graph: outputs and caches bit for bit"
+        assert proc.stdout.count(line) == 1, proc.stdout
+
+
 def _job_section() -> str:
     text = (ROOT / "examples" / "torchrun_job.py").read_text()
     return text.split("# --8<-- [start:job]\n")[1].split("# --8<-- [end:job]")[0]
