@@ -181,6 +181,14 @@ assert all(fence_aborter(n) - n == fence_aborter(0) and fence_reason(n) - n == f
 
 
 @triton.jit
+def _words(record):
+    """``record`` (a record's address, a kernel argument) as a pointer to its int64 words.
+    Through int64 first: Triton 3.6's interpreter cannot turn a 32-bit integer into a
+    pointer, and gives an argument whose value fits 32 bits that type."""
+    return record.to(tl.int64).to(tl.pointer_type(tl.int64))
+
+
+@triton.jit
 def finish_record(rec, flag, TRAP: tl.constexpr):
     """Set a record's flag word (``rec``: an int64 pointer to word 0) last, then (``TRAP``) trap.
 
@@ -234,7 +242,7 @@ def write_timeout_record(record, ptrs, cell, me, epoch, SIZE: tl.constexpr):
     arguments kept past ``close()``) names this rank itself as the aborter, with its own
     cell's reason ("closed").
     """
-    rec = record.to(tl.pointer_type(tl.int64))
+    rec = _words(record)
     first, _unused = scan_members(slots_ptr(ptrs, cell, me), me, epoch, rec + _FENCE_SLOTS, SIZE, FIRST_BEHIND)
     first = tl.where(tl.full((), 0, tl.int64) + epoch >= _CLOSED_EPOCH, me, first)  # int64: see _wait
     found = _copy_reason(rec + _FENCE_REASON + SIZE, ptrs, cell, first, me, SIZE)
@@ -268,7 +276,7 @@ def write_signal_record(
     state word: when it is not 0 (the wait ran through a closed or aborted handle) the record
     names this rank as the aborter, with its own cell's reason and ``state`` as the reason code.
     """
-    rec = record.to(tl.pointer_type(tl.int64))
+    rec = _words(record)
     own = slots_ptr(cell_table, 0, me)
     first, _unused = scan_members(own, me, 0, own, SIZE, FIRST_FLAGGED)
     first = tl.where(state != 0, me, first)
@@ -289,7 +297,7 @@ def write_signal_record(
 @triton.jit
 def write_misuse_record(record, flag, rank, PRIMITIVE: tl.constexpr, which, value, bound):
     """Write a misuse record (``flag``: :data:`INDEX` or :data:`REFUSED`; the layout above) to ``record``."""
-    rec = record.to(tl.pointer_type(tl.int64))
+    rec = _words(record)
     pid = program_index()
     tl.store(rec + _MISUSE_RANK, rank)
     tl.store(rec + _MISUSE_PRIMITIVE, PRIMITIVE)
@@ -342,7 +350,7 @@ def write_mismatch_record(record, ptrs, header_off, me, mine, epoch, SIZE: tl.co
     ``header_off`` is the byte offset of this call's header in every member's memory.
     """
     w = tl.arange(0, _HEADER_WORDS)
-    rec = record.to(tl.pointer_type(tl.int64))
+    rec = _words(record)
     for p in tl.static_range(SIZE):
         theirs = tl.load((tl.load(ptrs + p) + header_off).to(tl.pointer_type(tl.int64)) + w)
         tl.store(rec + _COLL_HEADERS + p * _HEADER_WORDS + w, tl.where(p == me, mine, theirs))
@@ -355,7 +363,7 @@ def write_mismatch_record(record, ptrs, header_off, me, mine, epoch, SIZE: tl.co
 @triton.jit
 def write_grid_stall_record(record, me, epoch, arrived, SIZE: tl.constexpr, TRAP: tl.constexpr):
     """Write a ``GRID_STALL`` collective record (``arrived`` programs had arrived), then trap with ``TRAP``."""
-    rec = record.to(tl.pointer_type(tl.int64))
+    rec = _words(record)
     tl.store(rec + _COLL_EPOCH, epoch)
     tl.store(rec + _COLL_INDEX, me)
     tl.store(rec + _COLL_SIZE, SIZE)
