@@ -163,6 +163,7 @@ def writer(m: dict, n: int, per_node: int, tokens: int) -> dict:
         "direct_us": direct,
         "allgather_us": gathered,
         "off_node_bytes": (n - 1) * compact,
+        "off_node_MB": (n - 1) * compact / 1e6,
     }
 
 
@@ -198,7 +199,7 @@ def table(result: dict) -> str:
     for r in result["writer"]:
         lines.append(
             f"{r['pcp_per_node']:>8} {r['tokens_per_rank']:>6} {r['nodes']:>5} {r['direct_us']:>8.1f} "
-            f"{r['allgather_us']:>9.1f} {r['off_node_bytes'] / 1e6:>11.2f}"
+            f"{r['allgather_us']:>9.1f} {r['off_node_MB']:>11.2f}"
         )
     return "\n".join(lines)
 
