@@ -112,7 +112,8 @@ def _member_closes_on_the_other_node(nb):
     dist.barrier()
     if buf.rank == 3:
         buf.close()
-        return None
+        dist.barrier()  # the others close only after every write() returned or raised: none of
+        return None  # them learns of the failure from a node-mate's close()
     t0 = time.monotonic()
     try:
         writer.write(1, *rows, batch)
@@ -120,6 +121,7 @@ def _member_closes_on_the_other_node(nb):
     except ss.SymmSyncError as e:
         outcome = (type(e).__name__, str(e))
     elapsed = time.monotonic() - t0
+    dist.barrier()
     buf.close()
     return outcome, elapsed
 
