@@ -97,7 +97,7 @@ class Route:
         return f"{name} across {self.nodes} nodes" if self.spans else name
 
 
-def choose(view: PeerView, route: str) -> tuple[Route | None, str | None]:
+def route_for(view: PeerView, route: str) -> tuple[Route | None, str | None]:
     """The :class:`Route` of ``route`` on ``view``, or ``(None, the problem)``."""
     if not isinstance(route, str) or route not in ROUTES:
         return None, f"route must be one of {ROUTES}, got {route!r}"

@@ -52,7 +52,7 @@ from .kernels import ROPE as _ROPE
 from .kernels import _quantize_write_kernel
 from .layout import CacheLayout, CacheTensors, IndexerKLayout, MainKVLayout, layer_spans
 from .quant import INDEXER_SCALES
-from .routes import ROUTES, Gather, choose, node_view
+from .routes import ROUTES, Gather, node_view, route_for
 from .tuning import Tuning
 
 _BF16 = torch.bfloat16
@@ -155,7 +155,7 @@ class DirectKVWriter:
         call = "DirectKVWriter"
         problem, error = None, ConfigError
         placement = None
-        how, route_problem = choose(view, route)  # the route as the view's node layout makes it
+        how, route_problem = route_for(view, route)  # the route as the view's node layout makes it
         if not isinstance(layout, (CacheLayout, CacheTensors)):
             problem = f"layout must be a symmsync.pcp.CacheLayout or CacheTensors, got {type(layout).__name__}"
         elif route_problem is not None:
