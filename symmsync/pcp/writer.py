@@ -417,9 +417,10 @@ class DirectKVWriter:
         A bad input is refused before any byte is written, after aborting the writer's
         view (:meth:`symmsync.Fence.abort`): the other members raise
         :class:`~symmsync.PeerAborted` naming this rank at once, and this writer's
-        fences fail from then on. (On the all-gather route the others wait in
-        torch.distributed's all-gather, which an abort does not reach:
-        torch.distributed's failure handling applies there.)
+        fences fail from then on. (On the all-gather route within one node the others
+        wait in torch.distributed's all-gather, which an abort does not reach:
+        torch.distributed's failure handling applies there. Across nodes every
+        exchange is the writer's :attr:`offnode`, which an abort does reach.)
 
         Raises:
             BoundsError: ``layer`` is not one of the layout's layers, as
