@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,13 @@ STORE_PREFIX = "symmsync/abort"
 
 #: How often a waiting exchange reads the store for the other members' aborts, in seconds.
 STORE_POLL_S = 0.02
+
+#: How long a rank whose exchange broke waits for the other members to post that they gave up
+#: too, in seconds: those that stay silent are the ones that died (torch.distributed does not say).
+SILENT_S = 1.0
+
+#: What a rank posts when torch.distributed broke its exchange off (it does not say who died).
+BROKE = "the exchange broke"
 
 #: How much longer than ``timeout_s`` torch.distributed's own timeout of the groups is, in
 #: seconds: an exchange this rank gave up on ends within it, so that nothing lingers.
@@ -199,7 +207,7 @@ class OffNode:
         try:
             work = dist.all_gather(out, src, group=group, async_op=True)
         except RuntimeError as e:
-            self._fail(self._lost(call, ranks, e))
+            self._fail(self._explain(call, ranks, _gist(e)), f"{call}: {BROKE}")
         self._wait(work, call, ranks)
         return [out[order.index(r)] for r in ranks]
 
@@ -215,7 +223,7 @@ class OffNode:
                     work.wait()
                     return
             except RuntimeError as e:  # gloo: a peer's connection closed
-                self._fail(self._lost(call, ranks, e))
+                self._fail(self._explain(call, ranks, _gist(e)), f"{call}: {BROKE}")
             if self.view.failure.reason is not None:
                 self.view.failure.check(self)
             now = time.monotonic()
@@ -223,18 +231,65 @@ class OffNode:
                 next_read = now + STORE_POLL_S
                 aborted = posted_aborts(self.view, others)
                 if aborted:
-                    self._fail(self._aborted(call, aborted))
+                    err = self._explain(call, ranks, None)
+                    self._fail(err, f"{call}: gave up after {ranks_text(sorted(err.aborted))}")
             if now - start > self.timeout_s:
-                self._fail(self._timeout(call, ranks))
+                self._fail(self._timeout(call, ranks), f"{call}: timed out after {self.timeout_s:g} s")
             time.sleep(0.0005)
 
     # ------------------------------------------------------------------ failures
-    def _fail(self, err: Exception) -> None:
-        """Fail closed: every later call raises ``err``, and the view's members are told."""
+    def _fail(self, err: Exception, reason: str) -> None:
+        """Fail closed: every later call raises ``err``, and the view's members are told ``reason``
+        (unless this rank told them why already)."""
         view = self.view
         view.failure.fail(self, err)
-        view.failure.abort_quietly(f"rank {self._ranks[view.local_index]}: {type(err).__name__} in OffNode")
+        view.failure.abort_quietly(reason)
         raise err
+
+    def _explain(self, call: str, ranks: list[int], detail: str | None) -> PeerAborted:
+        """The error of an exchange that broke (torch.distributed's ``detail``) or that members
+        posted aborts of, naming who gave up first.
+
+        A member whose abort says something else than :data:`BROKE` (it closed, aborted, timed
+        out) is named with its reason, at once. Otherwise every member only saw the exchange
+        break, and this rank posts that too (so the others count it alive) and waits up to
+        :data:`SILENT_S` for every other member of the exchange but one to do the same: those
+        that stay silent are named as the ones that died, since torch.distributed does not
+        say. Best effort: a member slower than that is named too.
+        """
+        view, me = self.view, self._ranks[self.view.local_index]
+        members = [r for r in self._ranks if r != me]
+        posted: dict[int, str] = {}
+        deadline, told = time.monotonic() + SILENT_S, False
+        while True:
+            try:
+                posted = posted_aborts(view, members)
+            except Exception:  # noqa: BLE001 - the store may have gone with the dead rank
+                break
+            first = {r: why for r, why in posted.items() if BROKE not in why}
+            if first:
+                return self._aborted(call, first)
+            if not told:  # tell the others this rank lives
+                view.failure.abort_quietly(f"{call}: {BROKE} ({detail or 'told by ' + ranks_text(sorted(posted))})")
+                told = True
+            waited = [r for r in ranks if r != me]
+            if sum(r in posted for r in waited) >= len(waited) - 1 or time.monotonic() > deadline:
+                break
+            time.sleep(STORE_POLL_S)
+        silent = [r for r in ranks if r != me and r not in posted]
+        if not silent:
+            return self._aborted(call, posted)
+        why = f"died or left: silent after the exchange broke ({detail or 'as its peers told'})"
+        return PeerAborted(
+            f"rank {me}: {call} on view {list(view.ranks)}: the exchange broke and {ranks_text(silent)} stayed "
+            f"silent (died or left? check its log; {detail or 'told by the ranks that saw it break'}). The "
+            "exchange fails closed (carry on with a new view)",
+            rank=me,
+            epoch=-1,
+            late={},
+            channel=-1,
+            aborted=dict.fromkeys(silent, why),
+        )
 
     def _aborted(self, call: str, aborted: dict[int, str]) -> PeerAborted:
         me = self._ranks[self.view.local_index]
@@ -247,26 +302,6 @@ class OffNode:
             late={},
             channel=-1,
             aborted=aborted,
-        )
-
-    def _lost(self, call: str, ranks: list[int], e: Exception) -> PeerAborted:
-        me = self._ranks[self.view.local_index]
-        try:  # a member that closed or aborted posted it: name it rather than everyone
-            posted = posted_aborts(self.view, [r for r in self._ranks if r != me])
-        except Exception:  # noqa: BLE001 - the store may be gone with the dead rank
-            posted = {}
-        if posted:
-            return self._aborted(call, posted)
-        gone = [r for r in ranks if r != me]
-        why = f"died or left (torch.distributed: {str(e).splitlines()[0] if str(e) else type(e).__name__})"
-        return PeerAborted(
-            f"rank {me}: {call} on view {list(self.view.ranks)}: the exchange with {ranks_text(gone)} broke: one "
-            f"of them {why}; check their logs. The exchange fails closed (carry on with a new view)",
-            rank=me,
-            epoch=-1,
-            late={},
-            channel=-1,
-            aborted=dict.fromkeys(gone, why),
         )
 
     def _timeout(self, call: str, ranks: list[int]) -> FenceTimeout:
@@ -284,3 +319,10 @@ class OffNode:
 
     def __repr__(self) -> str:
         return f"OffNode(view={list(self.view.ranks)}, nodes={self.view.nodes}, timeout_s={self.timeout_s:g})"
+
+
+def _gist(e: Exception) -> str:
+    """torch.distributed's error in a few words: its first sentence, without gloo's source location."""
+    text = str(e).strip()
+    line = text.splitlines()[0].split(". ")[0].rstrip(".") if text else ""
+    return re.sub(r"^\[[^\]]*\]\s*", "", line) or type(e).__name__
