@@ -52,8 +52,10 @@ STORE_PREFIX = "symmsync/abort"
 #: How often a waiting exchange reads the store for the other members' aborts, in seconds.
 STORE_POLL_S = 0.02
 
-#: How long a rank whose exchange broke waits for the other members to post that they gave up
-#: too, in seconds: those that stay silent are the ones that died (torch.distributed does not say).
+#: How long a rank waits on, in seconds, once a member of its exchange posted an abort: the
+#: exchange still completes if that member sent its part before (it finished the exchange, then
+#: closed). And how long a rank whose exchange broke waits for the other members to post that they
+#: gave up too: those that stay silent are the ones that died (torch.distributed does not say).
 SILENT_S = 1.0
 
 #: What a rank posts when torch.distributed broke its exchange off (it does not say who died).
@@ -101,11 +103,11 @@ def posted_aborts(view: PeerView, ranks: list[int]) -> dict[int, str]:
 class OffNode:
     """The bounded torch.distributed exchanges among the members of one view (collective).
 
-    Every member of ``view`` makes it, in the same order relative to other groups it
-    makes (torch.distributed names a group made by its members alone from how many
-    groups each has). It creates the groups it needs once: one of the view's members,
-    and one of the members at this rank's position in its node (one per node), where the
-    nodes are :attr:`~symmsync.nodes.NodeLayout.uniform`. It registers with the view's
+    Every member of ``view`` makes it, in the same order relative to the other
+    torch.distributed groups it makes (torch.distributed names a group made by its
+    members alone from how many groups each has). It creates the two groups it needs
+    once: one of the view's members, and one of the members at this rank's position in
+    its node. It registers with the view's
     failure owner: once this rank aborted the view, every call raises
     :class:`~symmsync.PeerAborted`.
 
@@ -130,11 +132,11 @@ class OffNode:
         me, layout = view.local_index, view.nodes
         pg_timeout = datetime.timedelta(seconds=(self.timeout_s if problem is None else 60.0) + GROUP_GRACE_S)
         self._view_group = self._new_group(self._ranks, pg_timeout)
-        self._position: list[int] | None = None  # view indices of the position group, node order
-        self._position_group = None
-        if layout.uniform:
-            self._position = list(layout.peers_at(layout.position(me)))
-            self._position_group = self._new_group([self._ranks[i] for i in self._position], pg_timeout)
+        # The members at this rank's position, one per node that has one, in node order (view
+        # indices). Every member makes both groups, so that members make as many groups.
+        at = layout.position(me)
+        self._position = [node[at] for node in layout.nodes if len(node) > at]
+        self._position_group = self._new_group([self._ranks[i] for i in self._position], pg_timeout)
         agree(
             self._view_group,
             "OffNode",
@@ -171,8 +173,9 @@ class OffNode:
                 differs leaves the exchange to torch.distributed's own checks, which gloo
                 and NCCL do not all make).
             among: ``"view"``: every member of the view. ``"position"``: the members at
-                this rank's position in its node, one per node, in node order (the
-                inter-node step of a hierarchical collective; needs uniform nodes).
+                this rank's position in its node (:meth:`~symmsync.nodes.NodeLayout.position`),
+                one per node that has a member there, in node order (the inter-node step of a
+                hierarchical collective; with uniform nodes, ``view.nodes.peers_at(position)``).
 
         Returns:
             The tensors, on ``t.device``.
@@ -192,11 +195,6 @@ class OffNode:
         if among == "view":
             members, group = list(range(view.size)), self._view_group
         elif among == "position":
-            if self._position is None:
-                raise ConfigError(
-                    f"rank {view.rank}: {call}: among='position' needs nodes of one size, and the view spans "
-                    f"{view.nodes}"
-                )
             members, group = self._position, self._position_group
         else:
             raise ConfigError(f"rank {view.rank}: {call}: among must be 'view' or 'position', got {among!r}")
@@ -214,9 +212,9 @@ class OffNode:
     def _wait(self, work: Any, call: str, ranks: list[int]) -> None:
         """Poll ``work`` until it is done; fail closed on an abort, a broken exchange or the budget."""
         me = self._ranks[self.view.local_index]
-        others = [r for r in self._ranks if r != me]
+        others = [r for r in ranks if r != me]
         start = time.monotonic()
-        next_read = start
+        next_read, told = start, None
         while True:
             try:
                 if work.is_completed():
@@ -227,12 +225,13 @@ class OffNode:
             if self.view.failure.reason is not None:
                 self.view.failure.check(self)
             now = time.monotonic()
-            if now >= next_read:
+            if told is None and now >= next_read:
                 next_read = now + STORE_POLL_S
-                aborted = posted_aborts(self.view, others)
-                if aborted:
-                    err = self._explain(call, ranks, None)
-                    self._fail(err, f"{call}: gave up after {ranks_text(sorted(err.aborted))}")
+                if posted_aborts(self.view, others):
+                    told = now  # a member gave up: but it may have sent its part before, which then arrives
+            if told is not None and now - told > SILENT_S:
+                err = self._explain(call, ranks, None)
+                self._fail(err, f"{call}: gave up after {ranks_text(sorted(err.aborted))}")
             if now - start > self.timeout_s:
                 self._fail(self._timeout(call, ranks), f"{call}: timed out after {self.timeout_s:g} s")
             time.sleep(0.0005)
@@ -258,7 +257,7 @@ class OffNode:
         say. Best effort: a member slower than that is named too.
         """
         view, me = self.view, self._ranks[self.view.local_index]
-        members = [r for r in self._ranks if r != me]
+        members = [r for r in ranks if r != me]
         posted: dict[int, str] = {}
         deadline, told = time.monotonic() + SILENT_S, False
         while True:
@@ -272,11 +271,10 @@ class OffNode:
             if not told:  # tell the others this rank lives
                 view.failure.abort_quietly(f"{call}: {BROKE} ({detail or 'told by ' + ranks_text(sorted(posted))})")
                 told = True
-            waited = [r for r in ranks if r != me]
-            if sum(r in posted for r in waited) >= len(waited) - 1 or time.monotonic() > deadline:
+            if len(posted) >= len(members) - 1 or time.monotonic() > deadline:
                 break
             time.sleep(STORE_POLL_S)
-        silent = [r for r in ranks if r != me and r not in posted]
+        silent = [r for r in members if r not in posted]
         if not silent:
             return self._aborted(call, posted)
         why = f"died or left: silent after the exchange broke ({detail or 'as its peers told'})"
