@@ -1,9 +1,9 @@
 """SymmetricBuffer: one collective allocation with direct access to every peer's copy.
 
 Every rank of a torch.distributed group allocates the same number of bytes; the
-handles are exchanged through the group and every rank maps every peer, so a
-kernel on any rank can load from and store to any rank's memory through a table
-of base addresses (:attr:`SymmetricBuffer.ptrs`).
+handles are exchanged through the group and every rank maps every peer of its node
+(:mod:`symmsync.nodes`; on one host, every peer), so a kernel on any rank can load from
+and store to those ranks' memory through a table of base addresses (:attr:`SymmetricBuffer.ptrs`).
 
 Each rank has two allocations, each mapped (on this rank, and on every peer) between
 guards of address space that is never mapped (``memory.GUARD_BYTES``, 2 MiB)::
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import backends, memory
+from . import backends, memory, nodes
 from .agreement import Same, agree
 from .cells import CellLayout
 from .checks import check_index, int_problem, is_int, require
@@ -109,15 +109,15 @@ class SymmetricBuffer:
             name, dev, problem = backend, None, str(e)
         problem = problem or memory.args_problem(nbytes, max_views, channels, max_nbytes, backend_options)
         sizes = {"nbytes": nbytes, "max_nbytes": max_nbytes, "max_views": max_views, "channels": channels}
-        self._agree("SymmetricBuffer", dev, problem, {"backend": name, **sizes})
+        self._agree("SymmetricBuffer", dev, problem, {"backend": name, **sizes}, new=True)
 
         self._nbytes = nbytes
         self._device = dev
         be = memory.create_backend(self._group, name, dev, backend_options or {})
         if max_nbytes is None:
-            self._finish(memory.Allocated.build(self._group, be, nbytes, max_views, channels))
+            self._finish(memory.Allocated.build(self._group, be, self._near, nbytes, max_views, channels))
         else:
-            self._finish(memory.Growable.build(self._group, be, nbytes, max_nbytes, max_views, channels))
+            self._finish(memory.Growable.build(self._group, be, self._near, nbytes, max_nbytes, max_views, channels))
 
     def _join(self, group: dist.ProcessGroup | None) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -205,7 +205,8 @@ class SymmetricBuffer:
         if problem is None:
             ptrs, problem = memory.Adopted.local_problem(ptrs, cells, self._world)
         sizes = {"nbytes": nbytes, "max_views": max_views, "channels": channels}
-        self._agree(call, dev, problem, {"backend": dev.type, "cells": cells, **sizes})
+        self._agree(call, dev, problem, {"backend": dev.type, "cells": cells, **sizes}, new=True)
+        nodes.refuse_spanning(self._nodes, call, "a runtime's addresses of other nodes' ranks cannot be mapped here")
         self._device = dev
         self._nbytes = nbytes
         self._finish(memory.Adopted.build(self._group, dev, ptrs, nbytes, max_views, channels, backend_options or {}))
@@ -219,22 +220,13 @@ class SymmetricBuffer:
         pads stay torch's. See :meth:`from_peer_addresses` for where symmsync keeps its
         cells, its keyword arguments and its errors.
         """
-        device = torch.device("cuda", torch.cuda.current_device())
+        device, call = torch.device("cuda", torch.cuda.current_device()), "SymmetricBuffer.from_torch"
         options = {"cells": "separate", "max_views": 16, "channels": 4, "backend_options": None, **kwargs}
         unknown = sorted(set(options) - {"cells", "max_views", "channels", "backend_options"})
         if unknown:
             raise TypeError(f"SymmetricBuffer.from_torch() got unexpected keyword arguments {unknown}")
-        return cls._adopt(
-            list(handle.buffer_ptrs),
-            int(handle.buffer_size),
-            group,
-            device,
-            options["cells"],
-            options["max_views"],
-            options["channels"],
-            options["backend_options"],
-            "SymmetricBuffer.from_torch",
-        )
+        rest = [options[k] for k in ("cells", "max_views", "channels", "backend_options")]
+        return cls._adopt(list(handle.buffer_ptrs), int(handle.buffer_size), group, device, *rest, call)
 
     @classmethod
     def register(
@@ -292,23 +284,28 @@ class SymmetricBuffer:
         problem = problem or memory.args_problem(nbytes, max_views, channels, max_nbytes, backend_options)
         kind = dev.type if dev is not None else "?"
         sizes = {"nbytes": nbytes, "max_nbytes": max_nbytes, "max_views": max_views, "channels": channels}
-        self._agree("SymmetricBuffer.register", dev, problem, {"backend": kind, **sizes})
+        self._agree("SymmetricBuffer.register", dev, problem, {"backend": kind, **sizes}, new=True)
         self._device = dev
         self._nbytes = nbytes
         name = backends.name_for(dev)
         be = memory.create_backend(self._group, name, dev, backend_options or {})
-        cells_be = memory.create_backend(self._group, name, dev, dict(backend_options or {}))
-        self._finish(memory.Registered.build(self._group, be, cells_be, ptr, nbytes, max_nbytes, max_views, channels))
+        cells = memory.create_backend(self._group, name, dev, dict(backend_options or {}))
+        mem = memory.Registered.build(self._group, be, cells, self._near, ptr, nbytes, max_nbytes, max_views, channels)
+        self._finish(mem)
         return self
 
     # ---------------------------------------------------------------- construction
     def _agree(
-        self, call: str, dev: torch.device | None, problem: str | None, args: dict, error: type = ConfigError
+        self, call: str, dev: Any, problem: str | None, args: dict, error: type = ConfigError, *, new: bool = False
     ) -> None:
-        """Agree on ``args`` (:data:`_AGREED` says how each compares): every rank raises the
-        same error (a capture on ``dev``, a problem, ranks that differ), or none does."""
-        same = {k: rule for k, rule in _AGREED.items() if k in args}
-        agree(self._group, call, args, problem=problem, error=error, same=same, device=dev)
+        """Agree on ``args`` (:data:`_AGREED` says how each compares): every rank raises the same error (a capture
+        on ``dev``, a problem, ranks that differ), or none does; ``new``: also on the nodes (:mod:`symmsync.nodes`)."""
+        if new:
+            args, problem = nodes.with_fields(args, problem, dev)
+        same = {k: rule for k, rule in (_AGREED | nodes.AGREED).items() if k in args}
+        agreed = agree(self._group, call, args, problem=problem, error=error, same=same, device=dev)
+        if new:  # and what this rank maps: its node's ranks
+            self._nodes, self._key, self._near = nodes.layout(agreed, call, self._rank)
 
     def grow(self, nbytes: int) -> None:
         """Grow the user region to ``nbytes`` on every rank (collective).
@@ -382,6 +379,11 @@ class SymmetricBuffer:
         return self._memory.capabilities
 
     @property
+    def nodes(self) -> nodes.NodeLayout:
+        """The group's ranks split into nodes (agreed): only this rank's node is mapped (:mod:`symmsync.nodes`)."""
+        return self._nodes
+
+    @property
     def group(self) -> dist.ProcessGroup:
         """The torch.distributed group the buffer was allocated over."""
         return self._group
@@ -397,9 +399,11 @@ class SymmetricBuffer:
 
         The same tensor for the buffer's life. It holds every mapping it names alive: a
         table (or a slice or view of it) kept past :meth:`close` still names mapped
-        memory (see :meth:`close`); a copy (``tolist()``, ``clone()``) holds nothing.
+        memory (see :meth:`close`); a copy (``tolist()``, ``clone()``) holds nothing. Refused
+        (:class:`~symmsync.ViewError`) over several nodes: kernels take a node's view's tables.
         """
         self._check_open("ptrs")
+        nodes.refuse_table(self._nodes, "ptrs", f"rank {self._rank}: SymmetricBuffer")
         return self._ptrs
 
     @property
@@ -412,6 +416,7 @@ class SymmetricBuffer:
         primitives. Like :attr:`ptrs`, it holds the mappings it names alive.
         """
         self._check_open("cell_ptrs")
+        nodes.refuse_table(self._nodes, "cell_ptrs", f"rank {self._rank}: SymmetricBuffer")
         return self._cell_ptrs
 
     @property
@@ -486,6 +491,7 @@ class SymmetricBuffer:
         Raises:
             BoundsError: the view would leave the user region or is misaligned, or
                 ``rank`` is not a rank of the group.
+            ViewError: ``rank`` is on another node (:attr:`nodes`), whose memory is not mapped here.
             ConfigError: an argument of the wrong type.
             ClosedError: the buffer is closed.
         """
@@ -512,6 +518,7 @@ class SymmetricBuffer:
                 call=call,
                 error=BoundsError,
             )
+        nodes.refuse_peer(self._nodes, me, rank, call)
         return self._memory.user_tensor(rank)[offset : offset + size].view(dtype).view(shape)
 
     # ---------------------------------------------------------------- views

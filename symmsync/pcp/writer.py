@@ -11,8 +11,11 @@ Two routes, chosen explicitly and agreed by every rank (never a silent mix):
 ``"allgather"``
     The baseline runtimes ship: all-gather the bf16 inputs over the PCP group
     (torch.distributed), then run the same quantize-and-insert kernel locally on
-    the gathered rows. It is the byte oracle of the direct route and the explicit
-    fallback where peers cannot be mapped (for example across hosts without NVLink).
+    the gathered rows. It is the byte oracle of the direct route.
+
+On a view that spans nodes the two names are read against its node layout
+(:mod:`symmsync.pcp.routes`): ``"direct"`` is direct within the writer's node and an
+all-gather of the compact KV between nodes, in the same ``write()``.
 
 Both routes run the same kernel, so their bytes can be compared exactly; the tests
 also check every cache format (``CacheLayout(main_scale=..., indexer_scale=...)``,
@@ -42,13 +45,14 @@ from ..checks import int_problem, require
 from ..errors import ClosedError, ConfigError, InputError, SymmSyncError
 from ..fence import Fence
 from ..launch import BoundLaunch, Launcher
+from ..offnode import OffNode
 from .kernels import IDX as _IDX
 from .kernels import NOPE as _NOPE
 from .kernels import ROPE as _ROPE
-from .kernels import TOKEN_BYTES as _TOKEN_BYTES
 from .kernels import _quantize_write_kernel
 from .layout import CacheLayout, CacheTensors, IndexerKLayout, MainKVLayout, layer_spans
 from .quant import INDEXER_SCALES
+from .routes import ROUTES, Gather, node_view, route_for
 from .tuning import Tuning
 
 _BF16 = torch.bfloat16
@@ -56,10 +60,7 @@ _BF16 = torch.bfloat16
 if TYPE_CHECKING:
     from ..views import PeerView
 
-ROUTES = ("direct", "allgather")
-
-# torch 2.13 renamed all_gather_into_tensor; 2.11 has only the old name.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+__all__ = ["ROUTES", "Batch", "DirectKVWriter", "Tuning"]
 
 
 @dataclass
@@ -75,7 +76,7 @@ class Batch:
 
     slots: torch.Tensor  #: int64 [rows] local slot mapping (-1: padding)
     rows: int
-    gathered_slots: torch.Tensor | None = None  #: allgather route: every rank's slots, rank-major
+    gathered_slots: torch.Tensor | None = None  #: the slots of the rows gathered (routes.Gather's order)
     #: The writer whose prepare() made it.
     writer: DirectKVWriter | None = field(default=None, repr=False, compare=False)
     # Made once per batch and reused by every layer's write(): the packed launch, and the
@@ -96,12 +97,15 @@ class DirectKVWriter:
             cache tensors (:class:`~symmsync.pcp.CacheTensors`) anywhere inside it (memory
             symmsync allocated, or registered); the members of a PCP group must hold them
             at the same offsets.
-        route: ``"direct"`` or ``"allgather"``; every rank must pass the same.
+        route: ``"direct"`` or ``"allgather"``; every rank must pass the same. On a view
+            that spans nodes, ``"direct"`` is direct within each node and an all-gather
+            between nodes (:mod:`symmsync.pcp.routes`).
         fused: direct route only: publish and wait in the writer's tail, so that a layer
             is one launch (default on the direct route; ``False``: the writer, then a
             fence launch).
         group: the torch.distributed group of the view's ranks; needed by the allgather
-            route when the view is not the whole world.
+            route when the view is within one node and is not the whole world (across
+            nodes the writer's :class:`~symmsync.offnode.OffNode` makes its own).
         channel: the fence channel of the view the writer uses.
         timeout_s: fence wait budget (default: the backend's).
         debug: also check, at :meth:`prepare`, that no slot is claimed twice across the
@@ -112,14 +116,17 @@ class DirectKVWriter:
         programs_per_sm: shorthand for the :class:`Tuning` field (``None``: the tuning's).
         spread: shorthand for the :class:`Tuning` field (``None``: the tuning's).
 
-    Construction is collective over the buffer's group: every rank agrees on the route,
-    and the members of a PCP group on the layout (formats included) and the channel.
-    The writer's :attr:`fence` is a :class:`~symmsync.Fence` on both routes.
+    Construction is collective over the buffer's group: every rank agrees on the route
+    (and on whether its view spans nodes), and the members of a PCP group on the layout
+    (formats included) and the channel. The writer's :attr:`fence` is a
+    :class:`~symmsync.Fence` on both routes: on the view, or, when the view spans nodes,
+    on :attr:`node_view` (the members on this rank's node; a fence cannot span nodes).
 
     Raises:
-        ConfigError: on every rank, when any rank passed an argument it cannot take, or
-            the ranks disagree (:class:`~symmsync.BoundsError`, a ``ConfigError``, when
-            the layout does not fit in the buffer or the channel is not one of the view's).
+        ConfigError: on every rank, when any rank passed an argument it cannot take (such as
+            ``route="direct"`` on a view whose nodes differ in size), or the ranks disagree
+            (also: some views span nodes and others do not) (:class:`~symmsync.BoundsError`,
+            a ``ConfigError``, when the layout does not fit or the channel is not the view's).
         BackendError: on every rank, when a rank of the group died or left before the
             arguments were agreed.
     """
@@ -148,10 +155,11 @@ class DirectKVWriter:
         call = "DirectKVWriter"
         problem, error = None, ConfigError
         placement = None
+        how, route_problem = route_for(view, route)  # the route as the view's node layout makes it
         if not isinstance(layout, (CacheLayout, CacheTensors)):
             problem = f"layout must be a symmsync.pcp.CacheLayout or CacheTensors, got {type(layout).__name__}"
-        elif not isinstance(route, str) or route not in ROUTES:
-            problem = f"route must be one of {ROUTES}, got {route!r}"
+        elif route_problem is not None:
+            problem = route_problem
         elif fused and route != "direct":
             problem = "fused=True needs route='direct' (the all-gather route has no fence to fuse)"
         else:
@@ -159,7 +167,7 @@ class DirectKVWriter:
                 placement = layout.placement(buf)
             except ConfigError as e:
                 problem, error = str(e), type(e)
-        if problem is None and route == "allgather" and group is None and view.size != buf.world_size:
+        if problem is None and how.among == "group" and group is None and view.size != buf.world_size:
             problem = "the allgather route needs group=, the torch.distributed group of the view's ranks"
         if problem is None:
             tuning, problem = Tuning._with(
@@ -170,7 +178,7 @@ class DirectKVWriter:
                 programs_per_sm=programs_per_sm,
             )
         fence = None
-        if problem is None:  # a bad channel or timeout is agreed like the rest, so that every rank raises
+        if problem is None and not how.spans:  # a bad channel or timeout is agreed like the rest
             fence, problem, error = agreement.attempt(lambda: Fence(view, channel, timeout_s=timeout_s), buf.rank)
         members = tuple(view.ranks)
         hint = f"every member of the PCP group {list(members)} must pass the same"
@@ -179,31 +187,49 @@ class DirectKVWriter:
             buf.group,
             call,
             {
-                "the route": f"{route} fused" if fused else route,
+                "the route": how.agreed(fused) if how is not None else route,
                 "the layout": placement.agreed() if placement is not None else None,
                 "the channel": channel,
             },
             problem=problem,
             error=error,
             same={
-                "the route": agreement.Same(hint="every rank must take the same route"),
+                "the route": agreement.Same(
+                    hint="every rank must take the same route, and the views of every rank span nodes or none does"
+                ),
                 "the layout": in_group,
                 "the channel": in_group,
             },
         )
+        #: Across nodes, the members of the view on this rank's node (:attr:`fence`'s view); else ``None``.
+        self.node_view = None
+        offnode = None
+        if how.spans:
+            # Made here, after every rank agreed to: a view is collective over the buffer's group.
+            self.node_view = node_view(view)
+            fence, problem, error = agreement.attempt(
+                lambda: Fence(self.node_view, channel, timeout_s=timeout_s), buf.rank
+            )
+            agreement.agree(buf.group, call, {}, problem=problem, error=error)
+            offnode = OffNode(view, timeout_s=fence.timeout_s)
+        #: Across nodes, the view's off-node exchange (:class:`~symmsync.offnode.OffNode`); ``None`` otherwise.
+        self.offnode = offnode
+        self._route = how
+        self._gather = Gather(how, view, group, offnode) if how.among is not None else None
         self.group = group
         #: How the kernel is launched (:class:`Tuning`).
         self.tuning = tuning
         block_rows, spread = tuning.block_rows, bool(tuning.spread)
         self.block_rows = block_rows
-        #: The fence of the writer's channel on its view. The direct route fences with it
-        #: after every layer; the all-gather route does not need it (NCCL orders the
-        #: gather) but it is there on both routes, to order other peer traffic.
+        #: The fence of the writer's channel on its view (across nodes: on :attr:`node_view`). The
+        #: direct route fences with it after every layer; the all-gather route does not need it
+        #: (the all-gather orders its rows) but it is there on both routes, for other peer traffic.
         self.fence = fence
+        near = self.node_view if how.spans else view  # the replicas this rank can store into
         if route == "direct":
-            dst = view.ptrs
+            dst = near.ptrs
         else:
-            dst = buf.ptrs[buf.rank : buf.rank + 1].contiguous()
+            dst = near.ptrs[near.local_index : near.local_index + 1].contiguous()
         self._dst = dst
         caps = buf.capabilities
         self._ways = dst.numel() if spread else 1  # the grid's second axis: one destination each
@@ -301,9 +327,10 @@ class DirectKVWriter:
             self._check_duplicates([every[r]["slots"] for r in members])
         batch = Batch(slots=slots, rows=rows, writer=self)  # write() takes only batches this writer validated
         launched_rows = rows
-        if self.route == "allgather":
-            batch.gathered_slots = self._all_gather(slots)
-            launched_rows = rows * self.view.size
+        if self._gather is not None:  # the rows this rank inserts arrive by all-gather
+            gathered_slots = slots.new_empty((self._gather.count * rows,))
+            batch.gathered_slots = self._exchange(gathered_slots, slots)
+            launched_rows = gathered_slots.numel()
             width = _NOPE + _ROPE + _IDX
             packed = torch.empty((rows, width), dtype=torch.int16, device=buf.device)
             gathered = torch.empty((launched_rows, width), dtype=torch.int16, device=buf.device)
@@ -390,9 +417,10 @@ class DirectKVWriter:
         A bad input is refused before any byte is written, after aborting the writer's
         view (:meth:`symmsync.Fence.abort`): the other members raise
         :class:`~symmsync.PeerAborted` naming this rank at once, and this writer's
-        fences fail from then on. (On the all-gather route the others wait in
-        torch.distributed's all-gather, which an abort does not reach:
-        torch.distributed's failure handling applies there.)
+        fences fail from then on. (On the all-gather route within one node the others
+        wait in torch.distributed's all-gather, which an abort does not reach:
+        torch.distributed's failure handling applies there. Across nodes every
+        exchange is the writer's :attr:`offnode`, which an abort does reach.)
 
         Raises:
             BoundsError: ``layer`` is not one of the layout's layers, as
@@ -415,16 +443,19 @@ class DirectKVWriter:
                 # The members may already wait in this layer's fence: tell them at once
                 # (they raise PeerAborted naming this rank and the reason) instead of
                 # letting them wait out their budget. Nothing was written.
-                self.fence.abort(str(e))
+                self._abort(str(e))
                 raise
         if self.route == "allgather":
             self._insert_gathered(layer, kv_c, k_pe, indexer_k, batch)
             return
         if self.fused:  # the tail fences inside the kernel: refuse here what Fence.fence() would
             self.fence.check_usable()
-        if self._bf16_as_bits:
-            kv_c, k_pe, indexer_k = kv_c.view(torch.int16), k_pe.view(torch.int16), indexer_k.view(torch.int16)
-        self._launch(layer, kv_c, k_pe, indexer_k, _NOPE, _ROPE, _IDX, batch.slots, batch.rows, batch)
+        if self._gather is not None:  # across nodes: its rows and its position peers', into its node's replicas
+            self._insert_gathered(layer, kv_c, k_pe, indexer_k, batch)
+        else:
+            if self._bf16_as_bits:
+                kv_c, k_pe, indexer_k = kv_c.view(torch.int16), k_pe.view(torch.int16), indexer_k.view(torch.int16)
+            self._launch(layer, kv_c, k_pe, indexer_k, _NOPE, _ROPE, _IDX, batch.slots, batch.rows, batch)
         if self.fused:
             if self._check_after_launch:
                 self.fence.check()
@@ -526,11 +557,23 @@ class DirectKVWriter:
             bound.update(self._per_layer, (kv_c, k_pe, idx_k, main_off, idx_off))
         bound()
 
-    # ------------------------------------------------------------------ baseline
-    def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        out = t.new_empty((self.view.size * t.shape[0],) + tuple(t.shape[1:]))
-        _all_gather_single(out, t.contiguous(), group=self.group)
-        return out
+    # ------------------------------------------------------------------ gathered rows
+    def _abort(self, reason: str) -> None:
+        """Abort the writer's fence's view and, across nodes, the writer's view (which reaches the
+        other nodes' exchanges: :mod:`symmsync.offnode`)."""
+        self.fence.abort(reason)
+        if self.node_view is not None:
+            self.view.abort(reason)
+
+    def _exchange(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The all-gather of ``t`` into ``out``. Across nodes a failed exchange (a peer aborted or
+        died, the budget ran out) first aborts, so that the members of this rank's node, which
+        may already wait in its fence, raise at once too."""
+        try:
+            return self._gather(out, t)
+        except SymmSyncError as e:
+            self._abort(str(e))
+            raise
 
     def _insert_gathered(self, layer, kv_c, k_pe, indexer_k, batch) -> None:
         packed, p_kv, p_pe, p_ix = batch._packed
@@ -539,20 +582,16 @@ class DirectKVWriter:
         p_pe.copy_(k_pe.view(torch.int16))
         p_ix.copy_(indexer_k.view(torch.int16))
         # Bytes travel on every backend (gloo has no int16 all-gather).
-        _all_gather_single(gathered.view(torch.uint8), packed.view(torch.uint8), group=self.group)
+        self._exchange(gathered.view(torch.uint8), packed.view(torch.uint8))
         width = _NOPE + _ROPE + _IDX
         self._launch(layer, g_kv, g_pe, g_ix, width, width, width, batch.gathered_slots, gathered.shape[0], batch)
 
     def bytes_per_layer(self, rows: int) -> dict[str, int]:
-        """What one layer moves per rank: cache bytes written, and bytes sent to peers.
+        """What one layer moves per rank: cache bytes written, bytes sent to peers, and the part
+        of those that crosses nodes (:meth:`symmsync.pcp.routes.Route.bytes_per_layer`).
 
         Raises:
             ConfigError: ``rows`` is not a non-negative int.
         """
         require(int_problem("rows", rows, minimum=0), rank=self.buffer.rank, call="DirectKVWriter.bytes_per_layer")
-        peers = self.view.size - 1
-        written = rows * _TOKEN_BYTES * self.view.size
-        if self.route == "direct":
-            return {"cache_bytes_written": written, "sent_to_peers": rows * _TOKEN_BYTES * peers}
-        inputs = rows * (_NOPE + _ROPE + _IDX) * 2  # bf16
-        return {"cache_bytes_written": written, "sent_to_peers": inputs * peers}
+        return self._route.bytes_per_layer(rows, self.view.size)
