@@ -16,9 +16,9 @@ in a CUDA graph, and refuse (on every member) calls that differ between members.
 """
 
 from . import torch_ops  # noqa: F401 - registers the symmsync:: ops as soon as a collective can be built
-from .layout import Workspace, workspace_bytes
+from .layout import ALGORITHMS, Workspace, workspace_bytes
 from .mismatch import CollectiveMismatch
-from .ops import ALGORITHMS, MAX_HIDDEN, AllGather, AllReduce, ReduceScatter
+from .ops import MAX_HIDDEN, AllGather, AllReduce, ReduceScatter
 from .tuning import choose
 
 __all__ = [
