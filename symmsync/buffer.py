@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import backends, memory
+from . import backends, memory, nodes
 from .agreement import Same, agree
 from .cells import CellLayout
 from .checks import check_index, int_problem, is_int, require
@@ -48,10 +48,12 @@ ALIGN = 16  #: every tensor view starts on a multiple of this many bytes
 
 __all__ = ["ALIGN", "CellLayout", "SymmetricBuffer"]
 
+_SIZES = "every rank must map the same size: compute it from values that agree across ranks"
 #: How the ranks compare a buffer's arguments, in this order: sizes that differ are a SizeMismatchError.
-_AGREED = dict.fromkeys(("backend", "cells", "max_views", "channels"), Same()) | dict.fromkeys(
-    ("nbytes", "max_nbytes"),
-    Same(SizeMismatchError, "every rank must map the same size: compute it from values that agree across ranks"),
+_AGREED = (
+    dict.fromkeys(("backend", "cells", "max_views", "channels"), Same())
+    | dict.fromkeys(("nbytes", "max_nbytes"), Same(SizeMismatchError, _SIZES))
+    | nodes.AGREED
 )
 
 
@@ -109,15 +111,16 @@ class SymmetricBuffer:
             name, dev, problem = backend, None, str(e)
         problem = problem or memory.args_problem(nbytes, max_views, channels, max_nbytes, backend_options)
         sizes = {"nbytes": nbytes, "max_nbytes": max_nbytes, "max_views": max_views, "channels": channels}
-        self._agree("SymmetricBuffer", dev, problem, {"backend": name, **sizes})
+        self._agree("SymmetricBuffer", dev, problem, {"backend": name, **sizes}, construct=True)
 
         self._nbytes = nbytes
         self._device = dev
         be = memory.create_backend(self._group, name, dev, backend_options or {})
+        near = self._nodes.members_of(self._rank)
         if max_nbytes is None:
-            self._finish(memory.Allocated.build(self._group, be, nbytes, max_views, channels))
+            self._finish(memory.Allocated.build(self._group, be, near, nbytes, max_views, channels))
         else:
-            self._finish(memory.Growable.build(self._group, be, nbytes, max_nbytes, max_views, channels))
+            self._finish(memory.Growable.build(self._group, be, near, nbytes, max_nbytes, max_views, channels))
 
     def _join(self, group: dist.ProcessGroup | None) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -205,7 +208,8 @@ class SymmetricBuffer:
         if problem is None:
             ptrs, problem = memory.Adopted.local_problem(ptrs, cells, self._world)
         sizes = {"nbytes": nbytes, "max_views": max_views, "channels": channels}
-        self._agree(call, dev, problem, {"backend": dev.type, "cells": cells, **sizes})
+        self._agree(call, dev, problem, {"backend": dev.type, "cells": cells, **sizes}, construct=True)
+        nodes.refuse_spanning(self._nodes, call, "a runtime's addresses of other nodes' ranks cannot be mapped here")
         self._device = dev
         self._nbytes = nbytes
         self._finish(memory.Adopted.build(self._group, dev, ptrs, nbytes, max_views, channels, backend_options or {}))
@@ -292,23 +296,39 @@ class SymmetricBuffer:
         problem = problem or memory.args_problem(nbytes, max_views, channels, max_nbytes, backend_options)
         kind = dev.type if dev is not None else "?"
         sizes = {"nbytes": nbytes, "max_nbytes": max_nbytes, "max_views": max_views, "channels": channels}
-        self._agree("SymmetricBuffer.register", dev, problem, {"backend": kind, **sizes})
+        self._agree("SymmetricBuffer.register", dev, problem, {"backend": kind, **sizes}, construct=True)
         self._device = dev
         self._nbytes = nbytes
         name = backends.name_for(dev)
         be = memory.create_backend(self._group, name, dev, backend_options or {})
         cells_be = memory.create_backend(self._group, name, dev, dict(backend_options or {}))
-        self._finish(memory.Registered.build(self._group, be, cells_be, ptr, nbytes, max_nbytes, max_views, channels))
+        near = self._nodes.members_of(self._rank)
+        self._finish(
+            memory.Registered.build(self._group, be, cells_be, near, ptr, nbytes, max_nbytes, max_views, channels)
+        )
         return self
 
     # ---------------------------------------------------------------- construction
     def _agree(
-        self, call: str, dev: torch.device | None, problem: str | None, args: dict, error: type = ConfigError
+        self,
+        call: str,
+        dev: Any,
+        problem: str | None,
+        args: dict,
+        error: type = ConfigError,
+        *,
+        construct: bool = False,
     ) -> None:
         """Agree on ``args`` (:data:`_AGREED` says how each compares): every rank raises the
-        same error (a capture on ``dev``, a problem, ranks that differ), or none does."""
+        same error (a capture on ``dev``, a problem, ranks that differ), or none does. At
+        construction the same exchange agrees on the node layout (:func:`symmsync.nodes.fields`)."""
+        if construct:
+            fields, node_problem = nodes.fields(self._group, dev)
+            args, problem = {**args, **fields}, problem or node_problem
         same = {k: rule for k, rule in _AGREED.items() if k in args}
-        agree(self._group, call, args, problem=problem, error=error, same=same, device=dev)
+        agreed = agree(self._group, call, args, problem=problem, error=error, same=same, device=dev)
+        if construct:
+            self._nodes, self._key = nodes.layout(agreed, call)
 
     def grow(self, nbytes: int) -> None:
         """Grow the user region to ``nbytes`` on every rank (collective).
@@ -382,6 +402,12 @@ class SymmetricBuffer:
         return self._memory.capabilities
 
     @property
+    def nodes(self) -> nodes.NodeLayout:
+        """The group's ranks split into nodes (agreed at construction): only the peers of this
+        rank's node are mapped (:mod:`symmsync.nodes`)."""
+        return self._nodes
+
+    @property
     def group(self) -> dist.ProcessGroup:
         """The torch.distributed group the buffer was allocated over."""
         return self._group
@@ -400,6 +426,7 @@ class SymmetricBuffer:
         memory (see :meth:`close`); a copy (``tolist()``, ``clone()``) holds nothing.
         """
         self._check_open("ptrs")
+        nodes.refuse_table(self._nodes, "ptrs", f"rank {self._rank}: SymmetricBuffer")
         return self._ptrs
 
     @property
@@ -412,6 +439,7 @@ class SymmetricBuffer:
         primitives. Like :attr:`ptrs`, it holds the mappings it names alive.
         """
         self._check_open("cell_ptrs")
+        nodes.refuse_table(self._nodes, "cell_ptrs", f"rank {self._rank}: SymmetricBuffer")
         return self._cell_ptrs
 
     @property
@@ -512,6 +540,7 @@ class SymmetricBuffer:
                 call=call,
                 error=BoundsError,
             )
+        nodes.refuse_peer(self._nodes, me, rank, call)
         return self._memory.user_tensor(rank)[offset : offset + size].view(dtype).view(shape)
 
     # ---------------------------------------------------------------- views

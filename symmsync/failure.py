@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cells
+from . import cells, offnode
 from . import language as ssl
 from .errors import CLOSED_REASON, ClosedError, PeerAborted
 
@@ -182,7 +182,7 @@ class ViewFailure:
         if self._reason is not None:
             entry.error = waiter.abort_error(self._reason)
         self._waiters[waiter] = entry
-        if not self._warm and self._view.buffer.capabilities.traps:
+        if not self._warm and self._view.buffer.capabilities.traps and self._view.nodes.single:
             self._warm = True
             self._warm_up()
 
@@ -295,6 +295,8 @@ class ViewFailure:
     def _set(self, reason: str) -> None:
         self._reason = reason
         self.clean = False
+        if not self._view.nodes.single:  # the members of other nodes read it in the store
+            offnode.post_abort(self._view, reason)
         for waiter, entry in list(self._waiters.items()):
             if entry.error is None:
                 entry.error = waiter.abort_error(reason)
@@ -307,6 +309,8 @@ class ViewFailure:
         # are asynchronous (GPUs) on a stream of its own, since the current stream may hold a
         # fence that waits; it returns once the flags are sent.
         view = self._view
+        if not view.nodes.single:  # no fence waits on a spanning view's cells (fence.py refuses one)
+            return
         buf = view.buffer
         offsets = [view.cell_offset(c) for c in range(buf.cells.channels)]
         ptrs, me = view.cell_ptrs, view.local_index

@@ -50,7 +50,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from . import backends, cells, fence_ops, handles, memory, records
+from . import backends, cells, fence_ops, handles, memory, nodes, records
 from . import driver as cuda
 from . import language as ssl
 from .checks import require, timeout_problem
@@ -115,6 +115,9 @@ class Fence:
                 "creating a fence allocates its record and compiles its kernels, which a capture cannot record. "
                 "Create fences before capture: their fence(), arrive() and wait() can be captured"
             )
+        spans = nodes.spanning_problem(view.nodes, "a Fence")
+        if spans:  # every member raises it: the view's layout is agreed
+            raise ConfigError(f"rank {view.rank}: Fence: {spans}")
         self.cell = view.cell_offset(channel)  # checks the channel first
         """Byte offset of this fence's cell in every member's memory (kernel argument)."""
         buf = view.buffer

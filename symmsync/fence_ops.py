@@ -96,10 +96,14 @@ def user_views(buf: Any) -> list[torch.Tensor]:
     """Every rank's user region of ``buf`` as ``uint8`` tensors, the same objects for every
     caller while the size stays: aot_autograd takes mutated views of one memory as graph
     inputs only when they share one ``_base``, so the fence's ``orders`` and the tensors
-    symmsync's ops mutate (the writer's caches) are views of these."""
+    symmsync's ops mutate (the writer's caches) are views of these. ``None`` for a rank of
+    another node, which this rank does not map (symmsync.nodes)."""
     views = _user_views.get(buf)
-    if views is None or views[0].numel() != buf.nbytes:
-        views = [buf.tensor(0, (buf.nbytes,), torch.uint8, rank=r) for r in range(buf.world_size)]
+    if views is None or views[buf.rank].numel() != buf.nbytes:
+        near = buf.nodes.members_of(buf.rank)
+        views = [
+            buf.tensor(0, (buf.nbytes,), torch.uint8, rank=r) if r in near else None for r in range(buf.world_size)
+        ]
         _user_views[buf] = views
     return views
 

@@ -29,6 +29,13 @@ guards (the driver places those allocations); its cells still live apart.
 The pointer tables (:func:`address_table`) hold every mapping they name alive, as the
 mappings' own tensors do: a table kept past ``close()`` never names unmapped memory.
 
+Over a group that spans several nodes (:mod:`symmsync.nodes`) each rank maps the peers of
+its own node only (:attr:`Shared.near`): no address space is reserved for, and no handle
+imported from, a rank of another node, and that rank's table entry is 0 (the buffer and
+its views refuse to hand such a table to a kernel). Memory a runtime adopted
+(:class:`Adopted`) is refused over several nodes: its addresses of other nodes' ranks
+cannot be mapped here; registered and growable memory map and grow the near peers only.
+
 Every step that maps memory on every rank is a step of one
 :class:`~symmsync.agreement.Transaction`: all or nothing, the same
 :class:`~symmsync.BackendError` on every rank when any rank fails, and what was mapped
@@ -86,21 +93,26 @@ def address_table(shared: Shared, device: torch.device) -> torch.Tensor:
     """int64 tensor of every rank's base address in ``shared``, on ``device``, that holds
     each of those mappings alive for as long as it lives (:func:`keep_alive`)."""
     table = torch.tensor(shared.ptrs, dtype=torch.int64, device=device)
-    return keep_alive(table, *[m.tensor for m in shared.peers])
+    return keep_alive(table, *[m.tensor for m in shared.peers if m is not None])
 
 
 class Shared:
-    """One backend's memory of every rank, as mapped on this rank: its own, and each peer's."""
+    """One backend's memory of every rank, as mapped on this rank: its own, and each near peer's.
 
-    def __init__(self, backend: Backend, world: int):
+    Attributes:
+        near: the ranks mapped here (this rank's node, itself included); the others stay ``None``.
+    """
+
+    def __init__(self, backend: Backend, world: int, near: tuple[int, ...] | None = None):
         self.backend = backend
         self.own: Memory | None = None
         self.peers: list[Memory | None] = [None] * world
+        self.near = tuple(range(world)) if near is None else near
 
     @property
     def ptrs(self) -> list[int]:
-        """Every rank's base address, as mapped on this rank."""
-        return [m.ptr for m in self.peers]
+        """Every rank's base address, as mapped on this rank; 0 for a rank of another node."""
+        return [0 if m is None else m.ptr for m in self.peers]
 
     def release(self) -> None:
         """Unmap the peers, release (or, not this rank's to free, only forget) this rank's memory. Idempotent."""
@@ -158,10 +170,10 @@ def _abandon_pieces(be: Backend, everyone: list[Any]) -> None:
     _abandon(be, [p.handle for pieces, _ in filter(None, everyone) for p in pieces])
 
 
-def allocate(tx: Transaction, be: Backend, nbytes: int) -> Shared:
-    """Allocate ``nbytes`` on every rank, exchange the handles, map every peer's: for a
+def allocate(tx: Transaction, be: Backend, near: tuple[int, ...], nbytes: int) -> Shared:
+    """Allocate ``nbytes`` on every rank, exchange the handles, map every ``near`` peer's: for a
     backend that cannot reserve address space (:func:`guarded` says when), so without guards."""
-    rank, shared = dist.get_rank(tx.group), Shared(be, dist.get_world_size(tx.group))
+    rank, shared = dist.get_rank(tx.group), Shared(be, dist.get_world_size(tx.group), near)
     tx.on_failure(shared.release)
 
     def allocate_here() -> Any:
@@ -172,8 +184,8 @@ def allocate(tx: Transaction, be: Backend, nbytes: int) -> Shared:
     be.exchanged(shared.own, received)  # who may map this rank's memory
 
     def map_peers() -> None:
-        for r, h in enumerate(received):
-            shared.peers[r] = shared.own if r == rank else be.import_handle(h, r)
+        for r in near:
+            shared.peers[r] = shared.own if r == rank else be.import_handle(received[r], r)
 
     tx.step("map on", map_peers)
     # Every rank mapped every peer: names and exported handles can go, and once the
@@ -189,21 +201,21 @@ def _between_guards(mem: Memory, guard: int, nbytes: int) -> Memory:
     return Memory(ptr=mem.ptr + guard, nbytes=nbytes, tensor=tensor, owner=mem.owner, state=mem.state)
 
 
-def reserve(tx: Transaction, be: Backend, nbytes: int) -> Shared:
-    """Reserve address space for ``nbytes`` of this rank's memory and of every peer's, each
-    between two guards of :data:`GUARD_BYTES` that are never mapped.
+def reserve(tx: Transaction, be: Backend, near: tuple[int, ...], nbytes: int) -> Shared:
+    """Reserve address space for ``nbytes`` of this rank's memory and of every ``near`` peer's,
+    each between two guards of :data:`GUARD_BYTES` that are never mapped.
 
     Each reservation is ``[guard | nbytes, rounded up | guard]``; its :class:`Memory`
     starts after the first guard and its tensor spans the rounded ``nbytes`` only, so
     that no tensor's storage covers a guard. Offsets of :func:`share_chunks` count from there.
     """
-    rank, shared = dist.get_rank(tx.group), Shared(be, dist.get_world_size(tx.group))
+    rank, shared = dist.get_rank(tx.group), Shared(be, dist.get_world_size(tx.group), near)
     tx.on_failure(shared.release)
     g = be.granularity
     guard, room = round_up(GUARD_BYTES, g), round_up(nbytes, g)
 
     def reserve_here() -> None:
-        for r in range(len(shared.peers)):
+        for r in near:
             shared.peers[r] = _between_guards(be.reserve(guard + room + guard, r), guard, room)
         shared.own = shared.peers[rank]
 
@@ -212,7 +224,7 @@ def reserve(tx: Transaction, be: Backend, nbytes: int) -> Shared:
 
 
 def share_chunks(tx: Transaction, shared: Shared, pieces: list[tuple[int, int]]) -> None:
-    """Commit ``(offset, nbytes)`` pieces of this rank's reservation, map every peer's at the same offsets."""
+    """Commit ``(offset, nbytes)`` pieces of this rank's reservation, map every near peer's at the same offsets."""
     be, rank = shared.backend, dist.get_rank(tx.group)
     own = []
 
@@ -229,7 +241,7 @@ def share_chunks(tx: Transaction, shared: Shared, pieces: list[tuple[int, int]])
 
     def map_peers() -> None:
         for r, (theirs, _) in enumerate(received):
-            if r != rank:
+            if r != rank and r in shared.near:
                 peer = shared.peers[r]
                 for off, h in theirs:
                     tx.on_failure(functools.partial(be.unmap_chunk, peer, be.map_chunk(peer, off, h)))
@@ -258,7 +270,7 @@ def share_local(tx: Transaction, shared: Shared, nbytes: int, known: int, max_nb
 
     def map_peers() -> None:
         for r, (theirs, _) in enumerate(everyone):
-            if r == rank:
+            if r == rank or r not in shared.near:
                 continue
             if not known:
                 shared.peers[r] = be.import_local(theirs, r, max_nbytes, round_up(GUARD_BYTES, be.granularity))
@@ -271,16 +283,16 @@ def share_local(tx: Transaction, shared: Shared, nbytes: int, known: int, max_nb
     return export[0]
 
 
-def guarded(tx: Transaction, be: Backend, nbytes: int) -> Shared:
-    """``nbytes`` of zero-filled memory on every rank, every peer's mapped, each mapping
+def guarded(tx: Transaction, be: Backend, near: tuple[int, ...], nbytes: int) -> Shared:
+    """``nbytes`` of zero-filled memory on every rank, every ``near`` peer's mapped, each mapping
     between two guards (:func:`reserve`, then :func:`share_chunks` of all of it).
 
     Where the backend cannot reserve address space (the CUDA backend's ``cuda_ipc``), one
     allocation per rank (:func:`allocate`), without guards.
     """
     if not be.reserves:
-        return allocate(tx, be, nbytes)
-    shared = reserve(tx, be, nbytes)
+        return allocate(tx, be, near, nbytes)
+    shared = reserve(tx, be, near, nbytes)
     share_chunks(tx, shared, [(0, round_up(nbytes, be.granularity))])
     return shared
 
@@ -332,7 +344,7 @@ class Kind:
 
     def _commit_views(self, nbytes: int) -> None:
         """Make :meth:`user_tensor` span the first ``nbytes`` of every rank's reservation."""
-        self._committed = [backends.part_of(m.tensor, 0, nbytes) for m in self.data.peers]
+        self._committed = [None if m is None else backends.part_of(m.tensor, 0, nbytes) for m in self.data.peers]
 
     def cell_memory(self) -> torch.Tensor:
         return self.cells.own.tensor
@@ -363,10 +375,12 @@ class Kind:
         raise AssertionError("grow() checks that the buffer can grow before it gets here")
 
 
-def _cells(tx: Transaction, be: Backend, group: Any, max_views: int, channels: int) -> tuple[Shared, CellLayout]:
+def _cells(
+    tx: Transaction, be: Backend, near: tuple[int, ...], max_views: int, channels: int
+) -> tuple[Shared, CellLayout]:
     """Every rank's cells, zero, in an allocation of their own between guards, and their layout."""
-    layout = CellLayout(0, dist.get_world_size(group), max_views, channels)
-    return guarded(tx, be, layout.size), layout
+    layout = CellLayout(0, dist.get_world_size(tx.group), max_views, channels)
+    return guarded(tx, be, near, layout.size), layout
 
 
 class Allocated(Kind):
@@ -374,10 +388,12 @@ class Allocated(Kind):
     granularity, the rest mapped and unused) between guards; the cells apart."""
 
     @classmethod
-    def build(cls, group: Any, be: Backend, nbytes: int, max_views: int, channels: int) -> Allocated:
+    def build(
+        cls, group: Any, be: Backend, near: tuple[int, ...], nbytes: int, max_views: int, channels: int
+    ) -> Allocated:
         with Transaction(group, "SymmetricBuffer", kept=RELEASED) as tx:
-            data = guarded(tx, be, nbytes)
-            cells, layout = _cells(tx, be, group, max_views, channels)
+            data = guarded(tx, be, near, nbytes)
+            cells, layout = _cells(tx, be, near, max_views, channels)
         return cls(data, layout, cells)
 
 
@@ -392,12 +408,21 @@ class Growable(Kind):
         self._commit_views(committed)
 
     @classmethod
-    def build(cls, group: Any, be: Backend, nbytes: int, max_nbytes: int, max_views: int, channels: int) -> Growable:
+    def build(
+        cls,
+        group: Any,
+        be: Backend,
+        near: tuple[int, ...],
+        nbytes: int,
+        max_nbytes: int,
+        max_views: int,
+        channels: int,
+    ) -> Growable:
         committed = round_up(nbytes, be.granularity)
         with Transaction(group, "SymmetricBuffer", kept=RELEASED) as tx:
-            data = reserve(tx, be, max_nbytes)
+            data = reserve(tx, be, near, max_nbytes)
             share_chunks(tx, data, [(0, committed)])
-            cells, layout = _cells(tx, be, group, max_views, channels)
+            cells, layout = _cells(tx, be, near, max_views, channels)
         return cls(data, layout, cells, max_nbytes, committed)
 
     def grow(self, group: Any, nbytes_now: int, nbytes: int) -> None:
@@ -452,7 +477,7 @@ class Adopted(Kind):
         data.own = data.peers[rank]
         cells_be = create_backend(group, backends.name_for(dev), dev, dict(options))
         with Transaction(group, "SymmetricBuffer.from_peer_addresses", kept=RELEASED) as tx:
-            cells, layout = _cells(tx, cells_be, group, max_views, channels)
+            cells, layout = _cells(tx, cells_be, tuple(range(world)), max_views, channels)
         return cls(data, layout, cells)
 
 
@@ -488,6 +513,7 @@ class Registered(Kind):
         group: Any,
         be: Backend,
         cells_be: Backend,
+        near: tuple[int, ...],
         ptr: int,
         nbytes: int,
         max_nbytes: int,
@@ -496,8 +522,8 @@ class Registered(Kind):
     ) -> Registered:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         with Transaction(group, "SymmetricBuffer.register", kept="nothing stays mapped") as tx:
-            cells, layout = _cells(tx, cells_be, group, max_views, channels)
-            data = Shared(be, world)
+            cells, layout = _cells(tx, cells_be, near, max_views, channels)
+            data = Shared(be, world, near)
             tx.on_failure(data.release)
             data.own = data.peers[rank] = Memory(ptr, max_nbytes, backends.tensor_at(ptr, max_nbytes, be.device), rank)
             export = share_local(tx, data, nbytes, 0, max_nbytes)

@@ -56,6 +56,7 @@ from .errors import (
 )
 from .failure import used_after_abort
 from .memory import keep_alive
+from .nodes import spanning_problem
 from .views import PeerView
 
 #: Most slots per peer a Signals object holds.
@@ -138,6 +139,8 @@ class Signals:
         elif view.aborted is not None:
             problem = f"this rank aborted the view ({view.aborted})"
             error = functools.partial(_aborted_by, view.buffer.rank, view.aborted)
+        else:
+            problem = spanning_problem(view.nodes, "Signals")
         problem = problem or int_problem("slots", slots, minimum=1, maximum=MAX_SLOTS)
         if problem is None and timeout_s is not None:
             problem = timeout_problem(timeout_s)

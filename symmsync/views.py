@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import memory
+from . import nodes as _nodes
 from .agreement import agree
 from .checks import check_index, is_int, require
 from .errors import ClosedError, ConfigError, ViewError
@@ -40,6 +41,13 @@ class PeerView:
         size: number of members.
         local_index: this rank's index in :attr:`ranks`.
         region: index of the view's cell region in every member's allocation.
+        nodes: the members split into nodes, in view indices (:meth:`symmsync.nodes.NodeLayout.restrict`
+            of the buffer's layout). A view within one node works as on a one-node buffer; one that
+            spans nodes hands out no kernel table (:attr:`ptrs`, :attr:`cell_ptrs`) and takes no
+            :class:`~symmsync.Fence` or :class:`~symmsync.Signals`: the collectives and the writer
+            (through :class:`symmsync.offnode.OffNode`) work across its nodes.
+        name: the same on every member, and on no other view of the job: the buffer's agreed
+            name and the region (where :mod:`symmsync.offnode` posts an abort).
         failure: the one owner of this rank's abort of the view and of its fences'
             failures (:class:`symmsync.failure.ViewFailure`).
     """
@@ -50,10 +58,14 @@ class PeerView:
         self.size = len(ranks)
         self.local_index = ranks.index(buffer.rank)
         self.region = region
+        self.nodes: _nodes.NodeLayout = buffer.nodes.restrict(ranks)
+        self.name = f"{buffer._key}/{region}"
         # A subset of the buffer's tables, holding the buffer's (and so every mapping they name).
-        table = buffer.ptrs
+        # The buffer's own, not its properties: those refuse a multi-node buffer's tables, whose
+        # off-node entries are 0, and a spanning view refuses its own below.
+        table = buffer._ptrs
         self._ptrs: torch.Tensor | None = memory.keep_alive(table[list(ranks)].contiguous(), table)
-        cells = buffer.cell_ptrs
+        cells = buffer._cell_ptrs
         self._cell_ptrs = memory.keep_alive(cells[list(ranks)].contiguous(), cells)
         self.failure = ViewFailure(self)
 
@@ -71,6 +83,7 @@ class PeerView:
         names alive: kept past ``close()`` it still names mapped memory.
         """
         self._check_open("ptrs")
+        _nodes.refuse_table(self.nodes, "ptrs", f"rank {self.rank}: PeerView", "the view")
         return self._ptrs
 
     @property
@@ -83,6 +96,7 @@ class PeerView:
         holds the cells alive, as :attr:`ptrs` holds the memory.
         """
         self._check_open("cell_ptrs")
+        _nodes.refuse_table(self.nodes, "cell_ptrs", f"rank {self.rank}: PeerView", "the view")
         return self._cell_ptrs
 
     def release_tables(self) -> None:

@@ -1,0 +1,286 @@
+"""The off-node exchange: the one place symmsync moves data between nodes, through torch.distributed.
+
+A view whose members span nodes (:attr:`PeerView.nodes <symmsync.PeerView.nodes>`) cannot
+map its far members' memory; what must cross nodes goes through the job's own
+torch.distributed backend (NCCL on GPUs, gloo on CPUs) in an :class:`OffNode`, made once
+per view by its members::
+
+    off = OffNode(view, timeout_s=30)
+    parts = off.all_gather(t)                      # every member's t, in view order
+    heads = off.all_gather(t, among="position")    # one member per node: the inter-node step
+
+Every wait is bounded. An exchange is issued asynchronously and polled; meanwhile it
+watches this rank's abort of the view and the aborts the view's other members posted in
+the torch.distributed store (:func:`post_abort`, called by every abort of a spanning view:
+:meth:`PeerView.abort <symmsync.PeerView.abort>`, ``SymmetricBuffer.close()``, a waiter
+that failed). So a rank that gives up or closes on one node reaches every rank of the
+other nodes waiting in an exchange as :class:`~symmsync.PeerAborted` naming it, within a
+poll (:data:`STORE_POLL_S`). A rank that dies without a word (killed, ``os._exit``) breaks
+torch.distributed's exchange (gloo: the connection closes): that is a
+:class:`~symmsync.PeerAborted` naming the exchange's other members, since torch.distributed
+does not say which one died. One that hangs: a :class:`~symmsync.FenceTimeout` once
+``timeout_s`` passed, naming the step, the ranks waited for and the budget. Never
+torch.distributed's own error, never a hang. After any of these the exchange fails
+closed: this rank aborts the view (telling the others), and every later call raises the
+same error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .agreement import Same, agree, ranks_text
+from .checks import timeout_problem
+from .errors import BackendError, ConfigError, FenceTimeout, PeerAborted
+
+if TYPE_CHECKING:  # views make their failure owner, which posts through this module
+    from .views import PeerView
+
+log = logging.getLogger("symmsync")
+
+#: Where aborts of spanning views are posted in the torch.distributed store: one key per
+#: view and rank, ``symmsync/abort/<view name>/<global rank>``, holding the reason.
+STORE_PREFIX = "symmsync/abort"
+
+#: How often a waiting exchange reads the store for the other members' aborts, in seconds.
+STORE_POLL_S = 0.02
+
+#: How much longer than ``timeout_s`` torch.distributed's own timeout of the groups is, in
+#: seconds: an exchange this rank gave up on ends within it, so that nothing lingers.
+GROUP_GRACE_S = 5.0
+
+
+def global_ranks(view: PeerView) -> list[int]:
+    """The view's members as global (world) ranks, in view order."""
+    group = view.buffer.group
+    if group is None or group == dist.group.WORLD:
+        return list(view.ranks)
+    return [dist.get_global_rank(group, r) for r in view.ranks]
+
+
+def _key(view: PeerView, rank: int) -> str:
+    return f"{STORE_PREFIX}/{view.name}/{rank}"
+
+
+def post_abort(view: PeerView, reason: str) -> None:
+    """Post this rank's abort of ``view`` (a view that spans nodes) in the store, where the
+    members of other nodes read it (:class:`OffNode`'s waits). Best effort: a store that
+    cannot be reached is logged, and the members fall back to their budget."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(_key(view, global_ranks(view)[view.local_index]), reason)
+    except Exception as e:  # noqa: BLE001 - an abort must not raise for it
+        log.warning("could not post the abort of view %s in the torch.distributed store: %s", list(view.ranks), e)
+
+
+def posted_aborts(view: PeerView, ranks: list[int]) -> dict[int, str]:
+    """``{global rank: reason}`` of the ``ranks`` that posted an abort of ``view``."""
+    store = dist.distributed_c10d._get_default_store()
+    found = {}
+    for r in ranks:
+        key = _key(view, r)
+        if store.check([key]):
+            found[r] = store.get(key).decode(errors="replace")
+    return found
+
+
+class OffNode:
+    """The bounded torch.distributed exchanges among the members of one view (collective).
+
+    Every member of ``view`` makes it, in the same order relative to other groups it
+    makes (torch.distributed names a group made by its members alone from how many
+    groups each has). It creates the groups it needs once: one of the view's members,
+    and one of the members at this rank's position in its node (one per node), where the
+    nodes are :attr:`~symmsync.nodes.NodeLayout.uniform`. It registers with the view's
+    failure owner: once this rank aborted the view, every call raises
+    :class:`~symmsync.PeerAborted`.
+
+    Args:
+        view: a view (it may span nodes; one within one node works too).
+        timeout_s: the budget of each exchange, in seconds; the same on every member.
+
+    Raises:
+        ConfigError: a bad ``timeout_s`` on any member, or budgets that differ (on every member).
+        BackendError: torch.distributed could not make the groups.
+    """
+
+    def __init__(self, view: PeerView, *, timeout_s: float):
+        from .views import PeerView
+
+        if not isinstance(view, PeerView):
+            raise ConfigError(f"OffNode: view must be a PeerView, got {type(view).__name__}")
+        self.view = view
+        self.timeout_s = float(timeout_s) if isinstance(timeout_s, (int, float)) else 60.0
+        problem = timeout_problem(timeout_s)
+        self._ranks = global_ranks(view)
+        me, layout = view.local_index, view.nodes
+        pg_timeout = datetime.timedelta(seconds=(self.timeout_s if problem is None else 60.0) + GROUP_GRACE_S)
+        self._view_group = self._new_group(self._ranks, pg_timeout)
+        self._position: list[int] | None = None  # view indices of the position group, node order
+        self._position_group = None
+        if layout.uniform:
+            self._position = list(layout.peers_at(layout.position(me)))
+            self._position_group = self._new_group([self._ranks[i] for i in self._position], pg_timeout)
+        agree(
+            self._view_group,
+            "OffNode",
+            {"timeout_s": timeout_s},
+            problem=problem,
+            same={"timeout_s": Same()},
+            device=view.buffer.device,
+        )
+        self._error: Exception | None = None
+        view.failure.register(self, "OffNode")
+
+    def _new_group(self, ranks: list[int], timeout: datetime.timedelta) -> Any:
+        try:
+            return dist.new_group(sorted(ranks), timeout=timeout, use_local_synchronization=True)
+        except Exception as e:  # torch.distributed's own error: say it in symmsync's words
+            raise BackendError(
+                f"rank {dist.get_rank()}: OffNode: could not make the torch.distributed group of global "
+                f"{ranks_text(sorted(ranks))} (did every member of the view make its OffNode?): {e}"
+            ) from e
+
+    # ------------------------------------------------------------------ Waiter
+    def abort_error(self, reason: str) -> Exception:
+        """What every call raises once this rank aborted the view with ``reason``."""
+        from .failure import used_after_abort
+
+        return used_after_abort(self.view, "OffNode", reason)
+
+    # ------------------------------------------------------------------ exchanges
+    def all_gather(self, t: torch.Tensor, among: str = "view") -> list[torch.Tensor]:
+        """Every member's ``t``, in view-index order (collective over ``among``).
+
+        Args:
+            t: this rank's tensor: the same shape and dtype on every member (a member that
+                differs leaves the exchange to torch.distributed's own checks, which gloo
+                and NCCL do not all make).
+            among: ``"view"``: every member of the view. ``"position"``: the members at
+                this rank's position in its node, one per node, in node order (the
+                inter-node step of a hierarchical collective; needs uniform nodes).
+
+        Returns:
+            The tensors, on ``t.device``.
+
+        Raises:
+            PeerAborted: this rank aborted the view, or a member posted an abort of it
+                (naming that member and its reason), or torch.distributed's exchange
+                broke (a member died; naming the exchange's other members).
+            FenceTimeout: the exchange did not finish within ``timeout_s``.
+            ConfigError: a bad argument (on this rank).
+        """
+        view = self.view
+        view.failure.check(self)
+        call = "OffNode.all_gather"
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(f"rank {view.rank}: {call}: t must be a tensor, got {type(t).__name__}")
+        if among == "view":
+            members, group = list(range(view.size)), self._view_group
+        elif among == "position":
+            if self._position is None:
+                raise ConfigError(
+                    f"rank {view.rank}: {call}: among='position' needs nodes of one size, and the view spans "
+                    f"{view.nodes}"
+                )
+            members, group = self._position, self._position_group
+        else:
+            raise ConfigError(f"rank {view.rank}: {call}: among must be 'view' or 'position', got {among!r}")
+        ranks = [self._ranks[i] for i in members]
+        order = sorted(ranks)  # a group's ranks are in ascending global order
+        src = t.contiguous()
+        out = [torch.empty_like(src) for _ in ranks]
+        try:
+            work = dist.all_gather(out, src, group=group, async_op=True)
+        except RuntimeError as e:
+            self._fail(self._lost(call, ranks, e))
+        self._wait(work, call, ranks)
+        return [out[order.index(r)] for r in ranks]
+
+    def _wait(self, work: Any, call: str, ranks: list[int]) -> None:
+        """Poll ``work`` until it is done; fail closed on an abort, a broken exchange or the budget."""
+        me = self._ranks[self.view.local_index]
+        others = [r for r in self._ranks if r != me]
+        start = time.monotonic()
+        next_read = start
+        while True:
+            try:
+                if work.is_completed():
+                    work.wait()
+                    return
+            except RuntimeError as e:  # gloo: a peer's connection closed
+                self._fail(self._lost(call, ranks, e))
+            if self.view.failure.reason is not None:
+                self.view.failure.check(self)
+            now = time.monotonic()
+            if now >= next_read:
+                next_read = now + STORE_POLL_S
+                aborted = posted_aborts(self.view, others)
+                if aborted:
+                    self._fail(self._aborted(call, aborted))
+            if now - start > self.timeout_s:
+                self._fail(self._timeout(call, ranks))
+            time.sleep(0.0005)
+
+    # ------------------------------------------------------------------ failures
+    def _fail(self, err: Exception) -> None:
+        """Fail closed: every later call raises ``err``, and the view's members are told."""
+        view = self.view
+        view.failure.fail(self, err)
+        view.failure.abort_quietly(f"rank {self._ranks[view.local_index]}: {type(err).__name__} in OffNode")
+        raise err
+
+    def _aborted(self, call: str, aborted: dict[int, str]) -> PeerAborted:
+        me = self._ranks[self.view.local_index]
+        said = "; ".join(f"rank {r}: {why}" for r, why in sorted(aborted.items()))
+        return PeerAborted(
+            f"rank {me}: {call} on view {list(self.view.ranks)}: {ranks_text(sorted(aborted))} aborted the view "
+            f"({said}); the exchange fails closed (carry on with a new view)",
+            rank=me,
+            epoch=-1,
+            late={},
+            channel=-1,
+            aborted=aborted,
+        )
+
+    def _lost(self, call: str, ranks: list[int], e: Exception) -> PeerAborted:
+        me = self._ranks[self.view.local_index]
+        try:  # a member that closed or aborted posted it: name it rather than everyone
+            posted = posted_aborts(self.view, [r for r in self._ranks if r != me])
+        except Exception:  # noqa: BLE001 - the store may be gone with the dead rank
+            posted = {}
+        if posted:
+            return self._aborted(call, posted)
+        gone = [r for r in ranks if r != me]
+        why = f"died or left (torch.distributed: {str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        return PeerAborted(
+            f"rank {me}: {call} on view {list(self.view.ranks)}: the exchange with {ranks_text(gone)} broke: one "
+            f"of them {why}; check their logs. The exchange fails closed (carry on with a new view)",
+            rank=me,
+            epoch=-1,
+            late={},
+            channel=-1,
+            aborted=dict.fromkeys(gone, why),
+        )
+
+    def _timeout(self, call: str, ranks: list[int]) -> FenceTimeout:
+        me = self._ranks[self.view.local_index]
+        gone = [r for r in ranks if r != me]
+        return FenceTimeout(
+            f"rank {me}: {call} on view {list(self.view.ranks)}: the exchange with {ranks_text(gone)} did not "
+            f"finish within its budget of {self.timeout_s:g} s (a member hung, or never called it); it fails "
+            "closed (raise timeout_s if the step is legitimately slow)",
+            rank=me,
+            epoch=-1,
+            late=dict.fromkeys(gone, -1),
+            channel=-1,
+        )
+
+    def __repr__(self) -> str:
+        return f"OffNode(view={list(self.view.ranks)}, nodes={self.view.nodes}, timeout_s={self.timeout_s:g})"
