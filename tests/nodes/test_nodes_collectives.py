@@ -287,22 +287,24 @@ def test_uneven_nodes_a_small_buffer_and_mixed_forms_are_refused_on_every_rank(p
 
 # ---------------------------------------------------------------------- failure
 def abort_on_the_other_node(timeout_s):
-    """Rank function: after one good call, rank 3 aborts the view; the others call. Returns what each raised."""
+    """Rank function: after one good call, rank 3 aborts the view (and keeps its buffer open until
+    every rank is done, so that only the abort tells the others); the others call. Returns what
+    each raised and how long its call took."""
     buf, view, ops = _objects(ALL[0], timeout_s=timeout_s)
     ar = ops["all_reduce"]
     rank = dist.get_rank()
     ar(torch.ones(100))
+    got, elapsed = None, 0.0
     if rank == 3:
         view.abort("rank 3 gives up")
-        buf.close()
-        return None
-    start = time.monotonic()
-    try:
-        ar(torch.ones(100))
-        got = None
-    except ss.SymmSyncError as e:
-        got = (type(e).__name__, sorted(getattr(e, "aborted", {}) or {}), str(e))
-    elapsed = time.monotonic() - start
+    else:
+        start = time.monotonic()
+        try:
+            ar(torch.ones(100))
+        except ss.SymmSyncError as e:
+            got = (type(e).__name__, sorted(getattr(e, "aborted", {}) or {}), str(e))
+        elapsed = time.monotonic() - start
+    dist.barrier()
     buf.close()
     return got, elapsed
 
@@ -310,8 +312,7 @@ def abort_on_the_other_node(timeout_s):
 def test_a_member_that_aborts_on_the_other_node_reaches_every_member_as_peer_aborted(pool):
     budget = 60.0
     out = pool.call(abort_on_the_other_node, budget)
-    for rank, result in enumerate(out[:3]):
-        got, elapsed = result
+    for rank, (got, elapsed) in enumerate(out[:3]):
         assert got is not None and got[0] == "PeerAborted", (rank, got)
         assert 3 in got[1] or "rank 3" in got[2], (rank, got)
         assert elapsed < budget / 3, (rank, elapsed, got)
