@@ -10,7 +10,7 @@ picks it from the view's layout): the same calls, argument checks, agreement and
 contract. With ``N`` nodes of ``m`` members, this rank at position ``p`` of node ``j``::
 
     AllReduce(x), k elements, c = ceil(k / m):
-        1. node ReduceScatter of x (zero-padded to m * c): chunk p of this node's partial sum
+        1. node ReduceScatter of x (padded to m * c): chunk p of this node's partial sum
            (its members in member order, summed in float32, rounded to the dtype)
         2. OffNode.all_gather(chunk, among="position"): chunk p of every node's partial
         3. here: acc = float32(part_0); acc += float32(part_i), i = 1 .. N-1 (node order);
@@ -226,11 +226,13 @@ class _AllReduce(AllReduce, _OverNodes):
         m = self._members
         c = -(-numel // m)
         src = x.reshape(-1)
-        if numel != m * c:  # the node reduce-scatter takes m equal chunks: pad with zeros
+        if numel != m * c:
+            # The node reduce-scatter takes m equal chunks: pad x to m * c elements in its symmetric
+            # input. The padding is left as it is: every element is summed apart, and the padding's
+            # sums are dropped after step 4.
             src = rs.input(m * c, x.dtype)
             if x.data_ptr() != src.data_ptr():
                 src[:numel].copy_(x.reshape(-1))
-            src[numel:].zero_()
         parts = self._between_nodes(rs(src))
         chunk = self._node_order_sum(parts).to(x.dtype)
         if out is not None and numel == m * c:
