@@ -9,6 +9,8 @@ through :class:`symmsync.offnode.OffNode` (torch.distributed: NCCL on GPUs, gloo
 picks it from the view's layout): the same calls, argument checks, agreement and failure
 contract. With ``N`` nodes of ``m`` members, this rank at position ``p`` of node ``j``::
 
+    every call:
+        0. OffNode.all_gather(header, among="position"): the calls must be alike on every node
     AllReduce(x), k elements, c = ceil(k / m):
         1. node ReduceScatter of x (padded to m * c): chunk p of this node's partial sum
            (its members in member order, summed in float32, rounded to the dtype)
@@ -50,6 +52,7 @@ from ..offnode import OffNode
 from ..views import PeerView
 from . import layout as L
 from . import making
+from .mismatch import differing_calls
 from .ops import AllGather, AllReduce, ReduceScatter, _Collective
 
 _STEP_CLASSES = {L.REDUCE_SCATTER: ReduceScatter, L.ALL_GATHER: AllGather}
@@ -119,6 +122,8 @@ class _OverNodes(_Collective):
         self._nodes = nodes.num_nodes
         self._members = len(self.node_view.ranks)  # m: the members of each node
         self._node = nodes.node_of(me)
+        self._position_ranks = [view.ranks[i] for i in nodes.peers_at(nodes.position(me))]
+        self._calls = 0  # calls made: the number in a call's header
         caps = buf.capabilities
         self._streams = caps.streams
         self._device_index = buf.device.index if caps.streams else -1
@@ -152,10 +157,28 @@ class _OverNodes(_Collective):
                 "or compile without CUDA graphs"
             )
         try:
+            self._compare_calls(x, numel, algorithm, epilogue)
             self._steps_of(x, out, numel, count, epilogue)
         except Exception as e:
             self._fail(e)
             raise
+
+    def _compare_calls(self, x, numel, algorithm, epilogue) -> None:
+        """Step 0: the members at this rank's position compare their calls' headers (the words a
+        kernel's call carries: :mod:`.layout`), so that a call that differs on another node is
+        refused before anything moves. The node steps compare the calls within a node; the
+        exchange between nodes must not meet tensors of different sizes (gloo ends the process)."""
+        self._calls += 1
+        symmetric = int(x.data_ptr() == self._sym_addr)
+        row = 0 if epilogue is None else epilogue[3]
+        words = [L.TAG + self._OP, numel, L.DTYPES[x.dtype], algorithm, symmetric, self._calls, row, 0]
+        mine = torch.tensor(words, dtype=torch.int64, device=self._buffer.device)
+        headers = [h.tolist() for h in self.offnode.all_gather(mine, among="position")]
+        if any(h != words for h in headers):
+            where = f"rank {self.rank}: {self._NAME} on view {list(self.view.ranks)} (call {self._calls})"
+            raise differing_calls(
+                where, dict(zip(self._position_ranks, headers)), self.rank, self._calls, " across nodes"
+            )
 
     def _steps_of(self, x, out, numel, count, epilogue) -> None:
         raise NotImplementedError
