@@ -139,7 +139,8 @@ class _Collective:
 
         Passing it to a call skips the copy-in (the members read it where it lies). It is
         the same memory on every call; the call returns (in stream order) only after
-        every member finished reading it, so it can be refilled at once.
+        every member finished reading it, so it can be refilled at once. (Over a view that
+        spans nodes: the all-reduce's node reduce-scatter's input; the others' plain memory.)
 
         Raises:
             ConfigError: ``numel`` or ``dtype`` is not one the collective takes.
@@ -397,6 +398,10 @@ class AllReduce(_Collective):
     same time, the members of a view with the same arguments, or every rank raises
     :class:`~symmsync.ConfigError` (:class:`~symmsync.BoundsError` when the workspace
     does not fit).
+
+    Over a view whose members span nodes, the three operations make their form over nodes
+    (:mod:`symmsync.collectives.spanning`): the same calls, in node steps and an exchange
+    between nodes, with the order of additions of docs/collectives.md, "Across nodes".
     """
 
     _OP = L.ALL_REDUCE
