@@ -1,9 +1,9 @@
 """SymmetricBuffer: one collective allocation with direct access to every peer's copy.
 
 Every rank of a torch.distributed group allocates the same number of bytes; the
-handles are exchanged through the group and every rank maps every peer, so a
-kernel on any rank can load from and store to any rank's memory through a table
-of base addresses (:attr:`SymmetricBuffer.ptrs`).
+handles are exchanged through the group and every rank maps every peer of its node
+(:mod:`symmsync.nodes`; on one host, every peer), so a kernel on any rank can load from
+and store to those ranks' memory through a table of base addresses (:attr:`SymmetricBuffer.ptrs`).
 
 Each rank has two allocations, each mapped (on this rank, and on every peer) between
 guards of address space that is never mapped (``memory.GUARD_BYTES``, 2 MiB)::
@@ -48,12 +48,10 @@ ALIGN = 16  #: every tensor view starts on a multiple of this many bytes
 
 __all__ = ["ALIGN", "CellLayout", "SymmetricBuffer"]
 
-_SIZES = "every rank must map the same size: compute it from values that agree across ranks"
 #: How the ranks compare a buffer's arguments, in this order: sizes that differ are a SizeMismatchError.
-_AGREED = (
-    dict.fromkeys(("backend", "cells", "max_views", "channels"), Same())
-    | dict.fromkeys(("nbytes", "max_nbytes"), Same(SizeMismatchError, _SIZES))
-    | nodes.AGREED
+_AGREED = dict.fromkeys(("backend", "cells", "max_views", "channels"), Same()) | dict.fromkeys(
+    ("nbytes", "max_nbytes"),
+    Same(SizeMismatchError, "every rank must map the same size: compute it from values that agree across ranks"),
 )
 
 
@@ -111,16 +109,15 @@ class SymmetricBuffer:
             name, dev, problem = backend, None, str(e)
         problem = problem or memory.args_problem(nbytes, max_views, channels, max_nbytes, backend_options)
         sizes = {"nbytes": nbytes, "max_nbytes": max_nbytes, "max_views": max_views, "channels": channels}
-        self._agree("SymmetricBuffer", dev, problem, {"backend": name, **sizes}, construct=True)
+        self._agree("SymmetricBuffer", dev, problem, {"backend": name, **sizes}, new=True)
 
         self._nbytes = nbytes
         self._device = dev
         be = memory.create_backend(self._group, name, dev, backend_options or {})
-        near = self._nodes.members_of(self._rank)
         if max_nbytes is None:
-            self._finish(memory.Allocated.build(self._group, be, near, nbytes, max_views, channels))
+            self._finish(memory.Allocated.build(self._group, be, self._near, nbytes, max_views, channels))
         else:
-            self._finish(memory.Growable.build(self._group, be, near, nbytes, max_nbytes, max_views, channels))
+            self._finish(memory.Growable.build(self._group, be, self._near, nbytes, max_nbytes, max_views, channels))
 
     def _join(self, group: dist.ProcessGroup | None) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -208,7 +205,7 @@ class SymmetricBuffer:
         if problem is None:
             ptrs, problem = memory.Adopted.local_problem(ptrs, cells, self._world)
         sizes = {"nbytes": nbytes, "max_views": max_views, "channels": channels}
-        self._agree(call, dev, problem, {"backend": dev.type, "cells": cells, **sizes}, construct=True)
+        self._agree(call, dev, problem, {"backend": dev.type, "cells": cells, **sizes}, new=True)
         nodes.refuse_spanning(self._nodes, call, "a runtime's addresses of other nodes' ranks cannot be mapped here")
         self._device = dev
         self._nbytes = nbytes
@@ -223,22 +220,13 @@ class SymmetricBuffer:
         pads stay torch's. See :meth:`from_peer_addresses` for where symmsync keeps its
         cells, its keyword arguments and its errors.
         """
-        device = torch.device("cuda", torch.cuda.current_device())
+        device, call = torch.device("cuda", torch.cuda.current_device()), "SymmetricBuffer.from_torch"
         options = {"cells": "separate", "max_views": 16, "channels": 4, "backend_options": None, **kwargs}
         unknown = sorted(set(options) - {"cells", "max_views", "channels", "backend_options"})
         if unknown:
             raise TypeError(f"SymmetricBuffer.from_torch() got unexpected keyword arguments {unknown}")
-        return cls._adopt(
-            list(handle.buffer_ptrs),
-            int(handle.buffer_size),
-            group,
-            device,
-            options["cells"],
-            options["max_views"],
-            options["channels"],
-            options["backend_options"],
-            "SymmetricBuffer.from_torch",
-        )
+        rest = [options[k] for k in ("cells", "max_views", "channels", "backend_options")]
+        return cls._adopt(list(handle.buffer_ptrs), int(handle.buffer_size), group, device, *rest, call)
 
     @classmethod
     def register(
@@ -296,39 +284,28 @@ class SymmetricBuffer:
         problem = problem or memory.args_problem(nbytes, max_views, channels, max_nbytes, backend_options)
         kind = dev.type if dev is not None else "?"
         sizes = {"nbytes": nbytes, "max_nbytes": max_nbytes, "max_views": max_views, "channels": channels}
-        self._agree("SymmetricBuffer.register", dev, problem, {"backend": kind, **sizes}, construct=True)
+        self._agree("SymmetricBuffer.register", dev, problem, {"backend": kind, **sizes}, new=True)
         self._device = dev
         self._nbytes = nbytes
         name = backends.name_for(dev)
         be = memory.create_backend(self._group, name, dev, backend_options or {})
-        cells_be = memory.create_backend(self._group, name, dev, dict(backend_options or {}))
-        near = self._nodes.members_of(self._rank)
-        self._finish(
-            memory.Registered.build(self._group, be, cells_be, near, ptr, nbytes, max_nbytes, max_views, channels)
-        )
+        cells = memory.create_backend(self._group, name, dev, dict(backend_options or {}))
+        mem = memory.Registered.build(self._group, be, cells, self._near, ptr, nbytes, max_nbytes, max_views, channels)
+        self._finish(mem)
         return self
 
     # ---------------------------------------------------------------- construction
     def _agree(
-        self,
-        call: str,
-        dev: Any,
-        problem: str | None,
-        args: dict,
-        error: type = ConfigError,
-        *,
-        construct: bool = False,
+        self, call: str, dev: Any, problem: str | None, args: dict, error: type = ConfigError, *, new: bool = False
     ) -> None:
-        """Agree on ``args`` (:data:`_AGREED` says how each compares): every rank raises the
-        same error (a capture on ``dev``, a problem, ranks that differ), or none does. At
-        construction the same exchange agrees on the node layout (:func:`symmsync.nodes.fields`)."""
-        if construct:
-            fields, node_problem = nodes.fields(self._group, dev)
-            args, problem = {**args, **fields}, problem or node_problem
-        same = {k: rule for k, rule in _AGREED.items() if k in args}
+        """Agree on ``args`` (:data:`_AGREED` says how each compares): every rank raises the same error (a capture
+        on ``dev``, a problem, ranks that differ), or none does; ``new``: also on the nodes (:mod:`symmsync.nodes`)."""
+        if new:
+            args, problem = nodes.with_fields(args, problem, dev)
+        same = {k: rule for k, rule in (_AGREED | nodes.AGREED).items() if k in args}
         agreed = agree(self._group, call, args, problem=problem, error=error, same=same, device=dev)
-        if construct:
-            self._nodes, self._key = nodes.layout(agreed, call)
+        if new:  # and what this rank maps: its node's ranks
+            self._nodes, self._key, self._near = nodes.layout(agreed, call, self._rank)
 
     def grow(self, nbytes: int) -> None:
         """Grow the user region to ``nbytes`` on every rank (collective).
@@ -403,8 +380,7 @@ class SymmetricBuffer:
 
     @property
     def nodes(self) -> nodes.NodeLayout:
-        """The group's ranks split into nodes (agreed at construction): only the peers of this
-        rank's node are mapped (:mod:`symmsync.nodes`)."""
+        """The group's ranks split into nodes (agreed): only this rank's node is mapped (:mod:`symmsync.nodes`)."""
         return self._nodes
 
     @property
@@ -423,7 +399,8 @@ class SymmetricBuffer:
 
         The same tensor for the buffer's life. It holds every mapping it names alive: a
         table (or a slice or view of it) kept past :meth:`close` still names mapped
-        memory (see :meth:`close`); a copy (``tolist()``, ``clone()``) holds nothing.
+        memory (see :meth:`close`); a copy (``tolist()``, ``clone()``) holds nothing. Refused
+        (:class:`~symmsync.ViewError`) over several nodes: kernels take a node's view's tables.
         """
         self._check_open("ptrs")
         nodes.refuse_table(self._nodes, "ptrs", f"rank {self._rank}: SymmetricBuffer")
@@ -514,6 +491,7 @@ class SymmetricBuffer:
         Raises:
             BoundsError: the view would leave the user region or is misaligned, or
                 ``rank`` is not a rank of the group.
+            ViewError: ``rank`` is on another node (:attr:`nodes`), whose memory is not mapped here.
             ConfigError: an argument of the wrong type.
             ClosedError: the buffer is closed.
         """

@@ -183,9 +183,9 @@ def node_size_setting() -> tuple[int | None, str | None]:
     return k, None
 
 
-def local_key(group: Any, device: torch.device | None) -> tuple[NodeKey, str | None]:
-    """``(key, problem)``: this rank's :class:`NodeKey` in ``group`` and what keeps it from
-    being found (a bad :data:`NODE_SIZE_ENV`), for the buffer's exchange of arguments."""
+def local_key(device: torch.device | None) -> tuple[NodeKey, str | None]:
+    """``(key, problem)``: this rank's :class:`NodeKey` for memory on ``device``, and what
+    keeps it from being found (a bad :data:`NODE_SIZE_ENV`)."""
     k, problem = node_size_setting()
     if problem is not None:
         return NodeKey(""), problem
@@ -236,20 +236,22 @@ def partition(keys: Sequence[NodeKey], call: str) -> NodeLayout:
 
 
 # ---------------------------------------------------------------------- a buffer's layout
-def fields(group: Any, device: torch.device | None) -> tuple[dict[str, Any], str | None]:
-    """``(fields, problem)``: what this rank adds to a buffer's exchange of arguments (its
-    node setting, compared by :data:`AGREED`; its :class:`NodeKey`; a token that names the
-    buffer in the store), and what is wrong with its node setting. :func:`layout` reads them back."""
-    key, problem = local_key(group, device)
+def with_fields(args: dict[str, Any], problem: str | None, device: Any) -> tuple[dict[str, Any], str | None]:
+    """``(args, problem)`` for a buffer's one exchange of arguments, with what this rank adds:
+    its node setting (compared by :data:`AGREED`), its :class:`NodeKey`, a token that names
+    the buffer in the store; the problem, if none yet, of its node setting. :func:`layout`
+    reads them back."""
+    key, node_problem = local_key(device)
     setting = os.environ.get(NODE_SIZE_ENV, "").strip()
-    return {"node_size": setting, "node": key, "token": secrets.token_hex(8)}, problem
+    return {**args, "node_size": setting, "node": key, "token": secrets.token_hex(8)}, problem or node_problem
 
 
-def layout(agreed: Sequence[dict[str, Any]], call: str) -> tuple[NodeLayout, str]:
-    """``(layout, name)`` from every rank's :func:`fields`: the agreed :class:`NodeLayout`
-    (or the :func:`partition` error, on every rank) and the buffer's name, the same on
-    every rank (rank 0's token)."""
-    return partition([a["node"] for a in agreed], call), agreed[0]["token"]
+def layout(agreed: Sequence[dict[str, Any]], call: str, rank: int) -> tuple[NodeLayout, str, tuple[int, ...]]:
+    """``(layout, name, near)`` from every rank's :func:`with_fields`: the agreed
+    :class:`NodeLayout` (or the :func:`partition` error, on every rank), the buffer's name,
+    the same on every rank (rank 0's token), and the ranks ``rank`` maps (its node's)."""
+    nodes = partition([a["node"] for a in agreed], call)
+    return nodes, agreed[0]["token"], nodes.members_of(rank)
 
 
 def refuse_spanning(nodes: NodeLayout, call: str, why: str) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,15 @@ STORE_PREFIX = "symmsync/abort"
 
 #: How often a waiting exchange reads the store for the other members' aborts, in seconds.
 STORE_POLL_S = 0.02
+
+#: How long a rank waits on, in seconds, once a member of its exchange posted an abort: the
+#: exchange still completes if that member sent its part before (it finished the exchange, then
+#: closed). And how long a rank whose exchange broke waits for the other members to post that they
+#: gave up too: those that stay silent are the ones that died (torch.distributed does not say).
+SILENT_S = 1.0
+
+#: What a rank posts when torch.distributed broke its exchange off (it does not say who died).
+BROKE = "the exchange broke"
 
 #: How much longer than ``timeout_s`` torch.distributed's own timeout of the groups is, in
 #: seconds: an exchange this rank gave up on ends within it, so that nothing lingers.
@@ -93,11 +103,11 @@ def posted_aborts(view: PeerView, ranks: list[int]) -> dict[int, str]:
 class OffNode:
     """The bounded torch.distributed exchanges among the members of one view (collective).
 
-    Every member of ``view`` makes it, in the same order relative to other groups it
-    makes (torch.distributed names a group made by its members alone from how many
-    groups each has). It creates the groups it needs once: one of the view's members,
-    and one of the members at this rank's position in its node (one per node), where the
-    nodes are :attr:`~symmsync.nodes.NodeLayout.uniform`. It registers with the view's
+    Every member of ``view`` makes it, in the same order relative to the other
+    torch.distributed groups it makes (torch.distributed names a group made by its
+    members alone from how many groups each has). It creates the two groups it needs
+    once: one of the view's members, and one of the members at this rank's position in
+    its node. It registers with the view's
     failure owner: once this rank aborted the view, every call raises
     :class:`~symmsync.PeerAborted`.
 
@@ -122,11 +132,11 @@ class OffNode:
         me, layout = view.local_index, view.nodes
         pg_timeout = datetime.timedelta(seconds=(self.timeout_s if problem is None else 60.0) + GROUP_GRACE_S)
         self._view_group = self._new_group(self._ranks, pg_timeout)
-        self._position: list[int] | None = None  # view indices of the position group, node order
-        self._position_group = None
-        if layout.uniform:
-            self._position = list(layout.peers_at(layout.position(me)))
-            self._position_group = self._new_group([self._ranks[i] for i in self._position], pg_timeout)
+        # The members at this rank's position, one per node that has one, in node order (view
+        # indices). Every member makes both groups, so that members make as many groups.
+        at = layout.position(me)
+        self._position = [node[at] for node in layout.nodes if len(node) > at]
+        self._position_group = self._new_group([self._ranks[i] for i in self._position], pg_timeout)
         agree(
             self._view_group,
             "OffNode",
@@ -163,8 +173,9 @@ class OffNode:
                 differs leaves the exchange to torch.distributed's own checks, which gloo
                 and NCCL do not all make).
             among: ``"view"``: every member of the view. ``"position"``: the members at
-                this rank's position in its node, one per node, in node order (the
-                inter-node step of a hierarchical collective; needs uniform nodes).
+                this rank's position in its node (:meth:`~symmsync.nodes.NodeLayout.position`),
+                one per node that has a member there, in node order (the inter-node step of a
+                hierarchical collective; with uniform nodes, ``view.nodes.peers_at(position)``).
 
         Returns:
             The tensors, on ``t.device``.
@@ -184,11 +195,6 @@ class OffNode:
         if among == "view":
             members, group = list(range(view.size)), self._view_group
         elif among == "position":
-            if self._position is None:
-                raise ConfigError(
-                    f"rank {view.rank}: {call}: among='position' needs nodes of one size, and the view spans "
-                    f"{view.nodes}"
-                )
             members, group = self._position, self._position_group
         else:
             raise ConfigError(f"rank {view.rank}: {call}: among must be 'view' or 'position', got {among!r}")
@@ -199,42 +205,89 @@ class OffNode:
         try:
             work = dist.all_gather(out, src, group=group, async_op=True)
         except RuntimeError as e:
-            self._fail(self._lost(call, ranks, e))
+            self._fail(self._explain(call, ranks, _gist(e)), f"{call}: {BROKE}")
         self._wait(work, call, ranks)
         return [out[order.index(r)] for r in ranks]
 
     def _wait(self, work: Any, call: str, ranks: list[int]) -> None:
         """Poll ``work`` until it is done; fail closed on an abort, a broken exchange or the budget."""
         me = self._ranks[self.view.local_index]
-        others = [r for r in self._ranks if r != me]
+        others = [r for r in ranks if r != me]
         start = time.monotonic()
-        next_read = start
+        next_read, told = start, None
         while True:
             try:
                 if work.is_completed():
                     work.wait()
                     return
             except RuntimeError as e:  # gloo: a peer's connection closed
-                self._fail(self._lost(call, ranks, e))
+                self._fail(self._explain(call, ranks, _gist(e)), f"{call}: {BROKE}")
             if self.view.failure.reason is not None:
                 self.view.failure.check(self)
             now = time.monotonic()
-            if now >= next_read:
+            if told is None and now >= next_read:
                 next_read = now + STORE_POLL_S
-                aborted = posted_aborts(self.view, others)
-                if aborted:
-                    self._fail(self._aborted(call, aborted))
+                if posted_aborts(self.view, others):
+                    told = now  # a member gave up: but it may have sent its part before, which then arrives
+            if told is not None and now - told > SILENT_S:
+                err = self._explain(call, ranks, None)
+                self._fail(err, f"{call}: gave up after {ranks_text(sorted(err.aborted))}")
             if now - start > self.timeout_s:
-                self._fail(self._timeout(call, ranks))
+                self._fail(self._timeout(call, ranks), f"{call}: timed out after {self.timeout_s:g} s")
             time.sleep(0.0005)
 
     # ------------------------------------------------------------------ failures
-    def _fail(self, err: Exception) -> None:
-        """Fail closed: every later call raises ``err``, and the view's members are told."""
+    def _fail(self, err: Exception, reason: str) -> None:
+        """Fail closed: every later call raises ``err``, and the view's members are told ``reason``
+        (unless this rank told them why already)."""
         view = self.view
         view.failure.fail(self, err)
-        view.failure.abort_quietly(f"rank {self._ranks[view.local_index]}: {type(err).__name__} in OffNode")
+        view.failure.abort_quietly(reason)
         raise err
+
+    def _explain(self, call: str, ranks: list[int], detail: str | None) -> PeerAborted:
+        """The error of an exchange that broke (torch.distributed's ``detail``) or that members
+        posted aborts of, naming who gave up first.
+
+        A member whose abort says something else than :data:`BROKE` (it closed, aborted, timed
+        out) is named with its reason, at once. Otherwise every member only saw the exchange
+        break, and this rank posts that too (so the others count it alive) and waits up to
+        :data:`SILENT_S` for every other member of the exchange but one to do the same: those
+        that stay silent are named as the ones that died, since torch.distributed does not
+        say. Best effort: a member slower than that is named too.
+        """
+        view, me = self.view, self._ranks[self.view.local_index]
+        members = [r for r in ranks if r != me]
+        posted: dict[int, str] = {}
+        deadline, told = time.monotonic() + SILENT_S, False
+        while True:
+            try:
+                posted = posted_aborts(view, members)
+            except Exception:  # noqa: BLE001 - the store may have gone with the dead rank
+                break
+            first = {r: why for r, why in posted.items() if BROKE not in why}
+            if first:
+                return self._aborted(call, first)
+            if not told:  # tell the others this rank lives
+                view.failure.abort_quietly(f"{call}: {BROKE} ({detail or 'told by ' + ranks_text(sorted(posted))})")
+                told = True
+            if len(posted) >= len(members) - 1 or time.monotonic() > deadline:
+                break
+            time.sleep(STORE_POLL_S)
+        silent = [r for r in members if r not in posted]
+        if not silent:
+            return self._aborted(call, posted)
+        why = f"died or left: silent after the exchange broke ({detail or 'as its peers told'})"
+        return PeerAborted(
+            f"rank {me}: {call} on view {list(view.ranks)}: the exchange broke and {ranks_text(silent)} stayed "
+            f"silent (died or left? check its log; {detail or 'told by the ranks that saw it break'}). The "
+            "exchange fails closed (carry on with a new view)",
+            rank=me,
+            epoch=-1,
+            late={},
+            channel=-1,
+            aborted=dict.fromkeys(silent, why),
+        )
 
     def _aborted(self, call: str, aborted: dict[int, str]) -> PeerAborted:
         me = self._ranks[self.view.local_index]
@@ -247,26 +300,6 @@ class OffNode:
             late={},
             channel=-1,
             aborted=aborted,
-        )
-
-    def _lost(self, call: str, ranks: list[int], e: Exception) -> PeerAborted:
-        me = self._ranks[self.view.local_index]
-        try:  # a member that closed or aborted posted it: name it rather than everyone
-            posted = posted_aborts(self.view, [r for r in self._ranks if r != me])
-        except Exception:  # noqa: BLE001 - the store may be gone with the dead rank
-            posted = {}
-        if posted:
-            return self._aborted(call, posted)
-        gone = [r for r in ranks if r != me]
-        why = f"died or left (torch.distributed: {str(e).splitlines()[0] if str(e) else type(e).__name__})"
-        return PeerAborted(
-            f"rank {me}: {call} on view {list(self.view.ranks)}: the exchange with {ranks_text(gone)} broke: one "
-            f"of them {why}; check their logs. The exchange fails closed (carry on with a new view)",
-            rank=me,
-            epoch=-1,
-            late={},
-            channel=-1,
-            aborted=dict.fromkeys(gone, why),
         )
 
     def _timeout(self, call: str, ranks: list[int]) -> FenceTimeout:
@@ -284,3 +317,10 @@ class OffNode:
 
     def __repr__(self) -> str:
         return f"OffNode(view={list(self.view.ranks)}, nodes={self.view.nodes}, timeout_s={self.timeout_s:g})"
+
+
+def _gist(e: Exception) -> str:
+    """torch.distributed's error in a few words: its first sentence, without gloo's source location."""
+    text = str(e).strip()
+    line = text.splitlines()[0].split(". ")[0].rstrip(".") if text else ""
+    return re.sub(r"^\[[^\]]*\]\s*", "", line) or type(e).__name__

@@ -1,0 +1,166 @@
+"""The off-node exchange (symmsync.offnode.OffNode) and failures that cross nodes.
+
+World 4 split into 2 simulated nodes of 2 ranks (``SYMMSYNC_NODE_SIZE=2``), host backend,
+gloo. One pool of ranks serves the exchanges and the failures that leave every process
+alive (a close, an abort, a rank that never comes); a rank that dies takes a run of its own.
+
+Oracles: tensors each rank builds from its own rank, compared with the lists written out
+by hand; for a failure, the error's type, the ranks it names, and the time it took against
+the budget (an abort missed would show as the whole budget, a hang as the pool's timeout).
+"""
+
+import os
+import time
+
+import pytest
+import torch
+from helpers import describe_error
+
+import symmsync as ss
+from symmsync.nodes import NODE_SIZE_ENV
+from symmsync.offnode import OffNode
+from symmsync.testing import Died, RankPool, run
+
+ENV = {NODE_SIZE_ENV: "2"}
+BUDGET_S = 20.0  # an exchange's budget in the failure tests: a missed abort shows as this
+FAST_S = 3.0  # an abort, close or death must reach the other node within this
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(4, timeout_s=240, env=ENV) as p:
+        yield p
+
+
+def _mine(rank, dtype=torch.int64):
+    return (torch.arange(5) + 100 * rank).to(dtype)
+
+
+def _lists(ts):
+    return [t.tolist() for t in ts]
+
+
+# ---------------------------------------------------------------------- the exchange
+def gathers():
+    buf = ss.SymmetricBuffer(4096, backend="host")
+    me, out = buf.rank, {}
+    for order in ([0, 1, 2, 3], [3, 2, 1, 0]):
+        off = OffNode(buf.view(order), timeout_s=60)
+        out[f"view {order}"] = _lists(off.all_gather(_mine(me)))
+        out[f"position {order}"] = _lists(off.all_gather(_mine(me, torch.float32), among="position"))
+    uneven = OffNode(buf.view([0, 1, 2] if me < 3 else [3]), timeout_s=60)  # nodes [0, 1] [2], and [3]
+    out["uneven"] = _lists(uneven.all_gather(_mine(me)))
+    out["uneven position"] = _lists(uneven.all_gather(_mine(me), among="position"))
+    buf.close()
+    return out
+
+
+def test_all_gather_returns_every_members_tensor_in_view_order(pool):
+    t = [_mine(r).tolist() for r in range(4)]
+    f = [_mine(r, torch.float32).tolist() for r in range(4)]
+    for rank, out in enumerate(pool.call(gathers)):
+        assert out["view [0, 1, 2, 3]"] == t
+        assert out["view [3, 2, 1, 0]"] == [t[3], t[2], t[1], t[0]]
+        # the members at this rank's position in its node, one per node, in node order
+        assert out["position [0, 1, 2, 3]"] == [f[rank % 2], f[rank % 2 + 2]]
+        # view [3, 2, 1, 0]: node [3, 2] comes first (view indices 0, 1); rank 3 is at position 0
+        assert out["position [3, 2, 1, 0]"] == ([f[3], f[1]] if rank % 2 else [f[2], f[0]])
+        if rank < 3:
+            assert out["uneven"] == t[:3]
+            assert out["uneven position"] == ([t[0], t[2]] if rank != 1 else [t[1]])
+        else:
+            assert out["uneven"] == out["uneven position"] == [t[3]]
+
+
+def budgets():
+    buf = ss.SymmetricBuffer(4096, backend="host")
+    try:
+        OffNode(buf.view([0, 1, 2, 3]), timeout_s=30 if buf.rank != 2 else 31)
+        return "no error"
+    except ss.ConfigError as e:
+        return type(e).__name__, str(e)
+    finally:
+        buf.close()
+
+
+def test_budgets_that_differ_are_refused_on_every_member(pool):
+    got = pool.call(budgets)
+    assert len(set(got)) == 1, got
+    assert got[0][0] == "ConfigError" and "OffNode: timeout_s differs across ranks" in got[0][1]
+
+
+# ---------------------------------------------------------------------- failures reach the other node
+def _gather_once_then(leaver, how, budget):
+    """Every rank gathers once; then ``leaver`` leaves the view by ``how`` while the others gather again."""
+    buf = ss.SymmetricBuffer(4096, backend="host")
+    view = buf.view([0, 1, 2, 3])
+    off = OffNode(view, timeout_s=budget)
+    me = buf.rank
+    off.all_gather(_mine(me))
+    if me == leaver:
+        time.sleep(0.3)  # the others are waiting by now
+        if how == "close":
+            buf.close()
+        elif how == "abort":
+            view.abort("planted: gave up")
+        elif how == "die":
+            os._exit(7)
+        else:  # "never": stay away until the others' budget is long gone
+            time.sleep(budget + 1)
+        buf.close()
+        return how
+    t0 = time.monotonic()
+    try:
+        off.all_gather(_mine(me))
+        return "no error"
+    except ss.FenceTimeout as e:
+        first = describe_error(e)
+        first["elapsed"] = time.monotonic() - t0
+    try:  # fails closed: the same error again, at once
+        off.all_gather(_mine(me))
+        again = "no error"
+    except ss.FenceTimeout as e:
+        again = type(e).__name__
+    buf.close()
+    return first, again
+
+
+@pytest.mark.parametrize("how, reason", [("close", "closed"), ("abort", "planted: gave up")])
+def test_a_rank_that_closes_or_aborts_reaches_the_other_node_as_peer_aborted(pool, how, reason):
+    for rank, got in enumerate(pool.call(_gather_once_then, 0, how, BUDGET_S)):
+        if rank == 0:
+            assert got == how
+            continue
+        err, again = got
+        assert err["type"] == "PeerAborted" and err["rank"] == rank, err
+        assert err["aborted"].get(0) == reason, err  # names rank 0 and its reason, whoever read it first
+        assert err["elapsed"] < FAST_S, err
+        assert again == "PeerAborted"
+
+
+def test_a_rank_that_never_comes_fails_the_others_at_their_budget(pool):
+    budget = 2.0
+    for rank, got in enumerate(pool.call(_gather_once_then, 0, "never", budget)):
+        if rank == 0:
+            assert got == "never"
+            continue
+        err, again = got
+        # the first to time out tells the others, so a rank sees the timeout or that abort
+        assert err["type"] in ("FenceTimeout", "PeerAborted"), err
+        if err["type"] == "FenceTimeout":
+            assert 0 in err["late"] and f"did not finish within its budget of {budget:g} s" in err["msg"]
+            assert budget <= err["elapsed"] < budget + FAST_S, err
+        else:
+            assert 0 not in err["aborted"] and all("timed out" in why for why in err["aborted"].values()), err
+        assert again in ("FenceTimeout", "PeerAborted")
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_dies_reaches_the_other_node_as_peer_aborted_naming_it():
+    results = run(_gather_once_then, 4, 0, "die", BUDGET_S, env=ENV, may_die=[0], timeout_s=240)
+    assert results[0] == Died(0, 7)
+    for err, again in results[1:]:
+        assert err["type"] == "PeerAborted" and list(err["aborted"]) == [0], err  # the silent one
+        assert "stayed silent (died or left?" in err["msg"], err
+        assert err["elapsed"] < FAST_S, err
+        assert again == "PeerAborted"
