@@ -115,7 +115,8 @@ class _OverNodes(_Collective):
             steps.append(_STEP_CLASSES[op](self.node_view, n, dtype, offset=at, channel=c, timeout_s=timeout_s))
             at += steps[-1].workspace.nbytes
         self.steps: tuple[_Collective, ...] = tuple(steps)
-        """The collectives over :attr:`node_view` the calls run, in order (:func:`~.layout.node_steps`)."""
+        """The collectives over :attr:`node_view` the calls run, in order
+        (:func:`~symmsync.collectives.layout.node_steps`)."""
         self.offnode = OffNode(view, timeout_s=steps[0].fence.timeout_s)
         """The step between nodes (:class:`symmsync.offnode.OffNode`), with the node steps' budget."""
         self.fence = self.workspace = None
@@ -145,7 +146,15 @@ class _OverNodes(_Collective):
         return torch.empty(nbytes, dtype=torch.uint8, device=buf.device)
 
     # ------------------------------------------------------------------ a call
-    def _launch(self, x, out, numel, algorithm, count=-1, epilogue=None) -> None:
+    def _launch(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        numel: int,
+        algorithm: int,
+        count: int = -1,
+        epilogue: tuple | None = None,
+    ) -> None:
         """The checked call (the operation's ``__call__`` made every check of one kernel's call):
         its steps; a failure of any fails the collective and aborts the view."""
         if not self._failure.clean or self._buffer.closed:
@@ -163,11 +172,12 @@ class _OverNodes(_Collective):
             self._fail(e)
             raise
 
-    def _compare_calls(self, x, numel, algorithm, epilogue) -> None:
-        """Step 0: the members at this rank's position compare their calls' headers (the words a
-        kernel's call carries: :mod:`.layout`), so that a call that differs on another node is
-        refused before anything moves. The node steps compare the calls within a node; the
-        exchange between nodes must not meet tensors of different sizes (gloo ends the process)."""
+    def _compare_calls(self, x: torch.Tensor, numel: int, algorithm: int, epilogue: tuple | None) -> None:
+        """Step 0: the members at this rank's position compare their calls' headers (the words
+        a kernel's call carries: :mod:`symmsync.collectives.layout`), so that a call that differs
+        on another node is refused before anything moves. The node steps compare the calls
+        within a node; the exchange between nodes must not meet tensors of different sizes
+        (gloo ends the process)."""
         self._calls += 1
         symmetric = int(x.data_ptr() == self._sym_addr)
         row = 0 if epilogue is None else epilogue[3]
@@ -181,6 +191,7 @@ class _OverNodes(_Collective):
             )
 
     def _steps_of(self, x, out, numel, count, epilogue) -> None:
+        """The form's steps 1 to 4 of a checked call (each form defines its own)."""
         raise NotImplementedError
 
     def _between_nodes(self, t: torch.Tensor) -> list[torch.Tensor]:
