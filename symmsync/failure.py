@@ -21,7 +21,11 @@ The states, and what moves between them:
   yet with its :meth:`Waiter.abort_error`, then marks the abort flags at every member
   (:func:`symmsync.language.mark_abort`). :meth:`~symmsync.SymmetricBuffer.close` aborts
   each view with the reason ``"closed"`` through :meth:`ViewFailure.abort_quietly`, which
-  aborts the view even when the marking cannot be sent.
+  aborts the view even when the marking cannot be sent. A view whose members span nodes
+  (:attr:`PeerView.nodes <symmsync.PeerView.nodes>`) has no fences to mark: its abort is
+  posted in the torch.distributed store instead (:func:`symmsync.offnode.post_abort`),
+  where the members of other nodes waiting in an :class:`~symmsync.offnode.OffNode`
+  exchange read it.
 * A waiter is *usable* until it *fails*, then it stays failed. It fails when it reports
   an error of its own (:meth:`ViewFailure.fail`, a later report replacing an earlier
   one), when the view is aborted, or at once when it registers on an aborted view.

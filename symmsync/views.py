@@ -143,7 +143,10 @@ class PeerView:
         for completes normally. Afterwards every :class:`~symmsync.Fence` of this rank on
         the view raises :class:`~symmsync.PeerAborted` (naming this rank) at once.
         Idempotent: only the first reason is sent; after ``close()`` (which aborted the view
-        with the reason ``"closed"``) it does nothing.
+        with the reason ``"closed"``) it does nothing. A view that spans nodes has no fences:
+        its abort is posted in the torch.distributed store, where members of other nodes
+        waiting in an :class:`~symmsync.offnode.OffNode` exchange raise
+        :class:`~symmsync.PeerAborted` naming this rank and ``reason``.
 
         Args:
             reason: why, in a few words (shown in the peers' errors).

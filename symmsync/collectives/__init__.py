@@ -12,13 +12,15 @@ the device primitives of :mod:`symmsync.language`, the launcher of
     y = ar(x)                        # the sum over the members, the same bits on every member
 
 Calls are one kernel launch each, need no host barrier between them, can be captured
-in a CUDA graph, and refuse (on every member) calls that differ between members.
+in a CUDA graph, and refuse (on every member) calls that differ between members. Over a
+view whose members span nodes, the same objects run node steps and one exchange between
+nodes through torch.distributed (:mod:`.spanning`; not in a CUDA graph).
 """
 
 from . import torch_ops  # noqa: F401 - registers the symmsync:: ops as soon as a collective can be built
-from .layout import Workspace, workspace_bytes
+from .layout import ALGORITHMS, Workspace, workspace_bytes
 from .mismatch import CollectiveMismatch
-from .ops import ALGORITHMS, MAX_HIDDEN, AllGather, AllReduce, ReduceScatter
+from .ops import MAX_HIDDEN, AllGather, AllReduce, ReduceScatter
 from .tuning import choose
 
 __all__ = [

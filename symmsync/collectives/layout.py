@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from ..cells import LINE, round_up
+from ..checks import is_int
+from ..errors import ConfigError
 from ..records import HEADER_WORDS
 
 #: The fields of a header (``HEADER_WORDS`` int64 words; regions start on lines of ``LINE`` bytes).
@@ -50,6 +52,9 @@ OP_NAMES = {ALL_REDUCE: "AllReduce", ALL_GATHER: "AllGather", REDUCE_SCATTER: "R
 #: Algorithm codes in a header (-1: the operation has one).
 ALGORITHM_CODES = {"one_shot": 0, "two_shot": 1}
 ALGORITHM_NAMES = {v: k for k, v in ALGORITHM_CODES.items()}
+ALGORITHMS = ("auto", *ALGORITHM_CODES)
+"""The algorithms of :class:`~symmsync.collectives.AllReduce`: ``"auto"`` (:func:`symmsync.collectives.tuning.choose`
+picks), then the kernel's (``"one_shot"``, ``"two_shot"``)."""
 
 #: The element types every operation takes, and their codes in a header.
 DTYPES: dict[torch.dtype, int] = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -109,7 +114,28 @@ class Workspace:
         return self.offset + INPUT
 
 
-def workspace_bytes(max_numel: int, dtype: torch.dtype, size: int, op: str = "all_reduce") -> int:
+def node_steps(op: int, max_numel: int, dtype: torch.dtype, size: int, nodes: int) -> tuple[tuple[int, int], ...]:
+    """The collectives over a node view that an operation over a view of ``size`` members
+    spanning ``nodes`` nodes makes (:mod:`symmsync.collectives.spanning`), in order: each
+    ``(operation, max_numel)``, over ``size // nodes`` members, with ``max_numel`` elements of
+    ``dtype``. Their workspaces follow one another from the collective's ``offset``.
+
+    * all-reduce: a reduce-scatter of the input, padded to a multiple of the node's members
+      (room for ``2 * m`` more elements of ``dtype``: at least ``m - 1`` of any dtype), then an
+      all-gather of this member's chunk of the sum;
+    * all-gather: an all-gather of the inputs of one member per node (``nodes * max_numel``);
+    * reduce-scatter: a reduce-scatter of the input, its chunks reordered.
+    """
+    m = size // nodes
+    if op == ALL_REDUCE:
+        padded = max_numel + 2 * m
+        return ((REDUCE_SCATTER, padded), (ALL_GATHER, -(-padded // m)))
+    if op == ALL_GATHER:
+        return ((ALL_GATHER, nodes * max_numel),)
+    return ((REDUCE_SCATTER, max_numel),)
+
+
+def workspace_bytes(max_numel: int, dtype: torch.dtype, size: int, op: str = "all_reduce", nodes: int = 1) -> int:
     """Bytes a collective's workspace takes in every member's buffer.
 
     Args:
@@ -118,5 +144,22 @@ def workspace_bytes(max_numel: int, dtype: torch.dtype, size: int, op: str = "al
         size: members of the view.
         op: ``"all_reduce"``, ``"all_gather"`` or ``"reduce_scatter"`` (only the
             all-reduce keeps a reduced chunk for its two-shot algorithm).
+        nodes: the nodes the view's members span (as many members on each); 1: a view within
+            one node. Over several, the workspace holds the node steps' (:func:`node_steps`):
+            about ``3 C`` for a reduce-scatter or ``3 C (1 + 1 / m)`` for an all-reduce, with ``C``
+            the call's bytes and ``m`` the members per node; ``3 C nodes`` for an all-gather.
+
+    Raises:
+        ConfigError: ``nodes`` is not a positive divisor of ``size``.
     """
-    return Workspace.plan(0, max_numel, dtype, size, reduced=op == "all_reduce").nbytes
+    code = {"all_reduce": ALL_REDUCE, "all_gather": ALL_GATHER, "reduce_scatter": REDUCE_SCATTER}.get(op)
+    if code is None:
+        raise ConfigError(f"workspace_bytes: op must be 'all_reduce', 'all_gather' or 'reduce_scatter', got {op!r}")
+    if not is_int(nodes) or nodes <= 0 or not is_int(size) or size % nodes:
+        raise ConfigError(f"workspace_bytes: nodes={nodes!r} must be a positive divisor of size={size!r}")
+    if nodes == 1:
+        return Workspace.plan(0, max_numel, dtype, size, reduced=code == ALL_REDUCE).nbytes
+    m = size // nodes
+    return sum(
+        Workspace.plan(0, n, dtype, m, reduced=False).nbytes for _, n in node_steps(code, max_numel, dtype, size, nodes)
+    )

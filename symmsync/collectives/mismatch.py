@@ -68,18 +68,31 @@ def mismatch_error(
             late={},
             channel=channel,
         )
-    calls = {}
-    for r, h in zip(ranks, rec.headers):
-        calls[r] = _describe(h, epoch)
+    return differing_calls(where, dict(zip(ranks, rec.headers)), ranks[me], epoch)
+
+
+def differing_calls(
+    where: str, headers: dict[int, list[int]], rank: int, epoch: int, among: str = ""
+) -> CollectiveMismatch:
+    """The :class:`CollectiveMismatch` of members whose call headers (:mod:`.layout`) differ.
+
+    Args:
+        where: the call, first in the message (``"rank 0: AllReduce on view [0, 1] (the call of epoch 2)"``).
+        headers: ``{global rank: header words}`` of the members compared.
+        rank: this member's global rank.
+        epoch: the call's epoch (or number), as the headers hold it.
+        among: which members were compared, after "differ" (``" across nodes"``).
+    """
+    calls = {r: _describe(h, epoch) for r, h in headers.items()}
     fields = list(_describe([L.TAG + L.ALL_REDUCE] + [0] * (L.HEADER_WORDS - 1), 0))
     differs = [f for f in fields if len({repr(c[f]) for c in calls.values()}) > 1]
     parts = [f"{f}: " + ", ".join(f"rank {r}: {c[f]}" for r, c in calls.items()) for f in differs]
     msg = (
-        f"{where}: the members' calls differ ({'; '.join(parts)}). Every member must make the same call "
+        f"{where}: the members' calls differ{among} ({'; '.join(parts)}). Every member must make the same call "
         "(operation, size, dtype, algorithm, input kind) in the same order; nothing was summed, and the "
         "collective fails from now on"
     )
-    return CollectiveMismatch(msg, rank=ranks[me], epoch=epoch, calls=calls, differs=differs)
+    return CollectiveMismatch(msg, rank=rank, epoch=epoch, calls=calls, differs=differs)
 
 
 def _describe(h: list[int], epoch: int) -> dict[str, Any]:

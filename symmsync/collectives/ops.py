@@ -13,18 +13,14 @@ import torch
 
 from .. import agreement, handles, mode, records
 from ..checks import int_problem, number_problem, require
-from ..errors import BoundsError, ClosedError, ConfigError, InputError, PeerAborted, SymmSyncError
+from ..errors import ClosedError, ConfigError, InputError, PeerAborted, SymmSyncError
 from ..failure import Stall, used_after_abort
 from ..fence import Fence
 from ..launch import BoundLaunch, Launcher
 from ..views import PeerView
-from . import kernels, tuning
+from . import kernels, making, tuning
 from . import layout as L
-from .mismatch import gpu_identity, mismatch_error, shared_gpu_note, stalled_error
-
-ALGORITHMS = ("auto", *L.ALGORITHM_CODES)
-"""The algorithms of :class:`AllReduce`: ``"auto"`` (:func:`symmsync.collectives.tuning.choose` picks), then
-the kernel's (``"one_shot"``, ``"two_shot"``)."""
+from .mismatch import mismatch_error, shared_gpu_note, stalled_error
 
 # Elements per block of a program (a power of two); warps per program.
 _BLOCK = 1024
@@ -48,6 +44,17 @@ class _Collective:
     _OP = 0
     _NAME = ""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Collective:
+        # Over a view whose members span nodes (a layout every member sees alike: it is agreed with
+        # the buffer), the class's form over nodes (.spanning): the same calls, checks and failures,
+        # made of steps over a node view and one off-node step.
+        view = args[0] if args else kwargs.get("view")
+        if isinstance(view, PeerView) and not view.nodes.single:
+            from .spanning import over_nodes  # it subclasses the classes of this module
+
+            cls = over_nodes(cls)
+        return super().__new__(cls)
+
     def __init__(
         self,
         view: PeerView,
@@ -59,59 +66,21 @@ class _Collective:
         channel: int = 0,
         timeout_s: float | None = None,
     ):
-        call = self._NAME
-        if not isinstance(view, PeerView):
-            raise ConfigError(f"{call}: view must be a symmsync.PeerView, got {type(view).__name__}")
-        buf = view.buffer
-        if buf.closed:
-            raise ClosedError(f"rank {buf.rank}: {call}: the view's buffer is closed")
-        problem, error = None, ConfigError
-        ws = None
-        if dtype not in L.DTYPES:
-            problem = f"dtype must be one of {', '.join(map(str, L.DTYPES))}, got {dtype!r}"
-        else:
-            problem = int_problem("max_numel", max_numel, minimum=1) or int_problem("offset", offset, minimum=0)
-        if problem is None and offset % L.LINE:
-            problem, error = f"offset must be a multiple of {L.LINE} bytes, got {offset}", BoundsError
-        if problem is None and algorithm is not None and algorithm not in ALGORITHMS:
-            problem = f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}"
+        buf, problem, error = making.arguments_problem(self._NAME, view, max_numel, dtype, algorithm, offset)
+        ws = fence = None
         if problem is None:
             ws = L.Workspace.plan(offset, max_numel, dtype, view.size, reduced=self._OP == L.ALL_REDUCE)
-            if offset + ws.nbytes > buf.nbytes:
-                problem, error = (
-                    (
-                        f"the workspace needs bytes [{offset}, {offset + ws.nbytes}) of the buffer, which holds "
-                        f"{buf.nbytes}: allocate symmsync.collectives.workspace_bytes(...) more, or lower max_numel"
-                    ),
-                    BoundsError,
-                )
-        fence = None
+            problem, error = making.fit_problem(buf, offset, ws.nbytes)
         if problem is None:  # a bad channel or timeout is agreed like the rest, so that every rank raises
             fence, problem, error = agreement.attempt(lambda: Fence(view, channel, timeout_s=timeout_s), buf.rank)
-        members = tuple(view.ranks)
-        alike = agreement.Same(among=members, hint=f"every member of the view {list(members)} must pass the same")
-        mine = {
-            "max_numel": max_numel,
-            "the dtype": str(dtype),
-            "the algorithm": algorithm,
-            "the offset": offset,
-            "the channel": channel,
-        }
-        same = dict.fromkeys(mine, alike)
-        mine["the GPU"] = gpu_identity(buf.device) if buf.capabilities.streams else None  # exchanged, not compared
-        agreed = agreement.agree(buf.group, call, mine, problem=problem, error=error, same=same)
-        gpu = mine["the GPU"]
-        # The other members on this rank's GPU (several processes on one device: see synchronize()).
-        self._shares_gpu = tuple(r for r in members if r != buf.rank and gpu and agreed[r]["the GPU"] == gpu)
-        self.view = view
-        self.size = view.size
-        self.max_numel = max_numel
-        self.dtype = dtype
+        mine = making.arguments(max_numel, dtype, algorithm, offset, channel)
+        self._keep(view, max_numel, dtype, making.agree(self._NAME, view, mine, problem, error))
         self.fence = fence
-        """The :class:`~symmsync.Fence` whose channel the collective synchronizes on."""
+        """The :class:`~symmsync.Fence` whose channel the collective synchronizes on (``None`` over a view
+        that spans nodes: its node steps have theirs)."""
         self.workspace = ws
-        """Where the collective's bytes live in every member (:class:`~symmsync.collectives.layout.Workspace`)."""
-        self._buffer = buf
+        """Where the collective's bytes live in every member (:class:`~symmsync.collectives.layout.Workspace`;
+        ``None`` over a view that spans nodes: :func:`~symmsync.collectives.layout.node_steps`)."""
         caps = buf.capabilities
         self._traps = caps.traps
         self._streams = caps.streams
@@ -155,13 +124,23 @@ class _Collective:
         self.handle = handles.register(self)
         """The int that names this object to its torch custom op (:mod:`symmsync.collectives.torch_ops`)."""
 
+    def _keep(self, view: PeerView, max_numel: int, dtype: torch.dtype, shares_gpu: tuple[int, ...]) -> None:
+        """What every form keeps of its arguments, once they are agreed (:func:`.making.agree`)."""
+        self.view = view
+        self.size = view.size
+        self.max_numel = max_numel
+        self.dtype = dtype
+        self._buffer = view.buffer
+        self._shares_gpu = shares_gpu  # the other members on this rank's GPU: see synchronize()
+
     # ------------------------------------------------------------------ public
     def input(self, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """This member's symmetric input: a tensor of ``numel`` elements to fill in place.
 
         Passing it to a call skips the copy-in (the members read it where it lies). It is
         the same memory on every call; the call returns (in stream order) only after
-        every member finished reading it, so it can be refilled at once.
+        every member finished reading it, so it can be refilled at once. (Over a view that
+        spans nodes: the all-reduce's node reduce-scatter's input; the others' plain memory.)
 
         Raises:
             ConfigError: ``numel`` or ``dtype`` is not one the collective takes.
@@ -419,6 +398,10 @@ class AllReduce(_Collective):
     same time, the members of a view with the same arguments, or every rank raises
     :class:`~symmsync.ConfigError` (:class:`~symmsync.BoundsError` when the workspace
     does not fit).
+
+    Over a view whose members span nodes, the three operations make their form over nodes
+    (:mod:`symmsync.collectives.spanning`): the same calls, in node steps and an exchange
+    between nodes, with the order of additions of docs/collectives.md, "Across nodes".
     """
 
     _OP = L.ALL_REDUCE
@@ -502,7 +485,7 @@ class AllReduce(_Collective):
         code = self._codes.get(algorithm or self.algorithm)
         bad = self._problem(x, out)
         if bad is not None or code is None:
-            self._refuse(bad or f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+            self._refuse(bad or f"algorithm must be one of {L.ALGORITHMS}, got {algorithm!r}")
         numel = x.numel()
         if code < 0:  # auto: the rule is tuning.choose's
             code = L.ALGORITHM_CODES[tuning.choose(numel * x.element_size(), self.size)]
