@@ -42,6 +42,7 @@ from ..checks import int_problem, require
 from ..errors import ClosedError, ConfigError, InputError, SymmSyncError
 from ..fence import Fence
 from ..launch import BoundLaunch, Launcher
+from . import torch_ops
 from .kernels import IDX as _IDX
 from .kernels import NOPE as _NOPE
 from .kernels import ROPE as _ROPE
@@ -402,10 +403,8 @@ class DirectKVWriter:
                 that this writer's :meth:`prepare` did not return.
             ClosedError: the buffer was closed.
         """
-        if torch.compiler.is_compiling():
-            self.caches(layer)  # refuses a writer without them at trace time
-            span = self._spans[layer]
-            return torch.ops.symmsync.kv_write(self._handle, layer, kv_c, k_pe, indexer_k, batch.slots, span)
+        if torch.compiler.is_compiling():  # the op for the backend (symmsync.pcp.torch_ops)
+            return torch_ops.traced_write(self, layer, kv_c, k_pe, indexer_k, batch)
         bad = self._input_problem(layer, kv_c, k_pe, indexer_k, batch)
         if bad is not None:
             error, problem = bad
