@@ -318,9 +318,9 @@ class DirectKVWriter:
         return batch
 
     def caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's ``(main_kv, indexer_k)`` of ``layer`` (the layout's), views of what a compiled
-        :meth:`write` declares it mutates: read them in compiled code so that the compiler orders the
-        reads after the write. Made by the first ``prepare()`` with every block in mapped memory.
+        """This rank's ``(main_kv, indexer_k)`` of ``layer`` (the layout's), views of the span a compiled
+        :meth:`write` passes its op (:mod:`symmsync.pcp.torch_ops`): read them in compiled code so that
+        the reads come after the write. Made by the first ``prepare()`` with every block in mapped memory.
 
         Raises:
             BoundsError: ``layer`` is not one of the layout's layers.

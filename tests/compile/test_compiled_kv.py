@@ -5,7 +5,7 @@ One compiled step is the PCP pattern a model runs per decode step: for every lay
 this rank's KV rows into every replica (``writer.write``: ``symmsync::kv_write``, or
 ``symmsync::kv_write_in_order`` under ``aot_eager``, its fence fused), read the local cache
 (an attention stand-in: the written slots' rows, gathered, and a sum over the layer's
-indexer cache), then fence (``symmsync::fence``). Every rank sees every rank's rows right
+indexer cache); after the last layer, fence (``symmsync::fence``). Every rank sees every rank's rows right
 after the write, so a write that landed late, on a clone, or after the read shows as a
 difference. Each run takes 50 steps with a varying token count (one dynamic dimension:
 compiled once), one rank sleeping a random time before some steps, and compares every
@@ -29,7 +29,7 @@ from symmsync.pcp import torch_ops
 from symmsync.testing import run
 
 STEPS = 50
-UNSAFE_STEPS = 12  # the unsafe form's steps: enough to show it reads stale bytes every step
+UNSAFE_STEPS = 6  # the unsafe form's steps: enough to show that it reads stale bytes every step
 LAYERS = 2
 BLOCK = 64
 MAX_ROWS = 3  # per rank per step; at least 2 (a size-1 dimension would be specialized)
@@ -94,7 +94,7 @@ def unsafe_on(writer) -> None:
 def compiled_decode(modes):
     """Rank function: 50 decode steps, each compiled with every mode of ``modes``
     (``"inductor"``, ``"aot_eager"``, ``"piecewise"``, any other backend by name, or
-    ``"unsafe"``: :func:`unsafe_on` under ``aot_eager``, the first 12 steps) on its own cache, steps interleaved;
+    ``"unsafe"``: :func:`unsafe_on` under ``aot_eager``, the first 6 steps) on its own cache, steps interleaved;
     returns per mode the steps whose reads differ from plain torch's, the error if one was
     raised, the final caches' differences, the token counts seen and Dynamo's stats."""
     world, me = dist.get_world_size(), dist.get_rank()
@@ -113,7 +113,7 @@ def compiled_decode(modes):
             main, index = writer.caches(layer)
             out.append(main.view(-1, main.shape[-1])[every_slot])  # the rows every rank wrote
             out.append(index.to(torch.int64).sum().reshape(1))
-            writer.fence.fence()  # a fence after the write in the same graph (symmsync::fence)
+        writer.fence.fence()  # symmsync::fence after the writes and reads: no peer writes the next step before it
         return out
 
     def decode_unsafe(*args):  # its own code, so that Dynamo's cache keeps it apart from aot_eager's graphs
@@ -185,9 +185,48 @@ def test_compiled_pcp_decode_is_bytes_identical_to_plain_torch_and_compiles_once
         assert r["unsafe"]["final"] != [(0, [])] * (2 * LAYERS), r["unsafe"]["final"]
 
 
-def test_a_backend_that_would_write_on_a_clone_is_refused_before_writing():
-    # aot_eager_decomp_partition runs aot_autograd without reinplacing: symmsync::kv_write
-    # gets a clone of the span, and refuses it at its first call on every rank.
-    for r in run(compiled_decode, 2, ["aot_eager_decomp_partition"], timeout_s=600):
-        error = r["aot_eager_decomp_partition"]["error"]
-        assert error is not None and "passed copies of the caches" in error, error
+def plain_write_then_compiled_write() -> str | None:
+    """Rank function: an ``aot_eager`` graph that zeroes a cache with plain torch, then
+    writes it; the error its first call raises (the ConfigError in Dynamo's chain), or None."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    cache = Cache(1, LAYERS, BLOCK)
+    buf = ss.SymmetricBuffer(cache.end, backend="host")
+    writer = pcp.DirectKVWriter(buf.view(list(range(world))), cache.layout, timeout_s=60)
+    rows, every = step_rows(0, world)
+    kv, pe, ix, slots = [t[me * rows : (me + 1) * rows].contiguous() for t in every]
+    batch = writer.prepare(slots)
+
+    def step(kv, pe, ix, batch):
+        main, _ = writer.caches(0)
+        main.zero_()  # deferred by functionalization to the end of the graph, past the write
+        writer.write(0, kv, pe, ix, batch)
+        return main.view(-1, main.shape[-1])[batch.slots].sum()
+
+    error = None
+    try:
+        torch.compile(step, backend="aot_eager", fullgraph=True)(kv, pe, ix, batch)
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps what a fake raises; the cause is symmsync's
+        cause = e
+        while cause is not None and not isinstance(cause, ss.ConfigError):
+            cause = cause.__cause__ or cause.__context__
+        error = f"{type(cause).__name__}: {cause}" if cause is not None else repr(e)
+    dist.barrier()
+    buf.close()
+    return error
+
+
+def refusals() -> tuple[str | None, str | None]:
+    """Rank function: :func:`plain_write_then_compiled_write`'s error, then the error of a
+    decode compiled with ``aot_eager_decomp_partition`` (one process for both)."""
+    return plain_write_then_compiled_write(), compiled_decode(["aot_eager_decomp_partition"])[
+        "aot_eager_decomp_partition"
+    ]["error"]
+
+
+def test_compiled_writes_that_cannot_be_ordered_are_refused_on_every_rank():
+    for traced, cloned in run(refusals, 2, timeout_s=600):
+        # aot_eager: plain writes into symmetric memory before a write, refused while Dynamo traces.
+        assert traced is not None and traced.startswith("ConfigError: a compiled DirectKVWriter.write"), traced
+        # aot_eager_decomp_partition runs aot_autograd without reinplacing: symmsync::kv_write
+        # gets a clone of the span and refuses it at its first call, before writing.
+        assert cloned is not None and "passed copies of the caches" in cloned, cloned
