@@ -72,7 +72,7 @@ UNORDERED = (
     "symmetric memory (of view members {members}) in the same graph: functionalization applies a graph's "
     "writes into its inputs at the end of the graph, after the write and its fence, so they would "
     "overwrite its bytes and peers would read stale ones. Make those writes before the compiled code (or "
-    "in a graph that ends before the write), or compile with Inductor"
+    "in a graph that ends before the write)"
 )
 
 
@@ -90,7 +90,9 @@ def traced_write(
     return torch.ops.symmsync.kv_write(writer._handle, layer, kv_c, k_pe, indexer_k, batch.slots, span)
 
 
-@torch.compiler.assume_constant_result  # Dynamo calls it while tracing and keeps the answer
+# Dynamo calls it while tracing and keeps the answer in the graph; no guard is needed, since
+# Dynamo reuses a graph only under the backend it was traced for.
+@torch.compiler.assume_constant_result
 def _backend_runs_in_order() -> bool:
     """Whether the graph Dynamo traces now goes to ``aot_eager`` (unwrapped from Dynamo's wrappers)."""
     from torch._dynamo import symbolic_convert  # imported by Dynamo already when this runs
