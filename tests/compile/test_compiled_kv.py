@@ -185,9 +185,22 @@ def test_compiled_pcp_decode_is_bytes_identical_to_plain_torch_and_compiles_once
         assert r["unsafe"]["final"] != [(0, [])] * (2 * LAYERS), r["unsafe"]["final"]
 
 
-def plain_write_then_compiled_write() -> str | None:
-    """Rank function: an ``aot_eager`` graph that zeroes a cache with plain torch, then
-    writes it; the error its first call raises (the ConfigError in Dynamo's chain), or None."""
+def first_error(fn, *args) -> str | None:
+    """The symmsync error ``fn(*args)`` raises (found in Dynamo's exception chain), or None."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps what a fake raises; the cause is symmsync's
+        cause = e
+        while cause is not None and not isinstance(cause, ss.SymmSyncError):
+            cause = cause.__cause__ or cause.__context__
+        return f"{type(cause).__name__}: {cause}" if cause is not None else repr(e)
+    return None
+
+
+def refusals() -> tuple[str | None, str | None]:
+    """Rank function: the errors of a write compiled two ways it cannot be ordered: under
+    ``aot_eager`` after a plain torch write into the cache in the same graph, then (which
+    aborts the view) under ``aot_eager_decomp_partition``."""
     world, me = dist.get_world_size(), dist.get_rank()
     cache = Cache(1, LAYERS, BLOCK)
     buf = ss.SymmetricBuffer(cache.end, backend="host")
@@ -196,31 +209,20 @@ def plain_write_then_compiled_write() -> str | None:
     kv, pe, ix, slots = [t[me * rows : (me + 1) * rows].contiguous() for t in every]
     batch = writer.prepare(slots)
 
-    def step(kv, pe, ix, batch):
+    def step(kv, pe, ix, batch, zero: bool):
         main, _ = writer.caches(0)
-        main.zero_()  # deferred by functionalization to the end of the graph, past the write
+        if zero:
+            main.zero_()  # deferred by functionalization to the end of the graph, past the write
         writer.write(0, kv, pe, ix, batch)
         return main.view(-1, main.shape[-1])[batch.slots].sum()
 
-    error = None
-    try:
-        torch.compile(step, backend="aot_eager", fullgraph=True)(kv, pe, ix, batch)
-    except Exception as e:  # noqa: BLE001 - Dynamo wraps what a fake raises; the cause is symmsync's
-        cause = e
-        while cause is not None and not isinstance(cause, ss.ConfigError):
-            cause = cause.__cause__ or cause.__context__
-        error = f"{type(cause).__name__}: {cause}" if cause is not None else repr(e)
+    traced = first_error(torch.compile(step, backend="aot_eager", fullgraph=True), kv, pe, ix, batch, True)
+    dist.barrier()  # both ranks refused the graph before running any of it
+    partitioned = torch.compile(step, backend="aot_eager_decomp_partition", fullgraph=True)
+    cloned = first_error(partitioned, kv, pe, ix, batch, False)
     dist.barrier()
     buf.close()
-    return error
-
-
-def refusals() -> tuple[str | None, str | None]:
-    """Rank function: :func:`plain_write_then_compiled_write`'s error, then the error of a
-    decode compiled with ``aot_eager_decomp_partition`` (one process for both)."""
-    return plain_write_then_compiled_write(), compiled_decode(["aot_eager_decomp_partition"])[
-        "aot_eager_decomp_partition"
-    ]["error"]
+    return traced, cloned
 
 
 def test_compiled_writes_that_cannot_be_ordered_are_refused_on_every_rank():
