@@ -46,6 +46,7 @@ from ..errors import ClosedError, ConfigError, InputError, SymmSyncError
 from ..fence import Fence
 from ..launch import BoundLaunch, Launcher
 from ..offnode import OffNode
+from . import torch_ops
 from .kernels import IDX as _IDX
 from .kernels import NOPE as _NOPE
 from .kernels import ROPE as _ROPE
@@ -344,9 +345,9 @@ class DirectKVWriter:
         return batch
 
     def caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's ``(main_kv, indexer_k)`` of ``layer`` (the layout's), views of what a compiled
-        :meth:`write` declares it mutates: read them in compiled code so that the compiler orders the
-        reads after the write. Made by the first ``prepare()`` with every block in mapped memory.
+        """This rank's ``(main_kv, indexer_k)`` of ``layer`` (the layout's), views of the span a compiled
+        :meth:`write` passes its op (:mod:`symmsync.pcp.torch_ops`): read them in compiled code so that
+        the reads come after the write. Made by the first ``prepare()`` with every block in mapped memory.
 
         Raises:
             BoundsError: ``layer`` is not one of the layout's layers.
@@ -430,10 +431,8 @@ class DirectKVWriter:
                 that this writer's :meth:`prepare` did not return.
             ClosedError: the buffer was closed.
         """
-        if torch.compiler.is_compiling():
-            self.caches(layer)  # refuses a writer without them at trace time
-            span = self._spans[layer]
-            return torch.ops.symmsync.kv_write(self._handle, layer, kv_c, k_pe, indexer_k, batch.slots, span)
+        if torch.compiler.is_compiling():  # the op for the backend (symmsync.pcp.torch_ops)
+            return torch_ops.traced_write(self, layer, kv_c, k_pe, indexer_k, batch)
         bad = self._input_problem(layer, kv_c, k_pe, indexer_k, batch)
         if bad is not None:
             error, problem = bad

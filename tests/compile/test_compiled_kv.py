@@ -2,15 +2,17 @@
 decode pattern, against eager and against the plain-torch oracle, on the host backend.
 
 One compiled step is the PCP pattern a model runs per decode step: for every layer, write
-this rank's KV rows into every replica (``writer.write``: the ``symmsync::kv_write`` op,
-its fence fused), read the local cache (an attention stand-in: the written slots' rows,
-gathered, and a sum over the layer's indexer cache), then fence (``symmsync::fence``). Every rank sees every rank's
-rows right after the write, so a write that landed late, on a clone, or after the read
-shows as a difference. Each run takes 50 steps with a varying token count (one dynamic
-dimension: compiled once), one rank sleeping a random time before some steps, and
-compares every step's reads with what plain torch computes (:func:`oracles.oracle_cache`,
-independent of the kernels, which eager writes match byte for byte: tests/pcp), and the
-whole caches at the end.
+this rank's KV rows into every replica (``writer.write``: ``symmsync::kv_write``, or
+``symmsync::kv_write_in_order`` under ``aot_eager``, its fence fused), read the local cache
+(an attention stand-in: the written slots' rows, gathered, and a sum over the layer's
+indexer cache); after the last layer, fence (``symmsync::fence``). Every rank sees every rank's rows right
+after the write, so a write that landed late, on a clone, or after the read shows as a
+difference. Each run takes 50 steps with a varying token count (one dynamic dimension:
+compiled once), one rank sleeping a random time before some steps, and compares every
+step's reads with what plain torch computes (:func:`oracles.oracle_cache`, independent of
+the kernels, which eager writes match byte for byte: tests/pcp), and the whole caches at
+the end. The unsafe form (the mutating op under ``aot_eager``, its refusal removed in this
+file only) runs beside them and must read stale bytes: the oracle bites.
 """
 
 import random
@@ -22,10 +24,12 @@ import torch.distributed as dist
 from oracles import Cache, first_difference, oracle_cache
 
 import symmsync as ss
-from symmsync import pcp
+from symmsync import handles, pcp
+from symmsync.pcp import torch_ops
 from symmsync.testing import run
 
 STEPS = 50
+UNSAFE_STEPS = 6  # the unsafe form's steps: enough to show that it reads stale bytes every step
 LAYERS = 2
 BLOCK = 64
 MAX_ROWS = 3  # per rank per step; at least 2 (a size-1 dimension would be specialized)
@@ -65,9 +69,32 @@ def splitting_backend(gm: torch.fx.GraphModule, example_inputs):
     return split
 
 
+def unsafe_on(writer) -> None:
+    """Compile ``writer``'s writes to the unsafe form, in this process only: the mutating
+    ``symmsync::kv_write`` whatever the backend (under ``aot_eager`` it runs on a clone of
+    the span, copied back at the end of the graph), without the op's refusal of clones.
+    Every other writer keeps the shipped dispatch and op body."""
+    shipped_trace, shipped_write = torch_ops.traced_write, torch_ops._write
+
+    def trace(w, layer, kv_c, k_pe, indexer_k, batch):
+        if w is not writer:
+            return shipped_trace(w, layer, kv_c, k_pe, indexer_k, batch)
+        w.caches(layer)
+        return torch.ops.symmsync.kv_write(w._handle, layer, kv_c, k_pe, indexer_k, batch.slots, w._spans[layer])
+
+    def write(handle, layer, kv_c, k_pe, indexer_k, slots, cache):
+        if handle != writer._handle:
+            return shipped_write(handle, layer, kv_c, k_pe, indexer_k, slots, cache)
+        w = handles.lookup(handle, pcp.DirectKVWriter)
+        w.write(layer, kv_c, k_pe, indexer_k, w._last_batch())  # through its pointers, the clone unused
+
+    torch_ops.traced_write, torch_ops._write = trace, write
+
+
 def compiled_decode(modes):
     """Rank function: 50 decode steps, each compiled with every mode of ``modes``
-    (``"inductor"``, ``"aot_eager"``, ``"piecewise"``) on its own cache, steps interleaved;
+    (``"inductor"``, ``"aot_eager"``, ``"piecewise"``, any other backend by name, or
+    ``"unsafe"``: :func:`unsafe_on` under ``aot_eager``, the first 6 steps) on its own cache, steps interleaved;
     returns per mode the steps whose reads differ from plain torch's, the error if one was
     raised, the final caches' differences, the token counts seen and Dynamo's stats."""
     world, me = dist.get_world_size(), dist.get_rank()
@@ -76,6 +103,8 @@ def compiled_decode(modes):
     buf = ss.SymmetricBuffer(caches[-1].end, backend="host", channels=len(modes))
     view = buf.view(list(range(world)))
     writers = [pcp.DirectKVWriter(view, c.layout, channel=i, timeout_s=60) for i, c in enumerate(caches)]
+    if "unsafe" in modes:
+        unsafe_on(writers[modes.index("unsafe")])
 
     def decode(writer, kv, pe, ix, batch, every_slot):
         out = []
@@ -84,11 +113,15 @@ def compiled_decode(modes):
             main, index = writer.caches(layer)
             out.append(main.view(-1, main.shape[-1])[every_slot])  # the rows every rank wrote
             out.append(index.to(torch.int64).sum().reshape(1))
-            writer.fence.fence()  # a fence after the write in the same graph (symmsync::fence)
+        writer.fence.fence()  # symmsync::fence after the writes and reads: no peer writes the next step before it
         return out
 
-    backends = [{"piecewise": splitting_backend}.get(m, m) for m in modes]
-    compiled = [torch.compile(decode, backend=b, fullgraph=True) for b in backends]
+    def decode_unsafe(*args):  # its own code, so that Dynamo's cache keeps it apart from aot_eager's graphs
+        return decode(*args)
+
+    backends = [{"piecewise": splitting_backend, "unsafe": "aot_eager"}.get(m, m) for m in modes]
+    fns = [decode_unsafe if m == "unsafe" else decode for m in modes]
+    compiled = [torch.compile(f, backend=b, fullgraph=True) for f, b in zip(fns, backends)]
     rng = random.Random(7)
     result = {m: {"wrong": [], "error": None} for m in modes}
     rows_seen = set()
@@ -104,7 +137,7 @@ def compiled_decode(modes):
             want += [main.view(-1, main.shape[-1])[slots], torch.tensor([index_sums[layer]])]
         mine = [t[me * rows : (me + 1) * rows].contiguous() for t in (kv, pe, ix, slots)]
         for mode, writer, fn in zip(modes, writers, compiled):
-            if result[mode]["error"] is not None:
+            if result[mode]["error"] is not None or (mode == "unsafe" and step >= UNSAFE_STEPS):
                 continue
             batch = writer.prepare(mine[3])
             for t in (*mine[:3], batch.slots, slots):
@@ -136,17 +169,66 @@ def compiled_decode(modes):
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.soak)])  # world 3: make test-soak (CI time)
 def test_compiled_pcp_decode_is_bytes_identical_to_plain_torch_and_compiles_once(world):
-    modes = ["inductor", "piecewise"]
-    for r in run(compiled_decode, world, modes, timeout_s=600):
+    modes = ["inductor", "aot_eager", "piecewise"]
+    results = run(compiled_decode, world, [*modes, "unsafe"], timeout_s=600)
+    for r in results:
         for mode in modes:
             assert r[mode]["error"] is None, (mode, r[mode]["error"])
             assert r[mode]["wrong"] == [], (mode, r[mode]["wrong"])
             assert r[mode]["final"] == [(0, [])] * (2 * LAYERS), (mode, r[mode]["final"])
         assert len(r["rows"]) > 1  # the token count varied
-        assert r["stats"].get("unique_graphs") == len(modes), r["stats"]  # one graph per mode for every count
+        assert r["stats"].get("unique_graphs") == len(modes) + 1, r["stats"]  # one graph per mode for every count
+    # The oracle bites: the mutating op on aot_eager's clone, unrefused, reads this step's rows
+    # from a copy taken before the write, every step, and its copy back erases them.
+    for r in results:
+        assert r["unsafe"]["error"] is None and r["unsafe"]["wrong"] == list(range(UNSAFE_STEPS)), r["unsafe"]
+        assert r["unsafe"]["final"] != [(0, [])] * (2 * LAYERS), r["unsafe"]["final"]
 
 
-def test_aot_eager_raises_instead_of_writing_on_a_clone():
-    for r in run(compiled_decode, 2, ["aot_eager"], timeout_s=600):
-        error = r["aot_eager"]["error"]
-        assert error is not None and "passed copies of the caches" in error, error
+def first_error(fn, *args) -> str | None:
+    """The symmsync error ``fn(*args)`` raises (found in Dynamo's exception chain), or None."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps what a fake raises; the cause is symmsync's
+        cause = e
+        while cause is not None and not isinstance(cause, ss.SymmSyncError):
+            cause = cause.__cause__ or cause.__context__
+        return f"{type(cause).__name__}: {cause}" if cause is not None else repr(e)
+    return None
+
+
+def refusals() -> tuple[str | None, str | None]:
+    """Rank function: the errors of a write compiled two ways it cannot be ordered: under
+    ``aot_eager`` after a plain torch write into the cache in the same graph, then (which
+    aborts the view) under ``aot_eager_decomp_partition``."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    cache = Cache(1, LAYERS, BLOCK)
+    buf = ss.SymmetricBuffer(cache.end, backend="host")
+    writer = pcp.DirectKVWriter(buf.view(list(range(world))), cache.layout, timeout_s=60)
+    rows, every = step_rows(0, world)
+    kv, pe, ix, slots = [t[me * rows : (me + 1) * rows].contiguous() for t in every]
+    batch = writer.prepare(slots)
+
+    def step(kv, pe, ix, batch, zero: bool):
+        main, _ = writer.caches(0)
+        if zero:
+            main.zero_()  # deferred by functionalization to the end of the graph, past the write
+        writer.write(0, kv, pe, ix, batch)
+        return main.view(-1, main.shape[-1])[batch.slots].sum()
+
+    traced = first_error(torch.compile(step, backend="aot_eager", fullgraph=True), kv, pe, ix, batch, True)
+    dist.barrier()  # both ranks refused the graph before running any of it
+    partitioned = torch.compile(step, backend="aot_eager_decomp_partition", fullgraph=True)
+    cloned = first_error(partitioned, kv, pe, ix, batch, False)
+    dist.barrier()
+    buf.close()
+    return traced, cloned
+
+
+def test_compiled_writes_that_cannot_be_ordered_are_refused_on_every_rank():
+    for traced, cloned in run(refusals, 2, timeout_s=600):
+        # aot_eager: plain writes into symmetric memory before a write, refused while Dynamo traces.
+        assert traced is not None and traced.startswith("ConfigError: a compiled DirectKVWriter.write"), traced
+        # aot_eager_decomp_partition runs aot_autograd without reinplacing: symmsync::kv_write
+        # gets a clone of the span and refuses it at its first call, before writing.
+        assert cloned is not None and "passed copies of the caches" in cloned, cloned

@@ -6,7 +6,8 @@ so peers would read before the payload reached memory: a graph that writes into 
 memory and then fences is refused at trace time. Each rank writes into its peer through a
 view, fences, and reads what the peer wrote, with one rank delayed: with the write made
 before the compiled fence-and-read, every read sees the peer's data; without a fence the
-same oracle sees stale data.
+same oracle sees stale data, and so does the refused graph when the refusal is removed
+(in this file only).
 """
 
 import time
@@ -20,8 +21,11 @@ from symmsync.testing import run
 
 def compiled_exchange(n, mode):
     """``mode``: ``"fence"`` (write, fence and read in one compiled graph), ``"eager write"``
-    (the write before the compiled fence and read) or ``"no fence"`` (write and read
-    compiled, no fence). Returns how many steps read stale data, or the error."""
+    (the write before the compiled fence and read), ``"no fence"`` (write and read
+    compiled, no fence) or ``"unrefused"`` (as ``"fence"``, the trace-time check removed in
+    this process). Returns how many steps read stale data, or the error."""
+    if mode == "unrefused":  # the unsafe form: the fence op gets no user regions, so its fake checks none
+        ss.Fence._orders = lambda self: []
     buf = ss.SymmetricBuffer(4096, backend="host")
     r = buf.rank
     fence = ss.Fence(buf.view([0, 1]), timeout_s=60)
@@ -65,11 +69,19 @@ def test_the_compiled_oracle_bites_without_the_fence():
     assert sum(run(compiled_exchange, 2, 12, "no fence", timeout_s=300)) > 0
 
 
+def refused_then_unrefused(n):
+    """Rank function: :func:`compiled_exchange` ``"fence"``, then ``"unrefused"`` (one process)."""
+    return compiled_exchange(n, "fence"), compiled_exchange(n, "unrefused")
+
+
 def test_a_graph_that_writes_symmetric_memory_then_fences_is_refused_at_trace_time():
-    # Compiled with the fence in the graph, the write would land after it (12 of 12 steps read
-    # stale data when measured): every rank refuses the graph before running any of it.
-    for error in run(compiled_exchange, 2, 12, "fence", timeout_s=300):
+    # Compiled with the fence in the graph, the write lands after it: every rank refuses the
+    # graph before running any of it, and the same graph unrefused reads stale data.
+    results = run(refused_then_unrefused, 2, 12, timeout_s=300)
+    for error, _ in results:
         assert isinstance(error, str) and error.startswith("ConfigError: a compiled fence follows writes"), error
+    stale = [count for _, count in results]  # 8 and 4 of 12 steps when measured
+    assert all(isinstance(count, int) for count in stale) and sum(stale) > 0, stale  # the oracle bites
 
 
 def fenced_counts(kind):
