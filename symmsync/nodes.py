@@ -194,7 +194,10 @@ def local_key(device: torch.device | None) -> tuple[NodeKey, str | None]:
     host = socket.gethostname()
     if device is None or device.type != "cuda":
         return NodeKey(host), None
-    return _cuda_key(host, device), None
+    try:
+        return _cuda_key(host, device), None
+    except Exception as e:  # noqa: BLE001 - reported to every rank, never raised before the exchange
+        return NodeKey(host), f"could not tell which GPUs {device} can map: {e}"
 
 
 def _cuda_key(host: str, device: torch.device) -> NodeKey:
@@ -241,9 +244,11 @@ def with_fields(args: dict[str, Any], problem: str | None, device: Any) -> tuple
     its node setting (compared by :data:`AGREED`), its :class:`NodeKey`, a token that names
     the buffer in the store; the problem, if none yet, of its node setting. :func:`layout`
     reads them back."""
-    key, node_problem = local_key(device)
+    key = NodeKey("")
+    if problem is None:  # a refused call sends no values: nothing to find (the device may be junk)
+        key, problem = local_key(device)
     setting = os.environ.get(NODE_SIZE_ENV, "").strip()
-    return {**args, "node_size": setting, "node": key, "token": secrets.token_hex(8)}, problem or node_problem
+    return {**args, "node_size": setting, "node": key, "token": secrets.token_hex(8)}, problem
 
 
 def layout(agreed: Sequence[dict[str, Any]], call: str, rank: int) -> tuple[NodeLayout, str, tuple[int, ...]]:
