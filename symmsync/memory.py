@@ -237,7 +237,7 @@ def share_chunks(tx: Transaction, shared: Shared, pieces: list[tuple[int, int]])
 
     received = tx.step("commit memory on", commit_here, undo=lambda everyone: _abandon_pieces(be, everyone))
     for c in own:
-        be.chunk_exchanged(c, [pid for _, pid in received])  # who may ask for it
+        be.chunk_exchanged(c, [received[r][1] for r in shared.near])  # who may ask for it: this node's ranks
 
     def map_peers() -> None:
         for r, (theirs, _) in enumerate(received):
@@ -266,7 +266,7 @@ def share_local(tx: Transaction, shared: Shared, nbytes: int, known: int, max_nb
         return export[0].pieces, os.getpid()
 
     everyone = tx.step("share the registered memory of", export_here)
-    be.local_exchanged(export[0], [pid for _, pid in everyone])
+    be.local_exchanged(export[0], [everyone[r][1] for r in shared.near])
 
     def map_peers() -> None:
         for r, (theirs, _) in enumerate(everyone):

@@ -49,16 +49,20 @@ AGREED = {"node_size": Same(hint=f"set {NODE_SIZE_ENV} alike on every rank (or o
 @dataclass(frozen=True)
 class NodeKey:
     """What one rank contributes to the partition: ranks with equal ``host`` are one node,
-    provided they can map each other (``device`` within every other member's ``reach``).
+    provided they can map each other: no member's ``device`` is among another's ``seen``
+    GPUs but outside its ``reach``.
 
     Attributes:
         host: the node's name: the hostname, or ``"simulated node i"`` under :data:`NODE_SIZE_ENV`.
         device: this rank's GPU (its UUID) on CUDA; ``""`` where any member maps any other.
-        reach: the GPUs (UUIDs) this rank's GPU can map, its own included; empty with no ``device``.
+        seen: the GPUs (UUIDs) this process sees. A GPU it does not see (``CUDA_VISIBLE_DEVICES``
+            of one GPU per process) cannot be asked about, and counts as mappable, as on one node.
+        reach: the GPUs among ``seen`` that this rank's GPU can map, its own included.
     """
 
     host: str
     device: str = ""
+    seen: tuple[str, ...] = ()
     reach: tuple[str, ...] = ()
 
 
@@ -194,7 +198,10 @@ def local_key(device: torch.device | None) -> tuple[NodeKey, str | None]:
     host = socket.gethostname()
     if device is None or device.type != "cuda":
         return NodeKey(host), None
-    return _cuda_key(host, device), None
+    try:
+        return _cuda_key(host, device), None
+    except Exception as e:  # noqa: BLE001 - reported to every rank, never raised before the exchange
+        return NodeKey(host), f"could not tell which GPUs {device} can map: {e}"
 
 
 def _cuda_key(host: str, device: torch.device) -> NodeKey:
@@ -205,10 +212,9 @@ def _cuda_key(host: str, device: torch.device) -> NodeKey:
         return str(torch.cuda.get_device_properties(i).uuid)
 
     me = device.index if device.index is not None else torch.cuda.current_device()
-    reach = [uuid(me)] + [
-        uuid(i) for i in range(torch.cuda.device_count()) if i != me and torch.cuda.can_device_access_peer(me, i)
-    ]
-    return NodeKey(host, uuid(me), tuple(sorted(reach)))
+    seen = range(torch.cuda.device_count())
+    reach = [uuid(i) for i in seen if i == me or torch.cuda.can_device_access_peer(me, i)]
+    return NodeKey(host, uuid(me), tuple(sorted(uuid(i) for i in seen)), tuple(sorted(reach)))
 
 
 def partition(keys: Sequence[NodeKey], call: str) -> NodeLayout:
@@ -225,7 +231,7 @@ def partition(keys: Sequence[NodeKey], call: str) -> NodeLayout:
     for members in hosts.values():
         for i in members:
             for j in members:
-                if keys[i].device and keys[j].device not in keys[i].reach:
+                if keys[j].device in keys[i].seen and keys[j].device not in keys[i].reach:
                     raise ConfigError(
                         f"{call}: ranks {i} and {j} run on one host ({keys[i].host}) but rank {i}'s GPU "
                         f"{keys[i].device} cannot map rank {j}'s GPU {keys[j].device}, so they are not one node; "
@@ -241,9 +247,11 @@ def with_fields(args: dict[str, Any], problem: str | None, device: Any) -> tuple
     its node setting (compared by :data:`AGREED`), its :class:`NodeKey`, a token that names
     the buffer in the store; the problem, if none yet, of its node setting. :func:`layout`
     reads them back."""
-    key, node_problem = local_key(device)
+    key = NodeKey("")
+    if problem is None:  # a refused call sends no values: nothing to find (the device may be junk)
+        key, problem = local_key(device)
     setting = os.environ.get(NODE_SIZE_ENV, "").strip()
-    return {**args, "node_size": setting, "node": key, "token": secrets.token_hex(8)}, problem or node_problem
+    return {**args, "node_size": setting, "node": key, "token": secrets.token_hex(8)}, problem
 
 
 def layout(agreed: Sequence[dict[str, Any]], call: str, rank: int) -> tuple[NodeLayout, str, tuple[int, ...]]:

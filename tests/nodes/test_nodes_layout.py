@@ -66,9 +66,13 @@ def test_restrict_gives_a_subgroup_its_own_indices():
 
 @pytest.mark.timeout(30)
 def test_ranks_of_one_host_whose_gpus_cannot_map_each_other_are_refused():
-    keys = [NodeKey("a", "g0", ("g0", "g1")), NodeKey("a", "g1", ("g0", "g1")), NodeKey("b", "g2", ("g2",))]
+    both = ("g0", "g1")
+    keys = [NodeKey("a", "g0", both, both), NodeKey("a", "g1", both, both), NodeKey("b", "g2", ("g2",), ("g2",))]
     assert partition(keys, "call").nodes == ((0, 1), (2,))
-    split = [NodeKey("a", "g0", ("g0",)), NodeKey("a", "g1", ("g1",))]
+    # one GPU visible per process: the other cannot be asked about, and the host stays one node
+    alone = [NodeKey("a", "g0", ("g0",), ("g0",)), NodeKey("a", "g1", ("g1",), ("g1",))]
+    assert partition(alone, "call").single
+    split = [NodeKey("a", "g0", both, ("g0",)), NodeKey("a", "g1", both, ("g1",))]
     with pytest.raises(ss.ConfigError, match=r"call: ranks 0 and 1 run on one host \(a\) but .* cannot map"):
         partition(split, "call")
 

@@ -47,6 +47,16 @@ EXPECTED = {
         "outputs and caches bit for bit the eager loop's"
         for r in (0, 1)
     ],
+    "09_nodes.py": [  # 4 ranks as 2 simulated nodes of 2
+        line
+        for r in range(4)
+        for line in (
+            f"rank {r}: 2 nodes: [0, 1] [2, 3]; my node is {[r & 2, (r & 2) + 1]}",
+            f"rank {r}: node peer {r ^ 1} wrote {10 * (r ^ 1) + r} into my memory",
+            f"rank {r}: rank {(r + 2) % 4}'s memory is on node {1 - r // 2}: refused (ViewError): not mapped here",
+            f"rank {r}: all_gather across the nodes: [0, 1, 4, 9]",
+        )
+    ],
 }
 HOST_ONLY = {
     "01_buffer.py": [f"rank {r}: host backend, 1024 bytes on cpu" for r in (0, 1)],
