@@ -6,7 +6,8 @@
 
 SYMMSYNC_NODE_SIZE=2 splits the job into nodes of 2 consecutive ranks (run() sets it for the
 ranks it starts). Each rank writes into its node peer's memory and fences on its node's view;
-an off-node peer's memory is refused; every rank's square crosses the nodes through OffNode.
+an off-node peer's memory is refused; every rank's square crosses the nodes through OffNode;
+an all-reduce over all 4 ranks sums within each node over peer memory, then across the nodes.
 """
 
 # --8<-- [start:example]
@@ -16,13 +17,15 @@ import os
 import torch
 
 import symmsync as ss
+from symmsync import collectives as C
 from symmsync.nodes import NODE_SIZE_ENV
 from symmsync.offnode import OffNode
 from symmsync.testing import is_main_process, run
 
 
 def two_nodes(backend: str) -> list[str]:  # runs on every rank, with torch.distributed initialized
-    with ss.SymmetricBuffer(1024, backend=backend) as buf:  # maps only the peers of this rank's node
+    room = C.workspace_bytes(4, torch.float32, 4, "all_reduce", nodes=2)  # an all-reduce's, over 2 nodes
+    with ss.SymmetricBuffer(1024 + room, backend=backend) as buf:  # maps only the peers of this rank's node
         me, nodes = buf.rank, buf.nodes
         mine = list(nodes.members_of(me))
         node = buf.view(mine)  # collective: every rank passes its own node's ranks
@@ -36,13 +39,17 @@ def two_nodes(backend: str) -> list[str]:  # runs on every rank, with torch.dist
             refused = "mapped?!"
         except ss.ViewError:
             refused = "refused (ViewError): not mapped here"
-        everyone = OffNode(buf.view(list(range(buf.world_size))), timeout_s=60)  # crosses nodes
+        spanning = buf.view(list(range(buf.world_size)))  # every rank: a view over both nodes
+        everyone = OffNode(spanning, timeout_s=60)  # crosses nodes
         squares = [int(t) for t in everyone.all_gather(torch.tensor([me * me]))]  # gloo: CPU tensors
+        ar = C.AllReduce(spanning, 4, torch.float32, offset=1024, timeout_s=60)  # collective, like every constructor
+        total = ar(torch.full((4,), float(me + 1), device=buf.device))  # (1 + 2) on node 0, (3 + 4) on node 1
         return [
             f"rank {me}: {nodes}; my node is {mine}",
             f"rank {me}: node peer {peer} wrote {got} into my memory",
             f"rank {me}: rank {far}'s memory is on node {nodes.node_of(far)}: {refused}",
             f"rank {me}: all_gather across the nodes: {squares}",
+            f"rank {me}: all_reduce over 2 nodes: {total.tolist()}",
         ]
 
 

@@ -55,6 +55,7 @@ EXPECTED = {
             f"rank {r}: node peer {r ^ 1} wrote {10 * (r ^ 1) + r} into my memory",
             f"rank {r}: rank {(r + 2) % 4}'s memory is on node {1 - r // 2}: refused (ViewError): not mapped here",
             f"rank {r}: all_gather across the nodes: [0, 1, 4, 9]",
+            f"rank {r}: all_reduce over 2 nodes: [10.0, 10.0, 10.0, 10.0]",
         )
     ],
 }
