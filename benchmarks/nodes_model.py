@@ -14,8 +14,10 @@ Inputs (measured):
 
 * ``fence_h200x2.json`` (2x H200, NV18): ``symmsync_fence.graph``, one fence in graph
   replay: the cost of each intra-node synchronization step; ``empty_symmsync_launcher.graph``:
-  one kernel node; ``nccl_allreduce.graph``: an NCCL all-reduce of one int on the same two
-  GPUs, the fixed cost of one torch.distributed (NCCL) call without its network hops.
+  one kernel node; ``nccl_allreduce.eager``: an NCCL all-reduce of one int on the same two
+  GPUs, issued from the host and waited for, the fixed cost of one off-node step (every
+  off-node step is a host-issued torch.distributed call, ``symmsync.offnode.OffNode``)
+  without its network hops.
 * ``pcp_kv_h200x2.json`` (2x H200): per tokens/rank, the PCP2 writer in graph replay
   (``direct.graph``: the writer and its fence), the local insert alone (``local_insert.graph``,
   the same kernel with one replica) and NCCL all-gather + insert (``allgather.graph``).
@@ -25,15 +27,20 @@ overlap between steps; ``hop`` is ``ASSUMED["net_hop_us"]`` for steps of at most
 ``ASSUMED["net_hop_simple_us"]`` above):
 
 * an intra-node step: a kernel node + a fence + its bytes over NVLink (``nvlink_GBps``);
-* an inter-node step: NCCL's fixed cost + ``hop`` per ring step + its bytes over the
-  network (``net_GBps``, one NIC per GPU);
-* all-reduce across nodes: reduce-scatter in the node (``(g-1)/g M`` over NVLink), ring
-  all-reduce of ``M/g`` among the GPUs at one node position (``2(n-1)`` hops,
-  ``2(n-1)/n M/g`` bytes), all-gather in the node; on one node the better of one-shot
+* an inter-node step: the host-issued call's fixed cost + ``hop`` per ring step + its bytes
+  over the network (``net_GBps``, one NIC per GPU); every collective across nodes first
+  all-gathers its call's header (64 bytes) among the node positions, so that calls that
+  differ between nodes are refused before data moves;
+* all-reduce across nodes, as ``symmsync.collectives.spanning`` runs it: reduce-scatter in the
+  node (``(g-1)/g M`` over NVLink), an all-gather of each node's partial chunk ``M/g`` among
+  the GPUs at one node position (``n-1`` hops, ``(n-1) M/g`` bytes; every rank then sums the
+  ``n`` partials in node order), all-gather in the node; on one node the better of one-shot
   (``(g-1) M`` read, one fence) and two-shot (``2 (g-1)/g M``, two fences); the fused norm
   adds one read and one write of ``M`` at HBM speed (``hbm_GBps``);
-* all-gather (``M`` in, ``g n M`` out): ring all-gather of ``M`` among the node positions,
-  then the node's all-gather of ``n M``; reduce-scatter mirrors it;
+* all-gather (``M`` in, ``g n M`` out): all-gather of ``M`` among the node positions, then the
+  node's all-gather of ``n M``; reduce-scatter (``M`` out): the node's reduce-scatter to
+  ``n M``, then an all-gather of those ``n M`` among the node positions (``(n-1) n M`` bytes:
+  each rank receives every node's partial of its ``n`` chunks and sums them in node order);
 * the writer, ``p`` PCP members per node, ``T`` tokens per member: the direct route across
   nodes is an all-gather of the compact KV (1408 bytes a token) among the node positions,
   then the direct kernel with ``n T`` rows into the node's ``p`` replicas, timed as the
@@ -83,7 +90,7 @@ def inputs() -> dict:
     return {
         "fence_us": fence["symmsync_fence.graph"],
         "kernel_node_us": fence["empty_symmsync_launcher.graph"],
-        "nccl_call_us": fence["nccl_allreduce.graph"],
+        "nccl_call_us": fence["nccl_allreduce.eager"],
         "writer_direct_us": {t: r["direct.graph"] for t, r in writer.items()},
         "writer_local_us": {t: r["local_insert.graph"] for t, r in writer.items()},
         "writer_allgather_us": {t: r["allgather.graph"] for t, r in writer.items()},
@@ -104,8 +111,11 @@ def intra(m: dict, nbytes: float, fences: int = 1) -> float:
     return m["kernel_node_us"] + fences * m["fence_us"] + _us(nbytes, ASSUMED["nvlink_GBps"])
 
 
+HEADER_BYTES = 64  # a collective's call header across nodes: 8 int64 words (collectives/spanning.py)
+
+
 def inter(m: dict, steps: int, nbytes: float, step_bytes: float) -> float:
-    """One torch.distributed (NCCL) call among one GPU per node: ``steps`` ring steps."""
+    """One host-issued torch.distributed (NCCL) call among one GPU per node: ``steps`` ring steps."""
     if steps == 0:
         return 0.0
     return m["nccl_call_us"] + steps * _hop(step_bytes) + _us(nbytes, ASSUMED["net_GBps"])
@@ -116,7 +126,12 @@ def all_reduce(m: dict, n: int, size: int) -> float:
     if n == 1:
         return min(intra(m, (g - 1) * size), intra(m, 2 * (g - 1) / g * size, fences=2))
     chunk = size / g
-    return 2 * intra(m, (g - 1) / g * size) + inter(m, 2 * (n - 1), 2 * (n - 1) / n * chunk, chunk / n)
+    return header(m, n) + 2 * intra(m, (g - 1) / g * size) + inter(m, n - 1, (n - 1) * chunk, chunk)
+
+
+def header(m: dict, n: int) -> float:
+    """The all-gather of a collective's call header among the node positions (step 0 across nodes)."""
+    return inter(m, n - 1, (n - 1) * HEADER_BYTES, HEADER_BYTES) if n > 1 else 0.0
 
 
 def fused_norm(m: dict, n: int, size: int) -> float:
@@ -125,13 +140,13 @@ def fused_norm(m: dict, n: int, size: int) -> float:
 
 def all_gather(m: dict, n: int, size: int) -> float:
     g = ASSUMED["gpus_per_node"]
-    return inter(m, n - 1, (n - 1) * size, size) + intra(m, (g - 1) * n * size)
+    return header(m, n) + inter(m, n - 1, (n - 1) * size, size) + intra(m, (g - 1) * n * size)
 
 
 def reduce_scatter(m: dict, n: int, size: int) -> float:
     """``size``: the output per rank (the input is ``g n`` times it)."""
     g = ASSUMED["gpus_per_node"]
-    return intra(m, (g - 1) * n * size) + inter(m, n - 1, (n - 1) * size, size)
+    return header(m, n) + intra(m, (g - 1) * n * size) + inter(m, n - 1, (n - 1) * n * size, n * size)
 
 
 def kernel_at(measured: dict, rows: int) -> float:
