@@ -2,8 +2,9 @@
 
 A view whose members span nodes (:attr:`PeerView.nodes <symmsync.PeerView.nodes>`) cannot
 map its far members' memory; what must cross nodes goes through the job's own
-torch.distributed backend (NCCL on GPUs, gloo on CPUs) in an :class:`OffNode`, made once
-per view by its members::
+torch.distributed backend (NCCL on GPUs, gloo on CPUs; gloo where the default group is
+bound to a device, whose NCCL groups would need every rank of the job) in an
+:class:`OffNode`, made once per view by its members::
 
     off = OffNode(view, timeout_s=30)
     parts = off.all_gather(t)                      # every member's t, in view order
@@ -17,12 +18,18 @@ that failed). So a rank that gives up or closes on one node reaches every rank o
 other nodes waiting in an exchange as :class:`~symmsync.PeerAborted` naming it, within a
 poll (:data:`STORE_POLL_S`). A rank that dies without a word (killed, ``os._exit``) breaks
 torch.distributed's exchange (gloo: the connection closes): that is a
-:class:`~symmsync.PeerAborted` naming the exchange's other members, since torch.distributed
-does not say which one died. One that hangs: a :class:`~symmsync.FenceTimeout` once
+:class:`~symmsync.PeerAborted` naming the members that did not post, within
+:data:`SILENT_S`, that they saw it break too (torch.distributed does not say which one
+died). One that hangs: a :class:`~symmsync.FenceTimeout` once
 ``timeout_s`` passed, naming the step, the ranks waited for and the budget. Never
 torch.distributed's own error, never a hang. After any of these the exchange fails
 closed: this rank aborts the view (telling the others), and every later call raises the
-same error.
+same error. A store that cannot be read (its host went away) counts as a broken exchange.
+The exchange torch.distributed still holds after a failure ends with the groups' own
+timeout (``timeout_s`` + :data:`GROUP_GRACE_S`); with NCCL, whose watchdog may then end the
+process (not run: see docs/guarantees.md), treat a failure across nodes as the end of the
+process, as after a GPU trap. A call during CUDA graph capture raises
+:class:`~symmsync.CaptureError`: the wait is on the host.
 """
 
 from __future__ import annotations
@@ -36,9 +43,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from . import backends
 from .agreement import Same, agree, ranks_text
 from .checks import timeout_problem
-from .errors import BackendError, ConfigError, FenceTimeout, PeerAborted
+from .errors import BackendError, CaptureError, ConfigError, FenceTimeout, PeerAborted
 
 if TYPE_CHECKING:  # views make their failure owner, which posts through this module
     from .views import PeerView
@@ -60,6 +68,9 @@ SILENT_S = 1.0
 
 #: What a rank posts when torch.distributed broke its exchange off (it does not say who died).
 BROKE = "the exchange broke"
+
+#: How long a wait polls without sleeping between polls, in seconds.
+SPIN_S = 0.002
 
 #: How much longer than ``timeout_s`` torch.distributed's own timeout of the groups is, in
 #: seconds: an exchange this rank gave up on ends within it, so that nothing lingers.
@@ -149,8 +160,17 @@ class OffNode:
         view.failure.register(self, "OffNode")
 
     def _new_group(self, ranks: list[int], timeout: datetime.timedelta) -> Any:
+        # A default group bound to a device (init_process_group(device_id=...)) makes NCCL groups
+        # by splitting its communicator, which every rank of the job must join; the view's members
+        # alone make these, so there they are gloo groups (gloo moves CUDA tensors through the host).
+        bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
         try:
-            return dist.new_group(sorted(ranks), timeout=timeout, use_local_synchronization=True)
+            return dist.new_group(
+                sorted(ranks),
+                timeout=timeout,
+                use_local_synchronization=True,
+                backend="gloo" if bound is not None else None,
+            )
         except Exception as e:  # torch.distributed's own error: say it in symmsync's words
             raise BackendError(
                 f"rank {dist.get_rank()}: OffNode: could not make the torch.distributed group of global "
@@ -183,9 +203,10 @@ class OffNode:
         Raises:
             PeerAborted: this rank aborted the view, or a member posted an abort of it
                 (naming that member and its reason), or torch.distributed's exchange
-                broke (a member died; naming the exchange's other members).
+                broke (a member died; naming the members that stayed silent).
             FenceTimeout: the exchange did not finish within ``timeout_s``.
             ConfigError: a bad argument (on this rank).
+            CaptureError: called while this rank's stream captures a CUDA graph.
         """
         view = self.view
         view.failure.check(self)
@@ -198,6 +219,12 @@ class OffNode:
             members, group = self._position, self._position_group
         else:
             raise ConfigError(f"rank {view.rank}: {call}: among must be 'view' or 'position', got {among!r}")
+        if backends.capturing(t.device):
+            raise CaptureError(
+                f"rank {view.rank}: {call}: called during CUDA graph capture; an exchange between nodes is a "
+                "torch.distributed call this rank waits for on the host, which a graph cannot hold: make the "
+                "call that crosses nodes outside the capture"
+            )
         ranks = [self._ranks[i] for i in members]
         order = sorted(ranks)  # a group's ranks are in ascending global order
         src = t.contiguous()
@@ -227,14 +254,20 @@ class OffNode:
             now = time.monotonic()
             if told is None and now >= next_read:
                 next_read = now + STORE_POLL_S
-                if posted_aborts(self.view, others):
+                try:
+                    posted = posted_aborts(self.view, others)
+                except Exception as e:  # noqa: BLE001 - the store is torch.distributed's: say it in our words
+                    self._fail(self._explain(call, ranks, f"the store: {_gist(e)}"), f"{call}: {BROKE}")
+                if any(BROKE in why for why in posted.values()):  # it broke for a member: no part is coming
+                    self._fail(self._explain(call, ranks, None), f"{call}: {BROKE}")
+                if posted:
                     told = now  # a member gave up: but it may have sent its part before, which then arrives
             if told is not None and now - told > SILENT_S:
                 err = self._explain(call, ranks, None)
                 self._fail(err, f"{call}: gave up after {ranks_text(sorted(err.aborted))}")
             if now - start > self.timeout_s:
                 self._fail(self._timeout(call, ranks), f"{call}: timed out after {self.timeout_s:g} s")
-            time.sleep(0.0005)
+            time.sleep(0 if now - start < SPIN_S else 0.0005)  # a fast exchange is not made to wait a sleep
 
     # ------------------------------------------------------------------ failures
     def _fail(self, err: Exception, reason: str) -> None:

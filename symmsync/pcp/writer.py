@@ -241,10 +241,8 @@ class DirectKVWriter:
         else:
             self._max_programs = 4  # the interpreter runs programs one after another
             self._device_index = -1  # what Tensor.get_device() gives for CPU tensors
-        # Triton's interpreter runs kernels on numpy arrays, which have no bfloat16: it
-        # reads the bf16 rows as their int16 bits (the kernel takes either). Which dtype a
-        # kernel can take is the interpreter's fact, not the memory's, so ask the one
-        # module that knows whether kernels run interpreted.
+        # Triton's interpreter (numpy: no bfloat16) reads bf16 rows as their int16 bits; the
+        # interpreter's fact, not the memory's: ask the module that knows (the kernel takes either).
         self._bf16_as_bits = mode.kernels_interpreted()
         # After a fused launch, the host reads the fence's record where the launch has
         # finished when it returns (the interpreter); on GPUs a failed wait traps.
@@ -444,9 +442,16 @@ class DirectKVWriter:
                 # letting them wait out their budget. Nothing was written.
                 self._abort(str(e))
                 raise
+        try:
+            self._write_checked(layer, kv_c, k_pe, indexer_k, batch)
+        except SymmSyncError as e:  # across nodes, the node fence's failure reaches the other nodes too
+            if self.node_view is not None:
+                self._abort(str(e))
+            raise
+
+    def _write_checked(self, layer: int, kv_c, k_pe, indexer_k, batch: Batch) -> None:
         if self.route == "allgather":
-            self._insert_gathered(layer, kv_c, k_pe, indexer_k, batch)
-            return
+            return self._insert_gathered(layer, kv_c, k_pe, indexer_k, batch)
         if self.fused:  # the tail fences inside the kernel: refuse here what Fence.fence() would
             self.fence.check_usable()
         if self._gather is not None:  # across nodes: its rows and its position peers', into its node's replicas
@@ -455,11 +460,10 @@ class DirectKVWriter:
             if self._bf16_as_bits:
                 kv_c, k_pe, indexer_k = kv_c.view(torch.int16), k_pe.view(torch.int16), indexer_k.view(torch.int16)
             self._launch(layer, kv_c, k_pe, indexer_k, _NOPE, _ROPE, _IDX, batch.slots, batch.rows, batch)
-        if self.fused:
-            if self._check_after_launch:
-                self.fence.check()
-        else:
+        if not self.fused:
             self.fence.fence()
+        elif self._check_after_launch:
+            self.fence.check()
 
     def _input_problem(
         self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, indexer_k: torch.Tensor, batch: Batch
