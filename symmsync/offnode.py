@@ -24,7 +24,8 @@ died). One that hangs: a :class:`~symmsync.FenceTimeout` once
 ``timeout_s`` passed, naming the step, the ranks waited for and the budget. Never
 torch.distributed's own error, never a hang. After any of these the exchange fails
 closed: this rank aborts the view (telling the others), and every later call raises the
-same error. A store that cannot be read (its host went away) counts as a broken exchange.
+same error. A rank that cannot read the store (its host went away) fails the exchange as
+broken, naming every other member as unknown: it cannot tell who failed, so it names no death.
 The exchange torch.distributed still holds after a failure ends with the groups' own
 timeout (``timeout_s`` + :data:`GROUP_GRACE_S`); with NCCL, whose watchdog may then end the
 process (not run: see docs/guarantees.md), treat a failure across nodes as the end of the
@@ -75,6 +76,11 @@ SPIN_S = 0.002
 #: How much longer than ``timeout_s`` torch.distributed's own timeout of the groups is, in
 #: seconds: an exchange this rank gave up on ends within it, so that nothing lingers.
 GROUP_GRACE_S = 5.0
+
+
+def bound_device() -> torch.device | None:
+    """The device the default group is bound to (``init_process_group(device_id=...)``), or None."""
+    return getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
 
 
 def global_ranks(view: PeerView) -> list[int]:
@@ -163,7 +169,7 @@ class OffNode:
         # A default group bound to a device (init_process_group(device_id=...)) makes NCCL groups
         # by splitting its communicator, which every rank of the job must join; the view's members
         # alone make these, so there they are gloo groups (gloo moves CUDA tensors through the host).
-        bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+        bound = bound_device()
         try:
             return dist.new_group(
                 sorted(ranks),
@@ -257,7 +263,7 @@ class OffNode:
                 try:
                     posted = posted_aborts(self.view, others)
                 except Exception as e:  # noqa: BLE001 - the store is torch.distributed's: say it in our words
-                    self._fail(self._explain(call, ranks, f"the store: {_gist(e)}"), f"{call}: {BROKE}")
+                    self._fail(self._store_lost(call, ranks, _gist(e)), f"{call}: {BROKE}")
                 if any(BROKE in why for why in posted.values()):  # it broke for a member: no part is coming
                     self._fail(self._explain(call, ranks, None), f"{call}: {BROKE}")
                 if posted:
@@ -296,7 +302,9 @@ class OffNode:
         while True:
             try:
                 posted = posted_aborts(view, members)
-            except Exception:  # noqa: BLE001 - the store may have gone with the dead rank
+            except Exception as e:  # noqa: BLE001 - the store may have gone with the dead rank
+                if not posted:
+                    return self._store_lost(call, ranks, _gist(e))
                 break
             first = {r: why for r, why in posted.items() if BROKE not in why}
             if first:
@@ -320,6 +328,22 @@ class OffNode:
             late={},
             channel=-1,
             aborted=dict.fromkeys(silent, why),
+        )
+
+    def _store_lost(self, call: str, ranks: list[int], detail: str) -> PeerAborted:
+        """The error of an exchange whose rank cannot read the store: it cannot tell which member
+        failed, so it names every other member of the exchange, as unknown, and guesses no death."""
+        me = self._ranks[self.view.local_index]
+        others = [r for r in ranks if r != me]
+        return PeerAborted(
+            f"rank {me}: {call} on view {list(self.view.ranks)}: the store could not be read ({detail}), so "
+            f"whether {ranks_text(others)} failed cannot be told (did the store's host, MASTER_ADDR, go away?). "
+            "The exchange fails closed (carry on with a new view)",
+            rank=me,
+            epoch=-1,
+            late={},
+            channel=-1,
+            aborted=dict.fromkeys(others, f"unknown: the store could not be read ({detail})"),
         )
 
     def _aborted(self, call: str, aborted: dict[int, str]) -> PeerAborted:

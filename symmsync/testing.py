@@ -44,6 +44,7 @@ import pickle
 import queue
 import secrets
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -182,7 +183,6 @@ def run(
     child_env = {
         "SYMMSYNC_SHM_PREFIX": prefix,
         "TRITON_INTERPRET": "1" if backend == "host" else "0",
-        "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }
     prefix = child_env["SYMMSYNC_SHM_PREFIX"]  # env may set it
@@ -512,6 +512,11 @@ def _rank_main(
     import torch
     import torch.distributed as dist
 
+    # Whole lines, at once: ranks share the parent's stdout and stderr, and an unbuffered
+    # stream (PYTHONUNBUFFERED) writes a print's text and its newline apart, so lines interleave.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True, write_through=False)
     try:
         extra = {}
         if backend == "cuda":

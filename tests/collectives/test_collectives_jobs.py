@@ -6,34 +6,13 @@ with Triton's interpreter left for ``import symmsync`` to turn on.
 """
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(**extra) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra}
-    env.pop("TRITON_INTERPRET", None)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
-    return {**env, **extra}
+from jobs import python, torchrun
 
 
 def test_the_all_reduce_example_runs_as_a_plain_torchrun_job():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
-    cmd += ["--master-port", str(_free_port()), "examples/06_all_reduce.py"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = torchrun("examples/06_all_reduce.py")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for r in (0, 1):  # rank 0 prints every rank's lines, once
         line = f"rank {r}: 11 all-reduces of 4x512 bfloat16: the rank-order float32 sums"
@@ -73,14 +52,7 @@ SM90 = textwrap.dedent(
 
 
 def test_the_collective_kernels_compile_for_sm90_with_system_scope_signals_gpu_scope_arrivals_and_vector_copies():
-    proc = subprocess.run(
-        [sys.executable, "-c", SM90],
-        cwd=ROOT,
-        env=_env(TRITON_INTERPRET="0"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = python("-c", SM90, TRITON_INTERPRET="0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     kernels = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, k in kernels.items():

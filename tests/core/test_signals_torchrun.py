@@ -3,29 +3,11 @@ the host backend: the pipeline between ranks 0 and 1, the ring exchange over all
 line printed once (by rank 0).
 """
 
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from jobs import torchrun
 
 
 def test_the_signals_example_runs_under_torchrun_at_three_ranks():
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("TRITON_INTERPRET", None)  # as in a user's shell: symmsync decides
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1"]
-    cmd += ["--master-port", str(_free_port()), "examples/07_signals.py"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = torchrun("examples/07_signals.py", nproc=3, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     printed = proc.stdout.splitlines()
     pipeline = (

@@ -5,41 +5,21 @@ Run on a machine with 2 NVIDIA GPUs (skipped elsewhere):
     PYTHONPATH=$PWD python3 -m pytest -m gpu tests/gpu/test_gpu_jobs.py -v
 """
 
-import os
-import socket
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from jobs import python, torchrun
 
 import symmsync as ss
 from symmsync.testing import run
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.gpu
 WORLD = 2
 
 
-def _env() -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("TRITON_INTERPRET", None)  # conftest sets it for the host tests; GPU jobs compile
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD)]
-    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port()), script, *args]
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+def _torchrun(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return torchrun(script, *args, nproc=WORLD, timeout=600, **env)  # GPU jobs compile: no TRITON_INTERPRET
 
 
 def test_a_numbered_example_runs_under_torchrun_on_2_gpus_and_prints_once():
@@ -71,10 +51,7 @@ def test_the_host_backend_on_a_gpu_machine_needs_the_interpreter_and_says_so():
 
 
 def test_the_host_backend_on_a_gpu_machine_runs_with_triton_interpret_1():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD)]
-    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "examples/01_buffer.py"]
-    env = {**_env(), "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = _torchrun("examples/01_buffer.py", TRITON_INTERPRET="1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rank 1: host backend, 1024 bytes on cpu" in proc.stdout.splitlines()
 
@@ -106,8 +83,7 @@ if __name__ == "__main__":
 def test_cuda_tensors_kept_past_close_read_their_values_and_the_process_exits_cleanly(tmp_path):
     script = tmp_path / "kept.py"  # a file: the ranks import its functions
     script.write_text(KEPT_PAST_CLOSE)
-    cmd = [sys.executable, str(script)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = python(script)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert "rank 0: own [0.0, 1.0, 2.0, 3.0] peer [10.0, 11.0, 12.0, 13.0] sum 52.0" in lines

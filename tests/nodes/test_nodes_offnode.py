@@ -89,6 +89,108 @@ def test_budgets_that_differ_are_refused_on_every_member(pool):
     assert got[0][0] == "ConfigError" and "OffNode: timeout_s differs across ranks" in got[0][1]
 
 
+def gather_while_capturing():
+    """Every rank calls all_gather as if its stream captured a CUDA graph, then once outside."""
+    from symmsync import backends
+
+    buf = ss.SymmetricBuffer(4096, backend="host")
+    off = OffNode(buf.view([0, 1, 2, 3]), timeout_s=60)
+    real = backends.capturing
+    backends.capturing = lambda device: True  # what a capturing CUDA stream reports
+    try:
+        off.all_gather(_mine(buf.rank))
+        refused = "no error"
+    except ss.SymmSyncError as e:
+        refused = type(e).__name__, str(e)
+    finally:
+        backends.capturing = real
+    after = _lists(off.all_gather(_mine(buf.rank)))  # refused before anything was sent: nothing is broken
+    buf.close()
+    return refused, after
+
+
+def test_an_exchange_during_cuda_graph_capture_is_refused_and_leaves_the_view_usable(pool):
+    for rank, (refused, after) in enumerate(pool.call(gather_while_capturing)):
+        assert refused[0] == "CaptureError", refused
+        assert refused[1].startswith(f"rank {rank}: OffNode.all_gather: called during CUDA graph capture"), refused
+        assert after == [_mine(r).tolist() for r in range(4)]
+
+
+def groups_on_a_bound_default_group(bound):
+    """OffNode's groups, with the default group bound to a GPU or not: the backend each was made
+    with (None: torch.distributed's default for the device), and one exchange on them."""
+    import torch.distributed as dist
+
+    import symmsync.offnode as offnode
+
+    buf = ss.SymmetricBuffer(4096, backend="host")
+    real_group, real_bound, made = dist.new_group, offnode.bound_device, []
+
+    def new_group(*args, **kwargs):
+        made.append(kwargs.get("backend"))
+        return real_group(*args, **kwargs)
+
+    # as after init_process_group("nccl", device_id=...), which a CPU-only job cannot call
+    offnode.bound_device = lambda: torch.device("cuda", 0) if bound else None
+    dist.new_group = new_group
+    try:
+        off = OffNode(buf.view([0, 1, 2, 3]), timeout_s=60)
+    finally:
+        dist.new_group, offnode.bound_device = real_group, real_bound
+    out = _lists(off.all_gather(_mine(buf.rank), among="position"))
+    buf.close()
+    return made, out
+
+
+@pytest.mark.parametrize("bound, backend", [(False, None), (True, "gloo")])
+def test_groups_are_gloo_where_the_default_group_is_bound_to_a_device(pool, bound, backend):
+    # Bound, NCCL would make the groups by splitting the job's communicator, which every rank of the
+    # job must join; the view's members alone make OffNode's groups.
+    for rank, (made, out) in enumerate(pool.call(groups_on_a_bound_default_group, bound)):
+        assert made == [backend, backend], made  # the view's group and the position group
+        assert out == [_mine(rank % 2).tolist(), _mine(rank % 2 + 2).tolist()]
+
+
+def store_unreadable_on_rank_0(budget):
+    """Rank 0 cannot read the torch.distributed store (its host went away) while it waits for rank 3,
+    which comes late: every member fails closed, none waits out its budget."""
+    import symmsync.offnode as offnode
+
+    buf = ss.SymmetricBuffer(4096, backend="host")
+    off = OffNode(buf.view([0, 1, 2, 3]), timeout_s=budget)
+    me = buf.rank
+    off.all_gather(_mine(me))
+    real = offnode.posted_aborts
+
+    def unreadable(view, ranks):
+        raise RuntimeError("planted: connection reset by peer")
+
+    if me == 0:
+        offnode.posted_aborts = unreadable
+    elif me == 3:
+        time.sleep(0.5)  # the others are waiting by now
+    t0 = time.monotonic()
+    try:
+        off.all_gather(_mine(me))
+        got = "no error"
+    except ss.SymmSyncError as e:
+        got = describe_error(e)
+        got["elapsed"] = time.monotonic() - t0
+    finally:
+        offnode.posted_aborts = real
+    buf.close()
+    return got
+
+
+def test_a_store_that_cannot_be_read_breaks_the_exchange_on_every_member(pool):
+    got = pool.call(store_unreadable_on_rank_0, BUDGET_S)
+    for rank, err in enumerate(got):
+        assert err["type"] == "PeerAborted" and err["rank"] == rank, err
+        assert err["elapsed"] < FAST_S + 0.5, err
+    assert "the store could not be read (planted: connection reset by peer)" in got[0]["msg"], got[0]
+    assert "stayed silent" not in got[0]["msg"], got[0]  # it cannot tell who failed: it does not guess
+
+
 # ---------------------------------------------------------------------- failures reach the other node
 def _gather_once_then(leaver, how, budget):
     """Every rank gathers once; then ``leaver`` leaves the view by ``how`` while the others gather again."""

@@ -8,8 +8,9 @@ one member late (no barrier before the check), equals the cache that plain torch
 the whole prompt (all-gather + insert, tests/oracles.py, written from the format rules);
 every other byte of the buffer keeps its poison. In the same job: a view within one node
 keeps the one-node route; ``route="direct"`` on nodes of different sizes is refused on every
-rank; and a member that closes on the other node reaches every other member as
-``PeerAborted`` within the budget.
+rank; a member that closes on the other node reaches every other member as
+``PeerAborted`` within the budget; and a node fence that fails on one node reaches the
+other node's members as ``PeerAborted`` at their next exchange, not at their budget.
 """
 
 import itertools
@@ -34,6 +35,7 @@ CASES = [(tp, "direct", f) for tp in (1, 2) for f in FORMATS] + [
 TOKENS, BLOCK = 24, 8
 LATE_S = 0.2  # the late member's sleep before its write: longer than the others' write and check
 BUDGET_S = 30.0  # the writers' wait budget
+NODE_FENCE_BUDGET_S = 15.0  # the budget where a failure missed would show as a timeout
 
 
 def _one_node_case(buf, cache, kv, pe, ix, slots):
@@ -94,6 +96,7 @@ def across_nodes():
     dist.barrier()
     buf.close()
     result["abort"] = _member_closes_on_the_other_node(nb)
+    result["node_fence"] = _node_fence_fails_on_the_other_node(nb)
     return result
 
 
@@ -126,6 +129,35 @@ def _member_closes_on_the_other_node(nb):
     return outcome, elapsed
 
 
+def _node_fence_fails_on_the_other_node(nb):
+    """PCP4 over 2 nodes: after a good layer, rank 3 aborts its node's view (as a node fence that
+    failed there), and every member goes on writing layers. The fence is the node's, so ranks 0 and 1
+    learn of it only if the failing node's write() aborts the whole view: their next exchange must
+    raise PeerAborted at once, not time out after the budget."""
+    cache = Cache(nb, 3, BLOCK, base=GUARD_BYTES)
+    buf = ss.SymmetricBuffer(cache.end + GUARD_BYTES, backend="host")
+    writer = pcp.DirectKVWriter(ss.pcp_view(buf), cache.layout, timeout_s=NODE_FENCE_BUDGET_S)
+    kv, pe, ix, slots = prompt(5, TOKENS, cache.num_slots)
+    split = pcp.pcp_split(TOKENS, 4)
+    batch = writer.prepare(split.local_slots(slots, buf.rank))
+    rows = [split.local_rows(t, buf.rank).contiguous() for t in (kv, pe, ix)]
+    writer.write(0, *rows, batch)
+    dist.barrier()
+    if buf.rank == 3:
+        writer.node_view.abort("planted: the node fence failed")
+    outcome = None
+    for layer in (1, 2):
+        t0 = time.monotonic()
+        try:
+            writer.write(layer, *rows, batch)
+        except ss.SymmSyncError as e:
+            outcome = (layer, type(e).__name__, sorted(getattr(e, "aborted", {})), time.monotonic() - t0)
+            break
+    dist.barrier()
+    buf.close()
+    return outcome
+
+
 def test_across_two_nodes_every_replica_matches_all_gather_and_insert_in_every_format():
     results = run(across_nodes, 4, env=NODES, timeout_s=300)
     for rank, r in enumerate(results):
@@ -156,3 +188,9 @@ def test_across_two_nodes_every_replica_matches_all_gather_and_insert_in_every_f
         (kind, msg), elapsed = r["abort"]
         assert kind == "PeerAborted" and "rank 3" in msg, (rank, msg)
         assert elapsed < BUDGET_S / 2, (rank, elapsed)
+    for rank, r in enumerate(results):
+        layer, kind, aborted, elapsed = r["node_fence"]
+        assert kind == "PeerAborted", (rank, r["node_fence"])
+        assert elapsed < NODE_FENCE_BUDGET_S / 3, (rank, r["node_fence"])
+        # told by a member of the failing node through the store, or by its node-mate so told
+        assert aborted and rank not in aborted, (rank, r["node_fence"])

@@ -8,14 +8,11 @@ and the plain torchrun program (``examples/torchrun_job.py``, not numbered: it i
 tutorial step) that the landing page and the README show.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from jobs import ROOT, python
 
-ROOT = Path(__file__).resolve().parents[2]
 NUMBERED = sorted(ROOT.glob("examples/[0-9][0-9]_*.py"))
 
 # What each numbered example prints on 2 ranks, on every backend. Each example checks
@@ -73,15 +70,9 @@ CUDA_ONLY = {
 }
 
 
-def _run(*args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("TRITON_INTERPRET", None)
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-
-
 def _check_output(example: Path, backend: str, extra: dict) -> None:
     assert example.name in EXPECTED, f"add the lines {example.name} prints to EXPECTED in {__file__}"
-    proc = _run(str(example.relative_to(ROOT)), "--backend", backend)
+    proc = python(str(example.relative_to(ROOT)), "--backend", backend)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     printed = proc.stdout.splitlines()
     missing = [line for line in EXPECTED[example.name] + extra.get(example.name, []) if line not in printed]
@@ -105,7 +96,7 @@ def test_each_numbered_example_prints_its_expected_output_on_2_gpus(example):
 
 
 def test_the_writer_tutorial_is_correct_on_the_allgather_route_too():
-    proc = _run("examples/04_pcp_writer.py", "--backend", "host", "--route", "allgather")
+    proc = python("examples/04_pcp_writer.py", "--backend", "host", "--route", "allgather")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     missing = [line for line in EXPECTED["04_pcp_writer.py"] if line not in proc.stdout.splitlines()]
     assert not missing, proc.stdout
@@ -122,7 +113,7 @@ def test_the_writer_tutorial_is_correct_on_the_allgather_route_too():
     ids=["defaults", "tp2xpcp2", "legacy", "mxfp8"],
 )
 def test_the_pcp_demo_cross_checks_the_routes_and_prints_its_table(args):
-    proc = _run("examples/pcp_kv.py", "--backend", "host", *args)
+    proc = python("examples/pcp_kv.py", "--backend", "host", *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "route cross-check" in proc.stdout and ": OK" in proc.stdout
     assert "direct ms/layer" in proc.stdout and "speedup" in proc.stdout
@@ -131,7 +122,7 @@ def test_the_pcp_demo_cross_checks_the_routes_and_prints_its_table(args):
 
 
 def test_the_demo_explains_its_options():
-    proc = _run("examples/pcp_kv.py", "--help")
+    proc = python("examples/pcp_kv.py", "--help")
     assert proc.returncode == 0
     for opt in ("--pcp", "--tp", "--tokens", "--layers", "--backend", "--format"):
         assert opt in proc.stdout

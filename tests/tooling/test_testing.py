@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from jobs import python
 
 import symmsync as ss
 from symmsync.testing import run
@@ -101,3 +102,29 @@ def test_a_function_defined_inside_another_is_refused_up_front_with_what_to_do()
     for fn in (local_fn, lambda: 1):
         with pytest.raises(ss.ConfigError, match="define it at module level"):
             run(fn, 2)
+
+
+PRINTER = """
+import torch.distributed as dist
+from symmsync.testing import run
+
+def lines(n):
+    for i in range(n):
+        print(f"rank {dist.get_rank()}: line {i}", flush=True)
+
+if __name__ == "__main__":
+    run(lines, 2, 2000)
+"""
+
+
+def test_ranks_print_whole_lines_into_a_shared_pipe_even_when_python_is_unbuffered(tmp_path):
+    # PYTHONUNBUFFERED makes print write the text and the newline apart; ranks sharing the
+    # parent's pipe would interleave them ("rank 0: line 7rank 1: line 3\n\n").
+    script = tmp_path / "printer.py"  # a file: the ranks import its function
+    script.write_text(PRINTER)
+    proc = python(script, timeout=120, PYTHONUNBUFFERED="1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = proc.stdout.splitlines()
+    broken = [line for line in printed if not re.fullmatch(r"rank [01]: line \d+", line)]
+    assert not broken, broken[:5]
+    assert sorted(printed) == sorted(f"rank {r}: line {i}" for r in (0, 1) for i in range(2000))

@@ -6,38 +6,13 @@ for ``import symmsync`` to turn on (``TRITON_INTERPRET`` is removed from the
 environment), and checked by its exit status and what it printed.
 """
 
-import os
 import re
-import socket
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from jobs import ROOT, python, torchrun
 
-ROOT = Path(__file__).resolve().parents[2]
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("TRITON_INTERPRET", None)  # as in a user's shell: symmsync decides
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
-    return env
-
-
-def torchrun(script, *args, nproc=2, timeout=300, env=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script), *args]
-    full = {**_env(), **(env or {})}
-    return subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout)
 
 
 def test_the_runtime_cache_example_runs_under_torchrun():
@@ -96,7 +71,7 @@ def test_the_readme_program_runs_as_a_plain_torchrun_script(tmp_path):
 
 
 def test_with_the_interpreter_turned_off_every_rank_raises_saying_what_to_set():
-    proc = torchrun("examples/torchrun_job.py", env={"TRITON_INTERPRET": "0"}, timeout=120)
+    proc = torchrun("examples/torchrun_job.py", TRITON_INTERPRET="0", timeout=120)
     assert proc.returncode != 0
     for rank in (0, 1):
         said = [
@@ -145,8 +120,7 @@ def test_is_main_process_is_true_outside_torchrun_and_on_its_rank_0(monkeypatch,
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:
-    full = {**_env(), **env}
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=full, capture_output=True, text=True, timeout=120)
+    return python("-c", code, timeout=120, **env)
 
 
 def test_import_turns_on_the_interpreter_where_no_gpu_is_visible():
@@ -199,8 +173,6 @@ print(x.tolist(), out.item())
 def test_kernels_and_triton_functions_defined_before_import_symmsync_run_interpreted(tmp_path):
     script = tmp_path / "kernels.py"  # Triton reads a kernel's source from its file
     script.write_text(KERNEL_BEFORE_SYMMSYNC)
-    proc = subprocess.run(
-        [sys.executable, str(script)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120
-    )
+    proc = python(script, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[0] == "[1.0, 2.0, 3.0, 4.0] 24.0"  # 10 + 4 + 10
