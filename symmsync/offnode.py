@@ -225,12 +225,7 @@ class OffNode:
             members, group = self._position, self._position_group
         else:
             raise ConfigError(f"rank {view.rank}: {call}: among must be 'view' or 'position', got {among!r}")
-        if backends.capturing(t.device):
-            raise CaptureError(
-                f"rank {view.rank}: {call}: called during CUDA graph capture; an exchange between nodes is a "
-                "torch.distributed call this rank waits for on the host, which a graph cannot hold: make the "
-                "call that crosses nodes outside the capture"
-            )
+        self.refuse_capture(t.device, call)
         ranks = [self._ranks[i] for i in members]
         order = sorted(ranks)  # a group's ranks are in ascending global order
         src = t.contiguous()
@@ -241,6 +236,18 @@ class OffNode:
             self._fail(self._explain(call, ranks, _gist(e)), f"{call}: {BROKE}")
         self._wait(work, call, ranks)
         return [out[order.index(r)] for r in ranks]
+
+    def refuse_capture(self, device: torch.device, call: str) -> None:
+        """Raise :class:`~symmsync.CaptureError` where ``device``'s current stream captures a CUDA
+        graph: an exchange between nodes is a torch.distributed call this rank waits for on the
+        host, which a graph cannot hold. A caller checks before its first step, so that nothing
+        is written, sent or aborted: the view stays usable outside the capture."""
+        if backends.capturing(device):
+            raise CaptureError(
+                f"rank {self.view.rank}: {call}: called during CUDA graph capture; its exchange between nodes "
+                "waits on the host, which a graph cannot hold: make the call outside the capture (eagerly, "
+                "or compiled without CUDA graphs)"
+            )
 
     def _wait(self, work: Any, call: str, ranks: list[int]) -> None:
         """Poll ``work`` until it is done; fail closed on an abort, a broken exchange or the budget."""

@@ -45,7 +45,7 @@ import torch
 
 from .. import handles
 from ..checks import index_problem, timeout_problem
-from ..errors import CaptureError, ClosedError, SymmSyncError
+from ..errors import ClosedError, SymmSyncError
 from ..failure import used_after_abort
 from ..nodes import NodeLayout
 from ..offnode import OffNode
@@ -159,12 +159,7 @@ class _OverNodes(_Collective):
         its steps; a failure of any fails the collective and aborts the view."""
         if not self._failure.clean or self._buffer.closed:
             self._check_usable()
-        if self._streams and torch.cuda.is_current_stream_capturing():
-            raise CaptureError(
-                f"rank {self.rank}: {self._NAME} over a view that spans {self._nodes} nodes: called during CUDA "
-                "graph capture; its step between nodes waits on the host, which a graph cannot hold: run it eagerly "
-                "or compile without CUDA graphs"
-            )
+        self.offnode.refuse_capture(x.device, f"{self._NAME} over a view that spans {self._nodes} nodes")
         try:
             self._compare_calls(x, numel, algorithm, epilogue)
             self._steps_of(x, out, numel, count, epilogue)

@@ -409,9 +409,8 @@ class DirectKVWriter:
         replica holds every member's rows (each member fills its own replica: read a
         peer's replica only after a fence, e.g. ``writer.fence.fence()``).
 
-        The launch is packed once per batch (at the batch's first write); each layer
-        only changes what differs from the batch's last write in it: the layer's
-        offsets, and the input addresses when the inputs are other tensors.
+        The launch is packed at a batch's first write; later layers change only what
+        differs: the layer's offsets, and the input addresses for other tensors.
 
         A bad input is refused before any byte is written, after aborting the writer's
         view (:meth:`symmsync.Fence.abort`): the other members raise
@@ -428,18 +427,19 @@ class DirectKVWriter:
             InputError: wrong dtype, shape, device, or non-contiguous input, or a batch
                 that this writer's :meth:`prepare` did not return.
             ClosedError: the buffer was closed.
+            CaptureError: across nodes, during CUDA graph capture (nothing aborted).
         """
         if torch.compiler.is_compiling():  # the op for the backend (symmsync.pcp.torch_ops)
             return torch_ops.traced_write(self, layer, kv_c, k_pe, indexer_k, batch)
+        if self.offnode is not None:  # before anything is written or aborted
+            self.offnode.refuse_capture(self.buffer.device, "DirectKVWriter.write")
         bad = self._input_problem(layer, kv_c, k_pe, indexer_k, batch)
         if bad is not None:
             error, problem = bad
             try:
                 require(problem, rank=self.buffer.rank, call="DirectKVWriter.write", error=error)
             except ConfigError as e:  # InputError, BoundsError: every bad input
-                # The members may already wait in this layer's fence: tell them at once
-                # (they raise PeerAborted naming this rank and the reason) instead of
-                # letting them wait out their budget. Nothing was written.
+                # Members may wait in this layer's fence: tell them now (PeerAborted). Nothing was written.
                 self._abort(str(e))
                 raise
         try:

@@ -7,7 +7,9 @@ off-node rank's memory is refused), the collectives over the spanning view must 
 order of additions docs/collectives.md states ("Across nodes": each node's members in
 float32, rounded to the dtype, then the node partials in float32 in node order), written
 here in plain torch from the gathered inputs, and the PCP writer must leave every replica as
-an all-gather and insert in plain torch does (:meth:`oracles.Cache.expected_layer`).
+an all-gather and insert in plain torch does (:meth:`oracles.Cache.expected_layer`). The
+all-reduce and the writer's ``write()`` over the spanning view, called inside a real CUDA
+graph capture, must raise ``CaptureError`` before they run (the eager calls after them work).
 """
 
 import pytest
@@ -30,6 +32,17 @@ def node_order_sum(inputs, dtype):
     return (partials[0].float() + partials[1].float()).to(dtype)
 
 
+def _in_capture(call):
+    """``call()`` inside a CUDA graph capture: the error's type and the start of its message."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            call()
+    except ss.SymmSyncError as e:
+        return type(e).__name__, str(e).split(": called")[0]
+    return None
+
+
 def spanning():
     """Rank function: what this rank saw (layout, refusal, and each check's first differences)."""
     rank, dev = dist.get_rank(), None
@@ -41,7 +54,7 @@ def spanning():
     buf.tensor(0, (buf.nbytes,), torch.uint8).zero_()  # untouched cache bytes read as the oracle's fill
     torch.cuda.synchronize()
     dist.barrier()
-    out = {"nodes": str(buf.nodes)}
+    out = {"nodes": str(buf.nodes), "rank": rank}
     off_node = (rank + NODE_SIZE) % WORLD
     try:
         buf.tensor(0, (16,), torch.uint8, rank=off_node)
@@ -55,7 +68,9 @@ def spanning():
     x = (torch.randn(NUMEL, generator=g) * torch.exp(torch.randn(NUMEL, generator=g) * 3)).bfloat16()
     everyone = [None] * WORLD
     dist.all_gather_object(everyone, x)
-    got = ar(x.to(dev)).cpu()
+    x_dev = x.to(dev)
+    out["captured"] = [_in_capture(lambda: ar(x_dev))]  # refused before it runs: the eager call below works
+    got = ar(x_dev).cpu()
     out["all_reduce"] = first_difference(
         got.view(torch.int16), node_order_sum(everyone, torch.bfloat16).view(torch.int16)
     )
@@ -68,7 +83,9 @@ def spanning():
     kv, pe, ix, slots = prompt(9, TOKENS, cache.num_slots, special=True)
     split = pcp.pcp_split(TOKENS, WORLD)
     batch = writer.prepare(split.local_slots(slots, rank).to(dev))
-    writer.write(0, *[split.local_rows(t, rank).contiguous().to(dev) for t in (kv, pe, ix)], batch)
+    rows = [split.local_rows(t, rank).contiguous().to(dev) for t in (kv, pe, ix)]
+    out["captured"].append(_in_capture(lambda: writer.write(0, *rows, batch)))
+    writer.write(0, *rows, batch)
     torch.cuda.synchronize()
     out["writer"] = first_difference(cache.raw_layer(buf, 0).cpu(), cache.expected_layer(kv, pe, ix, slots, fill=0))
     dist.barrier()
@@ -80,4 +97,9 @@ def test_a_spanning_view_on_cuda_maps_only_its_node_and_matches_the_oracles():
     for r in run(spanning, WORLD, backend="cuda", env={"SYMMSYNC_NODE_SIZE": str(NODE_SIZE)}, timeout_s=400):
         assert r["nodes"] == "2 nodes: [0, 1] [2, 3]", r
         assert r["off_node"] == "ViewError", r
+        rank = r["rank"]
+        assert r["captured"] == [
+            ("CaptureError", f"rank {rank}: AllReduce over a view that spans 2 nodes"),
+            ("CaptureError", f"rank {rank}: DirectKVWriter.write"),
+        ], r
         assert (r["all_reduce"], r["all_gather"], r["writer"]) == ((0, []), (0, []), (0, [])), r

@@ -15,6 +15,7 @@ order matter, and the tests check that the flat member-order sum differs from th
 * a view of one member per node (a TP-like pair on two nodes);
 * views within one node of the same buffer keep the one-kernel form and the member-order sum;
 * one compiled call (aot_eager, fullgraph) over the spanning view;
+* a call during CUDA graph capture is refused before it runs, and the view stays usable;
 * construction: uneven nodes, a too small buffer and ranks of which only some span nodes are
   refused on every rank;
 * a member that aborts the view on the other node: the rest raise PeerAborted naming it,
@@ -249,6 +250,34 @@ def compiled_call(seed):
 
 def test_a_compiled_all_reduce_over_two_nodes_gives_the_oracle(pool):
     assert pool.call(compiled_call, 11) == [True] * WORLD
+
+
+# ---------------------------------------------------------------------- CUDA graph capture
+def called_while_capturing(seed):
+    """Rank function: the all-reduce over the spanning view as if this rank's stream captured a
+    CUDA graph (refused, nothing run or aborted), then the same call outside: the oracle."""
+    from symmsync import backends
+
+    buf, view, ops = _objects(ALL[0])
+    ar = ops["all_reduce"]
+    x = wide((2, HIDDEN), torch.bfloat16, torch.Generator().manual_seed(seed + dist.get_rank()))
+    real = backends.capturing
+    backends.capturing = lambda device: True  # what a capturing CUDA stream reports
+    try:
+        refused = _error(lambda: ar(x))
+    finally:
+        backends.capturing = real
+    want = node_order_sum(gathered(x, ALL[0]), nodes_of(ALL[0]), torch.bfloat16)
+    after = same_bits(ar(x), want)
+    buf.close()
+    return refused, after
+
+
+def test_a_call_over_two_nodes_during_cuda_graph_capture_is_refused_and_the_view_stays_usable(pool):
+    for rank, (refused, after) in enumerate(pool.call(called_while_capturing, 21)):
+        assert refused is not None and refused[0] == "CaptureError", refused
+        assert refused[1].startswith(f"rank {rank}: AllReduce over a view that spans 2 nodes: called during"), refused
+        assert after is True
 
 
 # ---------------------------------------------------------------------- construction

@@ -10,7 +10,8 @@ every other byte of the buffer keeps its poison. In the same job: a view within 
 keeps the one-node route; ``route="direct"`` on nodes of different sizes is refused on every
 rank; a member that closes on the other node reaches every other member as
 ``PeerAborted`` within the budget; and a node fence that fails on one node reaches the
-other node's members as ``PeerAborted`` at their next exchange, not at their budget.
+other node's members as ``PeerAborted`` at their next exchange, not at their budget; a
+``write()`` during CUDA graph capture is refused before it writes or aborts anything.
 """
 
 import itertools
@@ -141,7 +142,8 @@ def _node_fence_fails_on_the_other_node(nb):
     split = pcp.pcp_split(TOKENS, 4)
     batch = writer.prepare(split.local_slots(slots, buf.rank))
     rows = [split.local_rows(t, buf.rank).contiguous() for t in (kv, pe, ix)]
-    writer.write(0, *rows, batch)
+    capturing = _write_while_capturing(writer, rows, batch)
+    writer.write(0, *rows, batch)  # the capture left the writer usable: this raised if it aborted
     dist.barrier()
     if buf.rank == 3:
         writer.node_view.abort("planted: the node fence failed")
@@ -155,7 +157,23 @@ def _node_fence_fails_on_the_other_node(nb):
             break
     dist.barrier()
     buf.close()
-    return outcome
+    return outcome, capturing
+
+
+def _write_while_capturing(writer, rows, batch):
+    """write() as if this rank's stream captured a CUDA graph: its exchange between nodes waits
+    on the host, so it must be refused before anything is written or aborted."""
+    from symmsync import backends
+
+    real = backends.capturing
+    backends.capturing = lambda device: True  # what a capturing CUDA stream reports
+    try:
+        writer.write(0, *rows, batch)
+        return None
+    except ss.SymmSyncError as e:
+        return type(e).__name__, str(e)
+    finally:
+        backends.capturing = real
 
 
 def test_across_two_nodes_every_replica_matches_all_gather_and_insert_in_every_format():
@@ -189,8 +207,11 @@ def test_across_two_nodes_every_replica_matches_all_gather_and_insert_in_every_f
         assert kind == "PeerAborted" and "rank 3" in msg, (rank, msg)
         assert elapsed < BUDGET_S / 2, (rank, elapsed)
     for rank, r in enumerate(results):
-        layer, kind, aborted, elapsed = r["node_fence"]
+        (layer, kind, aborted, elapsed), capturing = r["node_fence"]
+        assert capturing is not None and capturing[0] == "CaptureError", (rank, capturing)
+        assert capturing[1].startswith(f"rank {rank}: DirectKVWriter.write: called during CUDA graph"), capturing
         assert kind == "PeerAborted", (rank, r["node_fence"])
         assert elapsed < NODE_FENCE_BUDGET_S / 3, (rank, r["node_fence"])
         # told by a member of the failing node through the store, or by its node-mate so told
-        assert aborted and rank not in aborted, (rank, r["node_fence"])
+        # (rank 3 aborted its node view itself: its own write() names it)
+        assert aborted and (rank == 3 or rank not in aborted), (rank, r["node_fence"])
