@@ -24,8 +24,9 @@ died). One that hangs: a :class:`~symmsync.FenceTimeout` once
 ``timeout_s`` passed, naming the step, the ranks waited for and the budget. Never
 torch.distributed's own error, never a hang. After any of these the exchange fails
 closed: this rank aborts the view (telling the others), and every later call raises the
-same error. A rank that cannot read the store (its host went away) fails the exchange as
-broken, naming every other member as unknown: it cannot tell who failed, so it names no death.
+same error. A rank that cannot read the store (its host went away) fails its exchange with
+an empty :attr:`~symmsync.PeerAborted.aborted`: it cannot tell who failed, so it names no
+death; the others, where they can still read the store, name that rank and its reason.
 The exchange torch.distributed still holds after a failure ends with the groups' own
 timeout (``timeout_s`` + :data:`GROUP_GRACE_S`); with NCCL, whose watchdog may then end the
 process (not run: see docs/guarantees.md), treat a failure across nodes as the end of the
@@ -69,6 +70,9 @@ SILENT_S = 1.0
 
 #: What a rank posts when torch.distributed broke its exchange off (it does not say who died).
 BROKE = "the exchange broke"
+
+#: What a rank that cannot read the store says (and posts, where the store still takes it).
+STORE_LOST = "the store could not be read"
 
 #: How long a wait polls without sleeping between polls, in seconds.
 SPIN_S = 0.002
@@ -241,7 +245,7 @@ class OffNode:
         """Raise :class:`~symmsync.CaptureError` where ``device``'s current stream captures a CUDA
         graph: an exchange between nodes is a torch.distributed call this rank waits for on the
         host, which a graph cannot hold. A caller checks before its first step, so that nothing
-        is written, sent or aborted: the view stays usable outside the capture."""
+        is written, sent or aborted: where every member captured, the view stays usable."""
         if backends.capturing(device):
             raise CaptureError(
                 f"rank {self.view.rank}: {call}: called during CUDA graph capture; its exchange between nodes "
@@ -270,7 +274,9 @@ class OffNode:
                 try:
                     posted = posted_aborts(self.view, others)
                 except Exception as e:  # noqa: BLE001 - the store is torch.distributed's: say it in our words
-                    self._fail(self._store_lost(call, ranks, _gist(e)), f"{call}: {BROKE}")
+                    # Posted (where the store still takes it) as this rank's own cause, not as BROKE:
+                    # the others then name this rank, and name no member as dead.
+                    self._fail(self._store_lost(call, ranks, _gist(e)), f"{call}: {STORE_LOST} ({_gist(e)})")
                 if any(BROKE in why for why in posted.values()):  # it broke for a member: no part is coming
                     self._fail(self._explain(call, ranks, None), f"{call}: {BROKE}")
                 if posted:
@@ -310,9 +316,7 @@ class OffNode:
             try:
                 posted = posted_aborts(view, members)
             except Exception as e:  # noqa: BLE001 - the store may have gone with the dead rank
-                if not posted:
-                    return self._store_lost(call, ranks, _gist(e))
-                break
+                return self._store_lost(call, ranks, _gist(e))  # who is silent cannot be told now
             first = {r: why for r, why in posted.items() if BROKE not in why}
             if first:
                 return self._aborted(call, first)
@@ -339,18 +343,17 @@ class OffNode:
 
     def _store_lost(self, call: str, ranks: list[int], detail: str) -> PeerAborted:
         """The error of an exchange whose rank cannot read the store: it cannot tell which member
-        failed, so it names every other member of the exchange, as unknown, and guesses no death."""
+        failed, so :attr:`~symmsync.PeerAborted.aborted` is empty and the message guesses no death."""
         me = self._ranks[self.view.local_index]
         others = [r for r in ranks if r != me]
         return PeerAborted(
-            f"rank {me}: {call} on view {list(self.view.ranks)}: the store could not be read ({detail}), so "
-            f"whether {ranks_text(others)} failed cannot be told (did the store's host, MASTER_ADDR, go away?). "
+            f"rank {me}: {call} on view {list(self.view.ranks)}: {STORE_LOST} ({detail}), so whether "
+            f"{ranks_text(others)} failed cannot be told (did the store's host, MASTER_ADDR, go away?). "
             "The exchange fails closed (carry on with a new view)",
             rank=me,
             epoch=-1,
             late={},
             channel=-1,
-            aborted=dict.fromkeys(others, f"unknown: the store could not be read ({detail})"),
         )
 
     def _aborted(self, call: str, aborted: dict[int, str]) -> PeerAborted:

@@ -12,13 +12,12 @@ as ``(deleted)``, for as long as this process maps it).
 
 import gc
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from jobs import python
 
 import symmsync as ss
 from symmsync.testing import run
@@ -52,8 +51,7 @@ if __name__ == "__main__":
 def test_tensors_kept_past_close_read_their_values_and_the_process_exits_cleanly(tmp_path):
     script = tmp_path / "kept.py"  # a file: the ranks import its functions
     script.write_text(KEPT_PAST_CLOSE)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = python(script, timeout=300, TRITON_INTERPRET="1")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert "rank 0: own [0.0, 1.0, 2.0, 3.0] peer [10.0, 11.0, 12.0, 13.0]" in lines
@@ -200,9 +198,7 @@ if __name__ == "__main__":
 def _run_kept(tmp_path, kind, plant):
     script = tmp_path / "kept_tables.py"
     script.write_text(KEPT_TABLES)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(script), kind, plant]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return python(script, kind, plant, timeout=300, TRITON_INTERPRET="1")
 
 
 def _results(proc):

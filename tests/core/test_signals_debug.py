@@ -138,17 +138,13 @@ print(json.dumps({"debug": ssl.DEBUG, "fence": fence, "put": put}))
 
 def _compile_sm90(tmp_path, debug):
     import json
-    import os
-    import subprocess
-    import sys
+
+    from jobs import python
 
     script = tmp_path / f"debug_sm90_{int(debug)}.py"  # @triton.jit needs a source file
     script.write_text(SM90)
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-    env.pop("SYMMSYNC_DEBUG", None)
-    if debug:
-        env["SYMMSYNC_DEBUG"] = "1"
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    mode = "1" if debug else "0"  # symmsync checks only SYMMSYNC_DEBUG == "1"
+    proc = python(script, timeout=300, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1", SYMMSYNC_DEBUG=mode)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -10,11 +10,10 @@ member and a mask (the abort flags are read only on the slow path).
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from jobs import python
 
 SCRIPT = textwrap.dedent(
     """
@@ -127,9 +126,9 @@ SCRIPT = textwrap.dedent(
 def ptx(tmp_path_factory):
     script = tmp_path_factory.mktemp("sm90") / "compile_sm90.py"  # @triton.jit needs a source file
     script.write_text(SCRIPT)
-    env = dict(os.environ, TRITON_INTERPRET="0")  # explicit: import symmsync would pick the interpreter here
-    env["TRITON_DEFAULT_FP_FUSION"] = env.get("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    fusion = os.environ.get("TRITON_DEFAULT_FP_FUSION", "1")
+    # TRITON_INTERPRET explicit: import symmsync would pick the interpreter here
+    proc = python(script, timeout=300, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION=fusion)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

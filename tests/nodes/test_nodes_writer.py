@@ -36,7 +36,6 @@ CASES = [(tp, "direct", f) for tp in (1, 2) for f in FORMATS] + [
 TOKENS, BLOCK = 24, 8
 LATE_S = 0.2  # the late member's sleep before its write: longer than the others' write and check
 BUDGET_S = 30.0  # the writers' wait budget
-NODE_FENCE_BUDGET_S = 15.0  # the budget where a failure missed would show as a timeout
 
 
 def _one_node_case(buf, cache, kv, pe, ix, slots):
@@ -137,7 +136,7 @@ def _node_fence_fails_on_the_other_node(nb):
     raise PeerAborted at once, not time out after the budget."""
     cache = Cache(nb, 3, BLOCK, base=GUARD_BYTES)
     buf = ss.SymmetricBuffer(cache.end + GUARD_BYTES, backend="host")
-    writer = pcp.DirectKVWriter(ss.pcp_view(buf), cache.layout, timeout_s=NODE_FENCE_BUDGET_S)
+    writer = pcp.DirectKVWriter(ss.pcp_view(buf), cache.layout, timeout_s=BUDGET_S)
     kv, pe, ix, slots = prompt(5, TOKENS, cache.num_slots)
     split = pcp.pcp_split(TOKENS, 4)
     batch = writer.prepare(split.local_slots(slots, buf.rank))
@@ -211,7 +210,7 @@ def test_across_two_nodes_every_replica_matches_all_gather_and_insert_in_every_f
         assert capturing is not None and capturing[0] == "CaptureError", (rank, capturing)
         assert capturing[1].startswith(f"rank {rank}: DirectKVWriter.write: called during CUDA graph"), capturing
         assert kind == "PeerAborted", (rank, r["node_fence"])
-        assert elapsed < NODE_FENCE_BUDGET_S / 3, (rank, r["node_fence"])
+        assert elapsed < BUDGET_S / 2, (rank, r["node_fence"])
         # told by a member of the failing node through the store, or by its node-mate so told
         # (rank 3 aborted its node view itself: its own write() names it)
         assert aborted and (rank == 3 or rank not in aborted), (rank, r["node_fence"])

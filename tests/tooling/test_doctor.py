@@ -9,13 +9,11 @@ the kernels compiled (``TRITON_INTERPRET=0``), so that it tries the host backend
 child process that interprets them.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from jobs import python
 
 from symmsync import BackendError, FenceTimeout, doctor, mode
 from symmsync.buffer import SymmetricBuffer
@@ -84,9 +82,6 @@ def test_a_failed_fence_makes_the_host_backend_unavailable_and_still_closes_the_
 
 
 def test_the_command_exits_0_where_a_backend_works_trying_the_host_in_an_interpreting_process():
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, "-m", "symmsync", "doctor"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    proc = python("-m", "symmsync", "doctor", timeout=300, TRITON_INTERPRET="0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TRITON_INTERPRET 0" in proc.stdout and _host_line(proc.stdout).startswith(HOST_WORKS), proc.stdout

@@ -105,12 +105,17 @@ def test_a_function_defined_inside_another_is_refused_up_front_with_what_to_do()
 
 
 PRINTER = """
+import sys
+
 import torch.distributed as dist
 from symmsync.testing import run
 
 def lines(n):
+    dist.barrier()  # both ranks print at once
     for i in range(n):
         print(f"rank {dist.get_rank()}: line {i}", flush=True)
+    dist.barrier()
+    print(f"rank {dist.get_rank()}: streams {sys.stdout.line_buffering} {sys.stdout.write_through}", flush=True)
 
 if __name__ == "__main__":
     run(lines, 2, 2000)
@@ -125,6 +130,7 @@ def test_ranks_print_whole_lines_into_a_shared_pipe_even_when_python_is_unbuffer
     proc = python(script, timeout=120, PYTHONUNBUFFERED="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = proc.stdout.splitlines()
-    broken = [line for line in printed if not re.fullmatch(r"rank [01]: line \d+", line)]
+    broken = [line for line in printed if not re.fullmatch(r"rank [01]: (line \d+|streams True False)", line)]
     assert not broken, broken[:5]
-    assert sorted(printed) == sorted(f"rank {r}: line {i}" for r in (0, 1) for i in range(2000))
+    lines = sorted(f"rank {r}: line {i}" for r in (0, 1) for i in range(2000))
+    assert sorted(printed) == sorted(lines + [f"rank {r}: streams True False" for r in (0, 1)])
