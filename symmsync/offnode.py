@@ -330,38 +330,34 @@ class OffNode:
         if not silent:
             return self._aborted(call, posted)
         why = f"died or left: silent after the exchange broke ({detail or 'as its peers told'})"
-        return PeerAborted(
-            f"rank {me}: {call} on view {list(view.ranks)}: the exchange broke and {ranks_text(silent)} stayed "
-            f"silent (died or left? check its log; {detail or 'told by the ranks that saw it break'}). The "
-            "exchange fails closed (carry on with a new view)",
-            rank=me,
-            epoch=-1,
-            late={},
-            channel=-1,
-            aborted=dict.fromkeys(silent, why),
+        return self._peer_aborted(
+            call,
+            f"the exchange broke and {ranks_text(silent)} stayed silent (died or left? check its log; "
+            f"{detail or 'told by the ranks that saw it break'})",
+            dict.fromkeys(silent, why),
         )
 
     def _store_lost(self, call: str, ranks: list[int], detail: str) -> PeerAborted:
         """The error of an exchange whose rank cannot read the store: it cannot tell which member
         failed, so :attr:`~symmsync.PeerAborted.aborted` is empty and the message guesses no death."""
-        me = self._ranks[self.view.local_index]
-        others = [r for r in ranks if r != me]
-        return PeerAborted(
-            f"rank {me}: {call} on view {list(self.view.ranks)}: {STORE_LOST} ({detail}), so whether "
-            f"{ranks_text(others)} failed cannot be told (did the store's host, MASTER_ADDR, go away?). "
-            "The exchange fails closed (carry on with a new view)",
-            rank=me,
-            epoch=-1,
-            late={},
-            channel=-1,
+        others = [r for r in ranks if r != self._ranks[self.view.local_index]]
+        return self._peer_aborted(
+            call,
+            f"{STORE_LOST} ({detail}), so whether {ranks_text(others)} failed cannot be told (did the "
+            "store's host, MASTER_ADDR, go away?)",
+            {},
         )
 
     def _aborted(self, call: str, aborted: dict[int, str]) -> PeerAborted:
-        me = self._ranks[self.view.local_index]
         said = "; ".join(f"rank {r}: {why}" for r, why in sorted(aborted.items()))
+        return self._peer_aborted(call, f"{ranks_text(sorted(aborted))} aborted the view ({said})", aborted)
+
+    def _peer_aborted(self, call: str, what: str, aborted: dict[int, str]) -> PeerAborted:
+        """The one form of an exchange's :class:`~symmsync.PeerAborted`: ``what`` happened, naming ``aborted``."""
+        me = self._ranks[self.view.local_index]
         return PeerAborted(
-            f"rank {me}: {call} on view {list(self.view.ranks)}: {ranks_text(sorted(aborted))} aborted the view "
-            f"({said}); the exchange fails closed (carry on with a new view)",
+            f"rank {me}: {call} on view {list(self.view.ranks)}: {what}; the exchange fails closed (carry on "
+            "with a new view)",
             rank=me,
             epoch=-1,
             late={},
