@@ -209,7 +209,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     for nbytes in sizes(args.max_mb):
         one_size(nbytes)
     R["launch_path"] = next(iter(ar._bound.values())).launcher.path  # type: ignore[assignment]
-    R.update(host_times(ar, dev, iters=args.iters, reps=reps))  # after: a compiled call drops the bound launches
+    R.update(host_times(ar, dev, iters=args.iters, reps=reps))
     gathered_r: list = [None] * world
     dist.all_gather_object(gathered_r, (R, same_bits))
     if rank == 0:

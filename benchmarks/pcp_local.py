@@ -13,7 +13,10 @@ per 8 tokens (the fastest of three block shapes is kept). For 4k, 16k and 32k to
 and two slot patterns (contiguous: slot = token, as for a fresh sequence; scattered: a
 random permutation of the cache's slots) it measures
 
-  * ``writer_us`` / ``floor_us``: µs per call in CUDA-graph replay;
+  * ``writer_us`` / ``floor_us``: µs per call in CUDA-graph replay; ``copy_us``: a
+    device-to-device copy that reads and writes as many bytes as the writer does (its
+    inputs read, its cache bytes written), the same way; ``writer_tb_per_s``: those bytes
+    per second of the writer's time;
   * ``writer_eager_us``: µs per eager ``write()``, back to back (the GPU's time or the
     host's, whichever is longer);
   * ``host_us``: host time of one eager ``write()``, the GPU running behind it
@@ -190,9 +193,18 @@ def measure(case: Case, writer_tuning: dict) -> dict:
     case.floor(*FLOOR_SHAPES[0])()
     writer_graph = graph_us(write)
     graph_ok = case.same_bytes()
+    # A device-to-device copy with the writer's traffic: it reads and writes as many bytes as
+    # the writer reads (its inputs) and writes (the cache bytes) together.
+    traffic = case.tokens * (2 * (NOPE + ROPE + IDX) + MAIN + INDEXER)
+    src = torch.empty(traffic // 2, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    copy = graph_us(lambda: dst.copy_(src))
     return {
         "tokens": case.tokens,
         "slots": case.pattern,
+        "traffic_bytes": traffic,
+        "copy_us": copy,
+        "writer_tb_per_s": traffic / writer_graph / 1e6,
         "writer_us": writer_graph,
         "floor_us": min(floors.values()),
         "floor_shapes_us": floors,
@@ -244,18 +256,22 @@ def profile(tokens: int, pattern: str) -> None:
 
 def table(rows: list[dict]) -> str:
     head = (
-        f"{'tokens':>7} {'slots':>10} {'writer':>8} {'floor':>8} {'ratio':>6} {'eager':>8} {'host':>7} "
-        f"{'host*':>7}  bytes"
+        f"{'tokens':>7} {'slots':>10} {'writer':>8} {'floor':>8} {'ratio':>6} {'copy':>7} {'TB/s':>5} {'eager':>8} "
+        f"{'host':>7} {'host*':>7}  bytes"
     )
     lines = [head]
     for r in rows:
         ok = "equal" if r["bytes_equal_eager"] and r["bytes_equal_graph"] else "DIFFER"
         lines.append(
             f"{r['tokens']:>7} {r['slots']:>10} {r['writer_us']:>8.1f} {r['floor_us']:>8.1f} "
-            f"{r['writer_us'] / r['floor_us']:>6.2f} {r['writer_eager_us']:>8.1f} {r['host_us']:>7.2f} "
+            f"{r['writer_us'] / r['floor_us']:>6.2f} {r['copy_us']:>7.1f} {r['writer_tb_per_s']:>5.2f} "
+            f"{r['writer_eager_us']:>8.1f} {r['host_us']:>7.2f} "
             f"{r['host_new_inputs_us']:>7.2f}  {ok}"
         )
-    lines.append("µs: writer, floor: graph replay; eager: per write(); host: per write(); host*: new input tensors")
+    lines.append(
+        "µs: writer, floor, copy (a device copy of the writer's bytes read + written): graph replay; TB/s: the "
+        "writer's bytes read + written per µs; eager: per write(); host: per write(); host*: new input tensors"
+    )
     return "\n".join(lines)
 
 

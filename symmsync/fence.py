@@ -161,7 +161,7 @@ class Fence:
             for _kind, (arrive, wait) in ((_FENCE, (True, True)), (_ARRIVE, (True, False)), (_WAIT, (False, True)))
         ]
         self._launch = [launcher.bind(*self._kernel_args) for launcher in self._launchers]
-        self._handle = handles.register(self)  # names this fence to the op (symmsync.fence_ops)
+        self._handle = handles.register(self, "Fence")  # names this fence to the op (symmsync.fence_ops)
         # Views, made here: aot_autograd refuses a base among mutated views of it as graph inputs.
         self._order_views = [fence_ops.user_views(buf)[r] for r in view.ranks]
 
@@ -240,9 +240,10 @@ class Fence:
 
     def _launch_now(self, kind: int, stream: int | None = None) -> None:
         # The eager hot path: a few attribute reads and one cuLaunchKernel (benchmarks/fence.py).
-        if not self._failure.clean or self._buffer.closed:
+        # A closed buffer's views are never clean (close() aborts them first).
+        if not self._failure.clean:
             self._check_usable(operation=True)
-        self._launch[kind](stream)
+        self._launch[kind](stream=stream)
         if self._host_checks:
             self.check()
 
@@ -267,7 +268,7 @@ class Fence:
         would: see :meth:`abort`). For kernels that fence inside themselves (a fused
         writer's tail) and so do not pass through :meth:`fence`.
         """
-        if not self._failure.clean or self._buffer.closed:
+        if not self._failure.clean:  # a closed buffer's views are never clean
             self._check_usable(operation=True)
 
     def abort(self, reason: str) -> None:

@@ -29,23 +29,19 @@ from typing import Any
 
 import torch
 
-from . import handles
+from . import handles, oplib
 from .errors import ConfigError
 
 FENCE, ARRIVE, WAIT = 0, 1, 2  # the kinds, in the order of Fence's launches
 
 
-@torch.library.custom_op("symmsync::fence", mutates_args=())
-def fence_op(handle: int, kind: int, orders: list[torch.Tensor]) -> None:
+def _fence(handle: int, kind: int, orders: list[torch.Tensor]) -> None:
     """Run the fence ``handle`` names (``kind`` 0 fence, 1 arrive, 2 wait). ``orders``: the
     user regions of the view's members, as this rank maps them (read by the trace-time check)."""
-    from .fence import Fence  # fence.py imports this module
-
-    handles.lookup(handle, Fence)._launch_now(kind)
+    handles.lookup(handle, "Fence")._launch_now(kind)
 
 
-@fence_op.register_fake
-def _(handle: int, kind: int, orders: list[torch.Tensor]) -> None:
+def _fence_fake(handle: int, kind: int, orders: list[torch.Tensor]) -> None:
     written = plain_writes(orders)
     if written:
         raise ConfigError(UNORDERED.format(members=written))
@@ -116,7 +112,7 @@ UNORDERED = (
     "before the fence), or write through a symmsync op that declares what it mutates (DirectKVWriter.write)"
 )
 
-# Never dropped as dead code (it returns nothing). Not an ordered effect: torch 2.13's effect
-# tokens broke graphs that also mutate aliased inputs (the writer's caches): aot_eager
-# failed at run time, Inductor asked for a backward token.
-torch.fx.node.has_side_effect(torch.ops.symmsync.fence.default)
+# Side-effecting (symmsync.oplib), so never dropped as dead code (it returns nothing). Not an
+# ordered effect: torch 2.13's effect tokens broke graphs that also mutate aliased inputs (the
+# writer's caches): aot_eager failed at run time, Inductor asked for a backward token.
+fence_op = oplib.define("fence", "(SymInt handle, SymInt kind, Tensor[] orders) -> ()", _fence, _fence_fake)

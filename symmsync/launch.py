@@ -2,7 +2,8 @@
 
 Public API, for consumers that launch their own kernels (:mod:`symmsync.pcp` does):
 :class:`Launcher` (one kernel with fixed compile-time constants and grid),
-:class:`BoundLaunch` (its arguments packed once: a call is one launch),
+:class:`BoundLaunch` (its arguments packed once, and a call's own arguments passed to it:
+a call is one launch, and keeps none of its tensors),
 :func:`current_stream` and :func:`cu_stream` (raw CUDA stream handles and their
 cuda-python objects).
 
@@ -115,8 +116,8 @@ class Launcher:
         constexprs: values of the kernel's ``tl.constexpr`` parameters.
 
     Call :meth:`__call__` with the runtime arguments in the kernel's parameter order
-    (constexpr parameters left out), or :meth:`bind` them once and call the result;
-    :meth:`BoundLaunch.update` changes a few of a bound launch's arguments in place.
+    (constexpr parameters left out), or :meth:`bind` them once and call the result,
+    passing on each call the few arguments that change (``per_call``).
     The grid is fixed at construction; a launch with another grid passes its own
     (``bind(..., grid=)``, ``launcher(..., grid=)``).
     """
@@ -150,35 +151,45 @@ class Launcher:
         """
         self.bind(*args, grid=grid)()
 
-    def bind(self, *args: Any, grid: Sequence[int] | None = None) -> BoundLaunch:
+    def bind(self, *args: Any, grid: Sequence[int] | None = None, per_call: Sequence[str] = ()) -> BoundLaunch:
         """Pack ``args`` once; the returned object launches them with no per-call packing.
 
         Args:
             *args: the runtime arguments, in the kernel's parameter order.
             grid: this launch's grid (default: the launcher's).
+            per_call: the names of the parameters each call passes (in this order), such as
+                the input and output tensors; the bound launch keeps their packed form
+                (an address, a number) and none of the values themselves.
         """
         if len(args) != len(self.names):
             raise BackendError(
                 f"{getattr(self.kernel, '__name__', 'kernel')}: expected {len(self.names)} runtime arguments "
                 f"({', '.join(self.names)}), got {len(args)}"
             )
-        return BoundLaunch(self, args, self._grid if grid is None else _grid3(grid))
+        unknown = [name for name in per_call if name not in self.names]
+        if unknown:
+            raise BackendError(
+                f"{getattr(self.kernel, '__name__', 'kernel')}: per_call names {unknown} are not runtime "
+                f"parameters ({', '.join(self.names)})"
+            )
+        positions = tuple(self.names.index(name) for name in per_call)
+        return BoundLaunch(self, args, self._grid if grid is None else _grid3(grid), positions)
 
     # ------------------------------------------------------------------ internals
     def _triton_launch(self, args: Sequence[Any], grid: tuple[int, int, int]) -> Any:
         kwargs = dict(zip(self.names, args))
         return self.kernel[grid](**kwargs, **self.constexprs, num_warps=self.num_warps)
 
-    def _packer(self, args: Sequence[Any]) -> _Packed | None:
-        """The compiled kernel and packed parameters for these argument classes, if exact."""
+    def _packer(self, classes: Sequence[tuple], raw: Sequence[Any]) -> _Packed | None:
+        """The packed parameters of arguments of these classes and packed values (addresses,
+        numbers), when a kernel compiled for those classes exists and is exact."""
         if self.interpreted:
             self.fallback_reason = "Triton interpreter (host backend)"
             return None
-        key = tuple(_arg_class(a) for a in args)
-        entry = self._compiled.get(key)
+        entry = self._compiled.get(tuple(classes))
         if entry is None:
             return None
-        return _Packed(entry, args, self.names)
+        return _Packed(entry, raw, self.names)
 
 
 def _grid3(grid: Sequence[int]) -> tuple[int, int, int]:
@@ -189,21 +200,16 @@ def _grid3(grid: Sequence[int]) -> tuple[int, int, int]:
 class _Packed:
     """ctypes kernel parameters of one argument tuple, in the compiled signature's order."""
 
-    def __init__(self, entry: _Compiled, args: Sequence[Any], names: Sequence[str]):
-        values = dict(zip(names, args))
+    def __init__(self, entry: _Compiled, raw: Sequence[Any], names: Sequence[str]):
         index = {name: i for i, name in enumerate(names)}
         self.keep: list[Any] = []
         #: argument index -> its ctypes cell (arguments the compiled kernel dropped have none)
         self.cells: dict[int, Any] = {}
         for name, ty in entry.signature:
-            v = values[name]
-            if ty.startswith("*"):
-                addr = v.data_ptr() if isinstance(v, torch.Tensor) else int(v)
-                cell = ctypes.c_uint64(addr)
-            else:
-                cell = _CTYPES[ty](v)
+            i = index[name]
+            cell = ctypes.c_uint64(int(raw[i])) if ty.startswith("*") else _CTYPES[ty](raw[i])
             self.keep.append(cell)
-            self.cells[index[name]] = cell
+            self.cells[i] = cell
         self.keep.append(ctypes.c_uint64(0))  # global scratch (none needed: checked at compile)
         self.keep.append(ctypes.c_uint64(0))  # profile scratch
         self.array = (ctypes.c_void_p * len(self.keep))(*[ctypes.addressof(c) for c in self.keep])
@@ -249,24 +255,41 @@ class _NotExact(Exception):
     pass
 
 
+def _packs_as(v: Any) -> Any:
+    """What an argument packs to: a tensor's address, a number itself."""
+    return v.data_ptr() if isinstance(v, torch.Tensor) else v
+
+
 class BoundLaunch:
-    """A launch whose arguments are packed: calling it costs one ``cuLaunchKernel``."""
+    """A launch whose arguments are packed: a call costs one ``cuLaunchKernel``.
 
-    __slots__ = ("launcher", "_args", "_raw", "_packed", "_classes", "_gx", "_gy", "_gz")
+    The arguments given to :meth:`Launcher.bind` are fixed, but for the ``per_call`` ones,
+    which every call passes (``bound(x, out, n)``). Of those the bound launch keeps only
+    what they packed to (a tensor's address and class, a number), never the values: a call
+    holds no reference to its tensors once it returns, so memory that a caller frees or
+    that torch's CUDA graph trees own is never kept alive by it, and no call needs to drop
+    anything afterwards. A call repacks only what changed: a value that packs as the last
+    one (a tensor of the same dtype at the same address; a number of the same type and
+    value) costs a comparison; one of the same class (a tensor's dtype and 16-byte
+    alignment; an int's width, ``== 1`` and multiple-of-16) changes its ctypes cell; one of
+    another class selects the compiled variant for it (through Triton's launcher once, to
+    compile it). The fixed arguments are held as given: they are the caller's own
+    long-lived tensors (pointer tables, records) and numbers.
+    """
 
-    def __init__(self, launcher: Launcher, args: Sequence[Any], grid: Sequence[int] | None = None):
+    __slots__ = ("launcher", "_args", "_per", "_raw", "_classes", "_packed", "_gx", "_gy", "_gz")
+
+    def __init__(self, launcher: Launcher, args: Sequence[Any], grid: Sequence[int], per_call: Sequence[int] = ()):
         self.launcher = launcher
+        self._per = tuple(per_call)
+        self._classes = [_arg_class(a) for a in args]
+        # What each argument packs to: a call compares a new value with it.
+        self._raw = [_packs_as(a) for a in args]
+        self._packed = launcher._packer(self._classes, self._raw)
         self._args = list(args)
-        self._packed = launcher._packer(self._args)
-        self._classes = [_arg_class(a) for a in self._args]
-        # What each argument packs to (a tensor's address, a number): update() compares a new value with it.
-        self._raw = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self._args]
-        self._gx, self._gy, self._gz = launcher.grid if grid is None else _grid3(grid)
-
-    @property
-    def args(self) -> tuple:
-        """The runtime arguments this launch passes, in the kernel's parameter order."""
-        return tuple(self._args)
+        for i in self._per:
+            self._args[i] = None  # only their packed form is kept
+        self._gx, self._gy, self._gz = _grid3(grid)
 
     @property
     def packed(self) -> bool:
@@ -278,88 +301,88 @@ class BoundLaunch:
         """The grid this launch uses."""
         return (self._gx, self._gy, self._gz)
 
-    def update(self, indices: Sequence[int], values: Sequence[Any]) -> None:
-        """Replace the arguments at ``indices`` (positions in the runtime parameter list),
-        repacking only those that changed.
+    @property
+    def per_call(self) -> tuple[str, ...]:
+        """The names of the parameters each call passes, in the order a call takes them."""
+        names = self.launcher.names
+        return tuple(names[i] for i in self._per)
 
-        Callers pass every argument that may change on every call (symmsync's collectives,
-        the PCP writer): this is their one "repack only what changed". A value that packs as
-        the one it replaces (a tensor of the same dtype at the same address; an int, float
-        or bool of the same type and value) costs a comparison. When every other new value
-        has the class of the old one (the same dtype and 16-byte alignment for a tensor;
-        the same width, ``== 1`` and multiple-of-16 for an int), only their packed ctypes
-        cells change. Otherwise the launch is packed again for the compiled variant those
-        values select (or goes through Triton's launcher once to compile it). The caller
-        keeps tensors alive until the launch ran.
-        """
-        args, raw, classes = self._args, self._raw, self._classes
-        fresh: list[int] = []
-        reclassed = False
-        for i, v in zip(indices, values):
-            old = args[i]
-            args[i] = v  # even when it packs the same: Triton's launcher (first launch, interpreter) passes args
-            if type(v) is torch.Tensor:  # the common case first: an address and a dtype to compare
-                p = v.data_ptr()
-                if p == raw[i] and type(old) is torch.Tensor and v.dtype is old.dtype:
-                    continue
-            elif isinstance(v, torch.Tensor):  # a subclass (a Parameter): packed again
-                p = v.data_ptr()
-            else:
-                if type(v) is type(old) and v == old:
-                    continue
-                p = v
-            raw[i] = p
-            fresh.append(i)
-            c = _arg_class(v)
-            if c != classes[i]:
-                classes[i] = c
-                reclassed = True
-        packed = self._packed
-        if packed is None or not fresh:  # not packed yet: the next call goes through Triton's launcher
-            return
-        if reclassed:
-            self._packed = self.launcher._packer(args)
-            return
-        cells = packed.cells
-        for i in fresh:
-            cell = cells.get(i)
-            if cell is not None:
-                cell.value = raw[i]
-
-    def __call__(self, stream: int | None = None) -> None:
-        """Launch on torch's current stream, or on the raw CUDA stream handle ``stream``.
+    def __call__(self, *values: Any, stream: int | None = None) -> None:
+        """Launch with ``values`` for the ``per_call`` parameters (in that order), on torch's
+        current stream or on the raw CUDA stream handle ``stream``.
 
         ``stream`` is honoured on the fast path only: a launch that is not packed yet
         (the first, through Triton's launcher) goes to the current stream, so callers
-        that pass it check :attr:`packed` first.
+        that pass it check :attr:`packed` first. The caller keeps the tensors alive until
+        the launch ran (in stream order), as for any kernel launch.
         """
+        per = self._per
+        if len(values) != len(per):
+            raise BackendError(
+                f"{getattr(self.launcher.kernel, '__name__', 'kernel')}: a call passes {len(per)} values "
+                f"({', '.join(self.per_call)}), got {len(values)}"
+            )
         packed = self._packed
         if packed is None:
-            self._first_launch()
+            self._through_triton(values)
             return
+        raw, classes = self._raw, self._classes
+        reclassed = False
+        for i, v in zip(per, values):
+            old = classes[i]
+            if type(v) is torch.Tensor:  # the common case first: an address and a dtype to compare
+                p = v.data_ptr()
+                if p == raw[i] and old[1] is v.dtype:
+                    continue
+                new = ("t", v.dtype, p % 16 == 0)
+            elif old[0] != "t" and type(v) is type(raw[i]) and v == raw[i]:
+                continue
+            else:
+                p, new = _packs_as(v), _arg_class(v)
+            raw[i] = p
+            if new != old:
+                classes[i] = new
+                reclassed = True
+            else:
+                cell = packed.cells.get(i)
+                if cell is not None:
+                    cell.value = p
+        if reclassed:
+            packed = self._packed = self.launcher._packer(classes, raw)
+            if packed is None:  # a variant not compiled yet: Triton's launcher compiles it
+                self._through_triton(values)
+                return
         e = packed.entry
-        raw = current_stream(e.device_index) if stream is None else stream
-        cu = _cu_streams.get(raw)
+        raw_stream = current_stream(e.device_index) if stream is None else stream
+        cu = _cu_streams.get(raw_stream)
         if cu is None:
-            cu = cu_stream(raw)
+            cu = cu_stream(raw_stream)
         (err,) = e.launch(e.function, self._gx, self._gy, self._gz, e.block, 1, 1, e.shared, cu, packed.address, 0)
         if err != e.success:  # the check only on failure: it costs a call on every launch
             check(err, f"cuLaunchKernel({getattr(self.launcher.kernel, '__name__', 'kernel')})")
         self.launcher.path = "cuda-python"
 
-    def _first_launch(self) -> None:
+    def _through_triton(self, values: Sequence[Any]) -> None:
         """Launch through Triton (compiling if needed) and, when exact, set up the fast path."""
         launcher = self.launcher
-        compiled = launcher._triton_launch(self.args, self.grid)
+        args = self._args.copy()
+        for i, v in zip(self._per, values):
+            args[i] = v
+        compiled = launcher._triton_launch(args, self.grid)
         launcher.path = "triton"
         if launcher.interpreted or compiled is None:
             return
-        key = tuple(_arg_class(a) for a in self.args)
+        classes = [_arg_class(a) for a in args]
+        raw = [_packs_as(a) for a in args]
+        self._classes, self._raw = classes, raw
+        key = tuple(classes)
         try:
-            dev = next((a.device for a in self.args if isinstance(a, torch.Tensor) and a.is_cuda), None)
-            dev = dev or torch.device("cuda", torch.cuda.current_device())
-            launcher._compiled[key] = _Compiled(compiled, dev)
-            self._packed = _Packed(launcher._compiled[key], self.args, launcher.names)
+            entry = launcher._compiled.get(key)
+            if entry is None:
+                dev = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+                dev = dev or torch.device("cuda", torch.cuda.current_device())
+                entry = launcher._compiled[key] = _Compiled(compiled, dev)
+            self._packed = _Packed(entry, raw, launcher.names)
             launcher.fallback_reason = ""
         except _NotExact as e:
             launcher.fallback_reason = str(e)

@@ -25,17 +25,20 @@ from .mismatch import mismatch_error, shared_gpu_note, stalled_error
 # Elements per block of a program (a power of two); warps per program.
 _BLOCK = 1024
 _NUM_WARPS = 4
-# What changes from call to call, by the kernel's parameter names; their positions in the
-# runtime parameters come from the first launcher (Launcher.names), so no position is
-# written here and the kernel's signature can change.
+# What a call passes its bound launch (BoundLaunch: the rest is bound once), by the kernel's
+# parameter names, so no position is written here and the kernel's signature can change.
 _PER_CALL = ("x", "out", "count")
-_EPILOGUE = ("residual", "weight", "res_out", "hidden", "eps")
+_FUSED_CALL = (*_PER_CALL, "residual", "weight", "res_out", "hidden", "eps")
 KERNEL = kernels.collective_kernel
 """The kernel every operation launches, read when an operation first launches a variant (a seam:
 a test may set it, before it constructs an operation, to a variant of the kernel built in the
 tests from the same halves; ``kernels.collective_kernel`` is the only kernel shipped)."""
 MAX_HIDDEN = 16384
 """The longest row (``x.shape[-1]``) the fused epilogue takes: one program holds a row."""
+NO_GRAD = (
+    "{name} requires grad and grad mode is on, but the collectives have no autograd formula (a backward "
+    "would get no gradient through them): call them under torch.no_grad() or torch.inference_mode()"
+)
 
 
 class _Collective:
@@ -98,7 +101,7 @@ class _Collective:
         self._sym_addr = self._sym_bytes.data_ptr()
         self._limits = {d: ws.capacity // d.itemsize for d in L.DTYPES}
         self._launchers: dict[tuple, Launcher] = {}
-        # variant -> its bound launch (BoundLaunch.update repacks only the arguments that changed)
+        # variant -> its bound launch (a call repacks only the arguments that changed)
         self._bound: dict[tuple, BoundLaunch] = {}
         # The fused epilogue's arguments of a launch without it: unused, of the launch's dtype.
         self._plain_tail = {}
@@ -121,7 +124,7 @@ class _Collective:
         # mismatch) and fails it when the view is aborted: _check_usable() asks it.
         self._failure = view.failure
         self._failure.register(self, f"{self._NAME} (channel {channel})")
-        self.handle = handles.register(self)
+        self.handle = handles.register(self, self._NAME)
         """The int that names this object to its torch custom op (:mod:`symmsync.collectives.torch_ops`)."""
 
     def _keep(self, view: PeerView, max_numel: int, dtype: torch.dtype, shares_gpu: tuple[int, ...]) -> None:
@@ -185,11 +188,10 @@ class _Collective:
         self._failure.settle(self, self._recorded_error, stall=stall)
 
     # ------------------------------------------------------------------ a call
-    def _traced(self, op: Any, args: tuple, out: Any, *after: Any) -> Any:
+    def _traced(self, op: Any, args: tuple, out: Any, *after: Any, half: bool = False) -> Any:
         """A call ``torch.compile`` traces: ``op(*args, self.handle, *after)`` (:mod:`.torch_ops`), which
-        makes the eager call, checks included, when the graph runs; no data pointer is read. Raises
-        ConfigError while tracing for an ``out=`` (the op returns new tensors) or a half epilogue."""
-        half = any(a is None for a in args)
+        makes the eager call's checked path when the graph runs; no data pointer is read. Raises
+        ConfigError while tracing for an ``out=`` (the op returns new tensors) or a ``half`` epilogue."""
         if out is not None or half:
             what = "pass residual= and norm_weight=" if half else "out= is eager-only (the op returns new tensors)"
             raise ConfigError(f"rank {self.rank}: {self._NAME} under torch.compile: {what} (docs/collectives.md)")
@@ -204,9 +206,10 @@ class _Collective:
         count: int = -1,
         epilogue: tuple | None = None,
     ) -> None:
-        # The eager hot path: a few comparisons, one update of the packed arguments (which
-        # repacks nothing when the tensors are those of the last call of this variant), one launch.
-        if not self._failure.clean or self._buffer.closed:
+        # The hot path of an eager call and of the op's body: a few comparisons, one launch
+        # (which repacks nothing when the tensors are those of the last call of this variant).
+        # A closed buffer's views are never clean (close() aborts them first).
+        if not self._failure.clean:
             self._check_usable()
         count = numel if count < 0 else count  # the kernel's element count (the reduce-scatter's chunk)
         if epilogue is None:
@@ -216,21 +219,20 @@ class _Collective:
             row = 1 << (epilogue[3] - 1).bit_length()
             grid = min(self._max_programs, max(1, numel // epilogue[3]))
         key = (x.dtype, algorithm, x.data_ptr() == self._sym_addr, grid, row)
-        bound = self._bound.get(key)
         if self._interp and x.dtype is torch.bfloat16:  # numpy has no bfloat16: its bits travel
             x, out = x.view(torch.int16), out.view(torch.int16)
             if epilogue is not None:
                 epilogue = tuple(t.view(torch.int16) for t in epilogue[:3]) + epilogue[3:]
+        bound = self._bound.get(key)
         if bound is None:
-            tail = self._plain_tail[key[0]] if epilogue is None else epilogue
-            bound = self._bound[key] = self._launcher(key).bind(x, out, count, *self._fixed, *tail, grid=(grid,))
-        per_call, fused = self._positions
-        if epilogue is not None:
-            bound.update(per_call + fused, (x, out, count, *epilogue))
-        else:
-            bound.update(per_call, (x, out, count))
+            tail, per_call = (self._plain_tail[key[0]], _PER_CALL) if epilogue is None else (epilogue, _FUSED_CALL)
+            bound = self._launcher(key).bind(x, out, count, *self._fixed, *tail, grid=(grid,), per_call=per_call)
+            self._bound[key] = bound
         try:
-            bound()
+            if epilogue is None:
+                bound(x, out, count)
+            else:
+                bound(x, out, count, *epilogue)
         except Exception as e:
             # A launch that raised (an error of symmsync's from inside an interpreted kernel, a
             # failed compile or launch) may have run part of the call: the collective fails with
@@ -261,8 +263,6 @@ class _Collective:
                 EPILOGUE=row > 0,
                 ROW=max(row, 1),
             )
-            names = launcher.names
-            self._positions = tuple(tuple(names.index(n) for n in group) for group in (_PER_CALL, _EPILOGUE))
         return launcher
 
     def _problem(self, x: Any, out: Any) -> str | None:
@@ -270,7 +270,8 @@ class _Collective:
         a valid call on the host, cheap when it is right (it runs on every call).
 
         ``x``: a contiguous tensor of one of the workspace's dtypes on the buffer's device, of
-        at most the workspace's elements (a reduce-scatter's: a multiple of the view's size).
+        at most the workspace's elements (a reduce-scatter's: a multiple of the view's size),
+        that needs no gradient (grad mode off, or it does not require grad).
         ``out`` (``None``: the call makes it): a contiguous tensor of ``x``'s dtype and device,
         of :meth:`_out_numel` elements. Whether the members' calls agree is the kernel's check
         (their headers; :mod:`.mismatch` words its error).
@@ -285,6 +286,8 @@ class _Collective:
             return f"x is on {x.device}, the collective's memory on {self._buffer.device}"
         if not x.is_contiguous():
             return "x must be contiguous (call .contiguous())"
+        if x.requires_grad and torch.is_grad_enabled():
+            return NO_GRAD.format(name="x")
         numel = x.numel()
         if numel > limit:
             return (
@@ -463,7 +466,8 @@ class AllReduce(_Collective):
             out = dtype(h / sqrt(mean(h * h) + eps) * float32(norm_weight))
 
         Raises:
-            InputError: a bad argument on this member, before anything is launched (its
+            InputError: a bad argument on this member (an input that requires grad while grad
+                mode is on among them: no autograd formula), before anything is launched (its
                 members raise :class:`~symmsync.PeerAborted` naming it);
                 :class:`CollectiveMismatch` on every member when their calls differ.
             FenceTimeout: a member did not arrive within the budget
@@ -479,9 +483,14 @@ class AllReduce(_Collective):
             if residual is None and norm_weight is None:
                 return self._traced(torch.ops.symmsync.all_reduce, (x,), out, alg)
             args, outs = (x, residual, norm_weight, eps), out if residual_out is None else residual_out
-            return self._traced(torch.ops.symmsync.all_reduce_residual_rms_norm, args, outs, alg)
+            half = residual is None or norm_weight is None
+            return self._traced(torch.ops.symmsync.all_reduce_residual_rms_norm, args, outs, alg, half=half)
         if residual is not None or norm_weight is not None:
             return self._fused(x, out, algorithm, residual, norm_weight, eps, residual_out)
+        return self._reduce(x, out, algorithm)
+
+    def _reduce(self, x: Any, out: Any, algorithm: str | None) -> torch.Tensor:
+        """The checked call without the epilogue: what ``__call__`` and ``symmsync::all_reduce`` run."""
         code = self._codes.get(algorithm or self.algorithm)
         bad = self._problem(x, out)
         if bad is not None or code is None:
@@ -495,40 +504,63 @@ class AllReduce(_Collective):
         return out
 
     def _fused(self, x, out, algorithm, residual, weight, eps, res_out) -> tuple[torch.Tensor, torch.Tensor]:
-        """The call with the fused residual + RMS norm epilogue (one-shot, whole rows per program)."""
-        bad = self._problem(x, None)
-        if bad is None and (x.dim() == 0 or x.shape[-1] > MAX_HIDDEN):
-            bad = (
-                f"the fused epilogue needs rows of 1 to {MAX_HIDDEN} elements (x.shape[-1]), got x of {tuple(x.shape)}"
-            )
-        if bad is None and (algorithm or self.algorithm) not in ("auto", "one_shot"):
-            bad = f"the fused epilogue runs one-shot: algorithm must be 'auto' or 'one_shot', got {algorithm!r}"
-        hidden = x.shape[-1] if bad is None else 0
-        if bad is None:
-            for name, t, shape in (
-                ("residual", residual, tuple(x.shape)),
-                ("norm_weight", weight, (hidden,)),
-                ("residual_out", res_out, tuple(x.shape)),
-                ("out", out, tuple(x.shape)),
-            ):
-                if t is None and name in ("residual_out", "out"):
-                    continue
-                if type(t) is not torch.Tensor or t.dtype is not x.dtype or tuple(t.shape) != shape:
-                    bad = f"{name} must be a {x.dtype} tensor of shape {shape}, got " + (
-                        f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                    )
-                elif t.get_device() != self._device_index or not t.is_contiguous():
-                    bad = f"{name} must be contiguous, on {self._buffer.device}"
-                if bad:
-                    break
-        if bad is None:
-            bad = number_problem("eps", eps)
+        """The checked call with the fused residual + RMS norm epilogue (one-shot, whole rows per
+        program): what ``__call__`` and ``symmsync::all_reduce_residual_rms_norm`` run."""
+        bad = self._fused_problem(x, out, algorithm, residual, weight, eps, res_out)
         if bad is not None:
             self._refuse(bad)
         out = torch.empty_like(x) if out is None else out
         res_out = torch.empty_like(x) if res_out is None else res_out
-        self._launch(x, out, x.numel(), 0, epilogue=(residual, weight, res_out, hidden, float(eps)))
+        self._launch(x, out, x.numel(), 0, epilogue=(residual, weight, res_out, x.shape[-1], float(eps)))
         return out, res_out
+
+    def _fused_problem(self, x, out, algorithm, residual, weight, eps, res_out) -> str | None:
+        """What is wrong with a fused call's arguments on this member, or ``None`` (cheap when
+        they are right: the common case is one expression)."""
+        bad = self._problem(x, None)
+        if bad is not None:
+            return bad
+        shape = x.shape
+        if not shape or shape[-1] > MAX_HIDDEN:
+            return f"the fused epilogue needs rows of 1 to {MAX_HIDDEN} elements (x.shape[-1]), got x of {tuple(shape)}"
+        if (algorithm or self.algorithm) not in ("auto", "one_shot"):
+            return f"the fused epilogue runs one-shot: algorithm must be 'auto' or 'one_shot', got {algorithm!r}"
+        dt, dev = x.dtype, self._device_index
+        if (
+            out is None
+            and res_out is None
+            and type(residual) is torch.Tensor
+            and type(weight) is torch.Tensor
+            and residual.dtype is dt
+            and weight.dtype is dt
+            and residual.shape == shape
+            and weight.shape == shape[-1:]
+            and residual.get_device() == dev
+            and weight.get_device() == dev
+            and residual.is_contiguous()
+            and weight.is_contiguous()
+            and type(eps) is float
+            and eps >= 0
+            and not ((residual.requires_grad or weight.requires_grad) and torch.is_grad_enabled())
+        ):
+            return None
+        for name, t, want in (
+            ("residual", residual, tuple(shape)),
+            ("norm_weight", weight, (shape[-1],)),
+            ("residual_out", res_out, tuple(shape)),
+            ("out", out, tuple(shape)),
+        ):
+            if t is None and name in ("residual_out", "out"):
+                continue
+            if type(t) is not torch.Tensor or t.dtype is not dt or tuple(t.shape) != want:
+                return f"{name} must be a {dt} tensor of shape {want}, got " + (
+                    f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                )
+            if t.get_device() != dev or not t.is_contiguous():
+                return f"{name} must be contiguous, on {self._buffer.device}"
+            if t.requires_grad and torch.is_grad_enabled():
+                return NO_GRAD.format(name=name)
+        return number_problem("eps", eps)
 
 
 class AllGather(_Collective):
@@ -548,6 +580,10 @@ class AllGather(_Collective):
         """
         if torch.compiler.is_compiling():
             return self._traced(torch.ops.symmsync.all_gather, (x,), out, self.size)
+        return self._gather(x, out)
+
+    def _gather(self, x: Any, out: Any) -> torch.Tensor:
+        """The checked call: what ``__call__`` and ``symmsync::all_gather`` run."""
         out = self._output(x, out)
         self._launch(x, out, x.numel(), -1)
         return out
@@ -574,6 +610,10 @@ class ReduceScatter(_Collective):
         """
         if torch.compiler.is_compiling():
             return self._traced(torch.ops.symmsync.reduce_scatter, (x,), out, self.size)
+        return self._scatter(x, out)
+
+    def _scatter(self, x: Any, out: Any) -> torch.Tensor:
+        """The checked call: what ``__call__`` and ``symmsync::reduce_scatter`` run."""
         out = self._output(x, out)
         self._launch(x, out, x.numel(), -1, self._out_numel(x.numel()))
         return out

@@ -136,10 +136,9 @@ class _OverNodes(_Collective):
         order = [node[p] for p in range(self._members) for node in nodes.nodes]
         self._by_position = torch.tensor(order, dtype=torch.int64, device=buf.device)
         self._by_member = torch.argsort(self._by_position)
-        self._bound: dict = {}  # torch_ops clears it after a compiled call; the node steps keep theirs
         self._failure = view.failure
         self._failure.register(self, f"{self._NAME} (over {self._nodes} nodes)")
-        self.handle = handles.register(self)
+        self.handle = handles.register(self, self._NAME)
 
     def _input_memory(self, buf: Any, nbytes: int) -> torch.Tensor:
         """The memory :meth:`input` hands out: this rank's, no peer reads it (the steps copy it)."""

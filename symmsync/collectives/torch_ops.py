@@ -28,84 +28,51 @@ a collective's result still makes the call, since its members wait for it; a pur
 output went unused would be removed by dead-code elimination (Dynamo's, AOTAutograd's and
 Inductor's) on that rank alone.
 
-An op's call keeps none of its tensors: it drops the collective's bound launches
-(:class:`~symmsync.launch.BoundLaunch` holds the last call's tensors, so that an eager call
-with the same tensors repacks nothing) once it launched. Under
-``torch.compile(mode="reduce-overhead")`` the op runs while torch records a CUDA graph into
-its own memory pool, and torch refuses a recording whose pool memory something outside the
-graph still holds ("tensor(s) in the cudagraph pool not tracked as outputs"). A compiled call
-repacks its arguments each time; replays of a captured graph run no Python at all.
+Each op's body is the eager call's own checked path (``AllReduce._reduce`` and its
+siblings: the checks run once, then the launch), entered through one pass of the dispatcher
+(:mod:`symmsync.oplib`). It keeps none of its tensors: a bound launch holds what its last
+call packed to, never the tensors (:class:`~symmsync.launch.BoundLaunch`), so under
+``torch.compile(mode="reduce-overhead")``, where the op runs while torch records a CUDA
+graph into its own memory pool, nothing outside the graph holds that pool's memory.
+Replays of a captured graph run no Python at all.
 """
-
-from collections.abc import Callable
-from typing import Any, TypeVar
 
 import torch
 
-from .. import handles
-from .ops import AllGather, AllReduce, ReduceScatter
-
-T = TypeVar("T")
+from .. import handles, oplib
 
 
-def _call(handle: int, kind: type[T], call: Callable[[T], Any]) -> Any:
-    """``call`` on the object ``handle`` names; then drop what its bound launches hold."""
-    obj = handles.lookup(handle, kind)
-    try:
-        return call(obj)
-    finally:
-        obj._bound.clear()  # the last call's tensors (see the module's docstring)
+def _all_reduce(x, handle, algorithm):
+    return handles.lookup(handle, "AllReduce")._reduce(x, None, algorithm)
 
 
-@torch.library.custom_op(
-    "symmsync::all_reduce", mutates_args=(), schema="(Tensor x, int handle, str algorithm) -> Tensor"
+def _fused(x, residual, weight, eps, handle, algorithm):
+    return handles.lookup(handle, "AllReduce")._fused(x, None, algorithm, residual, weight, eps, None)
+
+
+def _all_gather(x, handle, size):
+    return handles.lookup(handle, "AllGather")._gather(x, None)
+
+
+def _reduce_scatter(x, handle, size):
+    return handles.lookup(handle, "ReduceScatter")._scatter(x, None)
+
+
+oplib.define(
+    "all_reduce", "(Tensor x, int handle, str algorithm) -> Tensor", _all_reduce, lambda x, h, a: torch.empty_like(x)
 )
-def all_reduce(x, handle, algorithm):
-    return _call(handle, AllReduce, lambda ar: ar(x, algorithm=algorithm))
-
-
-@all_reduce.register_fake
-def _(x, handle, algorithm):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op(
-    "symmsync::all_reduce_residual_rms_norm",
-    mutates_args=(),
-    schema="(Tensor x, Tensor residual, Tensor weight, float eps, int handle, str algorithm) -> (Tensor, Tensor)",
+oplib.define(
+    "all_reduce_residual_rms_norm",
+    "(Tensor x, Tensor residual, Tensor weight, float eps, int handle, str algorithm) -> (Tensor, Tensor)",
+    _fused,
+    lambda x, r, w, e, h, a: (torch.empty_like(x), torch.empty_like(x)),
 )
-def all_reduce_residual_rms_norm(x, residual, weight, eps, handle, algorithm):
-    return _call(
-        handle, AllReduce, lambda ar: ar(x, algorithm=algorithm, residual=residual, norm_weight=weight, eps=eps)
-    )
-
-
-@all_reduce_residual_rms_norm.register_fake
-def _(x, residual, weight, eps, handle, algorithm):
-    return torch.empty_like(x), torch.empty_like(x)
-
-
-@torch.library.custom_op("symmsync::all_gather", mutates_args=(), schema="(Tensor x, int handle, int size) -> Tensor")
-def all_gather(x, handle, size):
-    return _call(handle, AllGather, lambda ag: ag(x))
-
-
-@all_gather.register_fake
-def _(x, handle, size):
-    return x.new_empty(size * x.numel())
-
-
-@torch.library.custom_op(
-    "symmsync::reduce_scatter", mutates_args=(), schema="(Tensor x, int handle, int size) -> Tensor"
+oplib.define(
+    "all_gather", "(Tensor x, int handle, int size) -> Tensor", _all_gather, lambda x, h, n: x.new_empty(n * x.numel())
 )
-def reduce_scatter(x, handle, size):
-    return _call(handle, ReduceScatter, lambda rs: rs(x))
-
-
-@reduce_scatter.register_fake
-def _(x, handle, size):
-    return x.new_empty(x.numel() // size)
-
-
-for _name in ("all_reduce", "all_reduce_residual_rms_norm", "all_gather", "reduce_scatter"):
-    torch.fx.node.has_side_effect(getattr(torch.ops.symmsync, _name).default)
+oplib.define(
+    "reduce_scatter",
+    "(Tensor x, int handle, int size) -> Tensor",
+    _reduce_scatter,
+    lambda x, h, n: x.new_empty(x.numel() // n),
+)

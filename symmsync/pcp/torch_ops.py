@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import fence_ops, handles
+from .. import fence_ops, handles, oplib
 from ..checks import require
 from ..errors import ConfigError
 
@@ -109,16 +109,16 @@ def _backend_runs_in_order() -> bool:
 
 
 def _write(handle: int, layer: int, kv_c, k_pe, indexer_k, slots: torch.Tensor, cache: torch.Tensor) -> None:
-    """The ops' body: check that ``cache`` is the writer's span and ``slots`` its last batch's, then write."""
-    from .writer import DirectKVWriter  # writer.py imports this module
-
-    writer = handles.lookup(handle, DirectKVWriter)
+    """The ops' body: check that ``cache`` is the writer's span and ``slots`` its last batch's (what
+    the graph cannot have checked), then the eager write's checked path."""
+    writer = handles.lookup(handle, "DirectKVWriter")
     problem = None
-    if type(layer) is int and 0 <= layer < writer.layout.num_layers:  # else write() raises the layout's error
+    if type(layer) is int and 0 <= layer < writer.layout.num_layers:  # else the write raises the layout's error
         if cache.data_ptr() != writer._spans[layer].data_ptr():
             problem = CLONED.format(layer=layer)
     batch = writer._last_batch() if writer._last_batch is not None else None
-    if problem is None and (batch is None or batch.slots.data_ptr() != slots.data_ptr() or batch.rows != len(slots)):
+    stale = batch is None or batch.slots.data_ptr() != slots.data_ptr() or batch.rows != slots.shape[0]
+    if problem is None and stale:
         problem = "a compiled write() takes the Batch that this writer's prepare() returned last (once per batch)"
     if problem is not None:
         try:
@@ -126,51 +126,25 @@ def _write(handle: int, layer: int, kv_c, k_pe, indexer_k, slots: torch.Tensor, 
         except ConfigError as e:
             writer._abort(str(e))  # the members may already wait in this layer's fence (across nodes too)
             raise
-    writer.write(layer, kv_c, k_pe, indexer_k, batch)
+    writer._write(layer, kv_c, k_pe, indexer_k, batch)
 
 
-@torch.library.custom_op("symmsync::kv_write", mutates_args=("cache",))
-def kv_write(
-    handle: int,
-    layer: int,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    indexer_k: torch.Tensor,
-    slots: torch.Tensor,
-    cache: torch.Tensor,
-) -> None:
-    """Write ``layer`` of the batch whose slots are ``slots`` with the writer ``handle`` names."""
+def _kv_write(handle, layer, kv_c, k_pe, indexer_k, slots, cache) -> None:
+    _write(handle, layer, kv_c, k_pe, indexer_k, slots, cache)  # the body, looked up per call: a test's seam
+
+
+def _write_in_order(handle, layer, kv_c, k_pe, indexer_k, slots, cache, orders) -> None:
     _write(handle, layer, kv_c, k_pe, indexer_k, slots, cache)
 
 
-@kv_write.register_fake
-def _(handle, layer, kv_c, k_pe, indexer_k, slots, cache) -> None:
-    return None
-
-
-@torch.library.custom_op("symmsync::kv_write_in_order", mutates_args=())
-def kv_write_in_order(
-    handle: int,
-    layer: int,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    indexer_k: torch.Tensor,
-    slots: torch.Tensor,
-    cache: torch.Tensor,
-    orders: list[torch.Tensor],
-) -> None:
-    """As ``symmsync::kv_write``, for a backend that runs the graph in traced order. ``orders``:
-    the user regions of the view's members, as this rank maps them (read by the trace-time check)."""
-    _write(handle, layer, kv_c, k_pe, indexer_k, slots, cache)
-
-
-@kv_write_in_order.register_fake
-def _(handle, layer, kv_c, k_pe, indexer_k, slots, cache, orders) -> None:
+def _in_order_fake(handle, layer, kv_c, k_pe, indexer_k, slots, cache, orders) -> None:
     written = fence_ops.plain_writes(orders)
     if written:
         raise ConfigError(UNORDERED.format(members=written))
 
 
-# Never dropped as dead code (it returns nothing and declares no mutation); not an ordered
-# effect, for the reason symmsync::fence gives (symmsync.fence_ops).
-torch.fx.node.has_side_effect(torch.ops.symmsync.kv_write_in_order.default)
+_ARGS = "SymInt handle, SymInt layer, Tensor kv_c, Tensor k_pe, Tensor indexer_k, Tensor slots"
+# kv_write declares the caches it writes; kv_write_in_order declares nothing (it is never
+# dropped all the same: every symmsync op is side-effecting, symmsync.oplib).
+oplib.define("kv_write", f"({_ARGS}, Tensor(a6!) cache) -> ()", _kv_write, lambda *args: None)
+oplib.define("kv_write_in_order", f"({_ARGS}, Tensor cache, Tensor[] orders) -> ()", _write_in_order, _in_order_fake)

@@ -24,9 +24,9 @@ rules.
 
 Eager cost: :meth:`DirectKVWriter.prepare` does every check that needs the slot
 values; the first :meth:`~DirectKVWriter.write` of a batch packs the kernel launch
-(:meth:`symmsync.launch.Launcher.bind`) and later layers only update what changed in
-it (:meth:`symmsync.launch.BoundLaunch.update`): the layer's offsets, and the input
-addresses when the inputs moved. With the fence fused (the default), a layer is one
+(:meth:`symmsync.launch.Launcher.bind`) and later layers pass it what a layer changes
+(:class:`symmsync.launch.BoundLaunch`): the layer's offsets, and the input addresses when
+the inputs moved. With the fence fused (the default), a layer is one
 launch.
 """
 
@@ -261,14 +261,13 @@ class DirectKVWriter:
             SPREAD=spread,
             PREFETCH=tuning.programs_per_sm > 0,  # a program with several items loads the next one early
         )
-        self._per_layer = tuple(self._launcher.names.index(name) for name in self._PER_LAYER)
         self._num_layers = layout.num_layers
         # Per-layer region offsets and the block strides, computed once.
         self._offsets = list(placement.offsets)
         self._strides = (placement.main_block_stride, placement.indexer_block_stride)
         self._usable = (-1, 0)  # (buffer size, blocks usable at that size)
         # Compiled code: the op (symmsync.pcp.torch_ops) names this writer by a handle.
-        self._handle = handles.register(self)
+        self._handle = handles.register(self, "DirectKVWriter")
         self._spans: list[torch.Tensor] | None = None  # made once every block is mapped (prepare)
         self._last_batch: weakref.ReferenceType | None = None  # weak: a batch refers to its writer
 
@@ -424,13 +423,18 @@ class DirectKVWriter:
             BoundsError: ``layer`` is not one of the layout's layers, as
                 ``layout.main_offset(layer)`` raises (a ``layer`` that is not an int:
                 :class:`~symmsync.ConfigError`, as there).
-            InputError: wrong dtype, shape, device, or non-contiguous input, or a batch
-                that this writer's :meth:`prepare` did not return.
+            InputError: wrong dtype, shape, device, or non-contiguous input, an input that
+                requires grad while grad mode is on (no autograd formula), or a batch that
+                this writer's :meth:`prepare` did not return.
             ClosedError: the buffer was closed.
             CaptureError: across nodes, during CUDA graph capture (nothing aborted).
         """
         if torch.compiler.is_compiling():  # the op for the backend (symmsync.pcp.torch_ops)
             return torch_ops.traced_write(self, layer, kv_c, k_pe, indexer_k, batch)
+        self._write(layer, kv_c, k_pe, indexer_k, batch)
+
+    def _write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, indexer_k: torch.Tensor, batch: Batch) -> None:
+        """The checked write: what :meth:`write` and its ops (:mod:`symmsync.pcp.torch_ops`) run."""
         if self.offnode is not None:  # before anything is written or aborted
             self.offnode.refuse_capture(self.buffer.device, "DirectKVWriter.write")
         bad = self._input_problem(layer, kv_c, k_pe, indexer_k, batch)
@@ -484,10 +488,10 @@ class DirectKVWriter:
             )
         rows = batch.rows
         dev = self._device_index
-        # The common case on GPUs in one expression (no call per tensor: this runs per layer).
+        # The common case in one expression (no call per tensor: this runs per layer). get_device()
+        # is -1 for CPU tensors and for meta tensors too: on the host backend, CPU is asked apart.
         if (
-            dev >= 0
-            and type(kv_c) is torch.Tensor
+            type(kv_c) is torch.Tensor
             and type(k_pe) is torch.Tensor
             and type(indexer_k) is torch.Tensor
             and kv_c.dtype is _BF16
@@ -502,6 +506,8 @@ class DirectKVWriter:
             and kv_c.is_contiguous()
             and k_pe.is_contiguous()
             and indexer_k.is_contiguous()
+            and (dev >= 0 or (kv_c.is_cpu and k_pe.is_cpu and indexer_k.is_cpu))
+            and not ((kv_c.requires_grad or k_pe.requires_grad or indexer_k.requires_grad) and torch.is_grad_enabled())
         ):
             return None
         return (
@@ -525,10 +531,15 @@ class DirectKVWriter:
             return InputError, f"{name} is on {t.device}, the cache on {self.buffer.device}"
         if not t.is_contiguous():
             return InputError, f"{name} must be contiguous (call .contiguous())"
+        if t.requires_grad and torch.is_grad_enabled():
+            return InputError, (
+                f"{name} requires grad and grad mode is on, but write() has no autograd formula: call it under "
+                "torch.no_grad() or torch.inference_mode()"
+            )
         return None
 
-    #: The kernel arguments that change from layer to layer (by name; the launcher knows
-    #: their positions).
+    #: The kernel arguments a layer's call passes the batch's bound launch (by name; the
+    #: launcher knows their positions).
     _PER_LAYER = ("kv_c", "k_pe", "idx_k", "main_off", "idx_off")
 
     def _launch(self, layer, kv_c, k_pe, idx_k, kv_stride, pe_stride, ix_stride, slots, rows, batch) -> None:
@@ -553,12 +564,12 @@ class DirectKVWriter:
                 main_bstride=self._strides[0],
                 idx_bstride=self._strides[1],
             )
-            bound = batch._bound = self._launcher.bind(*[args[name] for name in self._launcher.names], grid=batch._grid)
-        else:
-            # BoundLaunch.update repacks only what changed since the batch's last write: a
-            # runtime that keeps its inputs in the same buffers changes only the layer's offsets.
-            bound.update(self._per_layer, (kv_c, k_pe, idx_k, main_off, idx_off))
-        bound()
+            bound = batch._bound = self._launcher.bind(
+                *[args[name] for name in self._launcher.names], grid=batch._grid, per_call=self._PER_LAYER
+            )
+        # The bound launch repacks only what changed since the batch's last write: a runtime
+        # that keeps its inputs in the same buffers changes only the layer's offsets.
+        bound(kv_c, k_pe, idx_k, main_off, idx_off)
 
     # ------------------------------------------------------------------ gathered rows
     def _abort(self, reason: str) -> None:

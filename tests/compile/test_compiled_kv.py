@@ -85,7 +85,7 @@ def unsafe_on(writer) -> None:
     def write(handle, layer, kv_c, k_pe, indexer_k, slots, cache):
         if handle != writer._handle:
             return shipped_write(handle, layer, kv_c, k_pe, indexer_k, slots, cache)
-        w = handles.lookup(handle, pcp.DirectKVWriter)
+        w = handles.lookup(handle, "DirectKVWriter")
         w.write(layer, kv_c, k_pe, indexer_k, w._last_batch())  # through its pointers, the clone unused
 
     torch_ops.traced_write, torch_ops._write = trace, write

@@ -113,6 +113,38 @@ def test_an_input_error_raises_on_its_rank_and_peer_aborted_naming_it_on_the_pee
     assert peer["same_error"], peer
 
 
+def grad_then_no_grad(op):
+    """Rank 1 calls with an input that requires grad (grad mode on), through the eager call or
+    the op; then both call under no_grad, which an input that requires grad may."""
+    buf, view, ar = _setup()
+    x = torch.ones(8, requires_grad=dist.get_rank() == 1)
+    call = (lambda t: torch.ops.symmsync.all_reduce.default(t, ar.handle, "auto")) if op else ar
+    out = {}
+    try:
+        out["grad"] = ("returned", call(x).tolist())
+    except ss.SymmSyncError as e:
+        out["grad"] = (type(e).__name__, str(e))
+    good_buf, good_view, good = _setup()
+    with torch.no_grad():
+        out["no_grad"] = good(x).tolist()
+    buf.close()
+    good_buf.close()
+    return out
+
+
+@pytest.mark.parametrize("op", [False, True], ids=["eager", "op"])
+def test_an_input_that_requires_grad_under_grad_mode_is_refused_and_its_peer_told(op, host_ranks):
+    # No autograd formula: a backward would get no gradient through the call, so it is refused
+    # (an input error, before any launch); under no_grad the same tensor is an ordinary input.
+    peer, grad = host_ranks(grad_then_no_grad, 2, op)
+    assert (
+        grad["grad"][0] == "InputError" and "rank 1: AllReduce: x requires grad and grad mode is on" in grad["grad"][1]
+    )
+    assert "torch.no_grad()" in grad["grad"][1], grad
+    assert peer["grad"][0] == "PeerAborted" and "rank 1" in peer["grad"][1], peer
+    assert peer["no_grad"] == grad["no_grad"] == [2.0] * 8
+
+
 def test_the_same_bad_input_on_every_rank_fails_every_rank_and_every_next_call_raises_that_first_failure(host_ranks):
     for rank, r in enumerate(host_ranks(bad_input_then_again, 2, (0, 1))):
         for call in r["calls"]:
@@ -261,7 +293,7 @@ def kept_launch_after_close(garbage):
             cell_words[cells.SLOTS // 8 + 1] = CLOSED_EPOCH + 5
         out.fill_(-1.0)
         t0 = time.monotonic()
-        bound()  # out is bound: -1 must stay
+        bound(torch.ones(8), out, 8)  # a call through the kept launch: out's -1 must stay
         result["elapsed_s"] = time.monotonic() - t0
         result["out"] = out.tolist()
         result["record"] = records.read_fence_record(record.tolist()) is not None

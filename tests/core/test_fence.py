@@ -20,6 +20,7 @@ from helpers import need_gpus
 
 import symmsync as ss
 import symmsync.language as ssl
+from symmsync.errors import BackendError
 from symmsync.testing import run
 
 N_FENCES = 200
@@ -282,53 +283,99 @@ def _store_value(out, value):
     tl.store(out, value)
 
 
-def test_a_bound_launch_passes_updated_arguments():
+def test_a_bound_launch_passes_each_calls_arguments():
     from symmsync.launch import Launcher
 
     a, b = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-    bound = Launcher(_store_value, (1,)).bind(a, 5)
-    bound()
-    bound.update([0, 1], [b, 7])
-    bound()
-    bound.update([0, 1], [b, 7])  # nothing changed: the launch is the same
-    bound()
+    bound = Launcher(_store_value, (1,)).bind(a, 5, per_call=("out", "value"))
+    assert bound.per_call == ("out", "value")
+    bound(a, 5)
+    bound(b, 7)
+    bound(b, 7)  # nothing changed: the launch is the same
     assert (a.item(), b.item()) == (5, 7)
+    fixed = Launcher(_store_value, (1,)).bind(a, 9, per_call=("value",))  # out is bound, value is passed
+    fixed(11)
+    assert a.item() == 11
+    with pytest.raises(BackendError, match="a call passes 1 values"):
+        fixed(11, 12)
+    with pytest.raises(BackendError, match="per_call names"):
+        Launcher(_store_value, (1,)).bind(a, 5, per_call=("nope",))
 
 
-def test_a_bound_launchs_update_repacks_only_the_arguments_that_changed(monkeypatch):
-    # The packing of the compiled path, stood in for by its seam (Launcher._packer): each
-    # packed parameter records what it is set to, each packing is counted.
+def test_a_bound_launch_keeps_no_tensor_a_call_passed():
+    # What a call passes is not held once it returns (torch's CUDA graph trees refuse a recording
+    # whose pool memory something outside the graph holds); what bind() fixed is.
+    import gc
+    import weakref
+
     from symmsync.launch import Launcher
 
+    table = torch.zeros(1, dtype=torch.int64)
+    bound = Launcher(_store_value, (1,)).bind(table, 5, per_call=("value",))
+    out = torch.zeros(1, dtype=torch.int64)
+    per_call = Launcher(_store_value, (1,)).bind(out, 5, per_call=("out", "value"))
+    refs = [weakref.ref(out)]
+    for _ in range(3):
+        t = torch.zeros(1, dtype=torch.int64)
+        refs.append(weakref.ref(t))
+        per_call(t, 3)
+        assert t.item() == 3
+    del out, t
+    gc.collect()
+    assert [r() for r in refs] == [None] * 4
+    bound(6)
+    assert table.item() == 6
+
+
+def _recording_packer(packings, launched):
+    # The packing of the compiled path, stood in for by its seam (Launcher._packer): each
+    # packed parameter records what it is set to, each packing is counted, and its launch
+    # (cuLaunchKernel, stood in for) is recorded.
     class Cell:
         def __init__(self):
             self.writes = []
 
         value = property(lambda self: self.writes[-1], lambda self, v: self.writes.append(v))
 
-    packings = []
+    def packer(self, classes, raw):
+        packings.append(list(raw))
+        entry = types.SimpleNamespace(
+            device_index=0,
+            launch=lambda *args: launched.append(args) or (0,),
+            function=None,
+            block=32,
+            shared=0,
+            success=0,
+        )
+        return types.SimpleNamespace(cells={0: Cell(), 1: Cell()}, entry=entry, address=0)
 
-    def packer(self, args):
-        packings.append(list(args))
-        return types.SimpleNamespace(cells={0: Cell(), 1: Cell()})
+    return packer
 
-    monkeypatch.setattr(Launcher, "_packer", packer)
+
+def test_a_bound_launch_repacks_only_the_arguments_that_changed(monkeypatch):
+    from symmsync import launch
+    from symmsync.launch import Launcher
+
+    packings, launched = [], []
+    monkeypatch.setattr(Launcher, "_packer", _recording_packer(packings, launched))
+    monkeypatch.setattr(launch, "_cu_streams", {0: "stream"})
     a, b = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
-    bound = Launcher(_store_value, (1,)).bind(a, 5)
+    bound = Launcher(_store_value, (1,)).bind(a, 5, per_call=("out", "value"))
     cells = bound._packed.cells
-    bound.update([0, 1], [a[:2], 5])  # the same address, dtype and int: nothing is repacked
-    bound.update([0, 1], [a, 6])  # a new int of the same class: only its cell
-    bound.update([0, 1], [b, 6])  # a new tensor of the same class: only its cell
+    bound(a[:2], 5, stream=0)  # the same address, dtype and int: nothing is repacked
+    bound(a, 6, stream=0)  # a new int of the same class: only its cell
+    bound(b, 6, stream=0)  # a new tensor of the same class: only its cell
     assert [c.writes for c in cells.values()] == [[b.data_ptr()], [6]] and len(packings) == 1
-    bound.update([1], [2**40])  # an int of another width selects another compiled variant
-    assert len(packings) == 2 and packings[1] == [b, 2**40]
+    assert len(launched) == 3
+    bound(b, 2**40, stream=0)  # an int of another width selects another compiled variant
+    assert len(packings) == 2 and packings[1] == [b.data_ptr(), 2**40] and len(launched) == 4
 
 
-def test_a_bound_launch_packs_binds_updates_and_launches_against_a_stub_compiled_kernel(monkeypatch):
+def test_a_bound_launch_packs_binds_and_launches_against_a_stub_compiled_kernel(monkeypatch):
     # The compiled path on a CPU: a stub stands for Triton's compiled kernel (its signature,
     # metadata and function handle) and for cuda-python's driver (cuLaunchKernel records the
     # parameters it is handed, read back from the packed ctypes array). Everything between
-    # them is symmsync's own: _Compiled, _Packed, bind, update, the launch.
+    # them is symmsync's own: _Compiled, _Packed, bind, a call's repacking, the launch.
     import ctypes
 
     from symmsync import launch
@@ -366,20 +413,19 @@ def test_a_bound_launch_packs_binds_updates_and_launches_against_a_stub_compiled
     launcher = launch.Launcher(_store_value, (3,), num_warps=2)
     launcher.interpreted = False  # as on a GPU: the first launch compiles, the next ones are packed
     a, b = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
-    bound = launcher.bind(a, 5)
+    bound = launcher.bind(a, 5, per_call=("out", "value"))
     assert not bound.packed
-    bound(stream=7)  # the first launch goes through Triton's launcher (it compiles) ...
+    bound(a, 5, stream=7)  # the first launch goes through Triton's launcher (it compiles) ...
     assert triton_launches == [([a, 5], (3, 1, 1))] and bound.packed and launcher.path == "triton"
-    bound(stream=7)  # ... the next one is cuLaunchKernel with the packed parameters
+    bound(a, 5, stream=7)  # ... the next one is cuLaunchKernel with the packed parameters
     assert launcher.path == "cuda-python" and launcher.fallback_reason == ""
     assert launches[-1] == ((3, 1, 1), (64, 1, 1), 64, ("stream", 7), ("function", 32), a.data_ptr(), 5)
-    bound.update([0, 1], [a[:2], 5])  # packs as before: nothing changes
-    bound.update([0, 1], [b, 6])  # the same classes: only the two cells change
-    bound(stream=7)
+    bound(a[:2], 5, stream=7)  # packs as before: nothing changes
+    bound(b, 6, stream=7)  # the same classes: only the two cells change
     assert launches[-1][4:] == (("function", 32), b.data_ptr(), 6) and len(triton_launches) == 1
-    bound.update([1], [2**40])  # another int width: another compiled variant, through Triton once
-    bound(stream=7)
-    assert len(triton_launches) == 2 and triton_launches[1][0] == [b, 2**40] and len(launches) == 2
-    bound(stream=7)
+    bound(b, 2**40, stream=7)  # another int width: another compiled variant, through Triton once
+    assert len(triton_launches) == 2 and triton_launches[1][0] == [b, 2**40] and len(launches) == 3
+    bound(b, 2**40, stream=7)
     assert launches[-1][4:] == (("function", 64), b.data_ptr(), 2**40)
-    assert len(triton_launches) == 2 and bound.args == (b, 2**40)
+    bound(b, 6, stream=7)  # back to the first variant: packed again, no compile
+    assert launches[-1][4:] == (("function", 32), b.data_ptr(), 6) and len(triton_launches) == 2
