@@ -22,6 +22,7 @@ from .mode import enable_interpreter_without_gpu as _enable_interpreter
 
 _enable_interpreter()  # before any symmsync kernel is defined (buffer -> views -> failure -> language)
 
+from . import offnode as _offnode  # noqa: E402, F401 - registers the post of spanning views' aborts (symmsync.failure)
 from .buffer import SymmetricBuffer  # noqa: E402
 from .errors import (  # noqa: E402
     BackendError,

@@ -23,9 +23,9 @@ The states, and what moves between them:
   each view with the reason ``"closed"`` through :meth:`ViewFailure.abort_quietly`, which
   aborts the view even when the marking cannot be sent. A view whose members span nodes
   (:attr:`PeerView.nodes <symmsync.PeerView.nodes>`) has no fences to mark: its abort is
-  posted in the torch.distributed store instead (:func:`symmsync.offnode.post_abort`),
-  where the members of other nodes waiting in an :class:`~symmsync.offnode.OffNode`
-  exchange read it.
+  posted in the torch.distributed store instead (:func:`symmsync.offnode.post_abort`, which
+  the off-node layer registers here: :func:`on_spanning_abort`), where the members of other
+  nodes waiting in an :class:`~symmsync.offnode.OffNode` exchange read it.
 * A waiter is *usable* until it *fails*, then it stays failed. It fails when it reports
   an error of its own (:meth:`ViewFailure.fail`, a later report replacing an earlier
   one), when the view is aborted, or at once when it registers on an aborted view.
@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cells, offnode
+from . import cells
 from . import language as ssl
 from .errors import CLOSED_REASON, ClosedError, PeerAborted
 
@@ -154,6 +154,19 @@ def _synchronize(device: torch.device, read_error: Callable[[], Exception | None
 class _Entry:
     where: str  # what the waiter is, in an abort reason: "channel 0"
     error: Exception | None = None
+
+
+#: What an abort of a view that spans nodes also does (:func:`on_spanning_abort`): ``None`` until
+#: the off-node layer registers its post.
+_spanning_abort: Callable[[PeerView, str], None] | None = None
+
+
+def on_spanning_abort(post: Callable[[PeerView, str], None]) -> None:
+    """Register ``post(view, reason)``, run by every abort of a view whose members span nodes
+    (:mod:`symmsync.offnode` registers its post in the torch.distributed store, where the
+    members of the other nodes read it: this module is below it and names it not)."""
+    global _spanning_abort
+    _spanning_abort = post
 
 
 class ViewFailure:
@@ -299,8 +312,8 @@ class ViewFailure:
     def _set(self, reason: str) -> None:
         self._reason = reason
         self.clean = False
-        if not self._view.nodes.single:  # the members of other nodes read it in the store
-            offnode.post_abort(self._view, reason)
+        if not self._view.nodes.single and _spanning_abort is not None:  # the other nodes read it there
+            _spanning_abort(self._view, reason)
         for waiter, entry in list(self._waiters.items()):
             if entry.error is None:
                 entry.error = waiter.abort_error(reason)

@@ -45,12 +45,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from . import backends
+from . import backends, failure
 from .agreement import Same, agree, ranks_text
 from .checks import timeout_problem
 from .errors import BackendError, CaptureError, ConfigError, FenceTimeout, PeerAborted
 
-if TYPE_CHECKING:  # views make their failure owner, which posts through this module
+if TYPE_CHECKING:
     from .views import PeerView
 
 log = logging.getLogger("symmsync")
@@ -121,6 +121,9 @@ def posted_aborts(view: PeerView, ranks: list[int]) -> dict[int, str]:
     return found
 
 
+failure.on_spanning_abort(post_abort)  # every abort of a spanning view posts here
+
+
 class OffNode:
     """The bounded torch.distributed exchanges among the members of one view (collective).
 
@@ -142,9 +145,7 @@ class OffNode:
     """
 
     def __init__(self, view: PeerView, *, timeout_s: float):
-        from .views import PeerView
-
-        if not isinstance(view, PeerView):
+        if not all(hasattr(view, a) for a in ("nodes", "failure", "ranks", "buffer")):  # a PeerView's
             raise ConfigError(f"OffNode: view must be a PeerView, got {type(view).__name__}")
         self.view = view
         self.timeout_s = float(timeout_s) if isinstance(timeout_s, (int, float)) else 60.0
@@ -190,9 +191,7 @@ class OffNode:
     # ------------------------------------------------------------------ Waiter
     def abort_error(self, reason: str) -> Exception:
         """What every call raises once this rank aborted the view with ``reason``."""
-        from .failure import used_after_abort
-
-        return used_after_abort(self.view, "OffNode", reason)
+        return failure.used_after_abort(self.view, "OffNode", reason)
 
     # ------------------------------------------------------------------ exchanges
     def all_gather(self, t: torch.Tensor, among: str = "view") -> list[torch.Tensor]:

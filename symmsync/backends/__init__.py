@@ -6,8 +6,9 @@ how to map a peer's memory from that handle, and how to release either; the
 interface and the order of its calls are in :mod:`symmsync.backends.base`. Nothing
 outside this package knows which backend is in use: everything above works with
 :class:`Memory` (an address, a size and a zero-copy ``uint8`` tensor over it).
-This module picks a backend (:func:`resolve`, :func:`create`) and wraps memory as
-tensors (:func:`tensor_at`, :func:`part_of`).
+This module picks a backend (:func:`resolve`, :func:`create`); the backends import
+nothing from it (what they share, such as wrapping memory as tensors, :func:`tensor_at`
+and :func:`part_of`, lives in :mod:`symmsync.backends.base`).
 
 Backends:
     ``host``: POSIX shared memory, one segment per rank; kernels run under Triton's
@@ -19,15 +20,13 @@ Backends:
 from __future__ import annotations
 
 import os
-import weakref
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from .. import mode
 from ..errors import BackendError, ConfigError
-from .base import GPU, INTERPRETER, Backend, Capabilities, Chunk, LocalExport, Memory, Piece
+from .base import GPU, INTERPRETER, Backend, Capabilities, Chunk, LocalExport, Memory, Piece, part_of, tensor_at
 
 __all__ = [
     "BACKENDS",
@@ -142,48 +141,6 @@ def create(backend: str, device: torch.device, **options: Any) -> Backend:
     from .cuda import CudaBackend
 
     return CudaBackend(device, **options)
-
-
-def tensor_at(
-    ptr: int, nbytes: int, device: torch.device, on_last_use: Callable[[], None] | None = None
-) -> torch.Tensor:
-    """A ``uint8`` tensor over ``nbytes`` at ``ptr`` on ``device``, without a copy.
-
-    Without ``on_last_use`` the tensor does not keep the memory alive: its owner (the
-    runtime that adopted it to symmsync) releases it. With ``on_last_use``, the tensor
-    owns the mapping: ``on_last_use()`` runs once, when the last tensor over this
-    storage (this one, or any view or slice of it) is gone, so the memory can never be
-    unmapped under a live tensor. It does not run at interpreter exit, where the
-    process's mappings go with the process.
-    """
-    make = getattr(torch._C, "_construct_storage_from_data_pointer", None)
-    if make is None:
-        raise BackendError(f"torch {torch.__version__} cannot wrap device pointers (need >= 2.11)")
-    storage = make(ptr, device, nbytes)
-    t = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
-    if on_last_use is not None:
-        # torch keeps one Python object per storage for as long as any tensor uses that
-        # storage (views and slices share it), so its finalizer runs after the last use.
-        weakref.finalize(t.untyped_storage(), on_last_use).atexit = False
-    return t
-
-
-def _hold(_owner: torch.Tensor) -> None:
-    """What a part's finalizer does: nothing, once it dropped its reference to the whole."""
-
-
-def part_of(whole: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
-    """A ``uint8`` tensor over bytes ``[offset, offset + nbytes)`` of ``whole``'s memory,
-    with a storage of its own that spans those bytes only and holds ``whole`` (and so the
-    mapping it owns) alive until its last view is gone.
-
-    A slice of ``whole`` would share its storage, and torch.compile's functionalization
-    reads whole storages: a part never makes it touch the bytes around it (the guards of a
-    reservation, which fault).
-    """
-    t = tensor_at(whole.data_ptr() + offset, nbytes, whole.device)
-    weakref.finalize(t.untyped_storage(), _hold, whole).atexit = False
-    return t
 
 
 class Address(NamedTuple):

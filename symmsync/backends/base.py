@@ -11,6 +11,8 @@ in :class:`Backend`'s docstring.
 from __future__ import annotations
 
 import abc
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -255,3 +257,46 @@ class Backend(abc.ABC):
 
     def forget_local(self, export: LocalExport) -> None:  # noqa: B027 - optional hook
         """Drop what :meth:`export_local` kept (servers, retained handles); never the memory."""
+
+
+# ---------------------------------------------------------------------- tensors over mapped memory
+def tensor_at(
+    ptr: int, nbytes: int, device: torch.device, on_last_use: Callable[[], None] | None = None
+) -> torch.Tensor:
+    """A ``uint8`` tensor over ``nbytes`` at ``ptr`` on ``device``, without a copy.
+
+    Without ``on_last_use`` the tensor does not keep the memory alive: its owner (the
+    runtime that adopted it to symmsync) releases it. With ``on_last_use``, the tensor
+    owns the mapping: ``on_last_use()`` runs once, when the last tensor over this
+    storage (this one, or any view or slice of it) is gone, so the memory can never be
+    unmapped under a live tensor. It does not run at interpreter exit, where the
+    process's mappings go with the process.
+    """
+    make = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+    if make is None:
+        raise BackendError(f"torch {torch.__version__} cannot wrap device pointers (need >= 2.11)")
+    storage = make(ptr, device, nbytes)
+    t = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
+    if on_last_use is not None:
+        # torch keeps one Python object per storage for as long as any tensor uses that
+        # storage (views and slices share it), so its finalizer runs after the last use.
+        weakref.finalize(t.untyped_storage(), on_last_use).atexit = False
+    return t
+
+
+def _hold(_owner: torch.Tensor) -> None:
+    """What a part's finalizer does: nothing, once it dropped its reference to the whole."""
+
+
+def part_of(whole: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    """A ``uint8`` tensor over bytes ``[offset, offset + nbytes)`` of ``whole``'s memory,
+    with a storage of its own that spans those bytes only and holds ``whole`` (and so the
+    mapping it owns) alive until its last view is gone.
+
+    A slice of ``whole`` would share its storage, and torch.compile's functionalization
+    reads whole storages: a part never makes it touch the bytes around it (the guards of a
+    reservation, which fault).
+    """
+    t = tensor_at(whole.data_ptr() + offset, nbytes, whole.device)
+    weakref.finalize(t.untyped_storage(), _hold, whole).atexit = False
+    return t

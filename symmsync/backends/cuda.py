@@ -43,8 +43,7 @@ import torch
 
 from ..driver import check, driver
 from ..errors import BackendError, ConfigError
-from . import tensor_at
-from .base import GPU, Backend, Chunk, LocalExport, Memory, Piece
+from .base import GPU, Backend, Chunk, LocalExport, Memory, Piece, tensor_at
 from .fd_passing import FdServer, receive_fd
 
 HANDLE_TYPES = ("posix_fd", "fabric", "cuda_ipc")

@@ -27,8 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..errors import BackendError
-from . import part_of, tensor_at
-from .base import INTERPRETER, Backend, Chunk, LocalExport, Memory, Piece
+from .base import INTERPRETER, Backend, Chunk, LocalExport, Memory, Piece, part_of, tensor_at
 
 #: Prefix of segment names; ``symmsync.testing`` sets it per job so that it can
 #: find (and remove) anything a killed rank left behind.

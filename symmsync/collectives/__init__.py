@@ -17,7 +17,7 @@ view whose members span nodes, the same objects run node steps and one exchange 
 nodes through torch.distributed (:mod:`.spanning`; not in a CUDA graph).
 """
 
-from . import torch_ops  # noqa: F401 - registers the symmsync:: ops as soon as a collective can be built
+from . import spanning, torch_ops  # noqa: F401 - register the forms over nodes and the symmsync:: ops
 from .layout import ALGORITHMS, Workspace, workspace_bytes
 from .mismatch import CollectiveMismatch
 from .ops import MAX_HIDDEN, AllGather, AllReduce, ReduceScatter

@@ -33,6 +33,9 @@ KERNEL = kernels.collective_kernel
 """The kernel every operation launches, read when an operation first launches a variant (a seam:
 a test may set it, before it constructs an operation, to a variant of the kernel built in the
 tests from the same halves; ``kernels.collective_kernel`` is the only kernel shipped)."""
+FORMS: dict[type, type] = {}
+"""Each operation's form over a view that spans nodes, registered by :mod:`.spanning` (which
+subclasses the classes of this module, so this module names it not)."""
 MAX_HIDDEN = 16384
 """The longest row (``x.shape[-1]``) the fused epilogue takes: one program holds a row."""
 NO_GRAD = (
@@ -49,13 +52,11 @@ class _Collective:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> _Collective:
         # Over a view whose members span nodes (a layout every member sees alike: it is agreed with
-        # the buffer), the class's form over nodes (.spanning): the same calls, checks and failures,
-        # made of steps over a node view and one off-node step.
+        # the buffer), the class's form over nodes (.spanning registers them: FORMS): the same
+        # calls, checks and failures, made of steps over a node view and one off-node step.
         view = args[0] if args else kwargs.get("view")
         if isinstance(view, PeerView) and not view.nodes.single:
-            from .spanning import over_nodes  # it subclasses the classes of this module
-
-            cls = over_nodes(cls)
+            cls = FORMS.get(cls, cls)
         return super().__new__(cls)
 
     def __init__(

@@ -53,7 +53,7 @@ from ..views import PeerView
 from . import layout as L
 from . import making
 from .mismatch import differing_calls
-from .ops import AllGather, AllReduce, ReduceScatter, _Collective
+from .ops import FORMS, AllGather, AllReduce, ReduceScatter, _Collective
 
 _STEP_CLASSES = {L.REDUCE_SCATTER: ReduceScatter, L.ALL_GATHER: AllGather}
 
@@ -290,9 +290,4 @@ class _ReduceScatter(ReduceScatter, _OverNodes):
         out.copy_(self._node_order_sum(mine))
 
 
-_FORMS: dict[type, type] = {AllReduce: _AllReduce, AllGather: _AllGather, ReduceScatter: _ReduceScatter}
-
-
-def over_nodes(cls: type) -> type:
-    """The form over nodes of ``cls`` (``AllReduce``, ``AllGather`` or ``ReduceScatter``)."""
-    return _FORMS.get(cls, cls)
+FORMS.update({AllReduce: _AllReduce, AllGather: _AllGather, ReduceScatter: _ReduceScatter})
