@@ -52,11 +52,10 @@ def plain_writes(tensors: list[torch.Tensor]) -> list[int]:
     with plain torch: an in-place method or op, or an item assignment, on a tensor that
     shares its storage. Writes by symmsync's own ops (which run in place, or refuse to run)
     are in order and do not count. Outside Dynamo's trace (the later passes): none."""
-    from torch._dynamo import symbolic_convert  # imported by Dynamo already when this runs
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    tx = getattr(getattr(symbolic_convert, "tls", None), "current_tx", None)  # InstructionTranslator.current_tx()
-    if not isinstance(tx, symbolic_convert.InstructionTranslator):
+    tx = oplib.tracer()
+    if tx is None:
         return []
     index = {StorageWeakRef(t.untyped_storage()): i for i, t in enumerate(tensors)}
     written = set()

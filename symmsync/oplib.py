@@ -1,4 +1,5 @@
-"""The one registration of every symmsync torch op: a schema, a kernel per device, a fake.
+"""The one registration of every symmsync torch op (a schema, a kernel per device, a fake),
+and the one reader of Dynamo's tracing state.
 
 A compiled graph calls symmsync through ops in the ``symmsync`` namespace
 (:mod:`symmsync.collectives.torch_ops`, :mod:`symmsync.pcp.torch_ops`,
@@ -13,6 +14,11 @@ the wrapper (an input that requires grad warns if a backward reaches it).
 
 Every op is side-effecting (``torch.fx.node.has_side_effect``): its members wait for it, so no
 compiler may drop it when its outputs go unused.
+
+The fakes that check the graph traced so far (:func:`symmsync.fence_ops.plain_writes`) and the
+writer's choice of op by backend (:mod:`symmsync.pcp.torch_ops`) read the frame Dynamo is
+tracing: :func:`tracer`, the one place that reads Dynamo's private state, which moves between
+torch releases.
 """
 
 from __future__ import annotations
@@ -37,3 +43,13 @@ def define(name: str, schema: str, impl: Callable, fake: Callable) -> torch._ops
     op = getattr(torch.ops.symmsync, name).default
     torch.fx.node.has_side_effect(op)
     return op
+
+
+def tracer():
+    """The frame Dynamo is tracing now (its ``InstructionTranslator``: the graph so far is
+    ``tracer().output.graph``, the backend ``tracer().output.compiler_fn``), or ``None`` outside
+    Dynamo's trace (the passes after it). Import-light: Dynamo is loaded already when it traces."""
+    from torch._dynamo import symbolic_convert
+
+    tx = getattr(getattr(symbolic_convert, "tls", None), "current_tx", None)  # InstructionTranslator.current_tx()
+    return tx if isinstance(tx, symbolic_convert.InstructionTranslator) else None

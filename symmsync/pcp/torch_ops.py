@@ -95,10 +95,9 @@ def traced_write(
 @torch.compiler.assume_constant_result
 def _backend_runs_in_order() -> bool:
     """Whether the graph Dynamo traces now goes to ``aot_eager`` (unwrapped from Dynamo's wrappers)."""
-    from torch._dynamo import symbolic_convert  # imported by Dynamo already when this runs
     from torch._dynamo.backends.registry import lookup_backend
 
-    tx = getattr(getattr(symbolic_convert, "tls", None), "current_tx", None)
+    tx = oplib.tracer()
     backend = tx.output.compiler_fn if tx is not None else None
     for _ in range(8):  # torch.compile's wrapper, Dynamo's debug wrapper: each holds the next
         inner = getattr(backend, "_torchdynamo_orig_backend", None) or getattr(backend, "compiler_fn", None)
