@@ -9,8 +9,9 @@ one Python function for the ``CPU`` and ``CUDA`` keys, and a fake for tracing. A
 such an op is one pass through the dispatcher into that function. ``torch.library.custom_op``
 would put its Python autograd wrapper, a redispatch and an aliasing check in front of every
 call, several times the cost of the call's own launch (docs/performance.md, "Host cost per
-call"); none of symmsync's ops has a derivative, so torch's autograd fallback stands in for
-the wrapper (an input that requires grad warns if a backward reaches it).
+call"). None of symmsync's ops has a derivative: where torch's autograd fallback would only
+warn at a backward, the ops' bodies refuse an input that requires grad while grad mode is on
+(:class:`~symmsync.InputError`, the eager calls' own check).
 
 Every op is side-effecting (``torch.fx.node.has_side_effect``): its members wait for it, so no
 compiler may drop it when its outputs go unused.
