@@ -147,8 +147,8 @@ def variant_fence(ptrs, cell, me, PUB: tl.constexpr, POLL: tl.constexpr):
 def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     dev = common.init_worker(rank, world, 29531)
     import symmsync as ss
-    from symmsync import fence as fence_mod
-    from symmsync.launch import Launcher
+    from symmsync.core import fence as fence_mod
+    from symmsync.core.launch import Launcher
 
     buf = ss.SymmetricBuffer(1 << 20, backend="cuda", channels=16)
     view = ss.pcp_view(buf, tp=args.tp)

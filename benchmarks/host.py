@@ -243,7 +243,7 @@ def writer_at(T: int, cases: dict, failed: dict, notes: dict, keep: list) -> Non
     slots = torch.randperm(nb * 64, device="cuda", generator=g)[:T].contiguous()
     batch = w.prepare(slots)
     keep.extend((buf, w, batch))
-    layer_span = w._spans[0]  # the span the op declares it mutates, as a split graph passes it
+    layer_span = w.span(0)  # the span the op declares it mutates, as a split graph passes it
     op = torch.ops.symmsync.kv_write.default
 
     def step(kv, pe, ix):
@@ -255,7 +255,7 @@ def writer_at(T: int, cases: dict, failed: dict, notes: dict, keep: list) -> Non
     prepare(cases, failed, f"{key}.torch_op", lambda: lambda: kv.mul(2))
     prepare(cases, failed, f"{key}.eager", lambda: lambda: w.write(0, kv, pe, ix, batch))
     prepare(
-        cases, failed, f"{key}.between_pieces", lambda: lambda: op(w._handle, 0, kv, pe, ix, batch.slots, layer_span)
+        cases, failed, f"{key}.between_pieces", lambda: lambda: op(w.handle, 0, kv, pe, ix, batch.slots, layer_span)
     )
     prepare(cases, failed, f"{key}.compiled_step_2_layers", lambda: compiled(step, (kv, pe, ix)))
     cs = cases.get(f"{key}.compiled_step_2_layers")

@@ -16,7 +16,7 @@ Inputs (measured):
   replay: the cost of each intra-node synchronization step; ``empty_symmsync_launcher.graph``:
   one kernel node; ``nccl_allreduce.eager``: an NCCL all-reduce of one int on the same two
   GPUs, issued from the host and waited for, the fixed cost of one off-node step (every
-  off-node step is a host-issued torch.distributed call, ``symmsync.offnode.OffNode``)
+  off-node step is a host-issued torch.distributed call, ``symmsync.spanning.exchange.OffNode``)
   without its network hops.
 * ``pcp_kv_h200x2.json`` (2x H200): per tokens/rank, the PCP2 writer in graph replay
   (``direct.graph``: the writer and its fence), the local insert alone (``local_insert.graph``,

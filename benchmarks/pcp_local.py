@@ -23,7 +23,7 @@ random permutation of the cache's slots) it measures
     (``host_new_inputs_us``: the same when every call's inputs are other tensors than
     the last call's, which repacks their addresses in the launch); and, once per run,
     ``launch_floor_us``: the same timing of an empty kernel's launch through
-    :mod:`symmsync.launch`, the part of a ``write()`` that is the driver's.
+    :mod:`symmsync.core.launch`, the part of a ``write()`` that is the driver's.
 
 The writer runs with its defaults (``DirectKVWriter(view, layout)``: the fused fence
 tail, one launch per layer). Before timing, the writer's bytes are compared with the
@@ -102,7 +102,7 @@ def _empty_kernel(x):
 def launch_floor_us() -> float:
     """Host time of launching an empty kernel through symmsync's launch path, timed as
     ``host_us`` is: the part of a write() that no Python of the writer's can remove."""
-    from symmsync.launch import Launcher
+    from symmsync.core.launch import Launcher
 
     bound = Launcher(_empty_kernel, (1,)).bind(torch.zeros(4, device="cuda"))
     bound()
@@ -357,7 +357,7 @@ def main() -> None:
             print(f"  {r['tokens']:>6} {r['slots']:>10} {r['writer_us']:7.1f}  {cfg}")
     print(f"\n{info['gpus'][0]} ({info['host']}), torch {info['torch']}, triton {info['triton']}")
     print(text)
-    print(f"host time of an empty kernel's launch through symmsync.launch, timed as host: {floor_launch:.2f} µs")
+    print(f"host time of an empty kernel's launch through symmsync.core.launch, timed as host: {floor_launch:.2f} µs")
     print(f"wrote {os.path.join(args.out, name)}.json and .png", flush=True)
 
 

@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 2 examples/05_runtime_cache.py
 
 A serving runtime owns its KV cache: its allocator reserves address space once and
-commits memory into it as the cache grows (here symmsync.runtime_alloc stands in for
+commits memory into it as the cache grows (here symmsync.tools.runtime_alloc stands in for
 it), and it holds one main-KV and one indexer-K tensor per layer over that memory,
 block by block. symmsync registers the memory (mapping every peer's), the PCP writer
 writes into the runtime's own tensors, the per-layer publication is captured in a
@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 import symmsync as ss
 from symmsync import pcp
-from symmsync.runtime_alloc import block_major_caches, cache_allocator
 from symmsync.testing import is_main_process, run
+from symmsync.tools.runtime_alloc import block_major_caches, cache_allocator
 
 LAYERS, BLOCK, TOKENS = 2, 64, 128
 MAX_BLOCKS = {"host": 16, "cuda": 128}  # room for several chunks of each allocator (2 MiB on GPUs)

@@ -18,8 +18,8 @@ import torch
 
 import symmsync as ss
 from symmsync import collectives as C
-from symmsync.nodes import NODE_SIZE_ENV
-from symmsync.offnode import OffNode
+from symmsync.core.nodes import NODE_SIZE_ENV
+from symmsync.spanning.exchange import OffNode
 from symmsync.testing import is_main_process, run
 
 

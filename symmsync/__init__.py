@@ -14,16 +14,18 @@ without GPUs use :func:`symmsync.testing.run` and the host backend.
 
 On a machine where torch sees no CUDA device and ``TRITON_INTERPRET`` is not set,
 importing symmsync sets ``TRITON_INTERPRET=1`` (see
-:func:`symmsync.mode.enable_interpreter_without_gpu`), so a plain ``torchrun``
+:func:`symmsync.backends.mode.enable_interpreter_without_gpu`), so a plain ``torchrun``
 job on CPUs runs symmsync's kernels in Triton's interpreter.
 """
 
-from .mode import enable_interpreter_without_gpu as _enable_interpreter
+from .backends.mode import enable_interpreter_without_gpu as _enable_interpreter
 
 _enable_interpreter()  # before any symmsync kernel is defined (buffer -> views -> failure -> language)
 
-from . import offnode as _offnode  # noqa: E402, F401 - registers the post of spanning views' aborts (symmsync.failure)
-from .buffer import SymmetricBuffer  # noqa: E402
+from .core.buffer import SymmetricBuffer  # noqa: E402
+from .core.fence import Fence, launch_grid_sync  # noqa: E402
+from .core.signals import Signals  # noqa: E402
+from .core.views import TP_PCP_ORDER, PeerView, pcp_view, tp_pcp_ranks, tp_view  # noqa: E402
 from .errors import (  # noqa: E402
     BackendError,
     BoundsError,
@@ -42,9 +44,7 @@ from .errors import (  # noqa: E402
     SymmSyncError,
     ViewError,
 )
-from .fence import Fence, launch_grid_sync  # noqa: E402
-from .signals import Signals  # noqa: E402
-from .views import TP_PCP_ORDER, PeerView, pcp_view, tp_pcp_ranks, tp_view  # noqa: E402
+from .spanning import exchange as _offnode  # noqa: E402, F401 - registers the post of spanning views' aborts (symmsync.core.failure)
 
 __version__ = "0.1.0"
 

@@ -10,7 +10,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("doctor", help="GPUs, P2P/NVLink, driver and library versions, which backends work here")
     args = parser.parse_args(argv)
     if args.command == "doctor":
-        from .doctor import report
+        from .tools.doctor import report
 
         text, ok = report()
         print(text)

@@ -2,7 +2,7 @@
 
 Each ``*_problem`` function returns a sentence describing what is wrong with a
 value, or ``None``; collective entry points send that sentence through
-:func:`symmsync.agreement.agree`, so every rank raises it. :func:`require` raises
+:func:`symmsync.core.agreement.agree`, so every rank raises it. :func:`require` raises
 one locally, naming the rank and the call.
 
 Kinds of mistakes and their errors (:mod:`symmsync.errors`):

@@ -2,7 +2,7 @@
 
 Every error the library raises on purpose is a :class:`SymmSyncError`. Collective
 entry points (buffer allocation, peer views, the PCP writer) check their arguments on
-every rank after one exchange (:mod:`symmsync.agreement`), so a bad argument on one
+every rank after one exchange (:mod:`symmsync.core.agreement`), so a bad argument on one
 rank raises the same error on all of them instead of leaving the others waiting in a
 collective. Messages name the rank and the call.
 

@@ -244,7 +244,7 @@ def _run_in_job(
             f"world_size={job_world}"
         )
     if backend == "host":
-        from .mode import kernels_interpreted
+        from .backends.mode import kernels_interpreted
 
         if not kernels_interpreted():
             raise ConfigError(

@@ -313,7 +313,7 @@ def _no_wait(ptrs, cell, me, epoch, timeout_ns, record, SIZE: tl.constexpr, TRAP
 #: Per mechanism: the module and the global (a ``wait_or_trap``) it calls at run time
 #: under Triton's interpreter, and the route that relies on it.
 WAITS = {
-    "fused tail": ("symmsync._language_fence", "_wait_or_trap", ("direct", True)),  # grid_fence's wait, after its check
+    "fused tail": ("symmsync.language.fence", "_wait_or_trap", ("direct", True)),  # grid_fence's wait, after its check
     "separate fence": ("symmsync.language", "wait_or_trap", ("direct", False)),  # Fence's kernel: ssl.wait_or_trap
 }
 

@@ -2,8 +2,8 @@
  * Models:
  *   symmsync/collectives/kernels.py: collective_kernel (its slots, fences and reads)
  *   symmsync/collectives/protocol.py: next_epoch, arrive, wait, headers_match
- *     (on symmsync/_language_core.py: arrive, _publish, bounded_poll, and
- *     symmsync/_language_fence.py: wait_or_trap, as verify/fence.pml models them)
+ *     (on symmsync/language/core.py: arrive, _publish, bounded_poll, and
+ *     symmsync/language/fence.py: wait_or_trap, as verify/fence.pml models them)
  *
  * The collectives' slot protocol, as those functions implement it (the pseudocode of
  * protocol.py's module docstring). Every member of a view makes the same calls, back to back,

@@ -1,11 +1,11 @@
 /*
  * Models:
- *   symmsync/_language_fence.py: publish, pending, wait, publish_and_wait, mark_abort
- *   symmsync/_language_core.py: _publish (_release_slots, _advance_epoch), bounded_poll (KIND=MEMBERS),
+ *   symmsync/language/fence.py: publish, pending, wait, publish_and_wait, mark_abort
+ *   symmsync/language/core.py: _publish (_release_slots, _advance_epoch), bounded_poll (KIND=MEMBERS),
  *     scan_members (BEHIND, BEHIND_SPLIT): the one publish, poll and member scan of every wait
- *   symmsync/fence.py: Fence.fence, Fence.arrive, Fence.wait (their kernel, _fence_kernel)
+ *   symmsync/core/fence.py: Fence.fence, Fence.arrive, Fence.wait (their kernel, _fence_kernel)
  *
- * symmsync's epoch fence, as those functions implement it (the cell layout of symmsync/cells.py),
+ * symmsync's epoch fence, as those functions implement it (the cell layout of symmsync/language/cells.py),
  * together with its user's payload protocol (tests/core/test_fence.py: stamps double-buffered by
  * epoch parity). One model; every configuration and every bug variant is a set of -D flags
  * (verify/check.py lists them; verify/README.md maps each construct to the code).

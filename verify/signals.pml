@@ -1,9 +1,9 @@
 /*
  * Models:
- *   symmsync/_language_signals.py: put_signal, signal, wait_count (its poll, _wait_until)
- *   symmsync/_language_core.py: bounded_poll (KIND=VALUE, CMP=GE), scan_members (FLAGGED): the
+ *   symmsync/language/signals.py: put_signal, signal, wait_count (its poll, _wait_until)
+ *   symmsync/language/core.py: bounded_poll (KIND=VALUE, CMP=GE), scan_members (FLAGGED): the
  *     one poll and abort scan of every wait
- *   symmsync/signals.py: Signals (the handle those take)
+ *   symmsync/core/signals.py: Signals (the handle those take)
  *
  * symmsync's point-to-point signals, as those functions implement them (kernels call them as
  * symmsync.language.put_signal, ...), together with the pipelined transfer its tests and tutorial

@@ -272,7 +272,7 @@ HOME_ITEM = re.compile(r"`([^`]+)`")
 
 def home_items(cell: str) -> list[str]:
     """The backticked items that open a "its one home" cell, and a parenthesis right after them
-    that opens with a backticked item: ``"`failure.py` (`view.failure`)"`` gives both."""
+    that opens with a backticked item: ``"`core/failure.py` (`view.failure`)"`` gives both."""
     items, rest = [], cell.strip()
     while True:
         m = re.match(r"(?:[,;]\s*|\(\s*(?=`)|\)\s*)?`([^`]+)`\s*", rest) if items or rest.startswith("`") else None

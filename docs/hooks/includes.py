@@ -1,7 +1,7 @@
 """Copy included code into the pages, so that the repository shows what the site shows.
 
 A page shows a file of examples/, or a marked section of a file (a tutorial's code, the
-memory-model contract of ``symmsync/language.py``), as a copy between two marker lines::
+memory-model contract of ``symmsync/language/__init__.py``), as a copy between two marker lines::
 
     <!-- from examples/02_fences.py:step (generated: python docs/hooks/includes.py; edit the source, not this copy) -->
     ```python

@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import mode
 from ..errors import BackendError, ConfigError
+from . import mode
 from .base import GPU, INTERPRETER, Backend, Capabilities, Chunk, LocalExport, Memory, Piece, part_of, tensor_at
 
 __all__ = [

@@ -3,8 +3,8 @@
 A backend allocates memory other processes can map, describes it to them (a picklable
 handle sent through the torch.distributed group), maps a peer's memory from its handle,
 and releases either. It holds no buffer-level state: the buffer (through
-:mod:`symmsync.memory`) decides when each call happens, and runs every exchange as one
-all-or-nothing :class:`~symmsync.agreement.Transaction`. The order of calls is written
+:mod:`symmsync.core.memory`) decides when each call happens, and runs every exchange as one
+all-or-nothing :class:`~symmsync.core.agreement.Transaction`. The order of calls is written
 in :class:`Backend`'s docstring.
 """
 
@@ -125,7 +125,7 @@ class Backend(abc.ABC):
 
     Reserve and commit (every allocation of a backend that :attr:`reserves`: a buffer's
     user region, growable or not, and the cells of every kind; ``grow`` repeats the commits).
-    Each reservation holds guards around what is committed (:mod:`symmsync.memory`)::
+    Each reservation holds guards around what is committed (:mod:`symmsync.core.memory`)::
 
         reserve(total, r) for every rank -> [gather]
         -> commit(own, offset, n) per piece -> [gather pieces, pids] -> chunk_exchanged(c, pids)

@@ -41,9 +41,9 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from ..driver import check, driver
 from ..errors import BackendError, ConfigError
 from .base import GPU, Backend, Chunk, LocalExport, Memory, Piece, tensor_at
+from .driver import check, driver
 from .fd_passing import FdServer, receive_fd
 
 HANDLE_TYPES = ("posix_fd", "fabric", "cuda_ipc")

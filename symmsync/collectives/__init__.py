@@ -3,7 +3,7 @@
 Built only on symmsync's public API (like :mod:`symmsync.pcp`): a buffer's peer view,
 a :class:`~symmsync.Fence` channel (its device-resident epoch and kernel arguments),
 the device primitives of :mod:`symmsync.language`, the launcher of
-:mod:`symmsync.launch` and the agreement of :mod:`symmsync.agreement`::
+:mod:`symmsync.core.launch` and the agreement of :mod:`symmsync.core.agreement`::
 
     from symmsync import collectives
 
@@ -17,7 +17,8 @@ view whose members span nodes, the same objects run node steps and one exchange 
 nodes through torch.distributed (:mod:`.spanning`; not in a CUDA graph).
 """
 
-from . import spanning, torch_ops  # noqa: F401 - register the forms over nodes and the symmsync:: ops
+from ..ops import collectives as _ops  # noqa: F401 - registers the symmsync:: ops of the collectives
+from . import spanning as _spanning  # noqa: F401 - registers the forms over nodes (collectives.ops.FORMS)
 from .layout import ALGORITHMS, Workspace, workspace_bytes
 from .mismatch import CollectiveMismatch
 from .ops import MAX_HIDDEN, AllGather, AllReduce, ReduceScatter

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 import symmsync.language as ssl
-from symmsync import records
+from symmsync.language import records
 
 from . import layout as L
 from . import protocol

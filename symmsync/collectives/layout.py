@@ -19,7 +19,7 @@ is refused on every member before a byte is summed::
 (``epilogue``: the row length of a fused residual + RMS norm, 0 for none.)
 
 A refused call's kernel (or one whose grid barrier stalled) writes the collective record
-of :mod:`symmsync.records` (pinned host memory on GPUs, then it traps).
+of :mod:`symmsync.language.records` (pinned host memory on GPUs, then it traps).
 """
 
 from __future__ import annotations
@@ -28,15 +28,27 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cells import LINE, round_up
 from ..checks import is_int
 from ..errors import ConfigError
-from ..records import HEADER_WORDS
+from ..language.cells import LINE, round_up
+from ..language.records import HEADER_WORDS
 
 #: The fields of a header (``HEADER_WORDS`` int64 words; regions start on lines of ``LINE`` bytes).
 H_TAG, H_NUMEL, H_DTYPE, H_ALGORITHM, H_SYMMETRIC, H_EPOCH, H_EPILOGUE = range(7)
 #: Fields compared across members (the first seven words).
 HEADER_CHECKED = 7
+
+
+def header(
+    op: int, numel: int, dtype_code: int, algorithm: int, symmetric: int, epoch: int, epilogue: int
+) -> list[int]:
+    """A call's header as ``HEADER_WORDS`` ints, on the host (the kernels build theirs from the
+    same ``H_*`` fields: :func:`symmsync.collectives.protocol.header_words`)."""
+    words = [0] * HEADER_WORDS
+    words[H_TAG], words[H_NUMEL], words[H_DTYPE], words[H_ALGORITHM] = TAG + op, numel, dtype_code, algorithm
+    words[H_SYMMETRIC], words[H_EPOCH], words[H_EPILOGUE] = symmetric, epoch, epilogue
+    return words
+
 
 #: Byte offsets from the workspace's start.
 HEADERS = 0

@@ -3,7 +3,7 @@
 Both forms of an operation share them: the one-kernel form over a view within one node
 (:mod:`.ops`) and the form over a view that spans nodes (:mod:`.spanning`). Construction is
 collective over the buffer's group: every rank checks its own arguments into a problem, one
-exchange (:func:`symmsync.agreement.agree`) carries every rank's problem and values, and every
+exchange (:func:`symmsync.core.agreement.agree`) carries every rank's problem and values, and every
 rank raises the same error or none does.
 """
 
@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from .. import agreement
 from ..checks import int_problem
+from ..core import agreement
+from ..core.views import PeerView
 from ..errors import BoundsError, ClosedError, ConfigError
-from ..views import PeerView
 from . import layout as L
 from .mismatch import gpu_identity
 

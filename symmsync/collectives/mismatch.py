@@ -1,7 +1,7 @@
 """What a collective's record says went wrong in a call: members whose calls differ, a launch
 that stalled; and what its errors add where members share one GPU. (What makes a call valid
 on one member is one function, ``_Collective._problem`` in :mod:`.ops`; a failure's path,
-from the record to the raise, is :meth:`symmsync.failure.ViewFailure.settle`.)"""
+from the record to the raise, is :meth:`symmsync.core.failure.ViewFailure.settle`.)"""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import FenceTimeout, InputError, SymmSyncError
-from ..records import read_collective_record
+from ..language.records import read_collective_record
 from . import layout as L
 
 
@@ -48,7 +48,7 @@ def mismatch_error(
     """The error a collective's record ``words`` describes (``None`` when it holds none).
 
     Args:
-        words: the record, as written by the kernel (:mod:`symmsync.records`' collective record).
+        words: the record, as written by the kernel (:mod:`symmsync.language.records`' collective record).
         name: the collective, as its errors name it (``"AllReduce"``).
         ranks: the view's members' global ranks, in view order.
         timeout_s, channel: the fence's budget and channel (named in a stall's error).

@@ -2,7 +2,7 @@
 
 Each object is made collectively and owns a workspace in the view's buffer
 (:mod:`.layout`) and a :class:`~symmsync.Fence` channel of the view; a call is one
-kernel launch (:mod:`.kernels`), packed once per variant (:mod:`symmsync.launch`).
+kernel launch (:mod:`.kernels`), packed once per variant (:mod:`symmsync.core.launch`).
 """
 
 from __future__ import annotations
@@ -11,13 +11,16 @@ from typing import Any
 
 import torch
 
-from .. import agreement, handles, mode, records
+from ..backends import mode
 from ..checks import int_problem, number_problem, require
+from ..core import agreement
+from ..core.failure import Stall, used_after_abort
+from ..core.fence import Fence
+from ..core.launch import BoundLaunch, Launcher
+from ..core.views import PeerView
 from ..errors import ClosedError, ConfigError, InputError, PeerAborted, SymmSyncError
-from ..failure import Stall, used_after_abort
-from ..fence import Fence
-from ..launch import BoundLaunch, Launcher
-from ..views import PeerView
+from ..language import records
+from ..ops import handles
 from . import kernels, making, tuning
 from . import layout as L
 from .mismatch import mismatch_error, shared_gpu_note, stalled_error
@@ -33,9 +36,10 @@ KERNEL = kernels.collective_kernel
 """The kernel every operation launches, read when an operation first launches a variant (a seam:
 a test may set it, before it constructs an operation, to a variant of the kernel built in the
 tests from the same halves; ``kernels.collective_kernel`` is the only kernel shipped)."""
-FORMS: dict[type, type] = {}
-"""Each operation's form over a view that spans nodes, registered by :mod:`.spanning` (which
-subclasses the classes of this module, so this module names it not)."""
+FORMS: dict[int, Any] = {}
+"""Each operation's form over a view that spans nodes, by operation code: what its constructor
+makes there and its checked call runs (registered by :mod:`.spanning`, which builds its node
+steps from the classes of this module, so this module names it not)."""
 MAX_HIDDEN = 16384
 """The longest row (``x.shape[-1]``) the fused epilogue takes: one program holds a row."""
 NO_GRAD = (
@@ -50,15 +54,6 @@ class _Collective:
     _OP = 0
     _NAME = ""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> _Collective:
-        # Over a view whose members span nodes (a layout every member sees alike: it is agreed with
-        # the buffer), the class's form over nodes (.spanning registers them: FORMS): the same
-        # calls, checks and failures, made of steps over a node view and one off-node step.
-        view = args[0] if args else kwargs.get("view")
-        if isinstance(view, PeerView) and not view.nodes.single:
-            cls = FORMS.get(cls, cls)
-        return super().__new__(cls)
-
     def __init__(
         self,
         view: PeerView,
@@ -70,6 +65,10 @@ class _Collective:
         channel: int = 0,
         timeout_s: float | None = None,
     ):
+        self._over = None
+        if isinstance(view, PeerView) and not view.nodes.single:  # a layout every member sees alike
+            self._init_over_nodes(view, max_numel, dtype, algorithm, offset, channel, timeout_s)
+            return
         buf, problem, error = making.arguments_problem(self._NAME, view, max_numel, dtype, algorithm, offset)
         ws = fence = None
         if problem is None:
@@ -85,6 +84,9 @@ class _Collective:
         self.workspace = ws
         """Where the collective's bytes live in every member (:class:`~symmsync.collectives.layout.Workspace`;
         ``None`` over a view that spans nodes: :func:`~symmsync.collectives.layout.node_steps`)."""
+        self.node_view = self.steps = self.offnode = None
+        """Over a view that spans nodes: the view's node view, the node steps over it (collectives,
+        in call order) and the view's exchange (:mod:`symmsync.spanning.parts`); ``None`` here."""
         caps = buf.capabilities
         self._traps = caps.traps
         self._streams = caps.streams
@@ -123,10 +125,31 @@ class _Collective:
         )
         # The view's failure owner keeps this object's failure (a call's recorded timeout or
         # mismatch) and fails it when the view is aborted: _check_usable() asks it.
+        self._channel = channel
         self._failure = view.failure
         self._failure.register(self, f"{self._NAME} (channel {channel})")
         self.handle = handles.register(self, self._NAME)
-        """The int that names this object to its torch custom op (:mod:`symmsync.collectives.torch_ops`)."""
+        """The int that names this object to its torch custom op (:mod:`symmsync.ops.collectives`)."""
+
+    def _init_over_nodes(self, view, max_numel, dtype, algorithm, offset, channel, timeout_s) -> None:
+        """Over a view that spans nodes: the operation's form there (:data:`FORMS`), its node steps
+        and the view's exchange; the same calls, checks and failures (:mod:`.spanning`)."""
+        form = FORMS[self._OP](self, view, max_numel, dtype, algorithm, offset, channel, timeout_s)
+        self._keep(view, max_numel, dtype, form.shares_gpu)
+        self._over = form
+        self.fence = self.workspace = None
+        self.node_view, self.steps, self.offnode = form.node_view, form.steps, form.exchange
+        self._sym_bytes = form.input_memory()
+        self._sym_addr = self._sym_bytes.data_ptr()
+        self._limits = form.limits
+        self._bound = {}
+        self._channel = -1
+        caps = view.buffer.capabilities
+        self._streams = caps.streams
+        self._device_index = view.buffer.device.index if caps.streams else -1
+        self._failure = view.failure
+        self._failure.register(self, f"{self._NAME} (over {view.nodes.num_nodes} nodes)")
+        self.handle = handles.register(self, self._NAME)
 
     def _keep(self, view: PeerView, max_numel: int, dtype: torch.dtype, shares_gpu: tuple[int, ...]) -> None:
         """What every form keeps of its arguments, once they are agreed (:func:`.making.agree`)."""
@@ -179,6 +202,9 @@ class _Collective:
         nor a record answers within twice the fence's budget (plus 30 s); every error of
         such a member names the members it shares its GPU with.
         """
+        if self._over is not None:
+            self._over.synchronize()
+            return
         stall = None
         if self._shares_gpu:
             after_s = 2 * self.fence.timeout_s + 30.0
@@ -190,7 +216,7 @@ class _Collective:
 
     # ------------------------------------------------------------------ a call
     def _traced(self, op: Any, args: tuple, out: Any, *after: Any, half: bool = False) -> Any:
-        """A call ``torch.compile`` traces: ``op(*args, self.handle, *after)`` (:mod:`.torch_ops`), which
+        """A call ``torch.compile`` traces: ``op(*args, self.handle, *after)`` (:mod:`symmsync.ops.collectives`), which
         makes the eager call's checked path when the graph runs; no data pointer is read. Raises
         ConfigError while tracing for an ``out=`` (the op returns new tensors) or a ``half`` epilogue."""
         if out is not None or half:
@@ -210,6 +236,8 @@ class _Collective:
         # The hot path of an eager call and of the op's body: a few comparisons, one launch
         # (which repacks nothing when the tensors are those of the last call of this variant).
         # A closed buffer's views are never clean (close() aborts them first).
+        if self._over is not None:  # over nodes: the form's steps
+            return self._over.launch(x, out, numel, algorithm, count, epilogue)
         if not self._failure.clean:
             self._check_usable()
         count = numel if count < 0 else count  # the kernel's element count (the reduce-scatter's chunk)
@@ -354,11 +382,12 @@ class _Collective:
         # Its own failure first: the first failed call's error, raised again by every later call
         # (an abort of the view that this failure caused fails the fence too, with another error).
         self._failure.check(self)
-        self.fence.check_usable()  # then a failed wait of the fence's own (used directly)
+        if self.fence is not None:
+            self.fence.check_usable()  # then a failed wait of the fence's own (used directly)
 
     def _recorded_error(self) -> SymmSyncError | None:
         """The error a call recorded (its fence's wait, then the collective's record), or ``None``:
-        this collective's record reader (:meth:`symmsync.failure.ViewFailure.settle`)."""
+        this collective's record reader (:meth:`symmsync.core.failure.ViewFailure.settle`)."""
         fence = self.fence
         err = fence.timeout_error() or mismatch_error(
             self._record.tolist(), self._NAME, self.view.ranks, fence.timeout_s, fence.channel
@@ -378,8 +407,8 @@ class _Collective:
 
     def abort_error(self, reason: str) -> PeerAborted:
         """The :class:`~symmsync.PeerAborted` this collective's calls raise once this rank
-        aborted its view with ``reason`` (its part of :class:`symmsync.failure.Waiter`)."""
-        return used_after_abort(self.view, self._NAME, reason, self.fence.channel)
+        aborted its view with ``reason`` (its part of :class:`symmsync.core.failure.Waiter`)."""
+        return used_after_abort(self.view, self._NAME, reason, self._channel)
 
 
 class AllReduce(_Collective):

@@ -4,10 +4,10 @@ Everything the collectives' kernels need to order their memory lives here, built
 primitives of :mod:`symmsync.language` and the view's fence cell (its device-resident
 epoch). Replacing these few functions (with per-peer signals, for example) changes the
 protocol of every operation at once. The steps are symmsync's own, written once for the
-fences and the collectives: :func:`arrive` is :func:`symmsync._language_core.arrive` (with
+fences and the collectives: :func:`arrive` is :func:`symmsync.language.core.arrive` (with
 a counter of the collective's own), :func:`grid_barrier` polls with
-:func:`symmsync._language_core.bounded_poll`, and the records (a mismatch, a stalled grid)
-are :mod:`symmsync.records`'.
+:func:`symmsync.language.core.bounded_poll`, and the records (a mismatch, a stalled grid)
+are :mod:`symmsync.language.records`'.
 
 Pseudocode of one call, as every member runs it (``G`` programs, the epoch on the device)::
 
@@ -48,16 +48,18 @@ import triton
 import triton.language as tl
 
 import symmsync.language as ssl
-from symmsync import _language_core as core
-from symmsync import records
-from symmsync._language_core import arrive  # noqa: F401 - the collectives' arrival: symmsync's one counter
-from symmsync.cells import CLOSED_EPOCH
+from symmsync.language import core, records
+from symmsync.language.cells import CLOSED_EPOCH
+from symmsync.language.core import arrive  # noqa: F401 - the collectives' arrival: symmsync's one counter
 
 from . import layout as L
 
 _CLOSED_EPOCH = tl.constexpr(CLOSED_EPOCH)
 _HEADER_WORDS = tl.constexpr(L.HEADER_WORDS)
 _HEADER_CHECKED = tl.constexpr(L.HEADER_CHECKED)
+_H_TAG, _H_NUMEL, _H_DTYPE = tl.constexpr(L.H_TAG), tl.constexpr(L.H_NUMEL), tl.constexpr(L.H_DTYPE)
+_H_ALGORITHM, _H_SYMMETRIC = tl.constexpr(L.H_ALGORITHM), tl.constexpr(L.H_SYMMETRIC)
+_H_EPOCH, _H_EPILOGUE = tl.constexpr(L.H_EPOCH), tl.constexpr(L.H_EPILOGUE)
 
 
 @triton.jit
@@ -69,7 +71,7 @@ def next_epoch(sptrs, cell, me):
 @triton.jit
 def closed(e):
     """True for a launch after this rank's ``close()`` (``e`` from :func:`next_epoch`): its
-    epoch is past :data:`symmsync.cells.CLOSED_EPOCH`. Such a launch (arguments kept past
+    epoch is past :data:`symmsync.language.cells.CLOSED_EPOCH`. Such a launch (arguments kept past
     ``close()``) runs :func:`fail_closed` and nothing else: no copy-in, no header, no
     publish (a publish would still count at the members that map this rank's cells and
     could complete a wait of theirs for a call this rank never made)."""
@@ -113,13 +115,13 @@ def grid_barrier(counter, target, epoch, timeout_ns, mism, me, SIZE: tl.constexp
 def header_words(op, numel, dtype_code, algorithm, symmetric, epoch, epilogue):
     """The ``HEADER_WORDS`` words of a call's header, as a block (see :mod:`.layout`)."""
     w = tl.arange(0, _HEADER_WORDS)
-    words = tl.where(w == 0, op, 0)
-    words = tl.where(w == 1, numel, words)
-    words = tl.where(w == 2, dtype_code, words)
-    words = tl.where(w == 3, algorithm, words)
-    words = tl.where(w == 4, symmetric, words)
-    words = tl.where(w == 5, epoch, words)
-    words = tl.where(w == 6, epilogue, words)
+    words = tl.where(w == _H_TAG, op, 0)
+    words = tl.where(w == _H_NUMEL, numel, words)
+    words = tl.where(w == _H_DTYPE, dtype_code, words)
+    words = tl.where(w == _H_ALGORITHM, algorithm, words)
+    words = tl.where(w == _H_SYMMETRIC, symmetric, words)
+    words = tl.where(w == _H_EPOCH, epoch, words)
+    words = tl.where(w == _H_EPILOGUE, epilogue, words)
     return words.to(tl.int64)
 
 
@@ -138,7 +140,7 @@ def headers_match(ptrs, header_off, me, mine, SIZE: tl.constexpr):
     another program of the launch may pass the wait before they land. Every member
     compares the same calls, so every member reaches the same verdict. Loads only, no
     branch: a kernel may issue its first payload loads before the verdict arrives and
-    hold back its stores (:func:`symmsync.records.write_mismatch_record` after them).
+    hold back its stores (:func:`symmsync.language.records.write_mismatch_record` after them).
     """
     w = tl.arange(0, _HEADER_WORDS)
     bad = 0

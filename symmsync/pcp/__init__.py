@@ -2,9 +2,9 @@
 
 Built only on symmsync's public API: buffers, peer views and fences (their kernel
 arguments, :attr:`symmsync.Fence.kernel_args`), the device primitives in
-:mod:`symmsync.language`, the launcher of :mod:`symmsync.launch`, the agreement among
-ranks of :mod:`symmsync.agreement`, the argument checks of :mod:`symmsync.checks`, and
-:func:`symmsync.mode.kernels_interpreted`::
+:mod:`symmsync.language`, the launcher of :mod:`symmsync.core.launch`, the agreement among
+ranks of :mod:`symmsync.core.agreement`, the argument checks of :mod:`symmsync.checks`, and
+:func:`symmsync.backends.mode.kernels_interpreted`::
 
     from symmsync import pcp
 
@@ -15,7 +15,7 @@ ranks of :mod:`symmsync.agreement`, the argument checks of :mod:`symmsync.checks
         writer.write(layer, kv_c, k_pe, indexer_k, batch)
 """
 
-from . import torch_ops  # noqa: E402, F401  (registers symmsync::kv_write)
+from ..ops import kv as torch_ops  # noqa: E402, F401  (registers symmsync::kv_write)
 from .layout import CacheLayout, CacheTensors, IndexerKLayout, MainKVLayout, Placement
 from .quant import INDEXER_SCALES, MAIN_SCALES
 from .split import PCPSplit, pcp_split

@@ -49,11 +49,11 @@ import torch
 
 from ..checks import index_problem, int_problem, is_int, positive_int_problem
 from ..errors import BoundsError, ConfigError
-from ..fence_ops import user_views
+from ..ops.fence import user_views
 from .quant import INDEXER_DIM, INDEXER_SCALES, MAIN_SCALES, MLA_NOPE_DIM, MLA_ROPE_DIM, MLA_TILE, MLA_TOKEN_BYTES
 
 if TYPE_CHECKING:
-    from ..buffer import SymmetricBuffer
+    from ..core.buffer import SymmetricBuffer
 
 _ALIGN = 128
 

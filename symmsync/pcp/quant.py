@@ -89,7 +89,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import mode
+from ..backends import mode
 
 __all__ = [
     "FP8_E4M3_MAX",

@@ -1,6 +1,6 @@
 """The writer's routes by node layout, and the one place its all-gathers run.
 
-A *node* is a set of ranks that map each other's memory (:mod:`symmsync.nodes`). The
+A *node* is a set of ranks that map each other's memory (:mod:`symmsync.core.nodes`). The
 writer's route is what the caller passes (``"direct"`` or ``"allgather"``, the same on
 every rank) read against the node layout of its view, which every member sees alike:
 
@@ -11,7 +11,7 @@ one node, ``direct``    stores its rows into every replica (the view's pointer t
 one node, ``allgather`` all-gathers the compact KV over ``group=`` (torch.distributed), inserts
                         every row into its own replica
 nodes, ``direct``       all-gathers the compact KV among the members at its node position (one
-                        per node: :meth:`symmsync.offnode.OffNode.all_gather`,
+                        per node: :meth:`symmsync.spanning.exchange.OffNode.all_gather`,
                         ``among="position"``), then stores its own rows and those into every
                         replica of its node, and fences the node
 nodes, ``allgather``    all-gathers the compact KV among every member (``OffNode``, ``among="view"``),
@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ..offnode import OffNode
+from ..spanning.exchange import OffNode
 from .kernels import IDX, NOPE, ROPE, TOKEN_BYTES
 
 if TYPE_CHECKING:
-    from ..views import PeerView
+    from ..core.views import PeerView
 
 ROUTES = ("direct", "allgather")
 COMPACT_BYTES = (NOPE + ROPE + IDX) * 2  # one row of compact KV: bf16 kv_c, k_pe and indexer K
@@ -59,7 +59,7 @@ class Route:
         among: whose compact KV a rank gathers per layer: ``None`` (direct on one node: none),
             ``"group"`` (every member, over the caller's torch.distributed group), and across
             nodes ``"position"`` (the member at this rank's node position on every node) or
-            ``"view"`` (every member), both through :class:`~symmsync.offnode.OffNode`.
+            ``"view"`` (every member), both through :class:`~symmsync.spanning.exchange.OffNode`.
     """
 
     name: str
@@ -113,13 +113,6 @@ def route_for(view: PeerView, route: str) -> tuple[Route | None, str | None]:
     return Route(route, nodes.num_nodes, near, "position" if route == "direct" else "view"), None
 
 
-def node_view(view: PeerView) -> PeerView:
-    """This rank's view of the members of ``view`` on its own node (collective over the buffer's
-    group, as :meth:`~symmsync.SymmetricBuffer.view`: every rank of it calls this)."""
-    members = view.nodes.members_of(view.local_index)
-    return view.buffer.view([view.ranks[i] for i in members])
-
-
 class Gather:
     """A writer's all-gather of per-member rows (compact KV or slots), stacked in member order.
 
@@ -127,11 +120,19 @@ class Gather:
         route: the writer's route (its ``among`` says whose rows arrive).
         view: the writer's view.
         group: one node: the torch.distributed group of the view's ranks (``None``: the world).
-        offnode: across nodes: the view's :class:`~symmsync.offnode.OffNode` (bounded, failure-aware).
+        offnode: across nodes: the view's :class:`~symmsync.spanning.exchange.OffNode` (bounded, failure-aware).
+        timeout_s: across nodes: each exchange's budget (the writer's fence's).
     """
 
-    def __init__(self, route: Route, view: PeerView, group: dist.ProcessGroup | None, offnode: OffNode | None):
-        self._among, self._group, self._offnode = route.among, group, offnode
+    def __init__(
+        self,
+        route: Route,
+        view: PeerView,
+        group: dist.ProcessGroup | None,
+        offnode: OffNode | None,
+        timeout_s: float | None = None,
+    ):
+        self._among, self._group, self._offnode, self._budget = route.among, group, offnode, timeout_s
         #: How many members' rows arrive: one per node (``"position"``) or every member.
         self.count = route.nodes if route.among == "position" else view.size
 
@@ -140,10 +141,10 @@ class Gather:
         order (across nodes: node order for ``"position"``, view order for ``"view"``); returns ``out``.
 
         Raises:
-            PeerAborted, FenceTimeout: across nodes, as :meth:`symmsync.offnode.OffNode.all_gather`.
+            PeerAborted, FenceTimeout: across nodes, as :meth:`symmsync.spanning.exchange.OffNode.all_gather`.
         """
         if self._offnode is None:
             _all_gather_single(out, t, group=self._group)
         else:
-            torch.cat(self._offnode.all_gather(t, among=self._among), out=out)
+            torch.cat(self._offnode.all_gather(t, among=self._among, timeout_s=self._budget), out=out)
         return out

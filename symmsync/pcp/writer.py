@@ -24,8 +24,8 @@ rules.
 
 Eager cost: :meth:`DirectKVWriter.prepare` does every check that needs the slot
 values; the first :meth:`~DirectKVWriter.write` of a batch packs the kernel launch
-(:meth:`symmsync.launch.Launcher.bind`) and later layers pass it what a layer changes
-(:class:`symmsync.launch.BoundLaunch`): the layer's offsets, and the input addresses when
+(:meth:`symmsync.core.launch.Launcher.bind`) and later layers pass it what a layer changes
+(:class:`symmsync.core.launch.BoundLaunch`): the layer's offsets, and the input addresses when
 the inputs moved. With the fence fused (the default), a layer is one
 launch.
 """
@@ -40,26 +40,28 @@ import torch
 import torch.distributed as dist
 import triton
 
-from .. import agreement, handles, mode
+from ..backends import mode
 from ..checks import int_problem, require
+from ..core import agreement
+from ..core.fence import Fence
+from ..core.launch import BoundLaunch, Launcher
 from ..errors import ClosedError, ConfigError, InputError, SymmSyncError
-from ..fence import Fence
-from ..launch import BoundLaunch, Launcher
-from ..offnode import OffNode
-from . import torch_ops
+from ..ops import handles
+from ..ops import kv as torch_ops
+from ..spanning import parts as spanning
 from .kernels import IDX as _IDX
 from .kernels import NOPE as _NOPE
 from .kernels import ROPE as _ROPE
 from .kernels import _quantize_write_kernel
 from .layout import CacheLayout, CacheTensors, IndexerKLayout, MainKVLayout, layer_spans
 from .quant import INDEXER_SCALES
-from .routes import ROUTES, Gather, node_view, route_for
+from .routes import ROUTES, Gather, route_for
 from .tuning import Tuning
 
 _BF16 = torch.bfloat16
 
 if TYPE_CHECKING:
-    from ..views import PeerView
+    from ..core.views import PeerView
 
 __all__ = ["ROUTES", "Batch", "DirectKVWriter", "Tuning"]
 
@@ -106,8 +108,10 @@ class DirectKVWriter:
             fence launch).
         group: the torch.distributed group of the view's ranks; needed by the allgather
             route when the view is within one node and is not the whole world (across
-            nodes the writer's :class:`~symmsync.offnode.OffNode` makes its own).
-        channel: the fence channel of the view the writer uses.
+            nodes the writer uses the view's :class:`~symmsync.spanning.exchange.OffNode`).
+        channel: the fence channel of the view the writer uses (across nodes: checked and
+            agreed, and the writer's fence takes the next channel of the view's node view,
+            :mod:`symmsync.spanning.parts`).
         timeout_s: fence wait budget (default: the backend's).
         debug: also check, at :meth:`prepare`, that no slot is claimed twice across the
             PCP group (one more exchange per batch).
@@ -178,6 +182,11 @@ class DirectKVWriter:
                 spread=spread,
                 programs_per_sm=programs_per_sm,
             )
+        if problem is None and how.spans and spanning.channels_left(view) < 1:
+            problem = (
+                "the view's node view has no fence channel left for the writer (the consumers over this view took "
+                "them all): pass channels= to SymmetricBuffer for more"
+            )
         fence = None
         if problem is None and not how.spans:  # a bad channel or timeout is agreed like the rest
             fence, problem, error = agreement.attempt(lambda: Fence(view, channel, timeout_s=timeout_s), buf.rank)
@@ -189,6 +198,7 @@ class DirectKVWriter:
             call,
             {
                 "the route": how.agreed(fused) if how is not None else route,
+                "the node view": "made here" if how is not None and how.spans and not spanning.made(view) else None,
                 "the layout": placement.agreed() if placement is not None else None,
                 "the channel": channel,
             },
@@ -200,23 +210,31 @@ class DirectKVWriter:
                 ),
                 "the layout": in_group,
                 "the channel": in_group,
+                "the node view": agreement.Same(
+                    hint="a view's first consumer over nodes makes its node view, collectively over the buffer's "
+                    "group: every rank must make its views' first consumers over nodes together"
+                ),
             },
         )
         #: Across nodes, the members of the view on this rank's node (:attr:`fence`'s view); else ``None``.
         self.node_view = None
         offnode = None
         if how.spans:
-            # Made here, after every rank agreed to: a view is collective over the buffer's group.
-            self.node_view = node_view(view)
+            # The view's own node view and exchange (made by its first consumer over nodes, after
+            # every rank agreed to: a view is collective over the buffer's group); the fence takes
+            # the node view's next channel.
+            parts = spanning.parts_of(view, timeout_s=timeout_s)
+            self.node_view, offnode = parts.node_view, parts.exchange
+            (node_channel,) = parts.take_channels(1)
             fence, problem, error = agreement.attempt(
-                lambda: Fence(self.node_view, channel, timeout_s=timeout_s), buf.rank
+                lambda: Fence(self.node_view, node_channel, timeout_s=timeout_s), buf.rank
             )
             agreement.agree(buf.group, call, {}, problem=problem, error=error)
-            offnode = OffNode(view, timeout_s=fence.timeout_s)
-        #: Across nodes, the view's off-node exchange (:class:`~symmsync.offnode.OffNode`); ``None`` otherwise.
+        #: Across nodes, the view's off-node exchange (:class:`~symmsync.spanning.exchange.OffNode`);
+        #: ``None`` otherwise.
         self.offnode = offnode
         self._route = how
-        self._gather = Gather(how, view, group, offnode) if how.among is not None else None
+        self._gather = Gather(how, view, group, offnode, fence.timeout_s) if how.among is not None else None
         self.group = group
         #: How the kernel is launched (:class:`Tuning`).
         self.tuning = tuning
@@ -266,8 +284,9 @@ class DirectKVWriter:
         self._offsets = list(placement.offsets)
         self._strides = (placement.main_block_stride, placement.indexer_block_stride)
         self._usable = (-1, 0)  # (buffer size, blocks usable at that size)
-        # Compiled code: the op (symmsync.pcp.torch_ops) names this writer by a handle.
-        self._handle = handles.register(self, "DirectKVWriter")
+        # Compiled code: the op (symmsync.ops.kv) names this writer by a handle.
+        self.handle = handles.register(self, "DirectKVWriter")
+        """The int that names this writer to its torch custom ops (:mod:`symmsync.ops.kv`)."""
         self._spans: list[torch.Tensor] | None = None  # made once every block is mapped (prepare)
         self._last_batch: weakref.ReferenceType | None = None  # weak: a batch refers to its writer
 
@@ -343,7 +362,7 @@ class DirectKVWriter:
 
     def caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``(main_kv, indexer_k)`` of ``layer`` (the layout's), views of the span a compiled
-        :meth:`write` passes its op (:mod:`symmsync.pcp.torch_ops`): read them in compiled code so that
+        :meth:`write` passes its op (:mod:`symmsync.ops.kv`): read them in compiled code so that
         the reads come after the write. Made by the first ``prepare()`` with every block in mapped memory.
 
         Raises:
@@ -355,6 +374,15 @@ class DirectKVWriter:
             problem = f"{self._usable_blocks()} of the {self.layout.num_blocks} blocks are mapped: prepare() first"
             require(problem, rank=self.buffer.rank, call="DirectKVWriter.caches")
         return self._caches[layer]
+
+    def span(self, layer: int) -> torch.Tensor:
+        """The span of this rank's memory that holds ``layer``'s caches (uint8): what a compiled
+        :meth:`write` passes its op as the tensor it mutates (:mod:`symmsync.ops.kv`).
+
+        Raises: as :meth:`caches`.
+        """
+        self.caches(layer)
+        return self._spans[layer]
 
     @property
     def usable_blocks(self) -> int:
@@ -429,12 +457,12 @@ class DirectKVWriter:
             ClosedError: the buffer was closed.
             CaptureError: across nodes, during CUDA graph capture (nothing aborted).
         """
-        if torch.compiler.is_compiling():  # the op for the backend (symmsync.pcp.torch_ops)
+        if torch.compiler.is_compiling():  # the op for the backend (symmsync.ops.kv)
             return torch_ops.traced_write(self, layer, kv_c, k_pe, indexer_k, batch)
         self._write(layer, kv_c, k_pe, indexer_k, batch)
 
     def _write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, indexer_k: torch.Tensor, batch: Batch) -> None:
-        """The checked write: what :meth:`write` and its ops (:mod:`symmsync.pcp.torch_ops`) run."""
+        """The checked write: what :meth:`write` and its ops (:mod:`symmsync.ops.kv`) run."""
         if self.offnode is not None:  # before anything is written or aborted
             self.offnode.refuse_capture(self.buffer.device, "DirectKVWriter.write")
         bad = self._input_problem(layer, kv_c, k_pe, indexer_k, batch)
@@ -573,21 +601,15 @@ class DirectKVWriter:
 
     # ------------------------------------------------------------------ gathered rows
     def _abort(self, reason: str) -> None:
-        """Abort the writer's fence's view and, across nodes, the writer's view (which reaches the
-        other nodes' exchanges: :mod:`symmsync.offnode`)."""
+        """Abort the writer's fence's view (across nodes the node view, whose abort the view's parts
+        pass to the view over nodes, which reaches the other nodes: :mod:`symmsync.spanning.parts`)."""
         self.fence.abort(reason)
-        if self.node_view is not None:
-            self.view.abort(reason)
 
     def _exchange(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The all-gather of ``t`` into ``out``. Across nodes a failed exchange (a peer aborted or
-        died, the budget ran out) first aborts, so that the members of this rank's node, which
-        may already wait in its fence, raise at once too."""
-        try:
-            return self._gather(out, t)
-        except SymmSyncError as e:
-            self._abort(str(e))
-            raise
+        died, the budget ran out) aborts the view, and so the node view, whose members may
+        already wait in this writer's fence (:mod:`symmsync.spanning.parts`)."""
+        return self._gather(out, t)
 
     def _insert_gathered(self, layer, kv_c, k_pe, indexer_k, batch) -> None:
         packed, p_kv, p_pe, p_ix = batch._packed

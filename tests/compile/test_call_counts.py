@@ -7,7 +7,7 @@ the call of a compiled function that only allocates its output, so that torch's 
 not counted) and through the op as a split graph calls it between compiled pieces. The
 kernel's own run is left out (Triton's interpreter runs it in Python here; on a GPU it is one
 ``cuLaunchKernel``): counting stops at
-:meth:`symmsync.launch.Launcher._triton_launch`. Each budget is the count of today's code with
+:meth:`symmsync.core.launch.Launcher._triton_launch`. Each budget is the count of today's code with
 a little room; a change that adds calls to a hot path (a bound launch rebuilt per call, a
 check run twice, a dispatch through ``torch.library.custom_op``'s Python wrapper) fails here
 and must either be undone or raise the budget knowingly.
@@ -24,7 +24,7 @@ import torch.distributed as dist
 import symmsync as ss
 from symmsync import collectives as C
 from symmsync import pcp
-from symmsync.launch import Launcher
+from symmsync.core.launch import Launcher
 from symmsync.testing import run
 
 N = 8 * 64  # a decode batch of 8 rows of 64
@@ -107,7 +107,7 @@ def counts() -> dict:
     w = torch.rand(64, generator=g) + 0.5
     kv, pe, ix = (torch.randn(4, d, generator=g).bfloat16() for d in (512, 64, 128))
     batch = writer.prepare(torch.tensor([3, 9, 64, 70]))
-    span = writer._spans[0]  # what a split graph passes the op: the span it declares mutated
+    span = writer.span(0)  # what a split graph passes the op: the span it declares mutated
     kv_write = torch.ops.symmsync.kv_write.default
     compile_ = lambda f: torch.compile(f, fullgraph=True)
     # The baselines allocate their output and launch no kernel (Inductor would compile one in C++).
@@ -146,7 +146,7 @@ def counts() -> dict:
         "fence.op": (lambda: torch.ops.symmsync.fence.default(fence._handle, 0, fence._orders()), None),
         "fence.compiled": compiled(lambda t: fence.fence() or torch.empty_like(t)),
         "write.eager": (lambda: writer.write(0, kv, pe, ix, batch), None),
-        "write.op": (lambda: kv_write(writer._handle, 0, kv, pe, ix, batch.slots, span), None),
+        "write.op": (lambda: kv_write(writer.handle, 0, kv, pe, ix, batch.slots, span), None),
         "write.compiled": (lambda: cw(kv, pe, ix), lambda: plain_write(kv, pe, ix)),
     }
     out = {}

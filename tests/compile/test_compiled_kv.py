@@ -24,8 +24,9 @@ import torch.distributed as dist
 from oracles import Cache, first_difference, oracle_cache
 
 import symmsync as ss
-from symmsync import handles, pcp
-from symmsync.pcp import torch_ops
+from symmsync import pcp
+from symmsync.ops import handles
+from symmsync.ops import kv as torch_ops
 from symmsync.testing import run
 
 STEPS = 50
@@ -80,10 +81,10 @@ def unsafe_on(writer) -> None:
         if w is not writer:
             return shipped_trace(w, layer, kv_c, k_pe, indexer_k, batch)
         w.caches(layer)
-        return torch.ops.symmsync.kv_write(w._handle, layer, kv_c, k_pe, indexer_k, batch.slots, w._spans[layer])
+        return torch.ops.symmsync.kv_write(w.handle, layer, kv_c, k_pe, indexer_k, batch.slots, w.span(layer))
 
     def write(handle, layer, kv_c, k_pe, indexer_k, slots, cache):
-        if handle != writer._handle:
+        if handle != writer.handle:
             return shipped_write(handle, layer, kv_c, k_pe, indexer_k, slots, cache)
         w = handles.lookup(handle, "DirectKVWriter")
         w.write(layer, kv_c, k_pe, indexer_k, w._last_batch())  # through its pointers, the clone unused

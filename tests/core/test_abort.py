@@ -22,7 +22,8 @@ from helpers import describe_error
 
 import symmsync as ss
 import symmsync.language as ssl
-from symmsync import _language_core, cells
+from symmsync.language import cells
+from symmsync.language import core as _language_core
 
 BUDGET_S = 60.0  # the fence budget: an abort that is missed shows up as a minute
 FAST_S = 1.0  # an abort must reach every waiting member within this

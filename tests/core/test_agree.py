@@ -1,4 +1,4 @@
-"""The agreement of a collective call's arguments (symmsync.agreement.agree), alone, on three
+"""The agreement of a collective call's arguments (symmsync.core.agreement.agree), alone, on three
 host ranks: every rank raises the same error, or none does.
 
 Oracles: the error class and the whole message each rank raised, written out here from the
@@ -9,7 +9,7 @@ ranks (rank 0: v, ...); {hint}"``), and the values each rank got back.
 import torch.distributed as dist
 
 import symmsync as ss
-from symmsync.agreement import Same, agree
+from symmsync.core.agreement import Same, agree
 
 WORLD = 3
 

@@ -176,7 +176,8 @@ def test_auto_backend_picks_host_under_the_interpreter_and_unknown_backends_rais
 
 
 def test_auto_backend_picks_the_cuda_device_only_outside_the_interpreter(monkeypatch):
-    from symmsync import backends, mode
+    from symmsync import backends
+    from symmsync.backends import mode
 
     monkeypatch.setattr(backends, "default_device", lambda: torch.device("cuda", 0))  # as if a GPU were present
     monkeypatch.setattr(mode, "kernels_interpreted", lambda: True)

@@ -115,8 +115,9 @@ import triton.language as tl
 
 import symmsync as ss
 import symmsync.language as ssl
-from symmsync import memory, records
-from symmsync.runtime_alloc import HostCacheAllocator
+from symmsync.core import memory
+from symmsync.language import records
+from symmsync.tools.runtime_alloc import HostCacheAllocator
 from symmsync.testing import run
 
 

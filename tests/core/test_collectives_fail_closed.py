@@ -27,11 +27,12 @@ import triton
 import triton.language as tl
 
 import symmsync as ss
-from symmsync import cells, failure, records
 from symmsync import collectives as C
 from symmsync.collectives import kernels as K
 from symmsync.collectives import ops
-from symmsync.memory import CLOSED_EPOCH
+from symmsync.core import failure
+from symmsync.core.memory import CLOSED_EPOCH
+from symmsync.language import cells, records
 
 N = 64
 TOO_MANY = "x has 65 elements, more than the 64 torch.float32 elements the workspace holds"
@@ -254,7 +255,7 @@ def launch_raises(planted):
         out = _calls(ar, [torch.ones(8), torch.ones(8)])
         try:
             ar(torch.ones(8))
-        except ss.DebugCheckError:  # caught by its own name (symmsync.mode)
+        except ss.DebugCheckError:  # caught by its own name (symmsync.backends.mode)
             out["caught_by_name"] = True
         except ss.SymmSyncError:
             out["caught_by_name"] = False

@@ -25,7 +25,7 @@ import triton.language as tl
 
 import symmsync as ss
 import symmsync.language as ssl
-from symmsync import cells, records
+from symmsync.language import cells, records
 from symmsync.testing import run
 
 RUN_S = 240

@@ -263,7 +263,7 @@ def _count_programs(out):
 
 
 def test_a_launchers_grid_is_fixed_and_a_launch_may_pass_its_own():
-    from symmsync.launch import Launcher
+    from symmsync.core.launch import Launcher
 
     out = torch.zeros(1, dtype=torch.int32)
     launcher = Launcher(_count_programs, (2,))
@@ -284,7 +284,7 @@ def _store_value(out, value):
 
 
 def test_a_bound_launch_passes_each_calls_arguments():
-    from symmsync.launch import Launcher
+    from symmsync.core.launch import Launcher
 
     a, b = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
     bound = Launcher(_store_value, (1,)).bind(a, 5, per_call=("out", "value"))
@@ -308,7 +308,7 @@ def test_a_bound_launch_keeps_no_tensor_a_call_passed():
     import gc
     import weakref
 
-    from symmsync.launch import Launcher
+    from symmsync.core.launch import Launcher
 
     table = torch.zeros(1, dtype=torch.int64)
     bound = Launcher(_store_value, (1,)).bind(table, 5, per_call=("value",))
@@ -353,8 +353,8 @@ def _recording_packer(packings, launched):
 
 
 def test_a_bound_launch_repacks_only_the_arguments_that_changed(monkeypatch):
-    from symmsync import launch
-    from symmsync.launch import Launcher
+    from symmsync.core import launch
+    from symmsync.core.launch import Launcher
 
     packings, launched = [], []
     monkeypatch.setattr(Launcher, "_packer", _recording_packer(packings, launched))
@@ -378,7 +378,7 @@ def test_a_bound_launch_packs_binds_and_launches_against_a_stub_compiled_kernel(
     # them is symmsync's own: _Compiled, _Packed, bind, a call's repacking, the launch.
     import ctypes
 
-    from symmsync import launch
+    from symmsync.core import launch
 
     def compiled_for(args):  # what Triton compiles: the int's width picks the variant (and its handle)
         bits = 32 if -(2**31) <= args[1] < 2**31 else 64

@@ -1,11 +1,11 @@
-"""symmsync.handles: ints that name objects to the custom ops, held weakly, checked on lookup."""
+"""symmsync.ops.handles: ints that name objects to the custom ops, held weakly, checked on lookup."""
 
 import gc
 
 import pytest
 
 import symmsync as ss
-from symmsync import handles
+from symmsync.ops import handles
 
 
 class Thing:

@@ -22,9 +22,11 @@ import torch
 import torch.distributed as dist
 
 import symmsync as ss
-from symmsync import agreement, backends, cells
-from symmsync.runtime_alloc import HostCacheAllocator
+from symmsync import backends
+from symmsync.core import agreement
+from symmsync.language import cells
 from symmsync.testing import run
+from symmsync.tools.runtime_alloc import HostCacheAllocator
 
 KIB = 1 << 10
 

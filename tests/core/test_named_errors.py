@@ -1,7 +1,7 @@
 """A symmsync error raised inside an interpreted kernel reaches the caller as itself (host backend).
 
 Triton's interpreter wraps whatever a kernel raises in ``InterpreterError``, once per nested
-``@triton.jit`` call; :mod:`symmsync.mode` makes every launch raise symmsync's own error
+``@triton.jit`` call; :mod:`symmsync.backends.mode` makes every launch raise symmsync's own error
 instead, with Triton's error as its ``__cause__``. The kernels here are the user's own (a
 ``kernel[grid](...)`` launch, not symmsync's launcher): a debug check of a device primitive
 (``SYMMSYNC_DEBUG=1``: a publish from several programs of one launch) is caught by
@@ -61,7 +61,7 @@ def kernel_errors():
             "cycle": cycle,
             "formats": "DebugCheckError" in "".join(traceback.format_exception(e)),
         }
-    except Exception as e:  # noqa: BLE001 - what reaches the caller without symmsync.mode's unwrapping
+    except Exception as e:  # noqa: BLE001 - what reaches the caller without symmsync.backends.mode's unwrapping
         out["own"] = {"uncaught": type(e).__name__}
     try:
         shapes_kernel[(1,)](torch.zeros(4))

@@ -30,9 +30,10 @@ import triton.language as tl
 
 import symmsync as ss
 import symmsync.language as ssl
-from symmsync import cells, memory
-from symmsync.runtime_alloc import HostCacheAllocator
+from symmsync.core import memory
+from symmsync.language import cells
 from symmsync.testing import Died, run
+from symmsync.tools.runtime_alloc import HostCacheAllocator
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux's /dev/shm and /proc")
 

@@ -16,8 +16,8 @@ from helpers import grow_with_a_planted_failure
 
 import symmsync as ss
 from symmsync import pcp
-from symmsync.runtime_alloc import HostCacheAllocator, block_major_caches, cache_allocator
 from symmsync.testing import run
+from symmsync.tools.runtime_alloc import HostCacheAllocator, block_major_caches, cache_allocator
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux's /dev/shm and /proc/self/maps")
 

@@ -117,7 +117,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import symmsync.language as ssl
-from symmsync import fence as F
+from symmsync.core import fence as F
 
 @triton.jit
 def put_kernel(sig, me, x, NSLOTS: tl.constexpr, BLOCK: tl.constexpr):

@@ -23,8 +23,8 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     import symmsync.language as ssl
-    from symmsync import fence as F
-    from symmsync import failure as A
+    from symmsync.core import fence as F
+    from symmsync.core import failure as A
 
     assert not ssl.INTERPRETED
 
@@ -106,7 +106,7 @@ SCRIPT = textwrap.dedent(
                 out[f"writer_split{int(split)}_fused{int(fused)}"] = k.asm["ptx"]
             except Exception as e:
                 out[f"writer_split{int(split)}_fused{int(fused)}"] = "COMPILE ERROR: " + repr(e)
-    from symmsync import records as R
+    from symmsync.language import records as R
     from symmsync.collectives.kernels import collective_kernel
     csig = {"x": "*bf16", "out": "*bf16", "count": "i32", "ptrs": "*i64", "sptrs": "*i64", "cell": "i64", "me": "i32",
             "timeout_ns": "i64", "record": "i64", "mism": "i64", "headers": "i64",

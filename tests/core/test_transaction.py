@@ -1,4 +1,4 @@
-"""The all-or-nothing collective (symmsync.agreement.Transaction), alone and under every
+"""The all-or-nothing collective (symmsync.core.agreement.Transaction), alone and under every
 way a buffer maps memory.
 
 Oracles: the error each rank raised (the same on every rank, naming the rank that
@@ -14,9 +14,9 @@ import pytest
 import torch.distributed as dist
 
 import symmsync as ss
-from symmsync.agreement import Transaction
-from symmsync.runtime_alloc import HostCacheAllocator
+from symmsync.core.agreement import Transaction
 from symmsync.testing import run
+from symmsync.tools.runtime_alloc import HostCacheAllocator
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux's /dev/shm and /proc/self/maps")
 

@@ -16,7 +16,8 @@ import triton.language as tl
 
 import symmsync as ss
 import symmsync.language as ssl
-from symmsync import cells, pcp
+from symmsync import pcp
+from symmsync.language import cells
 from symmsync.testing import run
 
 pytestmark = pytest.mark.gpu

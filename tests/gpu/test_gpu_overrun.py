@@ -27,7 +27,7 @@ import triton.language as tl
 
 import symmsync as ss
 import symmsync.language as ssl
-from symmsync import cells
+from symmsync.language import cells
 from symmsync.testing import run
 
 pytestmark = pytest.mark.gpu

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from symmsync import mode
+from symmsync.backends import mode
 from symmsync.pcp import quant
 from symmsync.testing import run
 

@@ -1,6 +1,6 @@
 """Growable buffers and runtime-registered memory on 2 GPUs.
 
-A runtime-like allocator (symmsync/runtime_alloc.py: reserve, commit chunks with a POSIX
+A runtime-like allocator (symmsync/tools/runtime_alloc.py: reserve, commit chunks with a POSIX
 file-descriptor handle type, map) and torch's own allocators, the default one (CUDA
 IPC) and ``expandable_segments:True`` (VMM chunks). Oracles: bytes stamped by the
 peer, read back by the owner through its own address; address tables before and
@@ -13,8 +13,8 @@ import torch.distributed as dist
 from helpers import grow_with_a_planted_failure
 
 import symmsync as ss
-from symmsync.runtime_alloc import CudaCacheAllocator
 from symmsync.testing import run
+from symmsync.tools.runtime_alloc import CudaCacheAllocator
 
 pytestmark = pytest.mark.gpu
 MIB = 1 << 20

@@ -167,7 +167,8 @@ def cases_against_the_oracle(views, cases, seed):
         if not same_bits(flat, want):
             order_shows.append(case)
         results.append(got.view(torch.uint8).tolist() if got is not None else None)
-    names = sorted({type(o).__name__ for o in ops.values()})
+    # The form each object took: over nodes, its node steps over the view's node view.
+    names = sorted({type(o).__name__ + (" over nodes" if o.node_view is not None else "") for o in ops.values()})
     buf.close()
     return wrong, order_shows, results, names
 
@@ -204,7 +205,7 @@ def test_every_operation_over_two_nodes_is_the_node_order_sum_bit_for_bit_on_eve
         assert ORDER_SHOWS <= set(order_shows), (
             f"seed {seed}: the flat sum equals the oracle in {ORDER_SHOWS - set(order_shows)}"
         )
-        assert names == ["_AllGather", "_AllReduce", "_ReduceScatter"], names
+        assert names == ["AllGather over nodes", "AllReduce over nodes", "ReduceScatter over nodes"], names
     sums = [i for i, c in enumerate(CASES) if c[0] not in ("all_gather", "reduce_scatter")]
     for i in sums:  # the all-reduce's result: the same bits on every member
         assert len({repr(r[2][i]) for r in out}) == 1, f"seed {seed}: case {CASES[i]} differs between members"
@@ -220,7 +221,7 @@ def test_a_view_of_one_member_per_node_sums_across_the_two_nodes(pool):
     out = pool.call(cases_against_the_oracle, [[0, 2], [1, 3]], cases, seed)
     for rank, (wrong, _order_shows, _results, names) in enumerate(out):
         assert wrong == [], f"seed {seed}: rank {rank}: cases that differ from the node-order oracle: {wrong}"
-        assert names == ["_AllGather", "_AllReduce", "_ReduceScatter"], names
+        assert names == ["AllGather over nodes", "AllReduce over nodes", "ReduceScatter over nodes"], names
 
 
 def test_views_within_one_node_of_a_two_node_buffer_keep_the_one_kernel_form(pool):

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 import symmsync as ss
-from symmsync.nodes import NODE_SIZE_ENV, NodeKey, NodeLayout, partition
-from symmsync.runtime_alloc import HostCacheAllocator
+from symmsync.core.nodes import NODE_SIZE_ENV, NodeKey, NodeLayout, partition
 from symmsync.testing import RankPool
+from symmsync.tools.runtime_alloc import HostCacheAllocator
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux's /dev/shm and /proc/self/maps")
 
@@ -236,8 +236,8 @@ def test_what_crosses_nodes_is_refused_on_every_rank(pool):
         assert out["tensor"] == (
             "ViewError",
             f"rank {rank}: SymmetricBuffer.tensor: rank {far} is on node {1 - node} and rank {rank} on node {node} "
-            f"({TWO_NODES}); only the peers of one node are mapped: move the data with symmsync.offnode.OffNode "
-            "(or the collectives), or address a rank of your own node",
+            f"({TWO_NODES}); only the peers of one node are mapped: move the data with "
+            "symmsync.spanning.exchange.OffNode (or the collectives), or address a rank of your own node",
         )
         assert out["view tensor"][0] == "ViewError" and f"rank {far} is on node {1 - node}" in out["view tensor"][1]
         for what, owner, whose in (

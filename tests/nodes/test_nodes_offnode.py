@@ -1,4 +1,4 @@
-"""The off-node exchange (symmsync.offnode.OffNode) and failures that cross nodes.
+"""The off-node exchange (symmsync.spanning.exchange.OffNode) and failures that cross nodes.
 
 World 4 split into 2 simulated nodes of 2 ranks (``SYMMSYNC_NODE_SIZE=2``), host backend,
 gloo. One pool of ranks serves the exchanges and the failures that leave every process
@@ -17,8 +17,8 @@ import torch
 from helpers import describe_error
 
 import symmsync as ss
-from symmsync.nodes import NODE_SIZE_ENV
-from symmsync.offnode import OffNode
+from symmsync.core.nodes import NODE_SIZE_ENV
+from symmsync.spanning.exchange import OffNode
 from symmsync.testing import Died, RankPool, run
 
 ENV = {NODE_SIZE_ENV: "2"}
@@ -116,45 +116,38 @@ def test_an_exchange_during_cuda_graph_capture_is_refused_and_leaves_the_view_us
         assert after == [_mine(r).tolist() for r in range(4)]
 
 
-def groups_on_a_bound_default_group(bound):
-    """OffNode's groups, with the default group bound to a GPU or not: the backend each was made
-    with (None: torch.distributed's default for the device), and one exchange on them."""
+def groups_of_one_offnode():
+    """The gloo groups an OffNode makes: torch.distributed's table of groups before and after, the
+    names of this process's live OffNode groups while it lives and after close, one exchange."""
     import torch.distributed as dist
 
-    import symmsync.offnode as offnode
+    from symmsync.spanning import exchange
 
     buf = ss.SymmetricBuffer(4096, backend="host")
-    real_group, real_bound, made = dist.new_group, offnode.bound_device, []
-
-    def new_group(*args, **kwargs):
-        made.append(kwargs.get("backend"))
-        return real_group(*args, **kwargs)
-
-    # as after init_process_group("nccl", device_id=...), which a CPU-only job cannot call
-    offnode.bound_device = lambda: torch.device("cuda", 0) if bound else None
-    dist.new_group = new_group
-    try:
-        off = OffNode(buf.view([0, 1, 2, 3]), timeout_s=60)
-    finally:
-        dist.new_group, offnode.bound_device = real_group, real_bound
+    table = len(dist.distributed_c10d._world.pg_map)
+    before = exchange.live_groups()
+    off = OffNode(buf.view([0, 1, 2, 3]), timeout_s=60)
+    mine = [g for g in exchange.live_groups() if g not in before]
     out = _lists(off.all_gather(_mine(buf.rank), among="position"))
     buf.close()
-    return made, out
+    left = [g for g in exchange.live_groups() if g in mine]
+    return table, len(dist.distributed_c10d._world.pg_map), mine, out, left
 
 
-@pytest.mark.parametrize("bound, backend", [(False, None), (True, "gloo")])
-def test_groups_are_gloo_where_the_default_group_is_bound_to_a_device(pool, bound, backend):
-    # Bound, NCCL would make the groups by splitting the job's communicator, which every rank of the
-    # job must join; the view's members alone make OffNode's groups.
-    for rank, (made, out) in enumerate(pool.call(groups_on_a_bound_default_group, bound)):
-        assert made == [backend, backend], made  # the view's group and the position group
+def test_an_offnodes_groups_are_its_own_and_go_with_close(pool):
+    # Made by hand over the store: no entry in torch.distributed's table, whose group names a later
+    # group of the same ranks would reuse; two per OffNode (the view's, this position's); none after close.
+    for rank, (table, after, mine, out, left) in enumerate(pool.call(groups_of_one_offnode)):
+        assert after == table, (table, after)
+        assert len(mine) == 2 and mine[0].endswith(f"/position {rank % 2}") and mine[1].endswith("/view"), mine
         assert out == [_mine(rank % 2).tolist(), _mine(rank % 2 + 2).tolist()]
+        assert left == [], left
 
 
 def store_unreadable_on_rank_0(budget):
     """Rank 0 cannot read the torch.distributed store (its host went away) while it waits for rank 3,
     which comes late; then ranks 1 to 3 gather again, without rank 0."""
-    import symmsync.offnode as offnode
+    import symmsync.spanning.exchange as offnode
 
     buf = ss.SymmetricBuffer(4096, backend="host")
     off = OffNode(buf.view([0, 1, 2, 3]), timeout_s=budget)

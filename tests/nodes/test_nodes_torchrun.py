@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import symmsync as ss
-from symmsync.offnode import OffNode
+from symmsync.spanning.exchange import OffNode
 
 dist.init_process_group("gloo")
 buf = ss.SymmetricBuffer(4096)

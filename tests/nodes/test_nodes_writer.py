@@ -57,7 +57,7 @@ def across_nodes():
         Cache(nb, 1, BLOCK, base=GUARD_BYTES + i * span, main_scale=m, indexer_scale=x)
         for i, (_, _, (m, x)) in enumerate(CASES + [(0, "", ("pow2", "ue8m0"))])
     ]
-    buf = ss.SymmetricBuffer(caches[-1].end + GUARD_BYTES, backend="host", channels=2, max_views=40)
+    buf = ss.SymmetricBuffer(caches[-1].end + GUARD_BYTES, backend="host", channels=len(CASES), max_views=40)
     buf.tensor(0, (buf.nbytes,), torch.uint8).fill_(POISON)
     views = {tp: ss.pcp_view(buf, tp=tp) for tp in (1, 2)}
     dist.barrier()  # every replica is poisoned before anyone writes into it

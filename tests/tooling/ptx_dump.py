@@ -21,9 +21,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import symmsync.language as ssl  # noqa: E402
-from symmsync import failure as A  # noqa: E402
-from symmsync import fence as F  # noqa: E402
-from symmsync import signals as S  # noqa: E402
+from symmsync.core import failure as A  # noqa: E402
+from symmsync.core import fence as F  # noqa: E402
+from symmsync.core import signals as S  # noqa: E402
 
 assert not ssl.INTERPRETED
 print("symmsync from", ssl.__file__, flush=True)

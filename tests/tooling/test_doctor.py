@@ -15,9 +15,11 @@ import pytest
 import torch.distributed as dist
 from jobs import python
 
-from symmsync import BackendError, FenceTimeout, doctor, mode
-from symmsync.buffer import SymmetricBuffer
-from symmsync.fence import Fence
+from symmsync import BackendError, FenceTimeout
+from symmsync.backends import mode
+from symmsync.core.buffer import SymmetricBuffer
+from symmsync.core.fence import Fence
+from symmsync.tools import doctor
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST_WORKS = "  host  works: POSIX shared memory + Triton interpreter (TRITON_INTERPRET=1); a 4096-byte buffer"

@@ -1,4 +1,5 @@
 """Where the device memory of a failed mapping goes: free memory at each step, on both ranks (one shared GPU)."""
+
 import time
 
 import torch
@@ -18,8 +19,10 @@ def diag(planted: str):
     time.sleep(0.5)
     f0 = torch.cuda.mem_get_info()[0]
     if dist.get_rank() == 1:
+
         def broken(self, *a, **k):
             raise ss.BackendError("planted mapping failure")
+
         setattr(cuda_backend.CudaBackend, planted, broken)
     out = {}
     try:

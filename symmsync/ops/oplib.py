@@ -1,0 +1,56 @@
+"""The one registration of every symmsync torch op (a schema, a kernel per device, a fake),
+and the one reader of Dynamo's tracing state.
+
+A compiled graph calls symmsync through ops in the ``symmsync`` namespace
+(:mod:`symmsync.ops.collectives`, :mod:`symmsync.ops.kv`,
+:mod:`symmsync.ops.fence`). Each is registered here the way torch's own C++ ops and vLLM's
+``direct_register_custom_op`` are: ``Library.define`` with its schema, ``Library.impl`` of
+one Python function for the ``CPU`` and ``CUDA`` keys, and a fake for tracing. A call of
+such an op is one pass through the dispatcher into that function. ``torch.library.custom_op``
+would put its Python autograd wrapper, a redispatch and an aliasing check in front of every
+call, several times the cost of the call's own launch (docs/performance.md, "Host cost per
+call"). None of symmsync's ops has a derivative: where torch's autograd fallback would only
+warn at a backward, the ops' bodies refuse an input that requires grad while grad mode is on
+(:class:`~symmsync.InputError`, the eager calls' own check).
+
+Every op is side-effecting (``torch.fx.node.has_side_effect``): its members wait for it, so no
+compiler may drop it when its outputs go unused.
+
+The fakes that check the graph traced so far (:func:`symmsync.ops.fence.plain_writes`) and the
+writer's choice of op by backend (:mod:`symmsync.ops.kv`) read the frame Dynamo is
+tracing: :func:`tracer`, the one place that reads Dynamo's private state, which moves between
+torch releases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+#: The ``symmsync`` namespace's library (its ops live as long as the process).
+LIBRARY = torch.library.Library("symmsync", "DEF")
+
+_KEYS = ("CPU", "CUDA")  # where symmsync's memory lives: the host backend's and the GPUs'
+
+
+def define(name: str, schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload:
+    """Register ``symmsync::<name><schema>`` with ``impl`` for CPU and CUDA tensors and ``fake`` for
+    tracing, marked side-effecting; return its overload (what a call site calls)."""
+    LIBRARY.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+    for key in _KEYS:
+        LIBRARY.impl(name, impl, key)
+    torch.library.register_fake(f"symmsync::{name}", fake, lib=LIBRARY)
+    op = getattr(torch.ops.symmsync, name).default
+    torch.fx.node.has_side_effect(op)
+    return op
+
+
+def tracer():
+    """The frame Dynamo is tracing now (its ``InstructionTranslator``: the graph so far is
+    ``tracer().output.graph``, the backend ``tracer().output.compiler_fn``), or ``None`` outside
+    Dynamo's trace (the passes after it). Import-light: Dynamo is loaded already when it traces."""
+    from torch._dynamo import symbolic_convert
+
+    tx = getattr(getattr(symbolic_convert, "tls", None), "current_tx", None)  # InstructionTranslator.current_tx()
+    return tx if isinstance(tx, symbolic_convert.InstructionTranslator) else None
