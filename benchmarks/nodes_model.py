@@ -28,9 +28,9 @@ overlap between steps; ``hop`` is ``ASSUMED["net_hop_us"]`` for steps of at most
 
 * an intra-node step: a kernel node + a fence + its bytes over NVLink (``nvlink_GBps``);
 * an inter-node step: the host-issued call's fixed cost + ``hop`` per ring step + its bytes
-  over the network (``net_GBps``, one NIC per GPU); every collective across nodes first
-  all-gathers its call's header (64 bytes) among the node positions, so that calls that
-  differ between nodes are refused before data moves;
+  over the network (``net_GBps``, one NIC per GPU); a collective's call crosses nodes once:
+  its header (64 bytes) travels in front of its data in a frame of fixed size, compared
+  after the exchange (the model's calls are at ``max_numel``, so a frame is header + data);
 * all-reduce across nodes, as ``symmsync.collectives.spanning`` runs it: reduce-scatter in the
   node (``(g-1)/g M`` over NVLink), an all-gather of each node's partial chunk ``M/g`` among
   the GPUs at one node position (``n-1`` hops, ``(n-1) M/g`` bytes; every rank then sums the
@@ -111,7 +111,7 @@ def intra(m: dict, nbytes: float, fences: int = 1) -> float:
     return m["kernel_node_us"] + fences * m["fence_us"] + _us(nbytes, ASSUMED["nvlink_GBps"])
 
 
-HEADER_BYTES = 64  # a collective's call header across nodes: 8 int64 words (collectives/spanning.py)
+HEADER_BYTES = 64  # a call header, in front of its data across nodes: 8 int64 words (collectives/spanning.py)
 
 
 def inter(m: dict, steps: int, nbytes: float, step_bytes: float) -> float:
@@ -125,13 +125,8 @@ def all_reduce(m: dict, n: int, size: int) -> float:
     g = ASSUMED["gpus_per_node"]
     if n == 1:
         return min(intra(m, (g - 1) * size), intra(m, 2 * (g - 1) / g * size, fences=2))
-    chunk = size / g
-    return header(m, n) + 2 * intra(m, (g - 1) / g * size) + inter(m, n - 1, (n - 1) * chunk, chunk)
-
-
-def header(m: dict, n: int) -> float:
-    """The all-gather of a collective's call header among the node positions (step 0 across nodes)."""
-    return inter(m, n - 1, (n - 1) * HEADER_BYTES, HEADER_BYTES) if n > 1 else 0.0
+    frame = size / g + HEADER_BYTES
+    return 2 * intra(m, (g - 1) / g * size) + inter(m, n - 1, (n - 1) * frame, frame)
 
 
 def fused_norm(m: dict, n: int, size: int) -> float:
@@ -140,13 +135,15 @@ def fused_norm(m: dict, n: int, size: int) -> float:
 
 def all_gather(m: dict, n: int, size: int) -> float:
     g = ASSUMED["gpus_per_node"]
-    return header(m, n) + inter(m, n - 1, (n - 1) * size, size) + intra(m, (g - 1) * n * size)
+    frame = size + HEADER_BYTES if n > 1 else size
+    return inter(m, n - 1, (n - 1) * frame, frame) + intra(m, (g - 1) * n * size)
 
 
 def reduce_scatter(m: dict, n: int, size: int) -> float:
     """``size``: the output per rank (the input is ``g n`` times it)."""
     g = ASSUMED["gpus_per_node"]
-    return header(m, n) + intra(m, (g - 1) * n * size) + inter(m, n - 1, (n - 1) * n * size, n * size)
+    frame = n * size + HEADER_BYTES
+    return intra(m, (g - 1) * n * size) + inter(m, n - 1, (n - 1) * frame, frame)
 
 
 def kernel_at(measured: dict, rows: int) -> float:

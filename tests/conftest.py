@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(config, items):
         "The host backend in this suite runs the same protocols (buffers, views, fences, signals, collectives, "
         "the PCP writer, aborts and timeouts) with symmsync's kernels in Triton's interpreter, one program after "
         "another, on POSIX shared memory. It does not run what needs a GPU: the compiled kernels' instructions "
-        "and memory ordering (tests/core/test_sm90_compile.py reads their PTX), the cuLaunchKernel fast path "
+        "and memory ordering (tests/tooling/test_sm90_compile.py reads their PTX), the cuLaunchKernel fast path "
         "(tests/core/test_fence.py packs for it against a stub), CUDA-graph capture and replay, a trap's error "
         "at synchronize(), grid_sync over more than one program, overlap() on a side stream (on the host: "
         "arrive(), the body, wait()), and device memory (cuMem handles, peer access, runtime-allocated memory)"

@@ -50,7 +50,7 @@ MAIN_TOKEN = 656  # main KV per token: 512 e4m3 codes, 4 fp32 tile scales (16 by
 INDEXER_TOKEN = 132  # indexer K per token: 128 fp8 values, one 4-byte scale field
 ALIGN = 128  # each region of a layer is padded to 128 bytes
 POISON = 0xA5  # what a byte no one may write holds before and after
-GUARD = POISON  # the name tests/core/test_runtime_memory.py uses
+GUARD = POISON  # the name tests/pcp/test_pcp_runtime_cache.py uses
 
 
 # ---------------------------------------------------------------------- the references

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMMAND = "python docs/hooks/imports.py"
 DESIGN = "docs/design.md"
 GRAPH_INTRO = "Now, read from the imports"
+LAYERS_INTRO = "The layers, read from the imports"
 TABLE_HEADER = "| fact | its one home | used by |"
 OUTSIDE = ("examples", "benchmarks")  # users outside the package, named by their folder
 WIDTH = 110
@@ -267,6 +268,66 @@ def graph_block(root: Path = ROOT) -> str:
     return "\n".join(lines)
 
 
+def _folder(m: str, package: Path) -> str:
+    """The folder (subpackage) a module lives in, or ``""`` for the top level."""
+    parts = m.split(".")
+    return parts[0] if len(parts) > 1 or (m != "symmsync" and _is_package(m, package)) else ""
+
+
+def _summary(path: Path) -> str:
+    """The first sentence of a module's docstring (up to its first period that ends a sentence)."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    text = " ".join(doc.split())
+    text = re.sub(r":\w+:`~?\.?([^`]+)`", r"\1", text).replace("``", "")  # the roles' names, plainly
+    m = re.search(r"\.(\s|$)", text)
+    return (text[: m.start()] if m else text).strip()
+
+
+def layers_block(root: Path = ROOT) -> str:
+    """The layer picture as docs/design.md shows it: every folder, from the top down (a folder
+    above every folder it imports), with the first sentence of its docstring, its modules and
+    the folders it imports; then the top level's modules; then the circles between folders."""
+    package = root / "symmsync"
+    g = graph(root)
+    folders: dict[str, list[str]] = {}
+    for m in g:
+        folders.setdefault(_folder(m, package), []).append(m)
+    above: dict[str, set[str]] = {f: set() for f in folders}
+    for m, e in g.items():
+        for entry in (*e.load, *e.late, *e.typing):
+            for t in entry.split(" | "):
+                if t in g and _folder(t, package) != _folder(m, package) and _folder(t, package):
+                    above[_folder(m, package)].add(_folder(t, package))
+    depth: dict[str, int] = {}
+
+    def visit(f: str, path: frozenset) -> int:
+        if f not in depth:
+            depth[f] = 1 + max((visit(t, path | {f}) for t in above[f] if t not in path), default=-1)
+        return depth[f]
+
+    for f in folders:
+        visit(f, frozenset())
+    lines = []
+    for f in sorted((f for f in folders if f), key=lambda f: (-depth[f], f)):
+        doc = _summary(package / f / "__init__.py")
+        lines += textwrap.wrap(f"{f}/  {doc}", WIDTH, subsequent_indent="    ")
+        mods = ", ".join(sorted((m.split(".", 1)[1] for m in folders[f] if "." in m), key=_order)) or "-"
+        lines += textwrap.wrap(f"modules: {mods}", WIDTH, initial_indent="    ", subsequent_indent="      ")
+        imports = ", ".join(f"{t}/" for t in sorted(above[f], key=lambda t: (-depth[t], t))) or "nothing of the folders"
+        lines += textwrap.wrap(f"imports: {imports}", WIDTH, initial_indent="    ", subsequent_indent="      ")
+    top = sorted(folders[""], key=_order)
+    lines += textwrap.wrap(
+        "top level: " + ", ".join(top) + " (the package's face, what every layer raises and checks with, the test runner)",
+        WIDTH,
+        subsequent_indent="    ",
+    )
+    adj = {f: above[f] for f in folders if f}
+    circles = [c for c in _circles({f: Edges(load=adj[f]) for f in adj}, ("load",))]
+    lines.append("")
+    lines.append("circles between folders: " + ("; ".join(", ".join(c) for c in circles) or "none"))
+    return "\n".join(lines)
+
+
 HOME_ITEM = re.compile(r"`([^`]+)`")
 
 
@@ -343,6 +404,12 @@ def render(root: Path = ROOT) -> str:
     opening = next(i for i in range(intro, len(lines)) if lines[i].startswith("```"))
     closing = next(i for i in range(opening + 1, len(lines)) if lines[i] == "```")
     lines[opening + 1 : closing] = graph_block(root).split("\n")
+    layers = next((i for i, line in enumerate(lines) if line.startswith(LAYERS_INTRO)), None)
+    if layers is None:
+        raise ValueError(f"{DESIGN} has no paragraph beginning {LAYERS_INTRO!r}")
+    opening = next(i for i in range(layers, len(lines)) if lines[i].startswith("```"))
+    closing = next(i for i in range(opening + 1, len(lines)) if lines[i] == "```")
+    lines[opening + 1 : closing] = layers_block(root).split("\n")
     everyone = readers(root)
     for i in _table_rows(lines):
         cells = lines[i].split(" | ")

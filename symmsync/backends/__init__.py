@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..errors import BackendError, ConfigError
+from ..errors import BackendError, CaptureError, ConfigError
 from . import mode
 from .base import GPU, INTERPRETER, Backend, Capabilities, Chunk, LocalExport, Memory, Piece, part_of, tensor_at
 
@@ -57,6 +57,16 @@ BACKENDS = ("host", "cuda")
 def name_for(device: torch.device) -> str:
     """The backend that maps memory on ``device``: ``"cuda"`` for a CUDA device, else ``"host"``."""
     return "cuda" if device.type == "cuda" else "host"
+
+
+def capture_error(where: str, why: str, instead: str) -> CaptureError:
+    """The one wording of a call refused because its stream is capturing a CUDA graph
+    (:func:`capturing`): ``where`` (``"rank 0: Fence"``), why a graph cannot hold the call, and
+    what to do instead. Raised by constructors (:mod:`symmsync.core.agreement`, the fence) and
+    by a call over nodes (:mod:`symmsync.spanning.exchange`)."""
+    return CaptureError(
+        f"{where}: called while a CUDA graph was being captured on its current stream; {why}. {instead}"
+    )
 
 
 def capabilities_for(device: torch.device) -> Capabilities:

@@ -1,4 +1,4 @@
-"""Agreement among the ranks of a group: the one place symmsync talks to torch.distributed.
+"""Agreement among the ranks of a group: how symmsync's constructors use the buffer's torch.distributed group.
 
 Every collective entry point of symmsync (a buffer and its growth, a view, Signals, a
 collective, the PCP writer, each mapping step) follows one protocol, written once in
@@ -171,7 +171,7 @@ def agree(
     everyone = gather(group, (values, problem, error, capturing))
     captured = [r for r, (*_, c) in enumerate(everyone) if c]
     if captured:
-        raise CaptureError(f"{call}: {ranks_text(captured)}: {_capture_text()}")
+        raise _capture_error(f"{call}: {ranks_text(captured)}")
     agreed = [v for v, *_ in everyone]
     if received is not None:
         received(agreed)
@@ -188,11 +188,12 @@ def agree(
     return agreed
 
 
-def _capture_text() -> str:
-    return (
-        "called while a CUDA graph was being captured on its current stream; creating a buffer, "
-        "view, fence or Signals (or growing a buffer) allocates, maps or copies memory, which a capture cannot record. "
-        "Create them before capture: the launches through them (fences, your kernels) can be captured"
+def _capture_error(where: str) -> CaptureError:
+    return backends.capture_error(
+        where,
+        "creating a buffer, view, fence or Signals (or growing a buffer) allocates, maps or copies memory, which a "
+        "capture cannot record",
+        "Create them before capture: the launches through them (fences, your kernels) can be captured",
     )
 
 
@@ -215,7 +216,7 @@ def _capture_flag(group: Any, device: torch.device | None, *, call: str) -> bool
     if not backends.capturing(device):
         return False
     if _exchange_on_device(group):
-        raise CaptureError(f"rank {dist.get_rank(group)}: {call}: {_capture_text()}")
+        raise _capture_error(f"rank {dist.get_rank(group)}: {call}")
     return True
 
 

@@ -93,15 +93,35 @@ def used_after_abort(view: PeerView, what: str, reason: str, channel: int = -1) 
         reason: the reason this rank aborted the view with.
         channel: the waiter's fence channel (-1: none).
     """
+    return peer_aborted(
+        view, view.rank, what, f"used after this rank aborted the view ({reason})", {view.rank: reason}, channel
+    )
+
+
+def peer_aborted(
+    view: PeerView, rank: int, what: str, happened: str, aborted: dict[int, str], channel: int = -1
+) -> PeerAborted:
+    """The one wording of a :class:`~symmsync.PeerAborted` raised on the host, outside a fence's
+    record: a waiter used after this rank's abort (:func:`used_after_abort`), an exchange between
+    nodes that members gave up on or that broke (:mod:`symmsync.spanning.exchange`).
+
+    Args:
+        view: the view it happened on.
+        rank: this rank, as the message names it (the exchange names global ranks).
+        what: the waiter or call (``"fence"``, ``"OffNode.all_gather"``).
+        happened: what happened, naming who gave up and why.
+        aborted: ``{rank: reason}`` of those named (:attr:`~symmsync.PeerAborted.aborted`).
+        channel: the waiter's fence channel (-1: none).
+    """
     on = f" channel {channel}" if channel >= 0 else ""
     return PeerAborted(
-        f"rank {view.rank}: {what} on view {list(view.ranks)}{on} used after this rank aborted the view "
-        f"({reason}); it fails closed from now on (carry on with a new view)",
-        rank=view.rank,
+        f"rank {rank}: {what} on view {list(view.ranks)}{on}: {happened}; it fails closed from now on (carry on "
+        "with a new view)",
+        rank=rank,
         epoch=-1,
         late={},
         channel=channel,
-        aborted={view.rank: reason},
+        aborted=aborted,
     )
 
 

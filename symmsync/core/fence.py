@@ -55,7 +55,7 @@ from .. import language as ssl
 from ..backends import driver as cuda
 from ..backends.mode import kernels_interpreted
 from ..checks import require, timeout_problem
-from ..errors import CLOSED_REASON, CaptureError, ClosedError, ConfigError, FenceTimeout, PeerAborted, SymmSyncError
+from ..errors import CLOSED_REASON, ClosedError, ConfigError, FenceTimeout, PeerAborted, SymmSyncError
 from ..language import cells, records
 from ..ops import fence as fence_ops
 from ..ops import handles
@@ -106,10 +106,10 @@ class Fence:
 
     def __init__(self, view: PeerView, channel: int = 0, *, timeout_s: float | None = None):
         if backends.capturing(view.buffer.device):
-            raise CaptureError(
-                f"rank {view.rank}: Fence: called while a CUDA graph was being captured on its current stream; "
-                "creating a fence allocates its record and compiles its kernels, which a capture cannot record. "
-                "Create fences before capture: their fence(), arrive() and wait() can be captured"
+            raise backends.capture_error(
+                f"rank {view.rank}: Fence",
+                "creating a fence allocates its record and compiles its kernels, which a capture cannot record",
+                "Create fences before capture: their fence(), arrive() and wait() can be captured",
             )
         spans = nodes.spanning_problem(view.nodes, "a Fence")
         if spans:  # every member raises it: the view's layout is agreed

@@ -12,7 +12,7 @@ among symmsync's other ops, which are side-effectful too (the direct-KV writer's
 declares the caches it writes, and runs in place).
 It does not order plain torch writes into symmetric memory: functionalization applies a
 graph's writes into its inputs at the end of the graph, after the fence, so peers would
-read stale bytes (tests/core/test_torch_compile.py measures it). Such writes belong in
+read stale bytes (tests/compile/test_compiled_fence.py measures it). Such writes belong in
 eager code before the compiled code, or in a custom op that declares the tensor it
 mutates. The op takes the members' user regions (``orders``) so that its fake, which
 Dynamo runs while it traces, finds such writes in the graph traced so far: a fence that

@@ -1,14 +1,20 @@
-"""The off-node exchange: the one place symmsync moves data between nodes, through torch.distributed.
+"""The off-node exchange: how data crosses nodes, through gloo groups of a view's members.
 
 A view whose members span nodes (:attr:`PeerView.nodes <symmsync.PeerView.nodes>`) cannot
-map its far members' memory; what must cross nodes goes through the job's own
-torch.distributed backend (NCCL on GPUs, gloo on CPUs; gloo where the default group is
-bound to a device, whose NCCL groups would need every rank of the job) in an
-:class:`OffNode`, made once per view by its members::
+map its far members' memory; what must cross nodes goes through an :class:`OffNode`, made
+once per view by its members (the consumers over a view share the view's one,
+:mod:`.parts`)::
 
     off = OffNode(view, timeout_s=30)
     parts = off.all_gather(t)                      # every member's t, in view order
     heads = off.all_gather(t, among="position")    # one member per node: the inter-node step
+
+Its two groups are gloo groups made by hand over the job's torch.distributed store (gloo
+moves CUDA tensors through the host), not entered in torch.distributed's table of groups:
+that table names a group of a set of ranks from the groups of those ranks alive on each
+rank, and a group made again under a name a closed one had meets the old one's keys in the
+store. ``close()`` shuts them down (:meth:`OffNode.release`), so that a job that makes and
+closes views keeps a bounded number (:func:`live_groups`).
 
 Every wait is bounded. An exchange is issued asynchronously and polled; meanwhile it
 watches this rank's abort of the view and the aborts the view's other members posted in
@@ -16,22 +22,21 @@ the torch.distributed store (:func:`post_abort`, called by every abort of a span
 :meth:`PeerView.abort <symmsync.PeerView.abort>`, ``SymmetricBuffer.close()``, a waiter
 that failed). So a rank that gives up or closes on one node reaches every rank of the
 other nodes waiting in an exchange as :class:`~symmsync.PeerAborted` naming it, within a
-poll (:data:`STORE_POLL_S`). A rank that dies without a word (killed, ``os._exit``) breaks
-torch.distributed's exchange (gloo: the connection closes): that is a
+poll (:data:`STORE_POLL_S`); a rank that relays it (its exchange broke when the other
+closed) posts the origin's rank and reason. A rank that dies without a word (killed,
+``os._exit``) breaks the exchange (gloo: the connection closes): that is a
 :class:`~symmsync.PeerAborted` naming the members that did not post, within
-:data:`SILENT_S`, that they saw it break too (torch.distributed does not say which one
-died). One that hangs: a :class:`~symmsync.FenceTimeout` once
-``timeout_s`` passed, naming the step, the ranks waited for and the budget. Never
-torch.distributed's own error, never a hang. After any of these the exchange fails
-closed: this rank aborts the view (telling the others), and every later call raises the
-same error. A rank that cannot read the store (its host went away) fails its exchange with
-an empty :attr:`~symmsync.PeerAborted.aborted`: it cannot tell who failed, so it names no
-death; the others, where they can still read the store, name that rank and its reason.
-The exchange torch.distributed still holds after a failure ends with the groups' own
-timeout (``timeout_s`` + :data:`GROUP_GRACE_S`); with NCCL, whose watchdog may then end the
-process (not run: see docs/guarantees.md), treat a failure across nodes as the end of the
-process, as after a GPU trap. A call during CUDA graph capture raises
-:class:`~symmsync.CaptureError`: the wait is on the host.
+:data:`SILENT_S`, that they saw it break too (gloo does not say which one died). One that
+hangs: a :class:`~symmsync.FenceTimeout` once the call's budget passed, naming the step,
+the ranks waited for and the budget. Never torch.distributed's own error, never a hang.
+After any of these the exchange fails closed: this rank aborts the view (telling the
+others), and every later call raises the same error. A rank that cannot read the store
+(its host went away) fails its exchange with an empty
+:attr:`~symmsync.PeerAborted.aborted`: it cannot tell who failed, so it names no death;
+the others, where they can still read the store, name that rank and its reason. An
+exchange gloo still holds after a failure ends with the groups' own timeout
+(``timeout_s`` + :data:`GROUP_GRACE_S`), or when ``close()`` aborts the groups. A call
+during CUDA graph capture raises :class:`~symmsync.CaptureError`: the wait is on the host.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from .. import backends
 from ..checks import MAX_TIMEOUT_S, timeout_problem
 from ..core import failure
 from ..core.agreement import ranks_text
-from ..errors import BackendError, CaptureError, ConfigError, FenceTimeout, PeerAborted
+from ..errors import BackendError, ConfigError, FenceTimeout, PeerAborted
 
 if TYPE_CHECKING:
     from ..core.views import PeerView
@@ -72,8 +77,9 @@ SILENT_S = 1.0
 #: What a rank posts when torch.distributed broke its exchange off (it does not say who died).
 BROKE = "the exchange broke"
 
-#: What a member that stayed silent after the exchange broke is named with (it died or left).
-SILENT = "died or left: silent"
+#: What a member that did not answer within :data:`SILENT_S` after the exchange broke is named with:
+#: it died or left, or it is alive and slower than that (gloo does not say which member went).
+SILENT = "did not answer"
 
 #: What a rank that cannot read the store says (and posts, where the store still takes it).
 STORE_LOST = "the store could not be read"
@@ -305,10 +311,10 @@ class OffNode:
         host, which a graph cannot hold. A caller checks before its first step, so that nothing
         is written, sent or aborted: where every member captured, the view stays usable."""
         if backends.capturing(device):
-            raise CaptureError(
-                f"rank {self.view.rank}: {call}: called during CUDA graph capture; its exchange between nodes "
-                "waits on the host, which a graph cannot hold: make the call outside the capture (eagerly, "
-                "or compiled without CUDA graphs)"
+            raise backends.capture_error(
+                f"rank {self.view.rank}: {call}",
+                "its exchange between nodes waits on the host, which a graph cannot hold",
+                "Make the call outside the capture (eagerly, or compiled without CUDA graphs)",
             )
 
     def _wait(self, work: Any, call: str, ranks: list[int], budget: float) -> None:
@@ -397,10 +403,12 @@ class OffNode:
         silent = [r for r in members if r not in posted]
         if not silent:
             return self._aborted(call, posted)
-        why = f"{SILENT} after the exchange broke ({detail or 'as its peers told'})"
+        why = (
+            f"{SILENT} within {SILENT_S:g} s after the exchange broke (died or left?; {detail or 'as its peers told'})"
+        )
         return self._peer_aborted(
             call,
-            f"the exchange broke and {ranks_text(silent)} stayed silent (died or left? check its log; "
+            f"the exchange broke and {ranks_text(silent)} {SILENT} within {SILENT_S:g} s (died or left? check its log; "
             f"{detail or 'told by the ranks that saw it break'})",
             dict.fromkeys(silent, why),
         )
@@ -421,17 +429,8 @@ class OffNode:
         return self._peer_aborted(call, f"{ranks_text(sorted(aborted))} aborted the view ({said})", aborted)
 
     def _peer_aborted(self, call: str, what: str, aborted: dict[int, str]) -> PeerAborted:
-        """The one form of an exchange's :class:`~symmsync.PeerAborted`: ``what`` happened, naming ``aborted``."""
-        me = self._ranks[self.view.local_index]
-        return PeerAborted(
-            f"rank {me}: {call} on view {list(self.view.ranks)}: {what}; the exchange fails closed (carry on "
-            "with a new view)",
-            rank=me,
-            epoch=-1,
-            late={},
-            channel=-1,
-            aborted=aborted,
-        )
+        """An exchange's :class:`~symmsync.PeerAborted`: ``what`` happened, naming ``aborted``."""
+        return failure.peer_aborted(self.view, self._ranks[self.view.local_index], call, what, aborted)
 
     def _timeout(self, call: str, ranks: list[int], budget: float) -> FenceTimeout:
         me = self._ranks[self.view.local_index]

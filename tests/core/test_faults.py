@@ -8,7 +8,7 @@
 * 500 fences at world 4 with seeded random delays between payload writes and
   fences, checked by the payload oracle (10 000 in the soak, ``make test-soak``), and the
   same run without the wait, which the oracle must catch;
-(Bad input, fuzzed: tests/core/test_fuzz.py.)
+(Bad input, fuzzed: tests/core/test_fuzz.py, and the writer's: tests/pcp/test_pcp_fuzz.py.)
 
 Ranks that kill themselves are named in ``testing.run(..., may_die=...)``, so the
 survivors run on and report.

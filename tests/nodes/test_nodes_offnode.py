@@ -112,7 +112,9 @@ def gather_while_capturing():
 def test_an_exchange_during_cuda_graph_capture_is_refused_and_leaves_the_view_usable(pool):
     for rank, (refused, after) in enumerate(pool.call(gather_while_capturing)):
         assert refused[0] == "CaptureError", refused
-        assert refused[1].startswith(f"rank {rank}: OffNode.all_gather: called during CUDA graph capture"), refused
+        assert refused[1].startswith(
+            f"rank {rank}: OffNode.all_gather: called while a CUDA graph was being captured"
+        ), refused
         assert after == [_mine(r).tolist() for r in range(4)]
 
 
@@ -182,7 +184,7 @@ def test_a_store_that_cannot_be_read_fails_that_rank_and_no_member_is_named_dead
     (lost,) = got[0]
     assert lost["type"] == "PeerAborted" and lost["rank"] == 0, lost
     assert "the store could not be read (planted: connection reset by peer)" in lost["msg"], lost
-    assert lost["aborted"] == {} and "stayed silent" not in lost["msg"], lost  # it cannot tell: it does not guess
+    assert lost["aborted"] == {} and "did not answer" not in lost["msg"], lost  # it cannot tell: it does not guess
     assert lost["elapsed"] < FAST_S, lost
     for rank, (first, second) in enumerate(got[1:], 1):
         # Rank 0 sent its part before it gave up: the others' exchange may still complete, and is
@@ -192,7 +194,7 @@ def test_a_store_that_cannot_be_read_fails_that_rank_and_no_member_is_named_dead
         for err in [e for e in (first, second) if isinstance(e, dict)]:
             assert err["type"] == "PeerAborted" and err["rank"] == rank, (rank, err)
             assert "the store could not be read" in err["aborted"].get(0, ""), (rank, err)
-            assert "stayed silent" not in err["msg"], (rank, err)
+            assert "did not answer" not in err["msg"], (rank, err)
             assert err["elapsed"] < FAST_S, (rank, err)
         assert isinstance(second, dict), (rank, second)  # without rank 0: it fails closed, within a poll and a grace
 
@@ -268,7 +270,10 @@ def test_a_rank_that_dies_reaches_the_other_node_as_peer_aborted_naming_it():
     results = run(_gather_once_then, 4, 0, "die", BUDGET_S, env=ENV, may_die=[0], timeout_s=240)
     assert results[0] == Died(0, 7)
     for err, again in results[1:]:
-        assert err["type"] == "PeerAborted" and list(err["aborted"]) == [0], err  # the silent one
-        assert "stayed silent (died or left?" in err["msg"], err
+        # The dead rank is named as one that did not answer; a live member slower than SILENT_S under
+        # load may be named with it, in the same words (gloo does not say who went), never as the origin.
+        assert err["type"] == "PeerAborted" and 0 in err["aborted"], err
+        assert all(why.startswith("did not answer within") for why in err["aborted"].values()), err
+        assert "did not answer within" in err["msg"] and "(died or left?" in err["msg"], err
         assert err["elapsed"] < FAST_S, err
         assert again == "PeerAborted"

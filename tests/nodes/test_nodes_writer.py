@@ -208,7 +208,9 @@ def test_across_two_nodes_every_replica_matches_all_gather_and_insert_in_every_f
     for rank, r in enumerate(results):
         (layer, kind, aborted, elapsed), capturing = r["node_fence"]
         assert capturing is not None and capturing[0] == "CaptureError", (rank, capturing)
-        assert capturing[1].startswith(f"rank {rank}: DirectKVWriter.write: called during CUDA graph"), capturing
+        assert capturing[1].startswith(
+            f"rank {rank}: DirectKVWriter.write: called while a CUDA graph was being captured"
+        ), capturing
         assert kind == "PeerAborted", (rank, r["node_fence"])
         assert elapsed < BUDGET_S / 2, (rank, r["node_fence"])
         # told by a member of the failing node through the store, or by its node-mate so told
