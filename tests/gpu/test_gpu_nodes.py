@@ -49,7 +49,7 @@ def spanning():
     cache = Cache(-(-TOKENS // BLOCK), 1, BLOCK)
     sizes = [C.workspace_bytes(NUMEL, torch.bfloat16, WORLD, op, nodes=2) for op in ("all_reduce", "all_gather")]
     at = cache.end + GUARD_BYTES
-    buf = ss.SymmetricBuffer(at + sum(sizes), backend="cuda", channels=2)
+    buf = ss.SymmetricBuffer(at + sum(sizes), backend="cuda", channels=4)  # the view's node steps: 2 + 1, the writer 1
     dev = buf.device
     buf.tensor(0, (buf.nbytes,), torch.uint8).zero_()  # untouched cache bytes read as the oracle's fill
     torch.cuda.synchronize()
