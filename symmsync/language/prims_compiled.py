@@ -123,7 +123,7 @@ def check_co_resident():
 
 @triton.jit
 def _program_index():
-    # _language_core.program_index (the core imports this module, not the other way round)
+    # language.core.program_index (language.core imports this module, not the other way round)
     return tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
 
 

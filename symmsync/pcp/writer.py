@@ -381,8 +381,11 @@ class DirectKVWriter:
 
         Raises: as :meth:`caches`.
         """
+        spans = self._spans
+        if spans is not None and type(layer) is int and 0 <= layer < len(spans):  # a compiled write's every call
+            return spans[layer]
         self.caches(layer)
-        return self._spans[layer]
+        return spans[layer]
 
     @property
     def usable_blocks(self) -> int:

@@ -241,7 +241,7 @@ class OffNode:
         """Shut the groups down (the buffer closed; idempotent): a later call raises as after an abort."""
         for group in self._groups:
             _LIVE.pop(id(group), None)
-            stop = getattr(group, "abort" if self._broken else "shutdown", None)  # torch 2.11 has both
+            stop = getattr(group, "abort" if self._broken else "shutdown", None)  # where this torch has them
             if stop is not None:
                 try:
                     stop()
