@@ -187,6 +187,14 @@ class _Collective:
         """This process's global rank."""
         return self._buffer.rank
 
+    def accepts(self, x: Any, out: Any = None) -> bool:
+        """Whether a call with these arguments passes this rank's input checks: False exactly when
+        the call would raise :class:`~symmsync.InputError` (and fail the collective for good), by
+        the same rule the call checks with. Ask it to fall back to another path for an input that
+        does not fit (dtype, size, device, contiguity, grad). It says nothing of the other members'
+        calls, nor of a collective that failed or was closed before."""
+        return self._problem(x, out) is None
+
     def synchronize(self) -> None:
         """Wait for the device; turn a trapped call into the error it recorded.
 
@@ -518,6 +526,24 @@ class AllReduce(_Collective):
         if residual is not None or norm_weight is not None:
             return self._fused(x, out, algorithm, residual, norm_weight, eps, residual_out)
         return self._reduce(x, out, algorithm)
+
+    def accepts(
+        self,
+        x: Any,
+        out: Any = None,
+        *,
+        algorithm: str | None = None,
+        residual: Any = None,
+        norm_weight: Any = None,
+        eps: Any = 1e-6,
+        residual_out: Any = None,
+    ) -> bool:
+        """Whether ``self(x, out, ...)`` with these arguments passes this rank's input checks:
+        False exactly when the call would raise :class:`~symmsync.InputError`, by the rule the
+        call checks with (:meth:`~symmsync.collectives.AllGather.accepts` says what it covers)."""
+        if residual is not None or norm_weight is not None:
+            return self._fused_problem(x, out, algorithm, residual, norm_weight, eps, residual_out) is None
+        return self._problem(x, out) is None and (algorithm or self.algorithm) in self._codes
 
     def _reduce(self, x: Any, out: Any, algorithm: str | None) -> torch.Tensor:
         """The checked call without the epilogue: what ``__call__`` and ``symmsync::all_reduce`` run."""

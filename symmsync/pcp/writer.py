@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -499,6 +499,14 @@ class DirectKVWriter:
             self.fence.fence()
         elif self._check_after_launch:
             self.fence.check()
+
+    def accepts(self, layer: Any, kv_c: Any, k_pe: Any, indexer_k: Any, batch: Any) -> bool:
+        """Whether ``write(layer, kv_c, k_pe, indexer_k, batch)`` passes this rank's input checks:
+        False exactly when it would raise :class:`~symmsync.InputError`, or the layout's
+        :class:`~symmsync.BoundsError` / :class:`~symmsync.ConfigError` for ``layer`` (and abort the
+        fence's view), by the rule the write checks with. It says nothing of the other members'
+        writes, nor of a writer whose view was aborted or whose buffer was closed."""
+        return self._input_problem(layer, kv_c, k_pe, indexer_k, batch) is None
 
     def _input_problem(
         self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, indexer_k: torch.Tensor, batch: Batch

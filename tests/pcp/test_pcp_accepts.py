@@ -1,0 +1,65 @@
+"""Asking before writing: ``DirectKVWriter.accepts()`` is False exactly when ``write()`` refuses.
+
+Host backend, world 2 (PCP2). For each case (both ranks pass the same arguments), a fresh
+buffer, writer and batch: the predicate's answer, then the write's outcome. The oracle is the
+write itself: ``accepts()`` must be False exactly where ``write()`` raised ``InputError`` or
+the layout's ``BoundsError`` for a bad layer, True where it returned.
+"""
+
+import pytest
+import torch
+from oracles import GUARD_BYTES, Cache
+
+import symmsync as ss
+from symmsync import pcp
+from symmsync.testing import RankPool
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(2, timeout_s=240) as p:
+        yield p
+
+
+WRITER_CASES = ["fits", "float32 kv_c", "rows of another count", "not contiguous", "layer 5", "no batch", "grad"]
+
+
+def ask_then_write(names):
+    cache = Cache(4, 1, 8, base=GUARD_BYTES)
+    out = []
+    for name in names:
+        buf = ss.SymmetricBuffer(cache.end + GUARD_BYTES, backend="host")
+        writer = pcp.DirectKVWriter(ss.pcp_view(buf), cache.layout, timeout_s=60)
+        batch = writer.prepare(torch.arange(4) + 4 * buf.rank)
+        kv, pe, ix = (torch.ones(4, n, dtype=torch.bfloat16) for n in (512, 64, 128))
+        layer, grad = 0, False
+        if name == "float32 kv_c":
+            kv = kv.float()
+        elif name == "rows of another count":
+            kv = torch.ones(3, 512, dtype=torch.bfloat16)
+        elif name == "not contiguous":
+            kv = torch.ones(512, 4, dtype=torch.bfloat16).t()
+        elif name == "layer 5":
+            layer = 5
+        elif name == "no batch":
+            batch = object()
+        elif name == "grad":
+            kv, grad = kv.requires_grad_(), True
+        with torch.set_grad_enabled(grad):
+            said = writer.accepts(layer, kv, pe, ix, batch)
+            try:
+                writer.write(layer, kv, pe, ix, batch)
+                got = "returned"
+            except ss.SymmSyncError as e:
+                got = type(e).__name__
+        buf.close()
+        out.append((name, said, got))
+    return out
+
+
+def test_the_writer_accepts_exactly_what_it_does_not_refuse(pool):
+    for rank, results in enumerate(pool.call(ask_then_write, WRITER_CASES)):
+        for name, said, got in results:
+            assert got in ("returned", "InputError", "BoundsError"), (rank, name, got)
+            assert said == (got == "returned"), (rank, name, said, got)
+        assert [n for n, said, _ in results if said] == ["fits"], results
