@@ -24,6 +24,7 @@ _enable_interpreter()  # before any symmsync kernel is defined (buffer -> views 
 
 from .core.buffer import SymmetricBuffer  # noqa: E402
 from .core.fence import Fence, launch_grid_sync  # noqa: E402
+from .core.regions import carve  # noqa: E402
 from .core.signals import Signals  # noqa: E402
 from .core.views import TP_PCP_ORDER, PeerView, pcp_view, tp_pcp_ranks, tp_view  # noqa: E402
 from .errors import (  # noqa: E402
@@ -70,6 +71,7 @@ __all__ = [
     "SymmetricBuffer",
     "TP_PCP_ORDER",
     "ViewError",
+    "carve",
     "launch_grid_sync",
     "pcp_view",
     "tp_pcp_ranks",

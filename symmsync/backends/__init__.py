@@ -43,10 +43,12 @@ __all__ = [
     "as_device",
     "capabilities_for",
     "capturing",
+    "compiling",
     "create",
     "default_device",
     "name_for",
     "part_of",
+    "refuse_compiling",
     "resolve",
     "tensor_at",
 ]
@@ -67,6 +69,37 @@ def capture_error(where: str, why: str, instead: str) -> CaptureError:
     return CaptureError(
         f"{where}: called while a CUDA graph was being captured on its current stream; {why}. {instead}"
     )
+
+
+def compiling() -> bool:
+    """True while ``torch.compile`` traces the caller (Dynamo), or runs it inside a compiled
+    function's frames: code a graph break hands back to Python, where Dynamo's frame callback is
+    still set (the test torch's own ``set_stance`` makes). False in plain eager code and inside
+    a ``torch.compiler.disable``-d function."""
+    if torch.compiler.is_compiling():
+        return True
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+    callback = get_eval_frame_callback()
+    return callback is not None and callback is not False
+
+
+def refuse_compiling(call: str) -> None:
+    """Raise the one :class:`~symmsync.ConfigError` of a collective set-up call (a constructor,
+    ``view``, ``grow``, ``claim``, the writer's ``prepare``) made inside a function that
+    ``torch.compile`` compiles (:func:`compiling`). Every rank that runs the function raises it,
+    before any exchange. Under ``fullgraph=True`` Dynamo reports it as its own ``Unsupported``,
+    whose text carries this error; without, this error itself reaches the caller."""
+    if compiling():
+        import torch.distributed as dist
+
+        who = f"rank {dist.get_rank()}: " if dist.is_available() and dist.is_initialized() else ""
+        raise ConfigError(
+            f"{who}{call}: called inside a function that torch.compile compiles; a set-up call is collective "
+            "and allocates, maps or exchanges with the other ranks, which a compiled graph cannot hold. Make it "
+            "before compiling, in eager code (docs/inside-a-model.md, 'Create everything before compiling and "
+            "capturing')"
+        )
 
 
 def capabilities_for(device: torch.device) -> Capabilities:

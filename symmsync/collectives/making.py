@@ -15,6 +15,7 @@ import torch
 
 from ..checks import int_problem
 from ..core import agreement
+from ..core.regions import Region
 from ..core.views import PeerView
 from ..errors import BoundsError, ClosedError, ConfigError
 from . import layout as L
@@ -60,6 +61,16 @@ def fit_problem(buf: Any, offset: int, nbytes: int, nodes: int = 1) -> tuple[str
     ), BoundsError
 
 
+def workspace_region(call: str, view: PeerView, channel: int, ws: L.Workspace) -> Region:
+    """The bytes a collective's workspace claims (:mod:`symmsync.core.regions`). Its share key is the
+    workspace's layout and the view's fence cell of its channel: collectives with both equal make calls
+    ordered by that channel's epochs over slots at the same places, as one collective's calls are."""
+    owner = f"{call} (view {list(view.ranks)}, channel {channel})"
+    return Region(
+        owner, ws.offset, ws.offset + ws.nbytes, share=("collective workspace", view.cell_offset(channel), ws)
+    )
+
+
 def agree(
     call: str,
     view: PeerView,
@@ -94,7 +105,7 @@ def agree(
     mine["the node steps"] = steps or "none (one node)"
     same["the node steps"] = agreement.Same(hint=_NODE_STEPS_HINT)
     mine["the GPU"] = gpu_identity(buf.device) if buf.capabilities.streams else None  # exchanged, not compared
-    agreed = agreement.agree(buf.group, call, mine, problem=problem, error=error, same=same)
+    agreed = agreement.agree(buf.group, call, mine, problem=problem, error=error, same=same, device=buf.device)
     gpu = mine["the GPU"]
     return tuple(r for r in members if r != buf.rank and gpu and agreed[r]["the GPU"] == gpu)
 

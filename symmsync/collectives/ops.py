@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .. import backends
 from ..backends import mode
 from ..checks import int_problem, number_problem, require
 from ..core import agreement
@@ -65,6 +66,7 @@ class _Collective:
         channel: int = 0,
         timeout_s: float | None = None,
     ):
+        backends.refuse_compiling(self._NAME)
         self._over = None
         if isinstance(view, PeerView) and not view.nodes.single:  # a layout every member sees alike
             self._init_over_nodes(view, max_numel, dtype, algorithm, offset, channel, timeout_s)
@@ -76,8 +78,13 @@ class _Collective:
             problem, error = making.fit_problem(buf, offset, ws.nbytes)
         if problem is None:  # a bad channel or timeout is agreed like the rest, so that every rank raises
             fence, problem, error = agreement.attempt(lambda: Fence(view, channel, timeout_s=timeout_s), buf.rank)
+        region = None
+        if problem is None:  # its workspace's bytes, shared only by collectives of this layout on this channel
+            region = making.workspace_region(self._NAME, view, channel, ws)
+            problem, error = buf.regions.problem(region), ConfigError
         mine = making.arguments(max_numel, dtype, algorithm, offset, channel)
         self._keep(view, max_numel, dtype, making.agree(self._NAME, view, mine, problem, error))
+        buf.regions.claim(region, self)
         self.fence = fence
         """The :class:`~symmsync.Fence` whose channel the collective synchronizes on (``None`` over a view
         that spans nodes: its node steps have theirs)."""

@@ -43,6 +43,7 @@ from ..errors import CLOSED_REASON, BoundsError, ClosedError, ConfigError, SizeM
 from ..language.cells import CellLayout
 from . import memory, nodes
 from .agreement import Same, agree
+from .regions import Region, Regions
 from .views import PeerView, create_view
 
 ALIGN = 16  #: every tensor view starts on a multiple of this many bytes
@@ -102,6 +103,7 @@ class SymmetricBuffer:
         max_nbytes: int | None = None,
         backend_options: dict[str, Any] | None = None,
     ):
+        backends.refuse_compiling("SymmetricBuffer")
         self._join(group)
         problem = None
         try:
@@ -133,6 +135,8 @@ class SymmetricBuffer:
         # Every live PeerView created on it: close() aborts them. Weak, so that a buffer
         # and its views form no reference cycle (which kept process groups alive at exit).
         self._views: weakref.WeakSet[PeerView] = weakref.WeakSet()
+        self._regions = Regions()  # who owns which bytes of the user region (core/regions.py)
+        self._claims: dict[Region, int] = {}  # the users' named regions: claim(), release()
 
     def _finish(self, kind: memory.Kind) -> None:
         self._memory = kind
@@ -196,6 +200,7 @@ class SymmetricBuffer:
         backend_options: dict[str, Any] | None,
         call: str,
     ) -> SymmetricBuffer:
+        backends.refuse_compiling(call)
         self = cls.__new__(cls)
         self._join(group)
         problem = memory.args_problem(nbytes, max_views, channels, None, backend_options)
@@ -276,6 +281,7 @@ class SymmetricBuffer:
             ConfigError, SizeMismatchError: on every rank, for bad or differing arguments.
             CaptureError: on every rank, when a rank's current stream was capturing a CUDA graph.
         """
+        backends.refuse_compiling("SymmetricBuffer.register")
         self = cls.__new__(cls)
         self._join(group)
         ptr, dev, problem = memory.Registered.local_problem(local, nbytes, device, ALIGN)
@@ -327,6 +333,7 @@ class SymmetricBuffer:
             BackendError: a rank could not commit or map; every rank then unmaps what
                 this grow mapped, and the buffer keeps its size.
         """
+        backends.refuse_compiling("SymmetricBuffer.grow")
         problem, error = int_problem("nbytes", nbytes, minimum=1), ConfigError
         if self._closed:  # still enter the exchange: every rank raises, none waits
             problem, error = "used after close() on this rank", ClosedError
@@ -427,6 +434,13 @@ class SymmetricBuffer:
         return self._cells
 
     @property
+    def regions(self) -> Regions:
+        """The claims on this rank's user region (:mod:`symmsync.core.regions`): iterate it for the
+        :class:`~symmsync.core.regions.Region` each owner holds. Consumers claim their bytes
+        when they are made; :meth:`claim` is a user's."""
+        return self._regions
+
+    @property
     def views(self) -> tuple[PeerView, ...]:
         """This rank's live views of the buffer (what :meth:`close` aborts)."""
         return tuple(self._views)
@@ -522,6 +536,49 @@ class SymmetricBuffer:
             )
         nodes.refuse_peer(self._nodes, me, rank, call)
         return self._memory.user_tensor(rank)[offset : offset + size].view(dtype).view(shape)
+
+    def claim(self, name: str, offset: int, nbytes: int) -> Region:
+        """Claim bytes ``[offset, offset + nbytes)`` of the user region as ``name``'s (collective).
+
+        The bytes are then this name's until :meth:`release`: a consumer made over them
+        later (a collective's workspace, the writer's caches) or another claim is refused
+        on every rank, naming both owners and ranges; a claim over a consumer's bytes is
+        refused the same way. Claiming checks ownership only: :meth:`tensor` reads and
+        writes any bytes. Take offsets from :func:`symmsync.carve`.
+
+        Raises (on every rank, when any rank's claim is refused):
+            ConfigError: ``name`` is not a non-empty str, a size is not a positive int, the
+                range overlaps another owner's, or the ranks' arguments differ.
+            BoundsError: the range is past :attr:`nbytes`.
+            ClosedError: a rank closed its buffer.
+            CaptureError: a rank's current stream was capturing a CUDA graph.
+        """
+        call = "SymmetricBuffer.claim"
+        backends.refuse_compiling(call)
+        problem, error = None, ConfigError
+        if self._closed:
+            problem, error = "used after close() on this rank", ClosedError
+        elif not isinstance(name, str) or not name:
+            problem = f"name must be a non-empty str, got {name!r}"
+        else:
+            problem = int_problem("offset", offset, minimum=0) or int_problem("nbytes", nbytes, minimum=1)
+        if problem is None and offset + nbytes > self._nbytes:
+            problem = f"bytes [{offset}, {offset + nbytes}) are past the buffer's {self._nbytes}"
+            error = BoundsError
+        region = Region(f"the region {name!r}", offset, offset + nbytes) if problem is None else None
+        problem = problem or self._regions.problem(region)
+        same = dict.fromkeys(("name", "offset", "nbytes"), Same())
+        args = {"name": name, "offset": offset, "nbytes": nbytes}
+        agree(self._group, call, args, problem=problem, error=error, same=same, device=self._device)
+        self._claims[region] = self._regions.claim(region)
+        return region
+
+    def release(self, region: Region) -> None:
+        """Give back a region :meth:`claim` returned (this rank's claim; idempotent). Release on
+        every rank: a claim that some ranks hold refuses, on every rank, what overlaps it."""
+        key = self._claims.pop(region, None)
+        if key is not None:
+            self._regions.release(key)
 
     # ---------------------------------------------------------------- views
     def view(self, ranks: Sequence[int]) -> PeerView:

@@ -105,6 +105,7 @@ class Fence:
     """
 
     def __init__(self, view: PeerView, channel: int = 0, *, timeout_s: float | None = None):
+        backends.refuse_compiling("Fence")
         if backends.capturing(view.buffer.device):
             raise backends.capture_error(
                 f"rank {view.rank}: Fence",

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from .. import backends
 from .. import language as ssl
 from ..checks import check_index, int_problem, is_int, require, timeout_problem
 from ..errors import (
@@ -129,6 +130,7 @@ class Signals:
     """
 
     def __init__(self, view: PeerView, slots: int = 1, *, timeout_s: float | None = None):
+        backends.refuse_compiling("Signals")
         good_view = isinstance(view, PeerView)
         group = view.buffer.group if good_view else dist.group.WORLD
         problem, error = None, ConfigError

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import backends
 from ..checks import check_index, is_int, require
 from ..errors import ClosedError, ConfigError, ViewError
 from . import memory
@@ -201,6 +202,7 @@ def create_view(buffer: SymmetricBuffer, ranks: Sequence[int], problem: str | No
     """This rank's view of ``ranks`` (collective over the buffer's group): the one place
     views are made. :meth:`SymmetricBuffer.view` calls it (and tracks the view for
     ``close()``); ``problem``, when given, is raised on every rank."""
+    backends.refuse_compiling("SymmetricBuffer.view")
     me, world = buffer.rank, buffer.world_size
     req: tuple[int, ...] = ()
     if problem is None:

@@ -281,6 +281,20 @@ class Placement:
     indexer_block_stride: int
     caches: CacheLayout | CacheTensors = field(compare=False, repr=False)
 
+    def spans(self) -> list[tuple[int, int]]:
+        """The byte ranges the caches cover, ``(start, stop)``, sorted, touching ones joined."""
+        c = self.caches
+        last_main = (c.num_blocks - 1) * self.main_block_stride + c.block_size * MainKVLayout.TOKEN_BYTES
+        last_indexer = (c.num_blocks - 1) * self.indexer_block_stride + c.block_size * IndexerKLayout.TOKEN_BYTES
+        ranges = sorted(r for m, x in self.offsets for r in ((m, m + last_main), (x, x + last_indexer)))
+        joined: list[tuple[int, int]] = []
+        for start, stop in ranges:
+            if joined and start <= joined[-1][1]:
+                joined[-1] = (joined[-1][0], max(stop, joined[-1][1]))
+            else:
+                joined.append((start, stop))
+        return joined
+
     def agreed(self) -> tuple:
         """What every member must hold the same (compared across ranks)."""
         c = self.caches

@@ -40,11 +40,13 @@ import torch
 import torch.distributed as dist
 import triton
 
+from .. import backends
 from ..backends import mode
 from ..checks import int_problem, require
 from ..core import agreement
 from ..core.fence import Fence
 from ..core.launch import BoundLaunch, Launcher
+from ..core.regions import Region
 from ..errors import ClosedError, ConfigError, InputError, SymmSyncError
 from ..ops import handles
 from ..ops import kv as torch_ops
@@ -153,6 +155,7 @@ class DirectKVWriter:
         programs_per_sm: int | None = None,
         spread: bool | None = None,
     ):
+        backends.refuse_compiling("DirectKVWriter")
         buf = view.buffer
         fused = route == "direct" if fused is None else bool(fused)
         self.view, self.layout, self.route, self.fused, self.debug = view, layout, route, fused, debug
@@ -191,6 +194,11 @@ class DirectKVWriter:
         if problem is None and not how.spans:  # a bad channel or timeout is agreed like the rest
             fence, problem, error = agreement.attempt(lambda: Fence(view, channel, timeout_s=timeout_s), buf.rank)
         members = tuple(view.ranks)
+        claims = []
+        if problem is None:  # the caches' bytes, shared only by writers of these caches on this PCP group
+            owner, share = f"DirectKVWriter (view {list(members)}) caches", ("kv caches", members, placement.agreed())
+            claims = [Region(owner, start, stop, share=share) for start, stop in placement.spans()]
+            problem, error = next(filter(None, map(buf.regions.problem, claims)), None), ConfigError
         hint = f"every member of the PCP group {list(members)} must pass the same"
         in_group = agreement.Same(among=members, hint=hint)
         agreement.agree(
@@ -216,6 +224,8 @@ class DirectKVWriter:
                 ),
             },
         )
+        for region in claims:
+            buf.regions.claim(region, self)
         #: Across nodes, the members of the view on this rank's node (:attr:`fence`'s view); else ``None``.
         self.node_view = None
         offnode = None
@@ -302,6 +312,7 @@ class DirectKVWriter:
         """
         buf = self.buffer
         call = "DirectKVWriter.prepare"
+        backends.refuse_compiling(call)
         problem = None
         slots = None
         if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
@@ -331,6 +342,7 @@ class DirectKVWriter:
             {"the row count": rows, "slots": slots.cpu() if self.debug and slots is not None else None},
             problem=problem,
             error=InputError,
+            device=buf.device,
             same={
                 "the row count": agreement.Same(
                     error=InputError,

@@ -139,13 +139,16 @@ ROWS = 8
 def _layouts():
     main = pcp.CacheLayout(num_blocks=1, num_layers=2, base=128)  # 64 slots per layer
     bigger = pcp.CacheLayout(num_blocks=2, num_layers=1, base=128)  # 128 slots, fits the same buffer
-    return main, bigger, main.end + 256
+    # A second writer's caches, bytes of their own (writers of other layouts may not share bytes).
+    spare = pcp.CacheLayout(num_blocks=2, num_layers=1, base=ss.carve(start=main.end + 256, caches=0)["caches"])
+    return main, bigger, spare
 
 
 def fuzz_writer(ctor, prep, write, layer):
     r = dist.get_rank()
-    main, bigger, nbytes = _layouts()
-    buf = ss.SymmetricBuffer(nbytes, backend="host", channels=2)
+    main, bigger, spare = _layouts()
+    nbytes = main.end + 256  # what the guard bytes cover: the spare writer's caches lie past them
+    buf = ss.SymmetricBuffer(spare.end, backend="host", channels=2)
     try:
         view = buf.view([0, 1])
         mem = buf.tensor(0, (nbytes,), torch.uint8)
@@ -179,7 +182,7 @@ def fuzz_writer(ctor, prep, write, layer):
             return out
         batch = prepared[1]
         free = 1 - writer.fence.channel if writer.fence else 0
-        other = pcp.DirectKVWriter(view, bigger, route=writer.route, channel=free)  # a second writer
+        other = pcp.DirectKVWriter(view, spare, route=writer.route, channel=free)  # a second writer
         g = torch.Generator().manual_seed(r)
         kv, pe, ix = (torch.randn(ROWS, w, generator=g).to(torch.bfloat16) for w in (512, 64, 128))
         args = {

@@ -1,0 +1,175 @@
+"""Who owns which bytes: claims of a buffer's user region, refused on every rank where they overlap.
+
+Host backend, world 2. The oracles are the rule docs/concepts.md ("Who owns which bytes")
+states, written here as plain arithmetic over byte ranges: a refusal is a ``ConfigError`` on
+every rank naming both owners and both ranges; the one sharing it allows (collectives of one
+layout on one view and channel) gives every call the plain-torch sum of the members' inputs.
+"""
+
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import symmsync as ss
+from symmsync import collectives as C
+from symmsync import pcp
+from symmsync.testing import RankPool
+
+N = 64  # elements of every collective here
+F32 = torch.float32
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(2, timeout_s=240) as p:
+        yield p
+
+
+def _outcome(fn):
+    """``("ok", value)`` or ``(error type name, message)``."""
+    try:
+        return ("ok", fn())
+    except ss.SymmSyncError as e:
+        return (type(e).__name__, str(e))
+
+
+def _ranges_named(message: str, *ranges: tuple[int, int]) -> bool:
+    return all(f"[{a}, {b})" in message for a, b in ranges)
+
+
+# ---------------------------------------------------------------------------- carve
+def test_carve_places_each_region_aligned_after_the_last():
+    sizes = {"a": 100, "b": 0, "c": 1000, "d": 129}
+    plan = ss.carve(start=8, **sizes)
+    at = 8
+    for name, n in sizes.items():
+        start = -(-at // 128) * 128  # the rule: the next multiple of 128 at or after the last stop
+        assert plan[name] == start and plan.span(name) == (start, start + n)
+        at = start + n
+    assert plan.nbytes == at and list(plan) == list(sizes)
+    assert ss.carve(align=16, x=1, y=1).span("y") == (16, 17)
+    for bad in ({"align": 0}, {"start": -1}, {"x": -5}, {"x": 1.5}):
+        with pytest.raises(ss.ConfigError, match="symmsync.carve"):
+            ss.carve(**bad)
+
+
+# ---------------------------------------------------------------------------- refusals
+def overlapping_collectives() -> dict:
+    """The new user's cases: an all-gather at the all-reduce's offset on another channel, at
+    a part of it, and at its own bytes from carve()."""
+    w = dist.get_world_size()
+    ar_bytes, ag_bytes = C.workspace_bytes(N, F32, w), C.workspace_bytes(N, F32, w, "all_gather")
+    plan = ss.carve(ar=ar_bytes, ag=ag_bytes)
+    seen = {}
+    with ss.SymmetricBuffer(plan.nbytes + ag_bytes, backend="host") as buf:
+        view = buf.view(list(range(w)))
+        ar = C.AllReduce(view, N, F32, offset=plan["ar"], channel=0)
+        seen["ar"] = (ar.workspace.offset, ar.workspace.offset + ar.workspace.nbytes)
+        seen["same offset"] = _outcome(lambda: C.AllGather(view, N, F32, offset=0, channel=1))
+        seen["part"] = _outcome(lambda: C.AllGather(view, N, F32, offset=plan["ar"] + 128 * 4, channel=1))
+        ag = C.AllGather(view, N, F32, offset=plan["ag"], channel=1)
+        seen["ag"] = (ag.workspace.offset, ag.workspace.offset + ag.workspace.nbytes)
+        seen["owners"] = [(r.owner, r.start, r.stop) for r in buf.regions]
+        x = torch.full((N,), float(dist.get_rank() + 1))
+        seen["sum"] = torch.equal(ar(x), torch.full((N,), float(w * (w + 1) // 2)))
+    return seen
+
+
+def test_a_workspace_over_another_is_refused_on_every_rank_naming_both(pool):
+    w = 2
+    ag_bytes = C.workspace_bytes(N, F32, w, "all_gather")
+    for seen in pool.call(overlapping_collectives):
+        ar = seen["ar"]
+        for case, start in (("same offset", 0), ("part", 128 * 4)):
+            kind, message = seen[case]
+            assert kind == "ConfigError", (case, seen[case])
+            assert "AllGather (view [0, 1], channel 1)" in message and "AllReduce (view [0, 1], channel 0)" in message
+            assert _ranges_named(message, (start, start + ag_bytes), ar), message
+            assert "rank 0 (and rank 1)" in message  # every rank refused it, each naming the ranks
+        assert seen["ag"][0] >= ar[1]  # carve()'s offsets do not overlap, and are taken
+        assert [(s, e) for _, s, e in seen["owners"]] == [ar, seen["ag"]]
+        assert seen["sum"]  # the refusals left the all-reduce usable
+
+
+def writer_and_claims() -> dict:
+    """The writer's caches, a user's claim and a collective's workspace against each other."""
+    w, rank = dist.get_world_size(), dist.get_rank()
+    caches = pcp.CacheLayout(num_blocks=1, num_layers=2)
+    plan = ss.carve(ar=C.workspace_bytes(N, F32, w), caches=caches.nbytes, mine=C.workspace_bytes(N, F32, w))
+    layout = pcp.CacheLayout(num_blocks=1, num_layers=2, base=plan["caches"])
+    seen = {"layout": (layout.base, layout.end)}
+    with ss.SymmetricBuffer(plan.nbytes, backend="host", channels=3) as buf:
+        view = buf.view(list(range(w)))
+        writer = pcp.DirectKVWriter(view, layout, channel=0)
+        seen["ar over the caches"] = _outcome(lambda: C.AllReduce(view, N, F32, offset=plan["caches"], channel=1))
+        seen["claim over the caches"] = _outcome(lambda: buf.claim("scratch", layout.base + 128, 64))
+        seen["second writer, same caches"] = _outcome(lambda: pcp.DirectKVWriter(view, layout, channel=2).layout)
+        shifted = pcp.CacheLayout(num_blocks=1, num_layers=1, base=plan["caches"] + 128)
+        seen["writer of other caches over them"] = _outcome(lambda: pcp.DirectKVWriter(view, shifted, channel=2))
+        mine = buf.claim("scratch", plan["mine"], 256)
+        seen["claim"] = (mine.owner, mine.start, mine.stop)
+        seen["ar over the claim"] = _outcome(lambda: C.AllReduce(view, N, F32, offset=plan["mine"], channel=1))
+        seen["claim past the end"] = _outcome(lambda: buf.claim("far", plan.nbytes, 16))
+        seen["claims that differ"] = _outcome(lambda: buf.claim("x", 0 if rank == 0 else 128, 64))
+        buf.release(mine)
+        seen["claim after release"] = _outcome(lambda: buf.claim("again", plan["mine"], 256).owner)
+        del writer
+    return seen
+
+
+def test_the_writers_caches_and_a_users_claim_are_owned_like_workspaces(pool):
+    for seen in pool.call(writer_and_claims):
+        lo, hi = seen["layout"]
+        for case in ("ar over the caches", "claim over the caches", "writer of other caches over them"):
+            kind, message = seen[case]
+            assert kind == "ConfigError" and "DirectKVWriter (view [0, 1]) caches" in message, (case, seen[case])
+            assert f"[{lo}, " in message, message  # the caches' range, from their base
+        assert "the region 'scratch'" in seen["claim over the caches"][1]
+        assert seen["second writer, same caches"][0] == "ok"  # writers of these caches on this view share them
+        owner, start, stop = seen["claim"]
+        assert owner == "the region 'scratch'" and stop - start == 256
+        kind, message = seen["ar over the claim"]
+        assert kind == "ConfigError" and "the region 'scratch'" in message and f"[{start}, {stop})" in message
+        assert seen["claim past the end"][0] == "BoundsError"
+        assert seen["claims that differ"][0] == "ConfigError" and "offset differs" in seen["claims that differ"][1]
+        assert seen["claim after release"] == ("ok", "the region 'again'")
+
+
+# ---------------------------------------------------------------------------- the one sharing
+def shared_workspace(steps: int) -> dict:
+    """Two all-reduces of one layout at one offset on one channel, called in turn with random
+    delays on one rank; then the claims that the rule refuses, and a collected owner's bytes."""
+    w, rank = dist.get_world_size(), dist.get_rank()
+    nbytes = C.workspace_bytes(2 * N, F32, w)
+    seen = {"sums": []}
+    with ss.SymmetricBuffer(2 * nbytes, backend="host", channels=3) as buf:
+        view = buf.view(list(range(w)))
+        first = C.AllReduce(view, N, F32, offset=0, channel=0)
+        second = C.AllReduce(view, N, F32, offset=0, channel=0)
+        delay = random.Random(7)
+        for step in range(steps):
+            if rank == 1:
+                time.sleep(delay.uniform(0, 0.01))
+            ar = (first, second)[step % 2]
+            x = torch.arange(N, dtype=F32) * (rank + 1) + step
+            want = sum(torch.arange(N, dtype=F32) * (r + 1) + step for r in range(w))  # plain torch, member order
+            seen["sums"].append(torch.equal(ar(x), want))
+        seen["other channel"] = _outcome(lambda: C.AllReduce(view, N, F32, offset=0, channel=1))
+        seen["other layout"] = _outcome(lambda: C.AllReduce(view, 2 * N, F32, offset=0, channel=0))
+        other_view = buf.view(list(range(w)))  # the same ranks, cells of its own
+        seen["other view"] = _outcome(lambda: C.AllReduce(other_view, N, F32, offset=0, channel=0))
+        del first, second, ar  # collected: their bytes are free again
+        seen["after they are gone"] = _outcome(lambda: C.AllReduce(view, 2 * N, F32, offset=0, channel=1).max_numel)
+    return seen
+
+
+def test_collectives_of_one_layout_on_one_channel_share_a_workspace_and_nothing_else_does(pool):
+    for seen in pool.call(shared_workspace, 40):
+        assert seen["sums"] == [True] * 40
+        for case in ("other channel", "other layout", "other view"):
+            kind, message = seen[case]
+            assert kind == "ConfigError" and message.count("AllReduce (view [0, 1], channel") == 2, (case, seen[case])
+        assert seen["after they are gone"] == ("ok", 2 * N)
