@@ -53,7 +53,8 @@ import torch
 from ..checks import index_problem, timeout_problem
 from ..core.nodes import NodeLayout
 from ..core.views import PeerView
-from ..errors import SymmSyncError
+from ..errors import PeerAborted, SymmSyncError
+from ..spanning import exchange
 from ..spanning import parts as spanning
 from . import layout as L
 from . import making
@@ -169,8 +170,23 @@ class _NodeSteps:
             words = L.header(self._op, numel, L.DTYPES[x.dtype], algorithm, symmetric, self._calls, row)
             self._run(x, out, numel, count, epilogue, words)
         except Exception as e:
-            owner._fail(e)
-            raise
+            err = self._named(e)
+            owner._fail(err)
+            if err is e:
+                raise
+            raise err from e
+
+    def _named(self, e: Exception) -> Exception:
+        """A step's :class:`~symmsync.PeerAborted` as naming the view's origin (the member that gave
+        up first, :func:`symmsync.spanning.exchange.origin`): a node step names the node peer whose
+        flag it saw, which may only have relayed it. Any other error as it is."""
+        if not isinstance(e, PeerAborted):
+            return e
+        view = self._owner.view
+        first = exchange.origin(view)
+        if first is None or e.aborted == dict([first]):
+            return e
+        return exchange.origin_error(view, self._owner.rank, self._name, first)
 
     def _run(self, x, out, numel, count, epilogue, words: list[int]) -> None:
         """The form's steps of a checked call, ``words`` its header (each form defines its own)."""
@@ -209,8 +225,11 @@ class _NodeSteps:
             for step in self.steps:
                 step.synchronize()
         except SymmSyncError as e:
-            self._owner._fail(e)
-            raise
+            err = self._named(e)
+            self._owner._fail(err)
+            if err is e:
+                raise
+            raise err from e
 
 
 class _AllReduceSteps(_NodeSteps):

@@ -45,6 +45,7 @@ import datetime
 import logging
 import re
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,7 +55,7 @@ from .. import backends
 from ..checks import MAX_TIMEOUT_S, timeout_problem
 from ..core import failure
 from ..core.agreement import ranks_text
-from ..errors import BackendError, ConfigError, FenceTimeout, PeerAborted
+from ..errors import CLOSED_REASON, BackendError, ConfigError, FenceTimeout, PeerAborted
 
 if TYPE_CHECKING:
     from ..core.views import PeerView
@@ -73,6 +74,10 @@ STORE_POLL_S = 0.02
 #: closed). And how long a rank whose exchange broke waits for the other members to post that they
 #: gave up too: those that stay silent are the ones that died (torch.distributed does not say).
 SILENT_S = 1.0
+
+#: The key, under a view's ``symmsync/abort/<view name>/``, of the member that gave up on it first
+#: (:func:`claim_origin`): ``<global rank>\n<reason>``.
+ORIGIN = "origin"
 
 #: What a rank posts when torch.distributed broke its exchange off (it does not say who died).
 BROKE = "the exchange broke"
@@ -97,6 +102,7 @@ GROUP_GRACE_S = 5.0
 #: OffNode of the view.
 GROUP_PREFIX = "symmsync/offnode"
 
+_BY_VIEW: dict[str, list[weakref.ref[OffNode]]] = {}  # view name -> its OffNodes in this process
 _SERIALS: dict[str, int] = {}  # view name and ranks -> the OffNodes made on it so far (the last one's number)
 _LIVE: dict[int, str] = {}  # the groups OffNodes made and did not release yet: id -> name
 
@@ -119,26 +125,87 @@ def _key(view: PeerView, rank: int) -> str:
     return f"{STORE_PREFIX}/{view.name}/{rank}"
 
 
+def _store() -> Any:
+    return dist.distributed_c10d._get_default_store()
+
+
 def post_abort(view: PeerView, reason: str) -> None:
     """Post this rank's abort of ``view`` (a view that spans nodes) in the store, where the
-    members of other nodes read it (:class:`OffNode`'s waits). Best effort: a store that
-    cannot be reached is logged, and the members fall back to their budget."""
+    members of other nodes read it (:class:`OffNode`'s waits). Before the reason: how many
+    exchanges of each of the view's OffNodes this rank finished (a member waiting in one it
+    finished still gets its part), and the view's origin, claimed for this rank unless a
+    member claimed it first (:func:`claim_origin`; a rank that only saw an exchange break
+    claims nothing). Best effort: a store that cannot be reached is logged, and the members
+    fall back to their budget."""
     try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(_key(view, global_ranks(view)[view.local_index]), reason)
+        me = global_ranks(view)[view.local_index]
+        for off in _offnodes(view):
+            off.post_done(me)
+        if BROKE not in reason:
+            claim_origin(view, me, reason)
+        _store().set(_key(view, me), reason)
     except Exception as e:  # noqa: BLE001 - an abort must not raise for it
         log.warning("could not post the abort of view %s in the torch.distributed store: %s", list(view.ranks), e)
 
 
 def posted_aborts(view: PeerView, ranks: list[int]) -> dict[int, str]:
     """``{global rank: reason}`` of the ``ranks`` that posted an abort of ``view``."""
-    store = dist.distributed_c10d._get_default_store()
+    store = _store()
     found = {}
     for r in ranks:
         key = _key(view, r)
         if store.check([key]):
             found[r] = store.get(key).decode(errors="replace")
     return found
+
+
+def claim_origin(view: PeerView, rank: int, reason: str) -> tuple[int, str]:
+    """Claim that global ``rank`` gave up on ``view`` first, with ``reason``; return the
+    view's origin: this claim, or the one a member made before (the first claim stands).
+
+    Every abort of a spanning view claims it before it tells anyone (:func:`post_abort`
+    runs before the abort marks the node view's flags or shuts an exchange), and a rank
+    that found members dead (:data:`SILENT`) claims it for the first of them: so whoever
+    hears of a failure, from whomever, finds its origin here (:func:`origin`)."""
+    got = _store().compare_set(_key(view, ORIGIN), "", f"{rank}\n{reason}")
+    return _parse_origin(got)
+
+
+def origin(view: PeerView) -> tuple[int, str] | None:
+    """``(global rank, reason)`` of the member that gave up on ``view`` first, or ``None``
+    (none did, or the store cannot be read)."""
+    try:
+        store, key = _store(), _key(view, ORIGIN)
+        return _parse_origin(store.get(key)) if store.check([key]) else None
+    except Exception:  # noqa: BLE001 - the store is torch.distributed's: no origin known
+        return None
+
+
+def _parse_origin(value: bytes) -> tuple[int, str]:
+    rank, _, reason = value.decode(errors="replace").partition("\n")
+    return int(rank), reason
+
+
+def what_the_origin_did(why: str) -> str:
+    """The origin's reason as the messages say it: ``closed its buffer``, ``did not answer ...``
+    (it died), ``aborted the view (<reason>)``."""
+    if why == CLOSED_REASON:
+        return "closed its buffer"
+    if why.startswith(SILENT):
+        return why
+    return f"aborted the view ({why})"
+
+
+def origin_error(view: PeerView, rank: int, what: str, first: tuple[int, str]) -> PeerAborted:
+    """The :class:`~symmsync.PeerAborted` of a call over ``view`` that failed because a member gave
+    up: it names the origin ``first`` and its reason (whoever relayed it to this rank)."""
+    r, why = first
+    happened = f"rank {r} {what_the_origin_did(why)}, first of the view's members"
+    return failure.peer_aborted(view, rank, what, happened, {r: why})
+
+
+def _offnodes(view: PeerView) -> list[OffNode]:
+    return [off for off in (ref() for ref in _BY_VIEW.get(view.name, ())) if off is not None]
 
 
 failure.on_spanning_abort(post_abort)  # every abort of a spanning view posts here
@@ -186,6 +253,10 @@ class OffNode:
             f"{name}/position {at}", [self._ranks[i] for i in self._position], timeout
         )
         self._broken = False
+        self._name = name
+        self._issued = {"view": 0, "position": 0}  # exchanges begun, by group
+        self._done = {"view": 0, "position": 0}  # exchanges finished, by group
+        _BY_VIEW.setdefault(view.name, []).append(weakref.ref(self))
         view.failure.register(self, "OffNode")
         self._agree_budget(timeout_s, problem)
 
@@ -236,6 +307,24 @@ class OffNode:
     def release_tables(self) -> None:
         """The buffer closed (:class:`symmsync.core.failure.Waiter`): :meth:`release`."""
         self.release()
+
+    def post_done(self, rank: int) -> None:
+        """Post how many exchanges of each group this rank (global ``rank``) finished (its abort:
+        :func:`post_abort`), so that a member waiting in one of them still takes its part."""
+        _store().set(f"{self._name}/done/{rank}", f"{self._done['view']} {self._done['position']}")
+
+    def _finished(self, rank: int, among: str, n: int) -> bool:
+        """Whether member ``rank``, which posted an abort, had finished exchange ``n`` of ``among``
+        before (then its part was sent: this rank's exchange may still complete)."""
+        key = f"{self._name}/done/{rank}"
+        try:
+            store = _store()
+            if not store.check([key]):
+                return False
+            done = dict(zip(("view", "position"), map(int, store.get(key).decode().split())))
+        except Exception:  # noqa: BLE001 - not known to have finished: it fails the exchange
+            return False
+        return done[among] >= n
 
     def release(self) -> None:
         """Shut the groups down (the buffer closed; idempotent): a later call raises as after an abort."""
@@ -298,11 +387,13 @@ class OffNode:
         src = t.contiguous()
         out = [torch.empty_like(src) for _ in ranks]
         budget = self.timeout_s if timeout_s is None else min(float(timeout_s), self.timeout_s)
+        self._issued[among] += 1
         try:
             work = group.allgather([out], [src])
         except RuntimeError as e:
             self._fail_with(self._explain(call, ranks, _gist(e)), call)
-        self._wait(work, call, ranks, budget)
+        self._wait(work, call, ranks, budget, among, self._issued[among])
+        self._done[among] += 1
         return [out[order.index(r)] for r in ranks]
 
     def refuse_capture(self, device: torch.device, call: str) -> None:
@@ -317,8 +408,11 @@ class OffNode:
                 "Make the call outside the capture (eagerly, or compiled without CUDA graphs)",
             )
 
-    def _wait(self, work: Any, call: str, ranks: list[int], budget: float) -> None:
-        """Poll ``work`` until it is done; fail closed on an abort, a broken exchange or the budget."""
+    def _wait(self, work: Any, call: str, ranks: list[int], budget: float, among: str, n: int) -> None:
+        """Poll ``work`` (exchange ``n`` of ``among``) until it is done; fail closed on an abort, a
+        broken exchange or the budget. A member that posted an abort before it finished this
+        exchange fails it at once; one that finished it (then closed, say) leaves it up to
+        :data:`SILENT_S` to complete, since its part was sent."""
         me = self._ranks[self.view.local_index]
         others = [r for r in ranks if r != me]
         start = time.monotonic()
@@ -344,7 +438,9 @@ class OffNode:
                 if any(BROKE in why for why in posted.values()):  # it broke for a member: no part is coming
                     self._fail_with(self._explain(call, ranks, None), call)
                 if posted:
-                    told = now  # a member gave up: but it may have sent its part before, which then arrives
+                    if not all(self._finished(r, among, n) for r in posted):  # no part is coming from it
+                        self._fail_with(self._explain(call, ranks, None), call)
+                    told = now  # they finished this exchange, then gave up: their parts are on their way
             if told is not None and now - told > SILENT_S:
                 err = self._explain(call, ranks, None)
                 self._fail(err, f"{call}: gave up after {ranks_text(sorted(err.aborted))}")
@@ -373,14 +469,16 @@ class OffNode:
 
     def _explain(self, call: str, ranks: list[int], detail: str | None) -> PeerAborted:
         """The error of an exchange that broke (torch.distributed's ``detail``) or that members
-        posted aborts of, naming who gave up first.
+        posted aborts of, naming the member that gave up first (:func:`origin`).
 
         A member whose abort says something else than :data:`BROKE` (it closed, aborted, timed
-        out) is named with its reason, at once. Otherwise every member only saw the exchange
-        break, and this rank posts that too (so the others count it alive) and waits up to
-        :data:`SILENT_S` for every other member of the exchange but one to do the same: those
-        that stay silent are named as the ones that died, since torch.distributed does not
-        say. Best effort: a member slower than that is named too.
+        out) gave up: the view's origin is named, at once. Otherwise every member only saw the
+        exchange break, and this rank posts that too (so the others count it alive; the view
+        is aborted after, with the error) and waits up to :data:`SILENT_S` for every other
+        member of the exchange but one to do the same: those that stay silent died, since
+        torch.distributed does not say who, and the first of them is claimed as the origin
+        (:func:`claim_origin`, before anyone hears of it from this rank). Best effort: a member
+        slower than that is named too.
         """
         view, me = self.view, self._ranks[self.view.local_index]
         members = [r for r in ranks if r != me]
@@ -389,14 +487,16 @@ class OffNode:
         while True:
             try:
                 posted = posted_aborts(view, members)
+                first = {r: why for r, why in posted.items() if BROKE not in why}
+                if first:
+                    return self._aborted(call, first)
+                if not told:  # tell the others this rank lives
+                    _store().set(
+                        _key(view, me), f"{call}: {BROKE} ({detail or 'told by ' + ranks_text(sorted(posted))})"
+                    )
+                    told = True
             except Exception as e:  # noqa: BLE001 - the store may have gone with the dead rank
                 return self._store_lost(call, ranks, _gist(e))  # who is silent cannot be told now
-            first = {r: why for r, why in posted.items() if BROKE not in why}
-            if first:
-                return self._aborted(call, first)
-            if not told:  # tell the others this rank lives
-                view.failure.abort_quietly(f"{call}: {BROKE} ({detail or 'told by ' + ranks_text(sorted(posted))})")
-                told = True
             if len(posted) >= len(members) - 1 or time.monotonic() > deadline:
                 break
             time.sleep(STORE_POLL_S)
@@ -404,14 +504,14 @@ class OffNode:
         if not silent:
             return self._aborted(call, posted)
         why = (
-            f"{SILENT} within {SILENT_S:g} s after the exchange broke (died or left?; {detail or 'as its peers told'})"
+            f"{SILENT} within {SILENT_S:g} s once its connection closed: it died or left (check its log; "
+            f"{detail or 'as its peers told'})"
         )
-        return self._peer_aborted(
-            call,
-            f"the exchange broke and {ranks_text(silent)} {SILENT} within {SILENT_S:g} s (died or left? check its log; "
-            f"{detail or 'told by the ranks that saw it break'})",
-            dict.fromkeys(silent, why),
-        )
+        try:
+            first_one = claim_origin(view, silent[0], why)
+        except Exception as e:  # noqa: BLE001 - the store may have gone with the dead rank
+            return self._store_lost(call, ranks, _gist(e))
+        return origin_error(view, me, call, first_one)
 
     def _store_lost(self, call: str, ranks: list[int], detail: str) -> PeerAborted:
         """The error of an exchange whose rank cannot read the store: it cannot tell which member
@@ -425,6 +525,11 @@ class OffNode:
         )
 
     def _aborted(self, call: str, aborted: dict[int, str]) -> PeerAborted:
+        """The error of an exchange that ``aborted`` (members, by the aborts they posted) gave up on:
+        naming the view's origin where the store holds one, else those members."""
+        first = origin(self.view)
+        if first is not None:
+            return origin_error(self.view, self._ranks[self.view.local_index], call, first)
         said = "; ".join(f"rank {r}: {why}" for r, why in sorted(aborted.items()))
         return self._peer_aborted(call, f"{ranks_text(sorted(aborted))} aborted the view ({said})", aborted)
 
