@@ -147,19 +147,20 @@ def dispatch_read(
     cols = tl.arange(0, HP)
     gs = tl.arange(0, GP)
     ELEM: tl.constexpr = recv.dtype.element_ty.primitive_bitwidth // 8
+    first = (el * SIZE + s) * M
+    # this member's own region, looked up once (each lookup checks its index)
+    rows = ssl.data_ptr(sig, me, rows_off + base + first * H * ELEM, recv.dtype.element_ty)
+    srcs = ssl.data_ptr(sig, me, src_off + base + first * 8, tl.int64)
+    scl = ssl.data_ptr(sig, me, scales_off + base + first * G * 4, tl.float32)
     for j in range(M):
-        row = (el * SIZE + s) * M + j
         live = j < n
         width = tl.where(live, H, 0)  # past the count: nothing read, zeros stored
-        v = tl.load(ssl.data_ptr(sig, me, rows_off + base + row * H * ELEM, recv.dtype.element_ty) + cols,
-                    mask=cols < width, other=0)  # fmt: skip
-        tl.store(recv + row * H + cols, v, mask=cols < H)
+        v = tl.load(rows + j * H + cols, mask=cols < width, other=0)
+        tl.store(recv + (first + j) * H + cols, v, mask=cols < H)
         if FP8:
-            sv = tl.load(ssl.data_ptr(sig, me, scales_off + base + row * G * 4, tl.float32) + gs,
-                         mask=gs < tl.where(live, G, 0), other=0.0)  # fmt: skip
-            tl.store(scales + row * G + gs, sv, mask=gs < G)
-        i = tl.where(live, tl.load(ssl.data_ptr(sig, me, src_off + base + row * 8, tl.int64)), -1)
-        tl.store(src + row, i)
+            sv = tl.load(scl + j * G + gs, mask=gs < tl.where(live, G, 0), other=0.0)
+            tl.store(scales + (first + j) * G + gs, sv, mask=gs < G)
+        tl.store(src + first + j, tl.where(live, tl.load(srcs + j), -1))
 
 
 @triton.jit
@@ -176,12 +177,12 @@ def combine_send(
     n = tl.load(per_source + el * SIZE + s)
     cols = tl.arange(0, HP)
     ELEM: tl.constexpr = out.dtype.element_ty.primitive_bitwidth // 8
+    dst = ssl.data_ptr(sig, s, comb_off + base, out.dtype.element_ty)  # member s's region, looked up once
     for j in range(n):
         row = (el * SIZE + s) * M + j
         slot = tl.load(src + row)
         v = tl.load(out + row * H + cols, mask=cols < H)
-        dst = ssl.data_ptr(sig, s, comb_off + base + slot * H * ELEM, out.dtype.element_ty)
-        tl.store(dst + cols, v, mask=cols < H)
+        tl.store(dst + slot * H + cols, v, mask=cols < H)
 
 
 @triton.jit
@@ -207,7 +208,7 @@ def combine_reduce(
         ok = protocol.status(state, _COMBINE) == 0
         cols = tl.arange(0, HP)
         acc = tl.zeros([HP], dtype=tl.float32)
-        ELEM: tl.constexpr = y.dtype.element_ty.primitive_bitwidth // 8
+        own = ssl.data_ptr(sig, me, comb_off + base, y.dtype.element_ty)
         for k in tl.static_range(TOPK):
             e = tl.load(topk + t * TOPK + k)
             valid = (e >= 0) & (e < E) & ok
@@ -217,7 +218,6 @@ def combine_reduce(
                 k0 = tl.where(tl.load(topk + t * TOPK + j) == e, j, k0)
             w = tl.load(weights + t * TOPK + k)
             if valid:
-                src = ssl.data_ptr(sig, me, comb_off + base + (t * TOPK + k0) * H * ELEM, y.dtype.element_ty)
-                v = _to_f32(tl.load(src + cols, mask=cols < H, other=0), BITS)
+                v = _to_f32(tl.load(own + (t * TOPK + k0) * H + cols, mask=cols < H, other=0), BITS)
                 acc = acc + w * v
         tl.store(y + t * H + cols, _from_f32(acc, y.dtype.element_ty, BITS), mask=cols < H)
