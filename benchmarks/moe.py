@@ -129,8 +129,11 @@ def _gpu_rank(rank: int, world: int, args) -> None:
             per_peer = -(-t * TOP_K // world) * row_bytes
             inp = torch.empty(world * per_peer, dtype=torch.uint8, device=dev)
             outp = torch.empty_like(inp)
-            a2a = lambda: dist.all_to_all_single(outp, inp)  # noqa: E731
-            row["nccl_all_to_all_single"] = {"eager": eager_us(a2a, 50, args.reps), "graph": graph_us(a2a, 50, args.reps)}
+            a2a = lambda o=outp, i=inp: dist.all_to_all_single(o, i)  # noqa: E731
+            row["nccl_all_to_all_single"] = {
+                "eager": eager_us(a2a, 50, args.reps),
+                "graph": graph_us(a2a, 50, args.reps),
+            }
             res[f"{kind}/{t}"] = row
         sync_all()
         buf.close()

@@ -237,7 +237,13 @@ CONFIGS: tuple[Config, ...] = (
         model=COLLECTIVES,
     ),
     # ---- the MoE dispatcher's buffer reuse (moe.pml): steps back to back, no host barrier ----
-    C("moe-2r", ("N=2", "S=4"), "pass", "2 members, 4 steps: parity regions, release signals, counted waits", model=MOE),
+    C(
+        "moe-2r",
+        ("N=2", "S=4"),
+        "pass",
+        "2 members, 4 steps: parity regions, release signals, counted waits",
+        model=MOE,
+    ),
     C("moe-3r", ("N=3", "S=3"), "pass", "3 members, 3 steps", model=MOE),
     C("moe-noparity", ("N=2", "S=4", "BUG_NOPARITY"), "overwrite", "one region per sender, no parity", model=MOE),
     C("moe-nowait", ("N=2", "S=4", "BUG_NOWAIT"), "stale", "no counted waits before the read", model=MOE),

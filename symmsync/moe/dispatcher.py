@@ -19,7 +19,7 @@ from ..core.failure import used_after_abort
 from ..core.nodes import spanning_problem
 from ..core.signals import Signals
 from ..core.views import PeerView
-from ..errors import ClosedError, ConfigError, InputError, BoundsError, SymmSyncError
+from ..errors import BoundsError, ClosedError, ConfigError, InputError, SymmSyncError
 from ..language.cells import LINE
 from ..ops import handles
 from . import kernels, protocol
@@ -132,9 +132,12 @@ class Dispatcher:
             ws = L.Workspace.plan(offset, num_experts, view.size, max_tokens, hidden, dtype, top_k, fp8)
             if offset + ws.nbytes > buf.nbytes:
                 problem, error = (
-                    f"the workspace needs bytes [{offset}, {offset + ws.nbytes}) of the buffer, which holds "
-                    f"{buf.nbytes}: allocate symmsync.moe.buffer_bytes(...) more, or lower max_tokens"
-                ), BoundsError
+                    (
+                        f"the workspace needs bytes [{offset}, {offset + ws.nbytes}) of the buffer, which holds "
+                        f"{buf.nbytes}: allocate symmsync.moe.buffer_bytes(...) more, or lower max_tokens"
+                    ),
+                    BoundsError,
+                )
         members = tuple(view.ranks)
         mine = {
             "num_experts": num_experts,

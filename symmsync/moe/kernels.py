@@ -176,7 +176,6 @@ def combine_send(
     base = protocol.parity(state, _COMBINE) * stride
     n = tl.load(per_source + el * SIZE + s)
     cols = tl.arange(0, HP)
-    ELEM: tl.constexpr = out.dtype.element_ty.primitive_bitwidth // 8
     dst = ssl.data_ptr(sig, s, comb_off + base, out.dtype.element_ty)  # member s's region, looked up once
     for j in range(n):
         row = (el * SIZE + s) * M + j

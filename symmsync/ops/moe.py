@@ -35,7 +35,13 @@ def _dispatch_fake(x, topk_idx, handle, local_experts, size, max_tokens, fp8):
     else:
         recv, scales = x.new_empty((local_experts, rows, hidden)), x.new_empty((0,), dtype=torch.float32)
     counts = x.new_empty((local_experts,), dtype=i64)
-    return recv, scales, counts, x.new_empty((local_experts, rows), dtype=i64), x.new_empty((local_experts, size), dtype=i64)
+    return (
+        recv,
+        scales,
+        counts,
+        x.new_empty((local_experts, rows), dtype=i64),
+        x.new_empty((local_experts, size), dtype=i64),
+    )
 
 
 def _combine(expert_out, topk_weights, topk_idx, src, per_source, handle):

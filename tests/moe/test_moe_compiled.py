@@ -38,7 +38,9 @@ def compiled_layers(backend, fp8):
             x, ids, w = routings.routing(routings.KINDS[i], me, world, E, M, hidden, K, torch.bfloat16, 40 + i)
             got, got_counts = compiled(x, ids, w)
             want, want_counts = step(x, ids, w)
-            if not (torch.equal(got.view(torch.int16), want.view(torch.int16)) and torch.equal(got_counts, want_counts)):
+            if not (
+                torch.equal(got.view(torch.int16), want.view(torch.int16)) and torch.equal(got_counts, want_counts)
+            ):
                 wrong.append(f"layer {i} differs from the eager layer")
     finally:
         buf.close()

@@ -6,11 +6,11 @@ import moe_oracle as oracle  # noqa: F401 - the package's tests share the oracle
 import pytest
 import torch
 import torch.distributed as dist
-from symmsync.core.nodes import NODE_SIZE_ENV
 from test_moe import make
 
 import symmsync as ss
 from symmsync import moe
+from symmsync.core.nodes import NODE_SIZE_ENV
 from symmsync.testing import run
 
 E, M, H, K = 4, 3, 32, 2
