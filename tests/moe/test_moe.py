@@ -172,6 +172,7 @@ def test_200_back_to_back_layers_with_a_slow_member_are_exact(host_ranks):
     assert results == [[], []], [r[:5] for r in results]
 
 
+@pytest.mark.soak  # world 4 runs every routing back to back above; this longer loop: make test-soak (CI time)
 def test_back_to_back_layers_at_world_4_are_exact(host_ranks):
     results = host_ranks(back_to_back, 4, 12, 8, 3, 32, 2, 2, 3, timeout_s=600)
     assert results == [[]] * 4, [r[:5] for r in results]

@@ -16,43 +16,56 @@ from symmsync.testing import run
 E, M, H, K = 4, 3, 32, 2
 
 
-def refused_on_rank_1(kind):
-    """Rank 1 makes a bad dispatch; rank 0 a good one. Returns what each raised."""
+KINDS = ("expert", "tokens", "dtype")
+
+
+def refused_on_rank_1():
+    """For each kind of bad input, on a fresh dispatcher: rank 1 makes a bad dispatch, rank 0 a good
+    one. Returns, per kind, what each raised, and what its next call raised."""
     me = dist.get_rank()
-    buf, disp = make(E, M, H, torch.bfloat16, K, timeout_s=60)
-    x = torch.zeros(M, H, dtype=torch.bfloat16)
-    ids = torch.zeros(M, K, dtype=torch.int64)
-    if me == 1:
-        if kind == "expert":
-            ids[1, 1] = E  # one past the last expert
-        elif kind == "tokens":
-            x, ids = torch.zeros(M + 1, H, dtype=torch.bfloat16), torch.zeros(M + 1, K, dtype=torch.int64)
-        else:
-            x = x.float()
-        assert not disp.accepts(x, ids)
-    try:
-        disp.dispatch(x, ids)
-        out = ("returned", "")
-    except ss.SymmSyncError as e:
-        out = (type(e).__name__, str(e), getattr(e, "aborted", None))
-    try:  # the dispatcher stays failed: the next call raises again, launching nothing
-        disp.dispatch(torch.zeros(M, H, dtype=torch.bfloat16), torch.zeros(M, K, dtype=torch.int64))
-        again = "returned"
-    except ss.SymmSyncError as e:
-        again = type(e).__name__
-    buf.close()
-    return out, again
+    seen = {}
+    for kind in KINDS:
+        buf, disp = make(E, M, H, torch.bfloat16, K, timeout_s=60)
+        x = torch.zeros(M, H, dtype=torch.bfloat16)
+        ids = torch.zeros(M, K, dtype=torch.int64)
+        if me == 1:
+            if kind == "expert":
+                ids[1, 1] = E  # one past the last expert
+            elif kind == "tokens":
+                x, ids = torch.zeros(M + 1, H, dtype=torch.bfloat16), torch.zeros(M + 1, K, dtype=torch.int64)
+            else:
+                x = x.float()
+            assert not disp.accepts(x, ids)
+        try:
+            disp.dispatch(x, ids)
+            out = ("returned", "")
+        except ss.SymmSyncError as e:
+            out = (type(e).__name__, str(e), getattr(e, "aborted", None))
+        try:  # the dispatcher stays failed: the next call raises again, launching nothing
+            disp.dispatch(torch.zeros(M, H, dtype=torch.bfloat16), torch.zeros(M, K, dtype=torch.int64))
+            again = "returned"
+        except ss.SymmSyncError as e:
+            again = type(e).__name__
+        dist.barrier()
+        buf.close()
+        seen[kind] = (out, again)
+    return seen
 
 
-@pytest.mark.parametrize("kind", ["expert", "tokens", "dtype"])
-def test_a_bad_dispatch_is_refused_on_its_rank_and_reaches_the_other_as_peer_aborted(kind):
-    (r0, again0), (r1, again1) = run(refused_on_rank_1, 2, kind, timeout_s=120)
-    assert r1[0] == "InputError" and r1[1].startswith("rank 1: moe.Dispatcher.dispatch:"), r1
-    assert {"expert": "topk_idx[1, 1] = 4 is no expert id", "tokens": "more than max_tokens=3",
-            "dtype": "x must be a torch.bfloat16 tensor"}[kind] in r1[1], r1  # fmt: skip
-    assert r0[0] == "SignalAborted" and 1 in r0[2], r0  # a PeerAborted naming rank 1 and its reason
-    assert "rank 1" in r0[1] and "moe.Dispatcher.dispatch" in r0[1], r0
-    assert again1 == "InputError" and again0 in ("SignalAborted", "PeerAborted"), (again0, again1)
+def test_a_bad_dispatch_is_refused_on_its_rank_and_reaches_the_other_as_peer_aborted():
+    rank0, rank1 = run(refused_on_rank_1, 2, timeout_s=180)
+    words = {
+        "expert": "topk_idx[1, 1] = 4 is no expert id",
+        "tokens": "more than max_tokens=3",
+        "dtype": "x must be a torch.bfloat16 tensor",
+    }
+    for kind in KINDS:
+        (r0, again0), (r1, again1) = rank0[kind], rank1[kind]
+        assert r1[0] == "InputError" and r1[1].startswith("rank 1: moe.Dispatcher.dispatch:"), (kind, r1)
+        assert words[kind] in r1[1], (kind, r1)
+        assert r0[0] == "SignalAborted" and 1 in r0[2], (kind, r0)  # a PeerAborted naming rank 1 and its reason
+        assert "rank 1" in r0[1] and "moe.Dispatcher.dispatch" in r0[1], (kind, r0)
+        assert again1 == "InputError" and again0 in ("SignalAborted", "PeerAborted"), (kind, again0, again1)
 
 
 def a_member_never_comes():
