@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Model-check symmsync's protocols with Spin, every configuration: the fence (verify/fence.pml),
-the point-to-point signals with their pipelined transfer (verify/signals.pml) and the
-collectives' slot protocol (verify/collectives.pml).
+the point-to-point signals with their pipelined transfer (verify/signals.pml), the
+collectives' slot protocol (verify/collectives.pml) and the MoE dispatcher's buffer reuse
+(verify/moe.pml).
 
 For each configuration: ``spin -a`` with its -D flags, gcc builds the verifier ``pan``, ``pan``
 searches the whole state space (no bitstate hashing, no partial search), and the output is
@@ -37,6 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = os.path.join(HERE, "fence.pml")
 SIGNALS = "signals.pml"
 COLLECTIVES = "collectives.pml"
+MOE = "moe.pml"
 
 #: Seconds one step (spin -a, gcc, pan) may take before the check counts as failed.
 STEP_TIMEOUT_S = 300
@@ -234,6 +236,18 @@ CONFIGS: tuple[Config, ...] = (
         "symmetric input without the second fence: the caller's refill lands under a slow reader",
         model=COLLECTIVES,
     ),
+    # ---- the MoE dispatcher's buffer reuse (moe.pml): steps back to back, no host barrier ----
+    C(
+        "moe-2r",
+        ("N=2", "S=4"),
+        "pass",
+        "2 members, 4 steps: parity regions, release signals, counted waits",
+        model=MOE,
+    ),
+    C("moe-3r", ("N=3", "S=3"), "pass", "3 members, 3 steps", model=MOE),
+    C("moe-noparity", ("N=2", "S=4", "BUG_NOPARITY"), "overwrite", "one region per sender, no parity", model=MOE),
+    C("moe-nowait", ("N=2", "S=4", "BUG_NOWAIT"), "stale", "no counted waits before the read", model=MOE),
+    C("moe-early", ("N=2", "S=4", "BUG_EARLY"), "stale", "the signal before the rows' stores", model=MOE),
 )
 del C
 
@@ -272,8 +286,8 @@ def classify(output: str) -> tuple[str, str]:
                     return "abort", line
                 if "pay[" in line or "tile[" in line:
                     return "payload", line
-                if any(f"{a}[" in line for a in ("inp", "hdr", "sym", "red")):
-                    # collectives.pml's READ: the value read is an earlier call's, or a later one's
+                if any(f"{a}[" in line for a in ("inp", "hdr", "sym", "red", "rows")):
+                    # collectives.pml's and moe.pml's READ: the value read is an earlier call's, or a later one's
                     return ("stale" if ">=k)" in line else "overwrite"), line
                 if "sent[" in line:
                     return "arrival", line

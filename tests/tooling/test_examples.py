@@ -55,12 +55,14 @@ EXPECTED = {
             f"rank {r}: all_reduce over 2 nodes: [10.0, 10.0, 10.0, 10.0]",
         )
     ],
+    "10_moe.py": ["2 ranks: 3 MoE layers, top-2 of 4 experts: bit for bit"],
 }
 HOST_ONLY = {
     "01_buffer.py": [f"rank {r}: host backend, 1024 bytes on cpu" for r in (0, 1)],
     "02_fences.py": ["CUDA graph part not run: it needs GPUs (python examples/02_fences.py --backend cuda)"],
     "05_runtime_cache.py": [f"rank {r}: the cache grew from 3 to 16 blocks" for r in (0, 1)],
     "07_signals.py": [f"ring exchange on {w} ranks: 3 rounds, every block exact" for w in (3, 4)],
+    "10_moe.py": ["4 ranks: 3 MoE layers, top-2 of 8 experts: bit for bit"],
 }
 CUDA_ONLY = {
     "01_buffer.py": [f"rank {r}: cuda backend, 1024 bytes on cuda:{r}" for r in (0, 1)],

@@ -1,0 +1,464 @@
+"""Expert-parallel dispatch and combine over a peer view: the host side.
+
+A :class:`Dispatcher` is made collectively and owns a workspace in the view's buffer
+(:mod:`.layout`) and a :class:`~symmsync.Signals` object of two slots (one per kind of
+step); a dispatch or a combine is three launches (:mod:`.kernels`, in the order of
+:mod:`.protocol`), with no host synchronization and no host barrier between calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ..backends import mode
+from ..checks import int_problem
+from ..core import agreement
+from ..core.failure import used_after_abort
+from ..core.nodes import spanning_problem
+from ..core.signals import Signals
+from ..core.views import PeerView
+from ..errors import BoundsError, ClosedError, ConfigError, InputError, SymmSyncError
+from ..language.cells import LINE
+from ..ops import handles
+from . import kernels, protocol
+from . import layout as L
+
+#: The most entries per token (``top_k``) a dispatcher takes.
+MAX_TOP_K = 32
+_NO_GRAD = (
+    "{name} requires grad and grad mode is on, but dispatch and combine have no autograd formula: "
+    "call them under torch.no_grad() or torch.inference_mode()"
+)
+
+
+class Handle(NamedTuple):
+    """What a dispatch hands its combine: where each received row came from.
+
+    Attributes:
+        topk_idx: the routing this member dispatched (``[tokens, top_k]``, int64).
+        src: ``[local experts, members * max_tokens]`` int64: for received row ``s * M + j`` of
+            a local expert, ``t * top_k + k`` (token ``t`` of member ``s``, its entry ``k``), or -1
+            past the rows ``s`` sent.
+        per_source: ``[local experts, members]`` int64: the rows each member sent each local expert.
+    """
+
+    topk_idx: torch.Tensor
+    src: torch.Tensor
+    per_source: torch.Tensor
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class Dispatcher:
+    """Send each token to the members that own its top-k experts, and bring the outputs back.
+
+    Args:
+        view: the members (a :class:`~symmsync.PeerView` within one node). Member ``m`` owns
+            the experts ``[m * E / W, (m + 1) * E / W)`` (``E`` = ``num_experts``, ``W`` = members).
+        num_experts: experts in all, a multiple of the view's size.
+        max_tokens: the most tokens a member dispatches in one call.
+        hidden: elements of a token's row (with ``fp8``: a multiple of 128).
+        dtype: the rows' element type (``torch.bfloat16``, ``torch.float16`` or ``torch.float32``):
+            the tokens' and the experts' outputs'.
+        top_k: entries per token in ``topk_idx`` (1 to :data:`MAX_TOP_K`).
+        fp8: dispatch e4m3 codes with a float32 scale per 128 channels (:data:`~symmsync.moe.layout.FP8_RULE`)
+            instead of the rows; the combine still takes ``dtype`` rows.
+        offset: where the workspace starts in the view's buffer (a multiple of 128;
+            :func:`~symmsync.moe.buffer_bytes` says how much it takes).
+        timeout_s: wait budget of every wait (default: the buffer's).
+
+    Made collectively, before compile and capture: every rank of the buffer's group constructs
+    its object at the same time, the members of the view with the same arguments, or every
+    rank raises :class:`~symmsync.ConfigError` (:class:`~symmsync.BoundsError` when the
+    workspace does not fit).
+
+    Example::
+
+        buf = ss.SymmetricBuffer(moe.buffer_bytes(E, M, h, torch.bfloat16, k, world))
+        disp = moe.Dispatcher(buf.view(list(range(world))), E, M, h, torch.bfloat16, k)
+        recv, counts, handle = disp.dispatch(x, topk_idx)
+        y = disp.combine(experts(recv, counts), topk_weights, handle)
+    """
+
+    def __init__(
+        self,
+        view: PeerView,
+        num_experts: int,
+        max_tokens: int,
+        hidden: int,
+        dtype: torch.dtype,
+        top_k: int,
+        *,
+        fp8: bool = False,
+        offset: int = 0,
+        timeout_s: float | None = None,
+    ):
+        call = "moe.Dispatcher"
+        if not isinstance(view, PeerView):
+            raise ConfigError(f"{call}: view must be a symmsync.PeerView, got {type(view).__name__}")
+        buf = view.buffer
+        if buf.closed:
+            raise ClosedError(f"rank {buf.rank}: {call}: the view's buffer is closed")
+        problem, error = spanning_problem(view.nodes, "a moe.Dispatcher"), ConfigError
+        for name, v, lo, hi in (
+            ("num_experts", num_experts, 1, None),
+            ("max_tokens", max_tokens, 1, None),
+            ("hidden", hidden, 1, None),
+            ("top_k", top_k, 1, MAX_TOP_K),
+            ("offset", offset, 0, None),
+        ):
+            problem = problem or int_problem(name, v, minimum=lo, maximum=hi)
+        if problem is None and num_experts % view.size:
+            problem = (
+                f"num_experts={num_experts} is not a multiple of the view's {view.size} members "
+                "(each member owns num_experts / members experts)"
+            )
+        if problem is None and top_k > num_experts:
+            problem = f"top_k={top_k} is more than num_experts={num_experts}"
+        if problem is None and dtype not in L.DTYPES:
+            problem = f"dtype must be one of {', '.join(map(str, L.DTYPES))}, got {dtype!r}"
+        if problem is None and not isinstance(fp8, bool):
+            problem = f"fp8 must be a bool, got {fp8!r}"
+        if problem is None and fp8 and hidden % L.FP8_GROUP:
+            problem = f"with fp8, hidden must be a multiple of {L.FP8_GROUP} (a scale per 128 channels), got {hidden}"
+        ws = None
+        if problem is None and offset % LINE:
+            problem, error = f"offset must be a multiple of {LINE} bytes, got {offset}", BoundsError
+        if problem is None:
+            ws = L.Workspace.plan(offset, num_experts, view.size, max_tokens, hidden, dtype, top_k, fp8)
+            if offset + ws.nbytes > buf.nbytes:
+                problem, error = (
+                    (
+                        f"the workspace needs bytes [{offset}, {offset + ws.nbytes}) of the buffer, which holds "
+                        f"{buf.nbytes}: allocate symmsync.moe.buffer_bytes(...) more, or lower max_tokens"
+                    ),
+                    BoundsError,
+                )
+        members = tuple(view.ranks)
+        mine = {
+            "num_experts": num_experts,
+            "max_tokens": max_tokens,
+            "hidden": hidden,
+            "the dtype": str(dtype),
+            "top_k": top_k,
+            "fp8": fp8,
+            "the offset": offset,
+            "timeout_s": timeout_s,
+        }
+        alike = agreement.Same(among=members, hint=f"every member of the view {list(members)} must pass the same")
+        agreement.agree(
+            buf.group, call, mine, problem=problem, error=error, same=dict.fromkeys(mine, alike), device=buf.device
+        )
+        self.sigs = Signals(view, slots=protocol.SLOTS, timeout_s=timeout_s)
+        """The :class:`~symmsync.Signals` object the steps signal and wait on (slot 0: dispatches, 1: combines)."""
+        self.view = view
+        self.size = view.size
+        self.num_experts = num_experts
+        self.local_experts = num_experts // view.size
+        """Experts this member owns: ``[rank_in_view * local_experts, (rank_in_view + 1) * local_experts)``."""
+        self.max_tokens = max_tokens
+        self.hidden = hidden
+        self.dtype = dtype
+        self.top_k = top_k
+        self.fp8 = fp8
+        self.workspace = ws
+        """Where the dispatcher's bytes live in every member (:class:`~symmsync.moe.layout.Workspace`)."""
+        caps = buf.capabilities
+        self._buffer = buf
+        self._device = buf.device
+        self._device_index = buf.device.index if caps.streams else -1
+        self._host_checks = caps.host_checks_status
+        self._interp = mode.kernels_interpreted()
+        self._bits = self._interp and dtype is torch.bfloat16
+        self._launch_kw = {} if self._interp else {"enable_fp_fusion": False}  # the documented order, no FMA
+        # [dispatch steps, last dispatch's status, combine steps, last combine's status], on the device
+        self._state = torch.zeros(4, dtype=torch.int64, device=buf.device)
+        self._sig_args = self.sigs.kernel_args
+        self._groups = hidden // L.FP8_GROUP if fp8 else 1
+        self._consts = dict(
+            SIZE=view.size,
+            M=max_tokens,
+            H=hidden,
+            HP=_pow2(hidden),
+        )
+        self._error: SymmSyncError | None = None
+        self.handle = handles.register(self, "moe.Dispatcher")
+        """The int that names this object to its torch custom ops (:mod:`symmsync.ops.moe`)."""
+
+    # ------------------------------------------------------------------ checks
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return self._buffer.rank
+
+    def _tensor_problem(self, name: str, t: Any, dtype: Any, shape: tuple) -> str | None:
+        if type(t) is not torch.Tensor:
+            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+        if t.dtype is not dtype or tuple(t.shape) != shape:
+            return f"{name} must be a {dtype} tensor of shape {shape}, got {t.dtype} {tuple(t.shape)}"
+        dev = t.get_device()
+        if dev != self._device_index or (dev < 0 and not t.is_cpu):
+            return f"{name} is on {t.device}, the dispatcher's memory on {self._device}"
+        if not t.is_contiguous():
+            return f"{name} must be contiguous (call .contiguous())"
+        if t.requires_grad and torch.is_grad_enabled():
+            return _NO_GRAD.format(name=name)
+        return None
+
+    def _routing_problem(self, topk_idx: Any, tokens: int) -> str | None:
+        """What is wrong with ``topk_idx`` for ``tokens`` tokens: its type and shape, then its values
+        (ids from -1 to ``num_experts - 1``), read on the host: free for CPU tensors, one device
+        synchronization on GPUs, skipped while a CUDA graph is being captured (there the kernels
+        skip an id out of range, never storing through it)."""
+        bad = self._tensor_problem("topk_idx", topk_idx, torch.int64, (tokens, self.top_k))
+        if bad is not None or tokens == 0:
+            return bad
+        if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        wrong = (topk_idx < -1) | (topk_idx >= self.num_experts)
+        if bool(wrong.any()):
+            t, k = (int(i) for i in wrong.nonzero()[0])
+            return (
+                f"topk_idx[{t}, {k}] = {int(topk_idx[t, k])} is no expert id: ids run from 0 to "
+                f"{self.num_experts - 1} (num_experts={self.num_experts}), -1 masks an entry"
+            )
+        return None
+
+    def _dispatch_problem(self, x: Any, topk_idx: Any) -> str | None:
+        """What is wrong with a dispatch's arguments on this member, or ``None``: the one statement
+        of a valid dispatch (:meth:`accepts` asks it too)."""
+        if type(x) is not torch.Tensor:
+            return f"x must be a torch.Tensor, got {type(x).__name__}"
+        if x.dim() != 2 or x.shape[1] != self.hidden:
+            return f"x must be [tokens, hidden={self.hidden}], got {tuple(x.shape)}"
+        tokens = x.shape[0]
+        if tokens > self.max_tokens:
+            return (
+                f"x has {tokens} tokens, more than max_tokens={self.max_tokens}: split the batch, or make the "
+                "dispatcher with a larger max_tokens"
+            )
+        return self._tensor_problem("x", x, self.dtype, (tokens, self.hidden)) or self._routing_problem(
+            topk_idx, tokens
+        )
+
+    def _combine_problem(self, expert_out: Any, topk_weights: Any, handle: Any) -> str | None:
+        """What is wrong with a combine's arguments on this member, or ``None``."""
+        if not isinstance(handle, Handle) or not all(type(t) is torch.Tensor for t in handle):
+            return f"handle must be the Handle this dispatcher's dispatch returned, got {type(handle).__name__}"
+        rows = self.size * self.max_tokens
+        want = (self.local_experts, rows)
+        if handle.src.shape != want or handle.per_source.shape != (self.local_experts, self.size):
+            return "handle comes from another dispatcher (its shapes differ)"
+        tokens = handle.topk_idx.shape[0]
+        return self._tensor_problem(
+            "expert_out", expert_out, self.dtype, (self.local_experts, rows, self.hidden)
+        ) or self._tensor_problem("topk_weights", topk_weights, torch.float32, (tokens, self.top_k))
+
+    def accepts(self, x: Any, topk_idx: Any) -> bool:
+        """Whether ``dispatch(x, topk_idx)`` passes this rank's input checks: False exactly when
+        the call would raise :class:`~symmsync.InputError` (and fail the dispatcher for good), by
+        the rule the call checks with (types, shapes, dtypes, devices, the token count, the ids).
+        It says nothing of the other members' calls, nor of a dispatcher that failed before."""
+        return self._dispatch_problem(x, topk_idx) is None
+
+    # ------------------------------------------------------------------ calls
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[Any, torch.Tensor, Handle]:
+        """Send every token to the members that own its experts; receive this member's rows.
+
+        Args:
+            x: this member's tokens, ``[tokens, hidden]`` of the dispatcher's dtype, ``tokens`` at
+                most ``max_tokens`` (0 too).
+            topk_idx: ``[tokens, top_k]`` int64 expert ids; -1 masks an entry. An entry naming
+                the expert of an earlier entry of its token is not sent again.
+
+        Returns:
+            ``(recv, counts, handle)``. ``recv`` is ``[local experts, members * max_tokens, hidden]``
+            of the dtype (with ``fp8``: a pair ``(codes, scales)``, ``codes`` that shape of
+            ``torch.float8_e4m3fn``, ``scales`` ``[local experts, members * max_tokens, hidden / 128]``
+            float32). Row ``s * max_tokens + j`` of local expert ``e`` is the ``j``-th token of member
+            ``s`` (in token order) routed to ``e``; rows past member ``s``'s count are zero.
+            ``counts`` is ``[local experts]`` int64, the rows each received (on the device);
+            ``handle`` goes to :meth:`combine` (its ``per_source`` holds the count per member).
+
+        Every member must call it, in the same order of dispatches and combines. New tensors are
+        returned; the workspace may be reused at once.
+
+        Raises:
+            InputError: a bad argument on this member, before anything is sent (its members
+                raise :class:`~symmsync.PeerAborted` naming it).
+            SignalTimeout: a member did not dispatch within the budget (naming it);
+                :class:`~symmsync.SignalAborted` (a :class:`~symmsync.PeerAborted`): one aborted.
+            ClosedError: the buffer is closed.
+
+        Under ``torch.compile``: ``symmsync::moe_dispatch``.
+        """
+        if torch.compiler.is_compiling():
+            outs = torch.ops.symmsync.moe_dispatch(
+                x, topk_idx, self.handle, self.local_experts, self.size, self.max_tokens, self.fp8
+            )
+            return self._outputs(outs, topk_idx)
+        return self._outputs(self._dispatch(x, topk_idx), topk_idx)
+
+    def _outputs(self, outs: tuple, topk_idx: torch.Tensor) -> tuple[Any, torch.Tensor, Handle]:
+        recv, scales, counts, src, per_source = outs
+        return ((recv, scales) if self.fp8 else recv), counts, Handle(topk_idx, src, per_source)
+
+    def _dispatch(self, x: Any, topk_idx: Any) -> tuple[torch.Tensor, ...]:
+        """The checked dispatch: what :meth:`dispatch` and ``symmsync::moe_dispatch`` run. Returns
+        ``(recv, scales, counts, src, per_source)`` (``scales`` empty without fp8)."""
+        self._check_usable()
+        bad = self._dispatch_problem(x, topk_idx)
+        if bad is not None:
+            self._refuse("dispatch", bad)
+        ws, el, size, m = self.workspace, self.local_experts, self.size, self.max_tokens
+        dev = self._device
+        rows = size * m
+        tokens = x.shape[0]
+        if self.fp8:
+            recv = torch.empty((el, rows, self.hidden), dtype=torch.float8_e4m3fn, device=dev)
+            scales = torch.empty((el, rows, self._groups), dtype=torch.float32, device=dev)
+            recv_k = recv.view(torch.uint8)
+        else:
+            recv = torch.empty((el, rows, self.hidden), dtype=self.dtype, device=dev)
+            scales = torch.empty(0, dtype=torch.float32, device=dev)
+            recv_k = recv.view(torch.int16) if self._bits else recv
+        src = torch.empty((el, rows), dtype=torch.int64, device=dev)
+        per_source = torch.empty((el, size), dtype=torch.int64, device=dev)
+        xk = x.view(torch.int16) if self._bits else x
+        sig, me, timeout_ns, record = self._sig_args
+        common = dict(E=self.num_experts, EL=el, TOPK=self.top_k, BT=_pow2(m))
+        try:
+            kernels.dispatch_send[(max(tokens, 1),)](
+                xk, topk_idx, tokens, self._state, sig, me,
+                ws.rows, ws.scales, ws.src, ws.dispatch_stride,
+                **self._consts, **common, KP=_pow2(self.top_k), FP8=self.fp8, G=self._groups,
+                GP=_pow2(self._groups), BITS=self._bits,
+            )  # fmt: skip
+            kernels.dispatch_notify[(1,)](
+                topk_idx, tokens, self._state, sig, me, timeout_ns, record, ws.counts, ws.dispatch_stride,
+                SIZE=size, NSLOTS=protocol.SLOTS, TRAP=self.sigs.traps, **common,
+            )  # fmt: skip
+            if self._host_checks:
+                self.sigs.check()  # a wait that failed raises here, before anything is read
+            kernels.dispatch_read[(el * size,)](
+                recv_k, scales, per_source, src, self._state, sig, me,
+                ws.rows, ws.scales, ws.src, ws.counts, ws.dispatch_stride,
+                **self._consts, FP8=self.fp8, G=self._groups, GP=_pow2(self._groups),
+            )  # fmt: skip
+        except SymmSyncError as e:
+            self._fail(e)
+            raise
+        return recv, scales, per_source.sum(dim=1), src, per_source
+
+    def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, handle: Handle) -> torch.Tensor:
+        """Bring every expert's outputs back to the tokens' members and sum them per token.
+
+        Args:
+            expert_out: ``[local experts, members * max_tokens, hidden]`` of the dispatcher's dtype:
+                row ``r`` of local expert ``e`` is the output for row ``r`` of the dispatch's ``recv``
+                (rows past the counts are not read).
+            topk_weights: ``[tokens, top_k]`` float32, this member's tokens' weights.
+            handle: what the dispatch returned.
+
+        Returns:
+            ``y``, ``[tokens, hidden]`` of the dtype: ``y[t] = dtype(acc)`` with ``acc = 0`` then, for
+            ``k = 0 .. top_k - 1`` with ``topk_idx[t, k]`` an expert id,
+            ``acc = acc + topk_weights[t, k] * float32(out_k)`` in float32 (``out_k`` the row expert
+            ``topk_idx[t, k]`` returned for token ``t``: an entry repeating an expert adds that row
+            again, with its own weight); the same bits on every run.
+
+        Raises: as :meth:`dispatch`. Under ``torch.compile``: ``symmsync::moe_combine``.
+        """
+        if torch.compiler.is_compiling():
+            src, per = handle.src, handle.per_source
+            return torch.ops.symmsync.moe_combine(expert_out, topk_weights, handle.topk_idx, src, per, self.handle)
+        if not isinstance(handle, Handle):
+            self._check_usable()
+            self._refuse("combine", f"handle must be the Handle a dispatch returned, got {type(handle).__name__}")
+        return self._combine(expert_out, topk_weights, *handle)
+
+    def accepts_combine(self, expert_out: Any, topk_weights: Any, handle: Any) -> bool:
+        """Whether ``combine(expert_out, topk_weights, handle)`` passes this rank's input checks,
+        by the rule the call checks with (as :meth:`accepts`)."""
+        return self._combine_problem(expert_out, topk_weights, handle) is None
+
+    def _combine(self, expert_out: Any, topk_weights: Any, topk_idx: Any, src: Any, per_source: Any) -> torch.Tensor:
+        """The checked combine (a handle's parts): what :meth:`combine` and ``symmsync::moe_combine`` run."""
+        self._check_usable()
+        handle = Handle(topk_idx, src, per_source)
+        bad = self._combine_problem(expert_out, topk_weights, handle)
+        if bad is not None:
+            self._refuse("combine", bad)
+        ws, el, size = self.workspace, self.local_experts, self.size
+        tokens = topk_idx.shape[0]
+        y = torch.empty((tokens, self.hidden), dtype=self.dtype, device=self._device)
+        out_k, y_k = (expert_out.view(torch.int16), y.view(torch.int16)) if self._bits else (expert_out, y)
+        sig, me, timeout_ns, record = self._sig_args
+        try:
+            kernels.combine_send[(el * size,)](
+                out_k, handle.per_source, handle.src, self._state, sig, me, ws.combine, ws.combine_stride,
+                **self._consts,
+            )  # fmt: skip
+            kernels.combine_notify[(1,)](
+                self._state, sig, me, timeout_ns, record, SIZE=size, NSLOTS=protocol.SLOTS, TRAP=self.sigs.traps
+            )
+            if self._host_checks:
+                self.sigs.check()
+            kernels.combine_reduce[(max(tokens, 1),)](
+                y_k, topk_idx, topk_weights, tokens, self._state, sig, me, ws.combine, ws.combine_stride,
+                E=self.num_experts, H=self.hidden, HP=self._consts["HP"], TOPK=self.top_k, BITS=self._bits,
+                **self._launch_kw,
+            )  # fmt: skip
+        except SymmSyncError as e:
+            self._fail(e)
+            raise
+        return y
+
+    # ------------------------------------------------------------------ failures
+    def synchronize(self) -> None:
+        """Wait for the device; turn a trapped wait into the error it recorded
+        (:class:`~symmsync.SignalTimeout`, :class:`~symmsync.SignalAborted`). On the host backend
+        calls raise by themselves."""
+        self._check_usable()
+        try:
+            self.sigs.synchronize()
+        except SymmSyncError as e:
+            self._fail(e)
+            raise
+
+    def _check_usable(self) -> None:
+        if self._buffer.closed:
+            raise ClosedError(f"rank {self.rank}: moe.Dispatcher used after its buffer was closed")
+        if self._error is not None:
+            raise self._error
+        reason = self.view.aborted
+        if reason is not None:
+            raise used_after_abort(self.view, "moe.Dispatcher", reason)
+
+    def _refuse(self, call: str, problem: str) -> None:
+        """Refuse a bad call on this member before anything is sent: fail, tell the members, raise."""
+        err = InputError(f"rank {self.rank}: moe.Dispatcher.{call}: {problem}")
+        self._fail(err, f"moe.Dispatcher.{call}: {problem}")
+        raise err
+
+    def _fail(self, err: SymmSyncError, reason: str | None = None) -> None:
+        """This rank's call failed with ``err``: every later call raises it again without launching,
+        and the members' waits end at once with :class:`~symmsync.PeerAborted` naming this rank."""
+        if self._error is None:
+            self._error = err
+        if self.view.aborted is None:
+            self.view.abort(reason or f"moe.Dispatcher: {type(err).__name__}: {err}"[:200])
+
+    def close(self) -> None:
+        """Release the dispatcher's signal memory on this rank (idempotent; needs no other rank)."""
+        self.sigs.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Dispatcher(view={list(self.view.ranks)}, num_experts={self.num_experts}, max_tokens={self.max_tokens}, "
+            f"hidden={self.hidden}, dtype={self.dtype}, top_k={self.top_k}, fp8={self.fp8})"
+        )

@@ -1,0 +1,115 @@
+"""Where a :class:`~symmsync.moe.Dispatcher` keeps its bytes in every member's memory.
+
+A dispatcher owns one workspace in the view's buffer, at the same byte offset in every
+member (``offset``, a multiple of 128). Push model: a sender stores its rows into the
+receiver's workspace through the view's pointer table, so each member's workspace holds
+what the others sent it. Two copies of everything, by parity (the call's number modulo 2,
+counted on the device), so a call's stores never land where a member may still read the
+previous call's::
+
+    dispatch[q], q = 0, 1                     (what this member's local experts receive)
+      rows     [EL][W][M] rows of `hidden` elements (fp8: `hidden` e4m3 bytes)
+      scales   [EL][W][M][hidden / 128] float32          (fp8 only)
+      src      [EL][W][M] int64: t * top_k + k of the row at its source (token t, entry k)
+      counts   [EL][W] int64: rows member s sent to local expert e (all of them, 0 too)
+    combine[q], q = 0, 1                      (what this member's tokens get back)
+      rows     [M][top_k] rows of `hidden` elements of the dispatcher's dtype
+
+``EL`` = local experts (``num_experts // W``), ``W`` = members, ``M`` = ``max_tokens``.
+Every region starts on a line of 128 bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..language.cells import LINE, round_up
+
+#: The element types a dispatcher takes (its tokens' and its experts' outputs).
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Channels per scale of the fp8 option (the per-128-channel rule of DeepSeek-style models).
+FP8_GROUP = 128
+#: The floor of ``amax`` in the fp8 rule (:data:`FP8_RULE`) and the largest e4m3 value.
+FP8_AMAX_FLOOR = 1e-4
+FP8_MAX = 448.0
+FP8_RULE = (
+    "s = max(amax, 1e-4) / 448 (IEEE float32 division), amax the largest |x| of each 128 channels "
+    "of a token (x widened to float32); codes = e4m3fn(x / s), IEEE division, round to nearest even, "
+    "saturating at +-448"
+)
+"""The fp8 option's quantization rule, the one statement of it (a scale per token and 128 channels)."""
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """The byte offsets of one dispatcher's regions (the same in every member).
+
+    Attributes:
+        offset: where the workspace starts in the buffer's user region.
+        rows, scales, src, counts: parity 0's dispatch regions (``scales`` 0 bytes without fp8).
+        dispatch_stride: bytes from parity 0's dispatch regions to parity 1's.
+        combine: parity 0's combine rows.
+        combine_stride: bytes from parity 0's combine rows to parity 1's.
+        row_bytes: bytes of one dispatched row (its scales apart).
+        nbytes: bytes of the whole workspace.
+    """
+
+    offset: int
+    rows: int
+    scales: int
+    src: int
+    counts: int
+    dispatch_stride: int
+    combine: int
+    combine_stride: int
+    row_bytes: int
+    nbytes: int
+
+    @classmethod
+    def plan(
+        cls,
+        offset: int,
+        num_experts: int,
+        size: int,
+        max_tokens: int,
+        hidden: int,
+        dtype: torch.dtype,
+        top_k: int,
+        fp8: bool,
+    ) -> Workspace:
+        """The workspace of a dispatcher with these arguments over ``size`` members at ``offset``."""
+        rows_per_member = (num_experts // size) * size * max_tokens  # EL * W * M
+        row_bytes = hidden if fp8 else hidden * dtype.itemsize
+        rows = offset
+        scales = rows + round_up(rows_per_member * row_bytes, LINE)
+        src = scales + (round_up(rows_per_member * (hidden // FP8_GROUP) * 4, LINE) if fp8 else 0)
+        counts = src + round_up(rows_per_member * 8, LINE)
+        dispatch_stride = counts + round_up((num_experts // size) * size * 8, LINE) - rows
+        combine = rows + 2 * dispatch_stride
+        combine_stride = round_up(max_tokens * top_k * hidden * dtype.itemsize, LINE)
+        end = combine + 2 * combine_stride
+        return cls(offset, rows, scales, src, counts, dispatch_stride, combine, combine_stride, row_bytes, end - offset)
+
+
+def buffer_bytes(
+    num_experts: int,
+    max_tokens: int,
+    hidden: int,
+    dtype: torch.dtype,
+    top_k: int,
+    size: int,
+    *,
+    fp8: bool = False,
+) -> int:
+    """Bytes a dispatcher's workspace takes in every member's buffer (the sizing rule).
+
+    About ``2 (E M h b + M k h c)`` bytes: two parities of the rows every local expert may
+    receive from every member (``E`` experts in all, ``M`` = ``max_tokens``, ``h`` = ``hidden``,
+    ``b`` bytes a row element takes: the dtype's, or 1 + 4/128 with fp8) and of the rows this
+    member's tokens get back (``k`` = ``top_k``, ``c`` the dtype's bytes), plus 8 bytes per
+    received row and per (expert, member) of bookkeeping. The sizes are those of the
+    arguments of :class:`~symmsync.moe.Dispatcher` (``size``: the view's members).
+    """
+    return Workspace.plan(0, num_experts, size, max_tokens, hidden, dtype, top_k, fp8).nbytes
