@@ -12,11 +12,13 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .. import backends
 from ..backends import mode
 from ..checks import int_problem
 from ..core import agreement
 from ..core.failure import used_after_abort
 from ..core.nodes import spanning_problem
+from ..core.regions import Region
 from ..core.signals import Signals
 from ..core.views import PeerView
 from ..errors import BoundsError, ClosedError, ConfigError, InputError, SymmSyncError
@@ -98,6 +100,7 @@ class Dispatcher:
         timeout_s: float | None = None,
     ):
         call = "moe.Dispatcher"
+        backends.refuse_compiling(call)
         if not isinstance(view, PeerView):
             raise ConfigError(f"{call}: view must be a symmsync.PeerView, got {type(view).__name__}")
         buf = view.buffer
@@ -139,6 +142,10 @@ class Dispatcher:
                     BoundsError,
                 )
         members = tuple(view.ranks)
+        region = None
+        if problem is None:  # its workspace's bytes: shared with no other owner
+            region = Region(f"{call} (view {list(members)})", offset, offset + ws.nbytes)
+            problem, error = buf.regions.problem(region), ConfigError
         mine = {
             "num_experts": num_experts,
             "max_tokens": max_tokens,
@@ -153,6 +160,7 @@ class Dispatcher:
         agreement.agree(
             buf.group, call, mine, problem=problem, error=error, same=dict.fromkeys(mine, alike), device=buf.device
         )
+        buf.regions.claim(region, self)
         self.sigs = Signals(view, slots=protocol.SLOTS, timeout_s=timeout_s)
         """The :class:`~symmsync.Signals` object the steps signal and wait on (slot 0: dispatches, 1: combines)."""
         self.view = view
