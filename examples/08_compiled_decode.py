@@ -37,15 +37,18 @@ class Model:
     def __init__(self, backend: str, steps: int):
         world = dist.get_world_size()
         numel = max(ROWS) * world * HIDDEN  # the largest step's all-reduce
-        workspace = collectives.workspace_bytes(numel, torch.float32, world)
-        base = -(-workspace // 128) * 128  # the caches after the workspace, 128-byte aligned
         slots = steps * max(ROWS) * world  # every step's tokens take fresh slots
-        self.layout = pcp.CacheLayout(num_blocks=-(-slots // 64), num_layers=LAYERS, base=base)
-        self.buf = ss.SymmetricBuffer(self.layout.end, backend=backend)
+        caches = pcp.CacheLayout(num_blocks=-(-slots // 64), num_layers=LAYERS)  # its size: caches.nbytes
+        # Each owner its own bytes, aligned: the all-reduce's workspace, then the caches.
+        plan = ss.carve(all_reduce=collectives.workspace_bytes(numel, torch.float32, world), caches=caches.nbytes)
+        self.layout = pcp.CacheLayout(num_blocks=caches.num_blocks, num_layers=LAYERS, base=plan["caches"])
+        self.buf = ss.SymmetricBuffer(plan.nbytes, backend=backend)
         view = self.buf.view(list(range(world)))
         # Collective constructors: every rank, same order, before compiling (or capturing). The
         # budget of a wait covers a peer still compiling: the first compiled call waits for it.
-        self.ar = collectives.AllReduce(view, numel, torch.float32, channel=0, timeout_s=120.0)
+        self.ar = collectives.AllReduce(
+            view, numel, torch.float32, offset=plan["all_reduce"], channel=0, timeout_s=120.0
+        )
         self.writer = pcp.DirectKVWriter(view, self.layout, channel=1, timeout_s=120.0)
         g = torch.Generator().manual_seed(0)  # the same norm weights on every rank
         self.norm = [(1 + 0.1 * torch.randn(HIDDEN, generator=g)).to(self.buf.device) for _ in range(LAYERS)]

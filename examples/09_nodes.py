@@ -25,7 +25,8 @@ from symmsync.testing import is_main_process, run
 
 def two_nodes(backend: str) -> list[str]:  # runs on every rank, with torch.distributed initialized
     room = C.workspace_bytes(4, torch.float32, 4, "all_reduce", nodes=2)  # an all-reduce's, over 2 nodes
-    with ss.SymmetricBuffer(1024 + room, backend=backend) as buf:  # maps only the peers of this rank's node
+    plan = ss.carve(notes=16, all_reduce=room)  # each owner its own bytes, aligned
+    with ss.SymmetricBuffer(plan.nbytes, backend=backend) as buf:  # maps only the peers of this rank's node
         me, nodes = buf.rank, buf.nodes
         mine = list(nodes.members_of(me))
         node = buf.view(mine)  # collective: every rank passes its own node's ranks
@@ -42,7 +43,9 @@ def two_nodes(backend: str) -> list[str]:  # runs on every rank, with torch.dist
         spanning = buf.view(list(range(buf.world_size)))  # every rank: a view over both nodes
         everyone = OffNode(spanning, timeout_s=60)  # crosses nodes
         squares = [int(t) for t in everyone.all_gather(torch.tensor([me * me]))]  # gloo: CPU tensors
-        ar = C.AllReduce(spanning, 4, torch.float32, offset=1024, timeout_s=60)  # collective, like every constructor
+        ar = C.AllReduce(
+            spanning, 4, torch.float32, offset=plan["all_reduce"], timeout_s=60
+        )  # collective, like every constructor
         total = ar(torch.full((4,), float(me + 1), device=buf.device))  # (1 + 2) on node 0, (3 + 4) on node 1
         return [
             f"rank {me}: {nodes}; my node is {mine}",
