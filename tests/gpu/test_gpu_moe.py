@@ -117,7 +117,7 @@ def _graph(replays):
     me, world = dist.get_rank(), dist.get_world_size()
     buf, disp = _make()
     dev = buf.device
-    x, ids, w = (t.to(dev) for t in routings.routing("random", me, world, E, M - me, H, K, torch.bfloat16, 0))
+    x, ids, w = (t.to(dev) for t in routings.routing("random", me, world, E, M, H, K, torch.bfloat16, 0))
     x, ids, w = x[: M - 1], ids[: M - 1], w[: M - 1]  # one token count, fixed for the graph
     outs = {}
 
