@@ -53,7 +53,7 @@ import torch
 from ..checks import index_problem, timeout_problem
 from ..core.nodes import NodeLayout
 from ..core.views import PeerView
-from ..errors import PeerAborted, SymmSyncError
+from ..errors import SymmSyncError
 from ..spanning import exchange
 from ..spanning import parts as spanning
 from . import layout as L
@@ -177,16 +177,8 @@ class _NodeSteps:
             raise err from e
 
     def _named(self, e: Exception) -> Exception:
-        """A step's :class:`~symmsync.PeerAborted` as naming the view's origin (the member that gave
-        up first, :func:`symmsync.spanning.exchange.origin`): a node step names the node peer whose
-        flag it saw, which may only have relayed it. Any other error as it is."""
-        if not isinstance(e, PeerAborted):
-            return e
-        view = self._owner.view
-        first = exchange.origin(view)
-        if first is None or e.aborted == dict([first]):
-            return e
-        return exchange.origin_error(view, self._owner.rank, self._name, first)
+        """A step's error as naming the view's origin (:func:`symmsync.spanning.exchange.as_origin`)."""
+        return exchange.as_origin(self._owner.view, self._owner.rank, self._name, e)
 
     def _run(self, x, out, numel, count, epilogue, words: list[int]) -> None:
         """The form's steps of a checked call, ``words`` its header (each form defines its own)."""

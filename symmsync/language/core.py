@@ -288,6 +288,7 @@ def bounded_poll(
         if not done:
             start = clock_ns()
             loop:                                    # every load an acquire
+                pause(elapsed)                       # host backend only: sleeps once it waited 1 ms
                 done, aborted = poll(), scan_aborts()
                 if done or aborted or clock_ns() - start > timeout_ns: break
         return (0 if done else 2 if aborted else 1), the value seen by the last poll
@@ -308,6 +309,7 @@ def bounded_poll(
         start = _prims.clock_ns()
         elapsed = start - start
         while _waiting(x, target, KIND) & (aborted == 0) & (elapsed <= timeout_ns):
+            _prims.pause(elapsed)  # the host backend sleeps a moment once the wait is long; GPUs spin
             x, seen, aborted = _probe(src, target, table, cell, me, SIZE, KIND, CMP, True)
             elapsed = _prims.clock_ns() - start
     if KIND == MEMBERS:  # an aborted member is not counted as on its way

@@ -116,6 +116,12 @@ def launch_id():
 
 
 @triton.jit
+def pause(elapsed):
+    """Nothing: a GPU's poll spins (the host backend's sleeps a moment once it waited long)."""
+    pass
+
+
+@triton.jit
 def check_co_resident():
     """Nothing: the host checks co-residency before the launch (symmsync.core.fence.launch_grid_sync)."""
     pass

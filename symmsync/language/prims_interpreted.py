@@ -19,6 +19,24 @@ def clock_ns():
     return tl.full((), time.monotonic_ns(), tl.int64)
 
 
+#: After how long a wait (ns) the interpreter's poll sleeps :data:`PAUSE_S` between polls.
+PAUSE_AFTER_NS = 1_000_000
+
+#: How long that sleep is, in seconds.
+PAUSE_S = 0.0002
+
+
+def pause(elapsed):
+    """Sleep :data:`PAUSE_S` once a poll has waited :data:`PAUSE_AFTER_NS` (``elapsed``, ns).
+
+    A thread that only polls keeps the GIL from this process's other threads (the watch of
+    spanning views, :mod:`symmsync.spanning.parts`, starved for seconds on a busy host) and a
+    core from the other ranks' processes; a wait that long loses nothing to a sleep this short.
+    """
+    if _value(elapsed) > PAUSE_AFTER_NS:
+        time.sleep(PAUSE_S)
+
+
 def release_add(ptr, live):
     """Add 1 at ``ptr`` with release order, when ``live``."""
     tl.atomic_add(ptr, 1, mask=live, sem="release", scope="sys")

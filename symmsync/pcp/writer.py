@@ -50,6 +50,7 @@ from ..core.regions import Region
 from ..errors import ClosedError, ConfigError, InputError, SymmSyncError
 from ..ops import handles
 from ..ops import kv as torch_ops
+from ..spanning import exchange
 from ..spanning import parts as spanning
 from .kernels import IDX as _IDX
 from .kernels import NOPE as _NOPE
@@ -492,9 +493,14 @@ class DirectKVWriter:
         try:
             self._write_checked(layer, kv_c, k_pe, indexer_k, batch)
         except SymmSyncError as e:  # across nodes, the node fence's failure reaches the other nodes too
-            if self.node_view is not None:
-                self._abort(str(e))
-            raise
+            if self.node_view is None:
+                raise
+            # A node fence names the node peer whose flag it saw: name the view's origin instead.
+            err = exchange.as_origin(self.view, self.buffer.rank, "DirectKVWriter.write", e)
+            self._abort(str(err))
+            if err is e:
+                raise
+            raise err from e
 
     def _write_checked(self, layer: int, kv_c, k_pe, indexer_k, batch: Batch) -> None:
         if self.route == "allgather":

@@ -204,6 +204,19 @@ def origin_error(view: PeerView, rank: int, what: str, first: tuple[int, str]) -
     return failure.peer_aborted(view, rank, what, happened, {r: why})
 
 
+def as_origin(view: PeerView, rank: int, what: str, e: Exception) -> Exception:
+    """``e`` as naming the view's origin: a :class:`~symmsync.PeerAborted` from a step within one
+    node names the node peer whose flag it saw, which may only have relayed the origin's news;
+    this is the same error naming the origin (:func:`origin`) and its reason instead. Any other
+    error, or one that names the origin already (or no origin known), is returned as it is."""
+    if not isinstance(e, PeerAborted):
+        return e
+    first = origin(view)
+    if first is None or e.aborted == dict([first]):
+        return e
+    return origin_error(view, rank, what, first)
+
+
 def _offnodes(view: PeerView) -> list[OffNode]:
     return [off for off in (ref() for ref in _BY_VIEW.get(view.name, ())) if off is not None]
 

@@ -4,7 +4,10 @@ Host backend, world 2. For each case of a sweep (both ranks pass the same argume
 good call completes and a bad one fails on each rank by itself), a fresh buffer and object:
 the predicate's answer, then the call's outcome. The oracle is the call itself: ``accepts()``
 must be False exactly where the call raised ``InputError``, True where it returned (the
-writer's: tests/pcp/test_pcp_accepts.py).
+writer's: tests/pcp/test_pcp_accepts.py). Then docs/inside-a-model.md's communicator pattern
+(``ar(x)`` where ``ar.accepts(x)``, the runtime's own path elsewhere), eager and compiled
+with ``fullgraph=True``: the members' sum where the input fits, the fallback's mark where it
+does not, and the fast path still working after them.
 """
 
 import pytest
@@ -132,3 +135,46 @@ def test_all_gather_and_reduce_scatter_accept_exactly_what_they_do_not_refuse(po
             ("AllGather", True),
             ("ReduceScatter", False),
         ]
+
+
+#: The communicator pattern's inputs, in call order: the fast path, inputs it does not take,
+#: then the fast path again (an input it refused never reached the call, so nothing failed).
+COMMUNICATOR_INPUTS = (
+    ("fits", lambda r: torch.full((NUMEL,), float(r + 1))),
+    ("too many elements", lambda r: torch.ones(NUMEL + 1)),
+    ("not contiguous", lambda r: torch.ones(2 * NUMEL)[::2]),
+    ("int32", lambda r: torch.ones(NUMEL, dtype=torch.int32)),
+    ("fits again", lambda r: torch.full((NUMEL,), float(10 * (r + 1)))),
+)
+FALLBACK = -7.0  # what the stand-in for the runtime's own all-reduce returns: it marks the branch
+
+
+def communicator(compiled: bool) -> list:
+    """inside-a-model.md's communicator pattern, eager or compiled (``fullgraph=True``, aot_eager):
+    ``ar(x)`` where ``ar.accepts(x)``, else the runtime's own path (a stand-in that marks it)."""
+    buf = ss.SymmetricBuffer(C.workspace_bytes(NUMEL, torch.float32, 2), backend="host")
+    ar = C.AllReduce(buf.view([0, 1]), NUMEL, torch.float32, timeout_s=60)
+
+    def all_reduce(x):
+        if ar.accepts(x):
+            return ar(x)
+        return torch.full_like(x, FALLBACK)
+
+    call = torch.compile(all_reduce, fullgraph=True, backend="aot_eager") if compiled else all_reduce
+    torch._dynamo.reset()
+    out = [(name, call(make(buf.rank)).tolist()) for name, make in COMMUNICATOR_INPUTS]
+    buf.close()
+    return out
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_communicator_pattern_takes_the_fast_path_exactly_where_it_fits(pool, compiled):
+    for rank, results in enumerate(pool.call(communicator, compiled)):
+        got = dict(results)
+        assert list(got) == [name for name, _ in COMMUNICATOR_INPUTS]
+        # the members' sum (1 + 2, 10 + 20) where it fits, the fallback's mark elsewhere
+        assert got["fits"] == [3.0] * NUMEL, (rank, got["fits"])
+        assert got["fits again"] == [30.0] * NUMEL, (rank, got["fits again"])
+        for name in ("too many elements", "not contiguous", "int32"):
+            x = dict(COMMUNICATOR_INPUTS)[name](rank)
+            assert got[name] == [FALLBACK] * x.numel(), (rank, name, got[name])

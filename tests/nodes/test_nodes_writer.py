@@ -10,7 +10,8 @@ every other byte of the buffer keeps its poison. In the same job: a view within 
 keeps the one-node route; ``route="direct"`` on nodes of different sizes is refused on every
 rank; a member that closes on the other node reaches every other member as
 ``PeerAborted`` within the budget; and a node fence that fails on one node reaches the
-other node's members as ``PeerAborted`` at their next exchange, not at their budget; a
+other node's members as ``PeerAborted`` at their next exchange, not at their budget, every
+member's error naming the origin (rank 3) and its reason, not the member that relayed it; a
 ``write()`` during CUDA graph capture is refused before it writes or aborts anything.
 """
 
@@ -152,7 +153,7 @@ def _node_fence_fails_on_the_other_node(nb):
         try:
             writer.write(layer, *rows, batch)
         except ss.SymmSyncError as e:
-            outcome = (layer, type(e).__name__, sorted(getattr(e, "aborted", {})), time.monotonic() - t0)
+            outcome = (layer, type(e).__name__, sorted(getattr(e, "aborted", {})), time.monotonic() - t0, str(e))
             break
     dist.barrier()
     buf.close()
@@ -206,13 +207,15 @@ def test_across_two_nodes_every_replica_matches_all_gather_and_insert_in_every_f
         assert kind == "PeerAborted" and "rank 3" in msg, (rank, msg)
         assert elapsed < BUDGET_S / 2, (rank, elapsed)
     for rank, r in enumerate(results):
-        (layer, kind, aborted, elapsed), capturing = r["node_fence"]
+        (layer, kind, aborted, elapsed, msg), capturing = r["node_fence"]
         assert capturing is not None and capturing[0] == "CaptureError", (rank, capturing)
         assert capturing[1].startswith(
             f"rank {rank}: DirectKVWriter.write: called while a CUDA graph was being captured"
         ), capturing
         assert kind == "PeerAborted", (rank, r["node_fence"])
         assert elapsed < BUDGET_S / 2, (rank, r["node_fence"])
-        # told by a member of the failing node through the store, or by its node-mate so told
-        # (rank 3 aborted its node view itself: its own write() names it)
-        assert aborted and (rank == 3 or rank not in aborted), (rank, r["node_fence"])
+        # Every member names the origin (rank 3) and its reason, whoever relayed it (its node-mate's
+        # fence, the exchange between nodes, or a node-mate that learnt of it there).
+        assert aborted == [3], (rank, r["node_fence"])
+        assert "planted: the node fence failed" in msg, (rank, msg)
+        assert rank == 3 or "rank 3 " in msg, (rank, msg)  # rank 3's own error says "this rank aborted"
