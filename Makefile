@@ -20,7 +20,7 @@ CUDA_EXTRA := $(if $(HAS_GPU),$(comma)cuda)
 WHEEL_DIR ?= build/wheel
 WHEEL_VENV ?= build/wheel-venv
 
-.PHONY: demo test test-soak test-gpu bench-fence bench-pcp doctor lint clean wheel-check
+.PHONY: demo test test-soak test-gpu test-gpu-shared bench-fence bench-pcp doctor lint clean wheel-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,20 @@ test-soak: $(VENV)/.test
 ## test-gpu: only the GPU suite (needs 2 NVIDIA GPUs)
 test-gpu: $(VENV)/.test
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
+
+## test-gpu-shared: the GPU suite with each test's ranks sharing the GPUs there are, under an MPS daemon
+## (started for the run and always stopped), the tests that scale with the world at GPU_WORLDS, the GPU
+## soaks at the largest; then, with the daemon stopped, the tests whose kernels trap by design (docs/gpu.md).
+## On a GPU image without the venv: make test-gpu-shared SYSTEM_PY=python3
+GPU_WORLDS ?= 2,4,8
+SYSTEM_PY ?=
+GPU_PY := $(or $(SYSTEM_PY),$(PY))
+test-gpu-shared: $(if $(SYSTEM_PY),,$(VENV)/.test)
+	@status=0; \
+	export PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} SYMMSYNC_SHARE_GPUS=1 SYMMSYNC_GPU_WORLDS=$(GPU_WORLDS); \
+	SYMMSYNC_SOAK=1 $(GPU_PY) -m symmsync mps run -- $(GPU_PY) -m pytest -m "gpu and not traps" $(PYTEST_ARGS) || status=1; \
+	$(GPU_PY) -m pytest -m "gpu and traps" $(PYTEST_ARGS) || status=1; \
+	exit $$status
 
 ## verify: model-check the fence, the signals and the collectives' slots with Spin, every configuration (verify/README.md)
 verify: install-spin

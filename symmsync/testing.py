@@ -49,6 +49,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +104,48 @@ def sharing_gpus() -> bool:
     return os.environ.get("SYMMSYNC_SHARE_GPUS", "0") not in ("", "0")
 
 
+def mps(pipe_dir: str | None = None, log_dir: str | None = None):
+    """A context manager: an MPS daemon for the block, so that ranks sharing a GPU run at the same
+    time (:func:`symmsync.backends.mps.daemon`; it stops a daemon it started, also after a failure)::
+
+        os.environ["SYMMSYNC_SHARE_GPUS"] = "1"
+        with mps():
+            run(fn, 8, backend="cuda")  # 8 ranks on one GPU, each on 100 // 8 percent of its SMs
+    """
+    from .backends.mps import daemon
+
+    return daemon(pipe_dir, log_dir)
+
+
+_said_time_sliced = []
+
+
+def sharing_env(world_size: int, gpus: int, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables :func:`run` adds for ``world_size`` ranks sharing ``gpus`` GPUs: under a
+    running MPS daemon (the one ``env``, then this process's environment, names), each rank's SM
+    share ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` = 100 // ranks per GPU, unless ``env`` or this
+    process sets it already (an override); without a daemon, none, and a ``RuntimeWarning``,
+    once per process, that the GPU time-slices the ranks."""
+    from .backends import mps as _mps
+
+    merged = {**os.environ, **(env or {})}
+    if not _mps.running(merged):
+        if not _said_time_sliced:
+            _said_time_sliced.append(True)
+            warnings.warn(
+                "symmsync.testing: ranks share a GPU without an MPS daemon, so the GPU time-slices them and no "
+                "two ranks' kernels run at once; start one to run them concurrently (symmsync.testing.mps(), "
+                "`python -m symmsync mps start`; docs/gpu.md)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return {}
+    if _mps.SHARE_ENV in merged:
+        return {}
+    per_gpu = -(-world_size // max(1, gpus))
+    return {_mps.SHARE_ENV: str(_mps.thread_percentage(per_gpu))}
+
+
 def run(
     fn: Callable[..., Any],
     world_size: int,
@@ -124,7 +167,11 @@ def run(
             GPU ``rank`` per process; needs ``world_size`` GPUs). With
             ``SYMMSYNC_SHARE_GPUS=1`` in the environment, ranks share the GPUs there are
             (rank ``r`` on GPU ``r % count``, gloo by default, since NCCL refuses two
-            ranks on one GPU): a smoke run of multi-rank code on one GPU, without NVLink.
+            ranks on one GPU): multi-rank code on one GPU, without NVLink. Under a
+            running MPS daemon (:func:`mps`) their kernels run at the same time, and each
+            rank gets ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` = 100 // ranks per GPU unless
+            ``env`` or this process sets it; without one the GPU time-slices the ranks
+            (said once, as a ``RuntimeWarning``).
         timeout_s: budget for the whole run, start-up included.
         env: extra environment variables for the ranks.
         dist_backend: torch.distributed backend (default: gloo for host, NCCL for cuda;
@@ -186,6 +233,10 @@ def run(
         **(env or {}),
     }
     prefix = child_env["SYMMSYNC_SHM_PREFIX"]  # env may set it
+    if backend == "cuda" and sharing_gpus():
+        import torch
+
+        child_env.update(sharing_env(world_size, torch.cuda.device_count(), env or {}))
     procs = []
     deadline = time.monotonic() + timeout_s
     try:
@@ -256,6 +307,12 @@ def _run_in_job(
         extra = {}
         if backend == "cuda":
             local = int(os.environ["LOCAL_RANK"])
+            if sharing_gpus():
+                gpus = torch.cuda.device_count()
+                if not torch.cuda.is_initialized():  # the share is read when the CUDA context is made
+                    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+                    os.environ.update(sharing_env(local_world, gpus, env))
+                local %= gpus
             torch.cuda.set_device(local)
             if dist_backend == "nccl":
                 extra["device_id"] = torch.device("cuda", local)

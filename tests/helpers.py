@@ -2,7 +2,7 @@
 
 * :func:`describe_error`: what a test reports about an error.
 * :func:`need_gpus`: the skip of a ``cuda`` case that needs more GPUs than the ``backend``
-  fixture's two.
+  fixture's two; :func:`gpu_worlds`: the worlds a GPU test that scales with the world runs at.
 * The GPU suite's CUDA-graph helper (:func:`capture`), its payload kernels, and the rank
   functions that the 2-GPU and the 4-GPU modules both run (:func:`graph_replay`,
   :func:`pcp_graph_replay`).
@@ -54,6 +54,25 @@ def need_gpus(backend: str, world: int) -> None:
     The ``backend`` fixture's ``cuda`` case needs 2 GPUs; a test at a larger world calls this."""
     if backend == "cuda" and gpu_count() < world and not sharing_gpus():
         pytest.skip(f"needs {world} NVIDIA GPUs, found {gpu_count()}: run `make test-gpu` on a {world}-GPU machine")
+
+
+def need_nccl_in_capture(route: str, world: int) -> None:
+    """Skip the PCP ``allgather`` route in a CUDA graph where ranks share a GPU: its all-gather is
+    torch.distributed's, gloo there (NCCL refuses two ranks on one GPU), and gloo cannot be captured."""
+    if route == "allgather" and gpu_count() < world:
+        pytest.skip(
+            "the allgather route captures torch.distributed's all-gather: with ranks sharing a GPU that is "
+            "gloo, which a CUDA graph cannot hold (cudaErrorStreamCaptureInvalidated); needs a GPU per rank"
+        )
+
+
+def gpu_worlds(default: str = "2") -> list[int]:
+    """The worlds a GPU test that scales with the world runs at: ``SYMMSYNC_GPU_WORLDS`` (for
+    example ``2,4,8``; ``make test-gpu-shared`` sets it), else ``default``. A world larger than
+    the GPUs there are skips unless the ranks share them (:func:`need_gpus`)."""
+    import os
+
+    return [int(w) for w in os.environ.get("SYMMSYNC_GPU_WORLDS", default).split(",") if w.strip()]
 
 
 def capture(step, warmup=3):

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from importlib import metadata
 
+from ..backends import mps
+
 #: The size of the buffer the doctor allocates on each backend it tries.
 PROBE_BYTES = 4096
 
@@ -206,6 +208,7 @@ def report() -> tuple[str, bool]:
     ]
     host_ok, host_why = _host_backend()
     cuda_ok, cuda_why = _cuda_section(lines)
+    lines.append(f"MPS              {mps.describe()}")
     host_ok, host_line = _backend_line("host", host_ok, host_why)
     cuda_ok, cuda_line = _backend_line("cuda", cuda_ok, cuda_why)
     lines += ["backends:", host_line, cuda_line]

@@ -180,6 +180,7 @@ def one_rank_never_arrives(budget, absent, backend="host"):
     return "no timeout"
 
 
+@pytest.mark.traps  # the cuda case: the waiting kernels trap
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_rank_that_never_arrives_makes_the_others_time_out_naming_it(world, backend):
     # On GPUs the waiting kernels trap (raised as FenceTimeout at synchronize()), which

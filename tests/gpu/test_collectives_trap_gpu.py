@@ -64,6 +64,7 @@ def mismatch_then_synchronize():
     return seen
 
 
+@pytest.mark.traps
 def test_a_trapped_collective_never_leaves_a_members_synchronize_hanging_silently():
     results = run(mismatch_then_synchronize, WORLD, backend="cuda", timeout_s=BOUND_S + 240)
     for r in results:

@@ -93,6 +93,7 @@ def _check(results, reason, epoch):
     return a, r
 
 
+@pytest.mark.traps
 @pytest.mark.parametrize("how", ["abort", "close"])
 def test_an_abort_makes_the_waiting_gpu_peer_raise_naming_the_rank_and_reason_at_once(how):
     reason = "bad input: kv_c has 3 rows" if how == "abort" else "closed"
@@ -120,6 +121,7 @@ def graph_abort(replays, reason):
     return _wait_for_abort(buf, fence, g.replay)  # the captured fence waits for rank 1's next epoch
 
 
+@pytest.mark.traps
 def test_an_abort_reaches_a_peer_replaying_a_cuda_graph_at_once():
     replays, reason = 50, "planted failure during graph replay"
     results = run(graph_abort, WORLD, replays, reason, backend="cuda", dist_backend="gloo", timeout_s=240)

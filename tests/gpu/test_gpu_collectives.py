@@ -8,6 +8,9 @@ in member order in float32 (``acc = x_0; acc += x_1; ...``, one rounding to the 
 ``torch.cat`` for the all-gather. Results are compared bit for bit.
 """
 
+import os
+import random
+
 import helpers
 import pytest
 import torch
@@ -18,7 +21,8 @@ from symmsync import collectives as C
 from symmsync.testing import run
 
 pytestmark = pytest.mark.gpu
-WORLD = 2
+WORLD = 2  # the tests that do not scale with the world
+WORLDS = helpers.gpu_worlds()  # SYMMSYNC_GPU_WORLDS; make test-gpu-shared: 2, 4 and 8 ranks on one GPU
 MAX_NUMEL = 1 << 21
 OPS = ("one_shot", "two_shot", "auto", "all_gather", "reduce_scatter")
 
@@ -92,11 +96,18 @@ def eager_back_to_back(sizes, dtypes, calls_each):
     return wrong
 
 
-def test_every_operation_and_algorithm_matches_the_oracle_eagerly_back_to_back():
-    sizes = (1, 777, 4096 + 3, 1 << 16, MAX_NUMEL)
-    dtypes = (torch.bfloat16, torch.float32, torch.float16)
-    for wrong in run(eager_back_to_back, WORLD, sizes, dtypes, 4, backend="cuda", timeout_s=600):
-        assert wrong == [], wrong
+@pytest.fixture(params=WORLDS, ids=[f"world{w}" for w in WORLDS])
+def world(request):
+    helpers.need_gpus("cuda", request.param)
+    return request.param
+
+
+def test_every_operation_and_algorithm_matches_the_oracle_eagerly_back_to_back(world):
+    # Past 2 members the largest size and a dtype go: the oracle gathers every input over gloo.
+    sizes = (1, 777, 4096 + 3, 1 << 16, MAX_NUMEL) if world <= 2 else (1, 777, 4096 + 3, 1 << 16)
+    dtypes = (torch.bfloat16, torch.float32, torch.float16) if world <= 2 else (torch.bfloat16, torch.float32)
+    for rank, wrong in enumerate(run(eager_back_to_back, world, sizes, dtypes, 4, backend="cuda", timeout_s=600)):
+        assert wrong == [], f"rank {rank}: cases that differ from the oracle: {wrong}"
 
 
 def graph_batches(op, symmetric, numel, batches, per_batch):
@@ -131,10 +142,10 @@ def graph_batches(op, symmetric, numel, batches, per_batch):
 
 @pytest.mark.parametrize("symmetric", [False, True], ids=["copied_in", "symmetric_input"])
 @pytest.mark.parametrize("op", OPS)
-def test_every_operation_in_cuda_graph_replay_keeps_the_oracle_after_every_batch(op, symmetric):
-    numel = 8192 * WORLD  # 16 KB of bfloat16 per member and more: a decode-sized message
-    for log in run(graph_batches, WORLD, op, symmetric, numel, 5, 200, backend="cuda", timeout_s=600):
-        assert log == [True] * 5, log
+def test_every_operation_in_cuda_graph_replay_keeps_the_oracle_after_every_batch(op, symmetric, world):
+    numel = 8192 * world  # 16 KB of bfloat16 per member and more: a decode-sized message
+    for rank, log in enumerate(run(graph_batches, world, op, symmetric, numel, 5, 200, backend="cuda", timeout_s=600)):
+        assert log == [True] * 5, f"rank {rank}: batches matching the oracle: {log}"
 
 
 def size_mismatch_on_gpu():
@@ -150,6 +161,7 @@ def size_mismatch_on_gpu():
     # The trap made this process's CUDA context unusable: no close() (the process ends).
 
 
+@pytest.mark.traps
 def test_a_size_mismatch_traps_and_every_member_raises_collective_mismatch():
     if torch.cuda.device_count() < WORLD:
         # Both members trap at once; on one GPU shared by both processes, the member whose
@@ -191,7 +203,57 @@ def fused_epilogue_on_gpu(tokens, hidden, replays):
     return result
 
 
-def test_the_fused_epilogue_in_graph_replay_matches_torch_on_every_member():
-    for residual_ok, diff, same in run(fused_epilogue_on_gpu, WORLD, 8, 4096, 100, backend="cuda", timeout_s=600):
+def test_the_fused_epilogue_in_graph_replay_matches_torch_on_every_member(world):
+    for residual_ok, diff, same in run(fused_epilogue_on_gpu, world, 8, 4096, 100, backend="cuda", timeout_s=600):
         assert residual_ok and same, (residual_ok, same)
         assert diff <= 0.125, diff  # rsqrt and the mean's order: a rounding step of bfloat16 at most
+
+
+# ---------------------------------------------------------------------- the soak
+SOAK_CALLS = int(os.environ.get("SYMMSYNC_SOAK_COLLECTIVES", "3000"))
+
+
+def _inputs(call, n, dtype, world, device):
+    """Every member's input of call ``call``, from the call's seed: each member makes all of them,
+    so the oracle needs no exchange (member ``r``'s own input is entry ``r``)."""
+    out = []
+    for r in range(world):
+        g = torch.Generator(device=device).manual_seed(1_000_003 * call + r)
+        out.append(torch.randn(n, generator=g, device=device).to(dtype))
+    return out
+
+
+def mixed_calls(calls, seed):
+    """Rank function: ``calls`` collectives of random operation, algorithm, dtype, size and input
+    kind, back to back with no host barrier, every output checked against the member-order sum
+    (``torch.cat``) of inputs every member rebuilds from the call's seed. The cases that differ."""
+    buf, ops = _objects()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pick = random.Random(seed)  # the same choices on every member: every member makes the same call
+    wrong, pending = [], []
+    for call in range(calls):
+        op = pick.choice(OPS)
+        dtype = pick.choice((torch.bfloat16, torch.float32, torch.float16))
+        n = pick.choice((1, 7, 777, 4096 + 3, 1 << 14, 1 << 16))
+        n = max(world, n // world * world) if op == "reduce_scatter" else n
+        sym = pick.random() < 0.3
+        xs = _inputs(call, n, dtype, world, buf.device)
+        pending.append(((call, op, str(dtype), n, sym), xs, _call(ops, op, xs[rank], symmetric=sym).clone()))
+        if len(pending) == 100 or call == calls - 1:
+            for case, inputs, got in pending:
+                if not _same(got, _expected(case[1], inputs, rank)):
+                    wrong.append(case)
+            pending = []
+    ops["all_reduce"].synchronize()
+    torch.cuda.synchronize()
+    dist.barrier()
+    buf.close()
+    return wrong
+
+
+@pytest.mark.soak
+def test_thousands_of_mixed_calls_at_the_largest_world_all_match_the_oracle():
+    world = max(WORLDS)
+    helpers.need_gpus("cuda", world)
+    for rank, wrong in enumerate(run(mixed_calls, world, SOAK_CALLS, 7, backend="cuda", timeout_s=900)):
+        assert wrong == [], f"rank {rank}: {len(wrong)} of {SOAK_CALLS} calls differ from the oracle: {wrong[:10]}"

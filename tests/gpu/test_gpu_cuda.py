@@ -122,12 +122,16 @@ def adopt_torch_symmetric_memory():
 
 
 def test_adopting_torch_symmetric_memory_gives_views_and_fences():
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip("torch's symmetric memory refuses ranks on one device (allocations from overlapping devices): "
+                    "needs a GPU per rank")
     for rank, (got, same) in enumerate(run(adopt_torch_symmetric_memory, WORLD, backend="cuda")):
         assert got == [1 - rank + 0.5] * 8 and same
 
 
 @pytest.mark.parametrize("route,fused", [("direct", False), ("direct", True), ("allgather", False)])
 def test_pcp2_byte_oracle_in_cuda_graph_replay(route, fused):
+    helpers.need_nccl_in_capture(route, WORLD)
     replays = 4
     for ok, epoch in run(helpers.pcp_graph_replay, WORLD, route, fused, replays, backend="cuda"):
         assert ok == [True] * (2 * replays)

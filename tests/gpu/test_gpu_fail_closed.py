@@ -62,6 +62,7 @@ def slot_past_the_end():
     return out
 
 
+@pytest.mark.traps
 def test_an_index_out_of_range_traps_after_its_record_and_synchronize_raises_index_check_error():
     sender, receiver = run(slot_past_the_end, WORLD, backend="cuda")
     assert sender["error"] == (0, "signal", "slot", 1, 1), sender

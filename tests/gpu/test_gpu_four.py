@@ -11,7 +11,7 @@ import helpers
 import oracles
 import pytest
 
-from symmsync.testing import run
+from symmsync.testing import run, sharing_gpus
 
 WORLD = 4
 GPUS = helpers.gpu_count()
@@ -19,8 +19,9 @@ GPUS = helpers.gpu_count()
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        GPUS < WORLD,
-        reason=f"needs {WORLD} NVIDIA GPUs, found {GPUS}: run `make test-gpu` on a 4-GPU machine (docs/gpu.md)",
+        GPUS < WORLD and not sharing_gpus(),
+        reason=f"needs {WORLD} NVIDIA GPUs, found {GPUS}: run `make test-gpu` on a 4-GPU machine, or the ranks "
+        "sharing one GPU: `make test-gpu-shared` (docs/gpu.md)",
     ),
 ]
 
@@ -40,6 +41,7 @@ def test_pcp_byte_oracle_eagerly_on_4_gpus(tp):
 @pytest.mark.parametrize("tp", [1, 2], ids=["pcp4", "tp2xpcp2"])
 @pytest.mark.parametrize("route,fused", [("direct", False), ("direct", True), ("allgather", False)])
 def test_pcp_byte_oracle_in_cuda_graph_replay_on_4_gpus(route, fused, tp):
+    helpers.need_nccl_in_capture(route, WORLD)
     replays = 4
     for ok, epoch in run(helpers.pcp_graph_replay, WORLD, route, fused, replays, tp, backend="cuda"):
         assert ok == [True] * (2 * replays)

@@ -26,17 +26,24 @@ def test_a_numbered_example_runs_under_torchrun_on_2_gpus_and_prints_once():
     proc = _torchrun("examples/01_buffer.py", "--backend", "cuda")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("rank ")]
+    second = 1 % torch.cuda.device_count()  # ranks sharing one GPU (SYMMSYNC_SHARE_GPUS=1): rank 1 on cuda:0
     assert lines == [
         "rank 0: cuda backend, 1024 bytes on cuda:0",
         "rank 0: my memory holds [0, 10]",
         "rank 0: rank 1's memory holds [1, 11]",
-        "rank 1: cuda backend, 1024 bytes on cuda:1",
+        f"rank 1: cuda backend, 1024 bytes on cuda:{second}",
         "rank 1: my memory holds [1, 11]",
         "rank 1: rank 0's memory holds [0, 10]",
     ], proc.stdout
 
 
 def test_the_plain_torchrun_program_runs_on_2_gpus():
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(
+            "examples/torchrun_job.py is a user's plain program: one GPU per rank and NCCL, which refuses two "
+            "ranks on one GPU; run it on 2 GPUs (the numbered example above runs through symmsync.testing, "
+            "which shares the GPU)"
+        )
     proc = _torchrun("examples/torchrun_job.py")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank, left in ((0, 1), (1, 0)):

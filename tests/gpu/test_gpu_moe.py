@@ -6,7 +6,7 @@ ranks then share the GPUs there are: a smoke run on one GPU). The oracle is test
 of every member's inputs; results are compared bit for bit (the combine's kernel is built
 without fused multiply-add, so its float32 sums are the oracle's).
 
-* every routing kind at world 2, bfloat16, and the fp8 option's codes and scales;
+* every routing kind at each world of ``SYMMSYNC_GPU_WORLDS`` (default 2), bfloat16, and the fp8 option's codes and scales;
 * 200 back-to-back layers with a random delay on one member, checked after the loop;
 * one layer captured in a CUDA graph and replayed 100 times on fresh routings copied into the
   graph's inputs (the step counters and counted waits advance on the device), every replay
@@ -33,7 +33,7 @@ import moe_oracle as oracle  # noqa: E402
 import routings  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-WORLD = 2
+WORLDS = helpers.gpu_worlds()  # SYMMSYNC_GPU_WORLDS; make test-gpu-shared: 2, 4 and 8 ranks on one GPU
 E, M, H, K = 8, 16, 256, 4
 
 
@@ -159,21 +159,28 @@ def _compiled():
     return wrong
 
 
-def test_every_routing_matches_the_oracle_on_gpus():
-    assert run(_routings, WORLD, backend="cuda", timeout_s=600) == [[]] * WORLD
+@pytest.fixture(params=WORLDS, ids=[f"world{w}" for w in WORLDS])
+def world(request):
+    helpers.need_gpus("cuda", request.param)
+    return request.param
 
 
-def test_fp8_codes_and_scales_match_the_rule_on_gpus():
-    assert run(_fp8, WORLD, backend="cuda", timeout_s=600) == [True] * WORLD
+def test_every_routing_matches_the_oracle_on_gpus(world):
+    assert run(_routings, world, backend="cuda", timeout_s=600) == [[]] * world
 
 
-def test_200_back_to_back_layers_are_exact_on_gpus():
-    assert run(_layers, WORLD, 200, backend="cuda", timeout_s=900) == [[]] * WORLD
+def test_fp8_codes_and_scales_match_the_rule_on_gpus(world):
+    got = run(_fp8, world, backend="cuda", timeout_s=600)
+    assert [r for r, ok in enumerate(got) if ok is not True] == [], f"ranks whose codes or scales differ: {got}"
 
 
-def test_a_captured_layer_replays_exactly_on_fresh_routings():
-    assert run(_graph, WORLD, 100, backend="cuda", timeout_s=900) == [[]] * WORLD
+def test_200_back_to_back_layers_are_exact_on_gpus(world):
+    assert run(_layers, world, 200, backend="cuda", timeout_s=900) == [[]] * world
 
 
-def test_a_compiled_layer_gives_the_eager_bits_on_gpus():
-    assert run(_compiled, WORLD, backend="cuda", timeout_s=900) == [[]] * WORLD
+def test_a_captured_layer_replays_exactly_on_fresh_routings(world):
+    assert run(_graph, world, 100, backend="cuda", timeout_s=900) == [[]] * world
+
+
+def test_a_compiled_layer_gives_the_eager_bits_on_gpus(world):
+    assert run(_compiled, world, backend="cuda", timeout_s=900) == [[]] * world

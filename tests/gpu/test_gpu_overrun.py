@@ -109,6 +109,7 @@ def overrun(kind, done):
     return out
 
 
+@pytest.mark.traps
 @pytest.mark.parametrize("kind", ["allocated", "growable"])
 def test_an_overrun_into_the_guard_traps_the_writer_and_never_makes_a_fence_pass(kind, tmp_path):
     writer, reader = run(overrun, WORLD, kind, str(tmp_path / "done"), backend="cuda", timeout_s=300)

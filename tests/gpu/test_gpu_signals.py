@@ -2,7 +2,11 @@
 CUDA graph replays, put_signal from a full block, the grid-wide wait, and Signals refused
 during capture. Bytes are checked after every batch of replays.
 
-Marker ``gpu``. Two ranks; on one GPU run them sharing it: ``SYMMSYNC_SHARE_GPUS=1``.
+Marker ``gpu``. Each test runs at the worlds of ``SYMMSYNC_GPU_WORLDS`` (default 2; ``make
+test-gpu-shared`` runs 2, 4 and 8 ranks on one GPU under MPS): the pipeline and the full block in
+pairs of ranks (``2k``, ``2k + 1``), every pair at the same time on its own view of one buffer; the
+grid-wide wait and the refusal during capture over every rank. On one GPU run the ranks sharing
+it: ``SYMMSYNC_SHARE_GPUS=1``.
 """
 
 import helpers
@@ -17,16 +21,23 @@ import symmsync.language as ssl
 from symmsync.testing import run
 
 pytestmark = pytest.mark.gpu
-WORLD = 2
+WORLDS = helpers.gpu_worlds()
 CHUNKS, RING, CHUNK = 8, 4, 256
 DATA, CREDIT = tl.constexpr(0), tl.constexpr(1)  # slots (kernels read them as constexprs)
 
 
-@pytest.fixture(autouse=True)
-def _gpus():
-    helpers.need_gpus("cuda", WORLD)
+@pytest.fixture(params=WORLDS, ids=[f"world{w}" for w in WORLDS])
+def world(request):
+    helpers.need_gpus("cuda", request.param)
     if helpers.gpu_count() == 0:
         pytest.skip("needs an NVIDIA GPU: run on a GPU machine (SYMMSYNC_SHARE_GPUS=1 for one GPU)")
+    return request.param
+
+
+def _pair(buf):
+    """This rank's view of its pair (``2k``, ``2k + 1``): pairs run side by side on one buffer."""
+    first = buf.rank - buf.rank % 2
+    return buf.view([first, first + 1])
 
 
 @triton.jit
@@ -79,7 +90,7 @@ def _chunks(g):
 
 def pipeline(eager, batches, per_batch, delay_ns):
     buf = ss.SymmetricBuffer(RING * CHUNK * 8, backend="cuda")
-    view = buf.view([0, 1])
+    view = _pair(buf)
     sigs = ss.Signals(view, slots=2, timeout_s=60)
     dev = buf.device
     gen = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -127,7 +138,12 @@ def _state(sigs, gen, errors, last, stamps):
 
 
 def _check_pipeline(logs, launches_per_batch, warmup=0):
-    prod, cons = logs
+    assert len(logs) % 2 == 0, f"the pipeline runs in pairs of ranks: {len(logs)} ranks"
+    for prod, cons in zip(logs[0::2], logs[1::2]):
+        _check_pair(prod, cons, launches_per_batch, warmup)
+
+
+def _check_pair(prod, cons, launches_per_batch, warmup):
     for b, (p, c) in enumerate(zip(prod, cons)):
         n = warmup + (b + 1) * launches_per_batch
         assert p["gen"] == n and c["gen"] == n, (b, p["gen"], c["gen"])
@@ -139,13 +155,13 @@ def _check_pipeline(logs, launches_per_batch, warmup=0):
         assert int(c["stamps"][0]) < int(p["stamps"][CHUNKS - 1]), b
 
 
-def test_the_pipeline_runs_eagerly_with_every_chunk_exact_and_in_step():
-    logs = run(pipeline, WORLD, True, 1, 20, 20_000, backend="cuda")
+def test_the_pipeline_runs_eagerly_with_every_chunk_exact_and_in_step(world):
+    logs = run(pipeline, world, True, 1, 20, 20_000, backend="cuda")
     _check_pipeline(logs, 20)
 
 
-def test_the_pipeline_stays_in_step_over_a_thousand_graph_replays_with_no_reset():
-    logs = run(pipeline, WORLD, False, 10, 100, 2_000, backend="cuda")
+def test_the_pipeline_stays_in_step_over_a_thousand_graph_replays_with_no_reset(world):
+    logs = run(pipeline, world, False, 10, 100, 2_000, backend="cuda")
     _check_pipeline(logs, 100, warmup=3)  # helpers.capture ran the step 3 times eagerly first
 
 
@@ -171,7 +187,7 @@ def block_kernel(
 
 def full_block(batches, per_batch):
     buf = ss.SymmetricBuffer(2 * BLOCK * 8, backend="cuda")
-    sigs = ss.Signals(buf.view([0, 1]), slots=1, timeout_s=60)
+    sigs = ss.Signals(_pair(buf), slots=1, timeout_s=60)
     rnd = torch.zeros(1, dtype=torch.int64, device=buf.device)
     errors = torch.zeros(1, dtype=torch.int32, device=buf.device)
 
@@ -189,8 +205,8 @@ def full_block(batches, per_batch):
     return log
 
 
-def test_put_signal_from_a_full_block_delivers_every_element_in_graph_replay():
-    for log in run(full_block, WORLD, 10, 100, backend="cuda"):
+def test_put_signal_from_a_full_block_delivers_every_element_in_graph_replay(world):
+    for log in run(full_block, world, 10, 100, backend="cuda"):
         assert [r for r, _ in log] == [3 + 100 * (b + 1) for b in range(10)], log
         assert all(e == 0 for _, e in log), log
 
@@ -218,24 +234,25 @@ def grid_kernel(data, ptrs, cell, me, timeout_ns, record, r, errors, SIZE: tl.co
 
 
 def grid_wide(programs, rounds):
-    buf = ss.SymmetricBuffer(2 * programs * PART * 8 * WORLD, backend="cuda")
-    view = buf.view([0, 1])
+    world = dist.get_world_size()
+    buf = ss.SymmetricBuffer(2 * programs * PART * 8 * world, backend="cuda")
+    view = buf.view(list(range(world)))
     fence = ss.Fence(view, timeout_s=60)
     errors = torch.zeros(1, dtype=torch.int32, device=buf.device)
     for r in range(rounds):
-        ss.launch_grid_sync(grid_kernel, (programs,), view.ptrs, *fence.kernel_args, r, errors, SIZE=2, PART=PART)
+        ss.launch_grid_sync(grid_kernel, (programs,), view.ptrs, *fence.kernel_args, r, errors, SIZE=world, PART=PART)
     fence.synchronize()
     out = {"rounds": rounds, "errors": int(errors.item()), "epoch": fence.epoch}
     try:
-        ss.launch_grid_sync(grid_kernel, (1 << 20,), view.ptrs, *fence.kernel_args, 0, errors, SIZE=2, PART=PART)
+        ss.launch_grid_sync(grid_kernel, (1 << 20,), view.ptrs, *fence.kernel_args, 0, errors, SIZE=world, PART=PART)
     except ss.ConfigError as e:
         out["refused"] = str(e)
     buf.close()
     return out
 
 
-def test_every_program_waits_for_the_fence_and_reads_peer_data_in_the_same_launch():
-    for out in run(grid_wide, WORLD, 16, 50, backend="cuda"):
+def test_every_program_waits_for_the_fence_and_reads_peer_data_in_the_same_launch(world):
+    for out in run(grid_wide, world, 16, 50, backend="cuda"):
         assert out["rounds"] == 50 and out["errors"] == 0 and out["epoch"] == 50, out
         assert "cannot be co-resident" in out["refused"], out
 
@@ -243,7 +260,7 @@ def test_every_program_waits_for_the_fence_and_reads_peer_data_in_the_same_launc
 # ---------------------------------------------------------------------- made during capture
 def made_during_capture():
     buf = ss.SymmetricBuffer(1024, backend="cuda")
-    view = buf.view([0, 1])
+    view = buf.view(list(range(buf.world_size)))
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     msg = None
@@ -256,6 +273,7 @@ def made_during_capture():
     return msg
 
 
-def test_signals_made_during_capture_raise_on_every_rank():
-    for msg in run(made_during_capture, WORLD, backend="cuda"):  # every rank captured: each is named
-        assert msg and "Signals" in msg and "ranks 0, 1" in msg and "before capture" in msg, msg
+def test_signals_made_during_capture_raise_on_every_rank(world):
+    everyone = "ranks " + ", ".join(map(str, range(world)))
+    for msg in run(made_during_capture, world, backend="cuda"):  # every rank captured: each is named
+        assert msg and "Signals" in msg and everyone in msg and "before capture" in msg, msg

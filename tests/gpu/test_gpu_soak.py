@@ -1,4 +1,4 @@
-"""Soak on 2 GPUs: a million fences in CUDA-graph replay with the payload oracle and random delays.
+"""Soak on 2 GPUs (or at the largest world of ``SYMMSYNC_GPU_WORLDS``): a million fences in CUDA-graph replay with the payload oracle and random delays.
 
 Each step of the captured graph is: delay, stamp the next epoch's payload into every
 member (double-buffered by epoch parity), delay, fence, delay, check every member's
@@ -24,6 +24,7 @@ import symmsync.language as ssl
 from symmsync.testing import run
 
 pytestmark = pytest.mark.gpu
+WORLD = max(helpers.gpu_worlds())  # the largest of SYMMSYNC_GPU_WORLDS (default 2; make test-gpu-shared: 8)
 FENCES = int(os.environ.get("SYMMSYNC_SOAK_FENCES", "1000000"))
 PER_GRAPH = 1000  # steps (fences) per captured graph
 MAX_DELAY_NS = 20_000
@@ -76,13 +77,15 @@ def soak(total, per_graph, wait):
 
 
 def test_a_million_fences_in_graph_replay_read_no_stale_payload():
-    results = run(soak, 2, FENCES, PER_GRAPH, True, backend="cuda", timeout_s=600)
+    helpers.need_gpus("cuda", WORLD)
+    results = run(soak, WORLD, FENCES, PER_GRAPH, True, backend="cuda", timeout_s=600)
     for rank, r in enumerate(results):
         print(f"rank {rank}: {r['fences']} fences, {r['wrong_reads']} wrong reads in {r['seconds']:.1f} s")
         assert r["fences"] == FENCES and r["wrong_reads"] == 0 and r["warmup_wrong_reads"] == 0, r
 
 
 def test_the_soak_oracle_bites_without_the_wait():
-    results = run(soak, 2, 10 * PER_GRAPH, PER_GRAPH, False, backend="cuda", timeout_s=300)
+    helpers.need_gpus("cuda", WORLD)
+    results = run(soak, WORLD, 10 * PER_GRAPH, PER_GRAPH, False, backend="cuda", timeout_s=300)
     print("no wait:", results)
     assert sum(r["wrong_reads"] for r in results) > 0, results
