@@ -76,6 +76,13 @@ def test_the_context_manager_stops_what_it_started_even_after_a_failure(fake_con
     assert _quits(fake_control) == [f"quit {d.pipe_dir}"], _quits(fake_control)
 
 
+def test_the_context_manager_starts_in_the_folder_the_environment_names(fake_control):
+    named = os.environ[mps.PIPE_ENV]
+    with testing.mps() as d:
+        assert d.pipe_dir == named and mps.running()
+    assert not mps.status(named).running
+
+
 def test_the_context_manager_leaves_a_daemon_it_did_not_start_running(fake_control, tmp_path):
     d = mps.start(str(tmp_path / "theirs"), str(tmp_path / "theirs-log"))
     with testing.mps(d.pipe_dir, d.log_dir) as used:
@@ -89,7 +96,8 @@ def test_run_from_the_command_line_stops_the_daemon_and_returns_the_commands_exi
     seen = tmp_path / "seen"
     cmd = [sys.executable, "-m", "symmsync", "mps", "run", "--", sys.executable, "-c",
            f"import os; open({str(seen)!r}, 'w').write(os.environ[{mps.PIPE_ENV!r}]); raise SystemExit(3)"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k not in (mps.PIPE_ENV, mps.LOG_ENV)}  # no folder named
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 3, done.stderr
     pipe = seen.read_text()
     assert "symmsync-mps" in pipe, pipe
