@@ -584,7 +584,7 @@ def main(argv: list[str] | None = None, bench: str | None = None) -> int:
         return 0
     import torch
 
-    if torch.cuda.device_count() < 1:  # NVML's count: makes no CUDA context here
+    if torch.cuda.device_count() < 1:  # a count, no CUDA context: this process is no MPS client
         print(
             "benchmarks/shared.py: no GPU here. These figures come from ranks sharing one GPU under MPS; "
             "run on a machine with an NVIDIA GPU and its MPS control daemon (nvidia-cuda-mps-control), "
