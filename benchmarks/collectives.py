@@ -30,6 +30,12 @@ is not an NVLink number, and NCCL and torch symmetric memory do not run there. I
 writes ``collectives_<machine>_shared.json``::
 
     SYMMSYNC_SHARE_GPUS=1 python benchmarks/collectives.py --world 2
+
+``--shared`` measures the GPU time of ranks sharing one GPU under MPS instead, each call beside
+a floor kernel that moves its bytes without synchronization (``benchmarks/shared.py``; writes
+``collectives_<machine>_mps.json``)::
+
+    python benchmarks/collectives.py --shared --worlds 2,4,8
 """
 
 from __future__ import annotations
@@ -393,7 +399,119 @@ def plot(res: dict, info: dict, all_sizes: list[int], path: str, world: int) -> 
     fig.savefig(path, dpi=120)
 
 
+SHARED_SIZES = (16 * KB, 256 * KB, KB * KB)  # bf16 all-reduce messages under MPS
+SHARED_NORM = (8, 4096)  # the fused all-reduce + residual + RMS norm: a decode batch
+
+
+def shared_rank(ctx) -> None:
+    """Ranks sharing one GPU under MPS (``benchmarks/shared.py``): each collective beside its floor.
+
+    The floors run in a second buffer of the same size, at the collectives' workspace offsets
+    (input slot of parity 0, reduced chunk), so that they never touch a header or a counter."""
+    import floors
+
+    import symmsync as ss
+    from symmsync import collectives as C
+
+    w, dev, bf16 = ctx.world, ctx.device, torch.bfloat16
+    max_numel = max(SHARED_SIZES) // 2
+    per = C.workspace_bytes(max_numel, bf16, w)
+    buf = ss.SymmetricBuffer(3 * per, backend="cuda")
+    fbuf = ss.SymmetricBuffer(3 * per, backend="cuda")
+    try:
+        view, fview = buf.view(list(range(w))), fbuf.view(list(range(w)))
+        ar = C.AllReduce(view, max_numel, bf16, timeout_s=ctx.wait_s)
+        ag = C.AllGather(view, max_numel, bf16, offset=per, channel=1, timeout_s=ctx.wait_s)
+        rs = C.ReduceScatter(view, max_numel, bf16, offset=2 * per, channel=2, timeout_s=ctx.wait_s)
+        ptrs, me, sms = fview.ptrs, fview.local_index, ctx.sms
+        g = torch.Generator(dev).manual_seed(ctx.rank)
+
+        def floor(x, out, ws, mode, chunk=0):
+            return lambda: floors.launch_collective(x, out, ptrs, me, ws.inputs, ws.reduced, w, mode, sms, chunk)
+
+        def same(op, fl, fout):
+            # The floor's output, once every member's floor has left its bytes (two rounds, barriers
+            # between), against the operation's: a floor that moved nothing would differ.
+            def check():
+                want = op().clone()
+                ctx.barrier()
+                for _ in range(2):
+                    fl()
+                    ctx.barrier()
+                return True if torch.equal(fout.view(torch.int16), want.view(torch.int16)) else "bits differ"
+
+            return check
+
+        for nbytes in SHARED_SIZES:
+            n = nbytes // 2
+            x = torch.randn(n, generator=g, device=dev).to(bf16)
+            out, fout = torch.empty_like(x), torch.empty_like(x)
+            chunk = floors.two_shot_chunk(n, w)
+            for algo, mode, moves in (
+                ("one_shot", floors.ONE_SHOT, f"copy-in of {_size(nbytes)}, then {w} x {_size(nbytes)} read "
+                 f"(every member's slot) and {_size(nbytes)} written"),
+                ("two_shot", floors.TWO_SHOT, f"copy-in of {_size(nbytes)}; this rank's 1/{w} read from {w} "
+                 f"members, summed into its reduced chunk and the output; {w - 1} other reduced chunks read"),
+            ):  # fmt: skip
+                fl = floor(x, fout, ar.workspace, mode, chunk)
+                ctx.figure(
+                    f"AllReduce {algo} {_size(nbytes)}",
+                    lambda algo=algo, x=x, out=out: ar(x, out, algorithm=algo),
+                    fl,
+                    f"collective_floor {algo}",
+                    moves,
+                    check=same(lambda algo=algo, x=x: ar(x, algorithm=algo), fl, fout),
+                )
+        t, h = SHARED_NORM
+        xr = torch.randn(t, h, generator=g, device=dev).to(bf16)
+        res = torch.randn(t, h, generator=g, device=dev).to(bf16)
+        weight = torch.ones(h, dtype=bf16, device=dev)
+        fout = torch.empty_like(xr)
+        fl = floor(xr, fout, ar.workspace, floors.ONE_SHOT)
+        ctx.figure(
+            f"AllReduce + residual + RMS norm {t}x{h}",
+            lambda: ar(xr, residual=res, norm_weight=weight, eps=1e-6),
+            fl,
+            "collective_floor one_shot",
+            f"the one-shot floor of {_size(t * h * 2)}: the norm's extra reads and writes are not in it",
+            more={"plain AllReduce, same size": lambda: ar(xr)},
+            check=same(lambda: ar(xr), fl, fout),
+        )
+        n = max_numel
+        x = torch.randn(n, generator=g, device=dev).to(bf16)
+        part = x[: n // w]
+        gathered, fgathered = (torch.empty(w * part.numel(), dtype=bf16, device=dev) for _ in range(2))
+        fl = floor(part, fgathered, ag.workspace, floors.GATHER)
+        ctx.figure(
+            f"AllGather {_size(n * 2)} out",
+            lambda: ag(part, gathered),
+            fl,
+            "collective_floor gather",
+            f"copy-in of {_size(part.numel() * 2)}, then every member's slot read into the output",
+            check=same(lambda: ag(part), fl, fgathered),
+        )
+        xs = x[: w * (n // w)]
+        chunk, fchunk = (torch.empty(n // w, dtype=bf16, device=dev) for _ in range(2))
+        fl = floor(xs, fchunk, rs.workspace, floors.SCATTER, n // w)
+        ctx.figure(
+            f"ReduceScatter {_size(n * 2)} in",
+            lambda: rs(xs, chunk),
+            fl,
+            "collective_floor scatter",
+            f"copy-in of {_size(n * 2)}, then this rank's 1/{w} read from every member and summed",
+            check=same(lambda: rs(xs), fl, fchunk),
+        )
+    finally:
+        ctx.barrier()
+        buf.close()
+        fbuf.close()
+
+
 def main() -> None:
+    if "--shared" in sys.argv[1:]:
+        import shared
+
+        sys.exit(shared.main(sys.argv[1:], bench="collectives"))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--world", type=int, default=2, help="GPUs (one process each)")

@@ -22,6 +22,11 @@ Measures, in one run on the same GPUs, the time per fence of:
 Medians of ``--reps`` repetitions after warm-up. Prints a table with ratios and
 writes ``fence_<machine>[_<layout>].json`` and ``.png`` into ``--out`` (no suffix for 2 ranks).
 The instruction candidates are 2-member kernels: measured only when the view has 2 members.
+
+``--shared`` measures instead ranks sharing one GPU under MPS, each fence beside its floor
+(``benchmarks/shared.py``; writes ``fence_<machine>_mps.json``)::
+
+    python benchmarks/fence.py --shared --worlds 2,4,8
 """
 
 from __future__ import annotations
@@ -380,7 +385,46 @@ def plot(res: dict, info: dict, path: str, label: str = "2 ranks") -> None:
     fig.savefig(path, dpi=120)
 
 
+def shared_rank(ctx) -> None:
+    """Ranks sharing one GPU under MPS (``benchmarks/shared.py``): the fence beside its floors."""
+    import floors
+
+    import symmsync as ss
+    from symmsync.core.launch import Launcher
+
+    w = ctx.world
+    buf = ss.SymmetricBuffer(1 << 16, backend="cuda", channels=4)
+    try:
+        view = buf.view(list(range(w)))
+        fence = ss.Fence(view, channel=0, timeout_s=ctx.wait_s)
+        # The floor stores into the slots of channel 3, which no fence uses: the same cells' memory.
+        store = Launcher(floors.publish_floor, (1,), num_warps=1, SIZE=w).bind(
+            view.cell_ptrs, view.cell_offset(3), view.local_index, 7
+        )
+        x = torch.zeros(1, device=ctx.device)
+        empty = Launcher(floors.empty_kernel, (1,), num_warps=1).bind(x)
+        moves = f"one int64 store into the slot this rank has at each of the {w - 1} other members, one launch"
+        for mode in ("graph", "eager"):
+            ctx.figure(
+                "Fence.fence()" + (" eager" if mode == "eager" else ""),
+                fence.fence,
+                store,
+                "publish_floor (the publish without its wait)",
+                moves,
+                mode=mode,
+                iters=4 * ctx.iters if mode == "graph" else 2 * ctx.iters,
+                more={"empty kernel": empty},
+            )
+    finally:
+        ctx.barrier()
+        buf.close()
+
+
 def main() -> None:
+    if "--shared" in sys.argv[1:]:
+        import shared
+
+        sys.exit(shared.main(sys.argv[1:], bench="fence"))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--iters", type=int, default=1000, help="fences per graph (eager: twice as many)")

@@ -22,6 +22,13 @@ default cache format (power-of-two main-KV scales, ue8m0 indexer scales) and a
   * at the largest size once more, the direct route in the legacy format (fp32 scales).
 Medians of ``--reps`` runs of 61 layers. Prints a table with ratios and writes
 ``pcp_kv_<machine>[_<layout>].json`` and ``.png`` into ``--out`` (no suffix for PCP2).
+
+``--shared`` measures ranks sharing one GPU under MPS (PCP over every rank, ``--pcp-tokens`` per
+rank, ``--pcp-layers`` writes per timed call), the writer beside a floor kernel that stores the
+same cache bytes into every replica without quantizing or fencing (``benchmarks/shared.py``;
+writes ``pcp_kv_<machine>_mps.json``)::
+
+    python benchmarks/pcp_kv.py --shared --worlds 2,4,8
 """
 
 from __future__ import annotations
@@ -320,7 +327,94 @@ def plot(rows: list, info: dict, path: str, label: str = "PCP2") -> None:
     fig.savefig(path, dpi=120)
 
 
+def shared_rank(ctx) -> None:
+    """Ranks sharing one GPU under MPS (``benchmarks/shared.py``): the direct writer beside its floor.
+
+    The floor stores into the same cache regions of the same buffer (cache bytes only: no fence
+    cell, no header), through the writer's destination table (``view.ptrs``), on the writer's grid."""
+    import floors
+    import triton
+
+    import symmsync as ss
+    from symmsync import pcp
+
+    w, dev = ctx.world, ctx.device
+    tokens, layers = ctx.settings["pcp_tokens"], ctx.settings["pcp_layers"]
+    total = tokens * w
+    layout = pcp.CacheLayout(num_blocks=total // 64 + 1, num_layers=layers, base=0)
+    buf = ss.SymmetricBuffer(layout.end, backend="cuda", channels=4)
+    try:
+        view = buf.view(list(range(w)))
+        me = view.local_index
+        split = pcp.pcp_split(total, w)
+        slots = split.local_slots(torch.arange(total), me).to(dev)
+        g = torch.Generator(device=dev).manual_seed(ctx.rank)
+        widths = (pcp.MainKVLayout.NOPE_DIM, pcp.MainKVLayout.ROPE_DIM, pcp.IndexerKLayout.DIM)
+        inputs = [torch.randn(split.tokens_per_rank, c, device=dev, generator=g).to(torch.bfloat16) for c in widths]
+        token_bytes = pcp.MainKVLayout.TOKEN_BYTES + pcp.IndexerKLayout.TOKEN_BYTES
+        placement = layout.placement(buf)
+        rows = slots.numel()
+        direct = pcp.DirectKVWriter(view, layout, route="direct", fused=False, channel=0, timeout_s=ctx.wait_s)
+        fused = pcp.DirectKVWriter(view, layout, route="direct", fused=True, channel=1, timeout_s=ctx.wait_s)
+        block_rows = direct.tuning.block_rows
+        per_sm = direct.tuning.programs_per_sm
+        items = triton.cdiv(rows, block_rows)
+        grid = (max(1, min(items, ctx.sms * per_sm) if per_sm else items),)
+        ptrs = view.ptrs
+
+        def floor_layer(layer: int) -> None:
+            main_off, idx_off = placement.offsets[layer]
+            floors.kv_store_floor[grid](*inputs, slots, rows, ptrs, main_off, idx_off, placement.main_block_stride,
+                                        placement.indexer_block_stride, NDST=w, BLOCK_T=block_rows,
+                                        BLOCK_SIZE=layout.block_size, num_warps=direct.tuning.num_warps)  # fmt: skip
+
+        def floor() -> None:
+            for layer in range(layers):
+                floor_layer(layer)
+
+        def check():
+            # k_pe's 128 bytes are copied bit for bit by both: the writer's layer 0 and the floor's
+            # layer 1 must hold the same ones at every slot of every member's tokens.
+            batch = direct.prepare(slots)
+            direct.write(0, *inputs, batch)
+            floor_layer(1)
+            ctx.barrier()
+            a = layout.main_kv(buf, 0).view(-1, pcp.MainKVLayout.TOKEN_BYTES)[:total, 528:]
+            b = layout.main_kv(buf, 1).view(-1, pcp.MainKVLayout.TOKEN_BYTES)[:total, 528:]
+            return True if torch.equal(a, b) else "k_pe bytes differ from the writer's"
+
+        moves = (
+            f"{split.tokens_per_rank} tokens' bf16 rows read ({2 * sum(widths)} B each), their {token_bytes} cache "
+            f"bytes (656 + 132) stored into each of the {w} replicas: "
+            f"{split.tokens_per_rank * token_bytes * w / 2**20:.1f} MiB a layer"
+        )
+        for name, writer in (("direct (fused=False: writer + fence launch)", direct), ("direct, fused fence", fused)):
+            batch = writer.prepare(slots)
+
+            def prefill(writer=writer, batch=batch):
+                for layer in range(layers):
+                    writer.write(layer, *inputs, batch)
+
+            ctx.figure(
+                f"PCP{w} {name}, {tokens} tok/rank, per layer",
+                prefill,
+                floor,
+                "kv_store_floor (no quantization, no fence)",
+                moves,
+                iters=max(5, ctx.iters // 20),
+                calls=layers,
+                check=check if writer is direct else None,
+            )
+    finally:
+        ctx.barrier()
+        buf.close()
+
+
 def main() -> None:
+    if "--shared" in sys.argv[1:]:
+        import shared
+
+        sys.exit(shared.main(sys.argv[1:], bench="pcp_kv"))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 32768])
