@@ -120,7 +120,11 @@ def pipeline(eager, batches, per_batch, delay_ns):
             for _ in range(per_batch):
                 g.replay()
             sigs.synchronize()
+            # Both sides done with the batch before either reads the counts, and both read before
+            # the producer's next batch sends up to RING chunks ahead into them.
+            dist.barrier()
             log.append(_state(sigs, gen, errors, last, stamps))
+            dist.barrier()
     dist.barrier()
     buf.close()
     return log
