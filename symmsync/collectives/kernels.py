@@ -10,7 +10,8 @@ Sums are float32, in member order (0, 1, ..., size - 1), starting from member 0'
 value, so every member (and both all-reduce algorithms) produce the same bits:
 ``sum = x_0; sum += x_1; ...; round once to the dtype`` (round to nearest even).
 Under Triton's interpreter (numpy has no bfloat16) bfloat16 travels as its int16
-bits and is converted with integer arithmetic that rounds as torch does.
+bits and is converted with integer arithmetic that rounds as torch does
+(:mod:`symmsync.language.bf16`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ experts (the host refuses such ids in eager calls), and when an earlier entry of
 token names the same expert: a (token, expert) pair is sent once.
 
 Element types under Triton's interpreter: numpy has no bfloat16, so bfloat16 tensors
-travel as their int16 bits (``BITS``) and are widened and rounded by integer arithmetic.
+travel as their int16 bits (``BITS``) and are widened and rounded by integer arithmetic
+(:mod:`symmsync.language.bf16`); fp8 codes are :mod:`symmsync.language.e4m3`'s.
 """
 
 from __future__ import annotations
