@@ -67,7 +67,7 @@ def number_problem(
         unit: what the number counts, for the message (``"seconds"``).
         why: the reason for the bounds, for the message.
     """
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    ok = is_int(v) or isinstance(v, float)
     if ok and (v > 0 if positive else v >= 0) and (maximum is None or v <= maximum):
         return None
     want = ("a positive number" if positive else "a non-negative number") + (f" of {unit}" if unit else "")

@@ -1,6 +1,10 @@
 """Shared by the test modules (not a test module itself; test modules do not import each other).
 
 * :func:`describe_error`: what a test reports about an error.
+* Orderings between ranks without sleeps: :func:`wait_until` (a condition polled against a
+  deadline), :func:`published` (what a member's slot in this rank's fence cell holds: it has
+  published, and waits), :func:`announce` and :func:`await_announced` (a rank reached a step,
+  through torch.distributed's store).
 * :func:`need_gpus`: the skip of a ``cuda`` case that needs more GPUs than the ``backend``
   fixture's two; :func:`gpu_worlds`: the worlds a GPU test that scales with the world runs at.
 * The GPU suite's CUDA-graph helper (:func:`capture`), its payload kernels, and the rank
@@ -21,6 +25,7 @@ import triton.language as tl
 import symmsync as ss
 import symmsync.language as ssl
 from symmsync import pcp
+from symmsync.language import cells
 from symmsync.testing import sharing_gpus
 
 
@@ -37,6 +42,49 @@ def describe_error(err: ss.FenceTimeout) -> dict:
         "is_timeout": isinstance(err, ss.FenceTimeout),
         "pickled": type(pickle.loads(pickle.dumps(err))).__name__,
     }
+
+
+# ---------------------------------------------------------------------- orderings
+def wait_until(condition, what: str, timeout_s: float = 60.0, poll_s: float = 0.002):
+    """Poll ``condition()`` until it returns something true, and return that; fail after ``timeout_s``
+    (an ``AssertionError`` saying it waited for ``what``), so that an ordering a test needs never hangs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = condition()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"waited {timeout_s:g} s for {what}"
+        time.sleep(poll_s)
+
+
+def published(buf: ss.SymmetricBuffer, fence: ss.Fence, member: int) -> int:
+    """How many times view member ``member`` has published to this rank on ``fence``'s channel: the
+    count its slot in this rank's cell holds. A member whose count reached ``e`` is past the publish
+    of its ``e``-th fence, so in (or entering) its wait for the others."""
+    at = fence.cell + cells.SLOTS + 8 * member
+    return int(buf.cell_memory()[at : at + 8].view(torch.int64).item()) & cells.COUNT_MASK
+
+
+_ANNOUNCED: dict[str, int] = {}  # how many times this process announced or awaited each step
+
+
+def _step_keys(step: str, ranks) -> list[str]:
+    # Every rank counts its calls of a step (announcer and awaiter alike), so the n-th call on each
+    # rank names the same keys: a pool's processes run one test after another without clearing the store.
+    n = _ANNOUNCED[step] = _ANNOUNCED.get(step, 0) + 1
+    return [f"tests/announced/{step}/{n}/{r}" for r in ranks]
+
+
+def announce(step: str) -> None:
+    """Tell the other ranks that this rank reached ``step`` (a key in torch.distributed's store)."""
+    (key,) = _step_keys(step, [dist.get_rank()])
+    dist.distributed_c10d._get_default_store().set(key, "1")
+
+
+def await_announced(step: str, ranks, timeout_s: float = 60.0) -> None:
+    """Wait until each of ``ranks`` has :func:`announce`-d ``step`` (failing after ``timeout_s``)."""
+    store, keys = dist.distributed_c10d._get_default_store(), _step_keys(step, ranks)
+    wait_until(lambda: store.check(keys), f"ranks {list(ranks)} to reach {step!r}", timeout_s)
 
 
 # ---------------------------------------------------------------------- GPUs

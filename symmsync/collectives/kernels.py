@@ -10,7 +10,8 @@ Sums are float32, in member order (0, 1, ..., size - 1), starting from member 0'
 value, so every member (and both all-reduce algorithms) produce the same bits:
 ``sum = x_0; sum += x_1; ...; round once to the dtype`` (round to nearest even).
 Under Triton's interpreter (numpy has no bfloat16) bfloat16 travels as its int16
-bits and is converted with integer arithmetic that rounds as torch does.
+bits and is converted with integer arithmetic that rounds as torch does
+(:mod:`symmsync.language.bf16`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import triton.language as tl
 
 import symmsync.language as ssl
 from symmsync.language import records
+from symmsync.language.bf16 import from_f32, to_f32
 
 from . import layout as L
 from . import protocol
@@ -30,28 +32,6 @@ _ALL_GATHER = tl.constexpr(L.ALL_GATHER)
 _TAG = tl.constexpr(L.TAG)
 _CHUNK_ALIGN = tl.constexpr(L.CHUNK_ALIGN)
 _REDUCE_SCATTER = tl.constexpr(L.REDUCE_SCATTER)
-
-
-@triton.jit
-def _to_f32(v, BF16_BITS: tl.constexpr):
-    if BF16_BITS:
-        f = (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        f = v.to(tl.float32)
-    return f
-
-
-@triton.jit
-def _from_f32(acc, ELEM: tl.constexpr, BF16_BITS: tl.constexpr):
-    if BF16_BITS:
-        # float32 -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (as torch).
-        u = acc.to(tl.uint32, bitcast=True)
-        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.int32)
-        r = tl.where(acc != acc, 0x7FC0, r)
-        v = tl.where(r >= 32768, r - 65536, r).to(tl.int16)
-    else:
-        v = acc.to(ELEM)
-    return v
 
 
 @triton.jit
@@ -94,16 +74,16 @@ def _sum_block(
     m = idx < n
     base = tl.multiple_of(ssl.peer_ptr(ptrs, 0, src, ELEM), 16) + first
     if FULL:
-        acc = _to_f32(tl.load(base + idx), BF16_BITS)
+        acc = to_f32(tl.load(base + idx), BF16_BITS)
     else:
-        acc = _to_f32(tl.load(base + idx, mask=m, other=0), BF16_BITS)
+        acc = to_f32(tl.load(base + idx, mask=m, other=0), BF16_BITS)
     for p in tl.static_range(1, SIZE):
         base = tl.multiple_of(ssl.peer_ptr(ptrs, p, src, ELEM), 16) + first
         if FULL:
-            acc += _to_f32(tl.load(base + idx), BF16_BITS)
+            acc += to_f32(tl.load(base + idx), BF16_BITS)
         else:
-            acc += _to_f32(tl.load(base + idx, mask=m, other=0), BF16_BITS)
-    return _from_f32(acc, ELEM, BF16_BITS)
+            acc += to_f32(tl.load(base + idx, mask=m, other=0), BF16_BITS)
+    return from_f32(acc, ELEM, BF16_BITS)
 
 
 @triton.jit
@@ -178,19 +158,19 @@ def _rmsnorm_rows(
     """
     cols = tl.arange(0, ROW)
     cm = cols < hidden
-    w = _to_f32(tl.load(weight + cols, mask=cm, other=0), BF16_BITS)
+    w = to_f32(tl.load(weight + cols, mask=cm, other=0), BF16_BITS)
     rows = numel // hidden
     r = pid
     while r < rows:
         first = r * hidden
         s = _sum_block(ptrs, src, first, cols, hidden, ELEM, SIZE, BF16_BITS, False)
-        h = _to_f32(s, BF16_BITS) + _to_f32(tl.load(residual + first + cols, mask=cm, other=0), BF16_BITS)
-        new_res = _from_f32(h, ELEM, BF16_BITS)
-        hr = tl.where(cm, _to_f32(new_res, BF16_BITS), 0.0)
+        h = to_f32(s, BF16_BITS) + to_f32(tl.load(residual + first + cols, mask=cm, other=0), BF16_BITS)
+        new_res = from_f32(h, ELEM, BF16_BITS)
+        hr = tl.where(cm, to_f32(new_res, BF16_BITS), 0.0)
         inv = 1.0 / tl.sqrt(tl.sum(hr * hr, axis=0) / hidden + eps)
         keep = cm & _spread(go, cols)
         tl.store(res_out + first + cols, new_res, mask=keep)
-        tl.store(out + first + cols, _from_f32(hr * inv * w, ELEM, BF16_BITS), mask=keep)
+        tl.store(out + first + cols, from_f32(hr * inv * w, ELEM, BF16_BITS), mask=keep)
         r += G
 
 

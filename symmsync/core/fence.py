@@ -64,8 +64,6 @@ from .failure import used_after_abort
 from .launch import Launcher, cu_stream, current_stream
 from .views import PeerView
 
-_FENCE, _ARRIVE, _WAIT = 0, 1, 2  # indices into Fence._launch, in this order
-
 
 @triton.jit
 def _fence_kernel(
@@ -153,9 +151,11 @@ class Fence:
         self._buffer = buf
         self._streams = caps.streams
         self._host_checks = caps.host_checks_status
+        # One launcher per kind of the op (symmsync.ops.fence), indexed by it: (arrive, wait).
+        kinds = {fence_ops.FENCE: (True, True), fence_ops.ARRIVE: (True, False), fence_ops.WAIT: (False, True)}
         self._launchers = [
             Launcher(_fence_kernel, (1,), num_warps=1, SIZE=view.size, ARRIVE=arrive, WAIT=wait, TRAP=caps.traps)
-            for _kind, (arrive, wait) in ((_FENCE, (True, True)), (_ARRIVE, (True, False)), (_WAIT, (False, True)))
+            for _kind, (arrive, wait) in sorted(kinds.items())
         ]
         self._launch = [launcher.bind(*self._kernel_args) for launcher in self._launchers]
         self._handle = handles.register(self, "Fence")  # names this fence to the op (symmsync.ops.fence)
@@ -187,20 +187,20 @@ class Fence:
     def fence(self) -> None:
         """Advance the epoch, publish it, wait for every member: one launch."""
         if torch.compiler.is_compiling():
-            return fence_ops.fence_op(self._handle, _FENCE, self._orders())
-        self._launch_now(_FENCE)
+            return fence_ops.fence_op(self._handle, fence_ops.FENCE, self._orders())
+        self._launch_now(fence_ops.FENCE)
 
     def arrive(self) -> None:
         """Advance the epoch and publish it (first half of a split fence)."""
         if torch.compiler.is_compiling():
-            return fence_ops.fence_op(self._handle, _ARRIVE, self._orders())
-        self._launch_now(_ARRIVE)
+            return fence_ops.fence_op(self._handle, fence_ops.ARRIVE, self._orders())
+        self._launch_now(fence_ops.ARRIVE)
 
     def wait(self) -> None:
         """Wait until every member published this rank's current epoch (second half)."""
         if torch.compiler.is_compiling():
-            return fence_ops.fence_op(self._handle, _WAIT, self._orders())
-        self._launch_now(_WAIT)
+            return fence_ops.fence_op(self._handle, fence_ops.WAIT, self._orders())
+        self._launch_now(fence_ops.WAIT)
 
     def _orders(self) -> list[torch.Tensor]:
         # What the compiled op takes (symmsync.ops.fence): the members' user regions.
@@ -227,8 +227,8 @@ class Fence:
             self._side = _ForkJoin(self._buffer.device)
         side = self._side
         main = side.fork()
-        if self._launch[_FENCE].packed and not torch.compiler.is_compiling():
-            self._launch_now(_FENCE, side.raw)
+        if self._launch[fence_ops.FENCE].packed and not torch.compiler.is_compiling():
+            self._launch_now(fence_ops.FENCE, side.raw)
         else:  # the first launch compiles through Triton, which launches on the current stream
             with torch.cuda.stream(side.stream):
                 self.fence()
@@ -295,7 +295,7 @@ class Fence:
     @property
     def launch_path(self) -> str:
         """How the last fence launch went: ``"cuda-python"`` or ``"triton"``."""
-        return self._launchers[_FENCE].path
+        return self._launchers[fence_ops.FENCE].path
 
     def check(self) -> None:
         """Raise :class:`~symmsync.FenceTimeout` if a wait of this fence timed out (its

@@ -30,10 +30,7 @@ from typing import Any
 
 from ..checks import int_problem
 from ..errors import ConfigError
-
-#: The alignment :func:`carve` gives every region by default: the collectives' line (their
-#: workspace offsets are multiples of it) and a multiple of every tensor's alignment.
-LINE = 128
+from ..language.cells import LINE  # the alignment carve() gives by default (see carve)
 
 __all__ = ["LINE", "Carving", "Region", "Regions", "carve"]
 

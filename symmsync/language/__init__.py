@@ -125,7 +125,9 @@ counter ``arrive``, the bounded poll ``bounded_poll``, the scan of the members' 
 :mod:`symmsync.language.fence` the fence (:func:`publish`, :func:`wait`,
 :func:`mark_abort`, :func:`grid_fence`, :func:`grid_sync`, ...);
 :mod:`symmsync.language.signals` the point-to-point signals; :mod:`symmsync.language.records` the
-records' writers. The dependency runs one way: core, records, then fence and signals.
+records' writers; :mod:`symmsync.language.bf16` and :mod:`symmsync.language.e4m3` the exact number
+conversions the consumers' kernels share (bfloat16 bits to and from float32, float32 to e4m3fn
+codes). The dependency runs one way: core, records, then fence and signals.
 
 Backends. The same source runs compiled on NVIDIA GPUs and under Triton's
 interpreter on the host backend. The few primitives whose instructions differ live

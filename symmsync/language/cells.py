@@ -55,7 +55,8 @@ A failed signal wait's record is :mod:`symmsync.language.records`'.
 
 from __future__ import annotations
 
-#: Bytes of one line; cells and their slot arrays are padded to whole lines.
+#: Bytes of one line; cells and their slot arrays are padded to whole lines, and
+#: :func:`symmsync.carve` aligns regions to it by default (what every consumer takes).
 LINE = 128
 
 #: Byte offsets inside a cell.

@@ -8,7 +8,8 @@ experts (the host refuses such ids in eager calls), and when an earlier entry of
 token names the same expert: a (token, expert) pair is sent once.
 
 Element types under Triton's interpreter: numpy has no bfloat16, so bfloat16 tensors
-travel as their int16 bits (``BITS``) and are widened and rounded by integer arithmetic.
+travel as their int16 bits (``BITS``) and are widened and rounded by integer arithmetic
+(:mod:`symmsync.language.bf16`); fp8 codes are :mod:`symmsync.language.e4m3`'s.
 """
 
 from __future__ import annotations
@@ -18,36 +19,16 @@ import triton.language as tl
 
 import symmsync.language as ssl
 
-from ..pcp.quant import to_e4m3
+from ..language.bf16 import from_f32, to_f32
+from ..language.e4m3 import AMAX_FLOOR, E4M3_MAX, to_e4m3
 from . import protocol
-from .layout import FP8_AMAX_FLOOR, FP8_GROUP, FP8_MAX
+from .layout import FP8_GROUP
 
 _GROUP = tl.constexpr(FP8_GROUP)
-_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
-_FP8_MAX = tl.constexpr(FP8_MAX)
+_FLOOR = tl.constexpr(AMAX_FLOOR)
+_FP8_MAX = tl.constexpr(E4M3_MAX)
 _DISPATCH = tl.constexpr(protocol.DISPATCH)
 _COMBINE = tl.constexpr(protocol.COMBINE)
-
-
-@triton.jit
-def _to_f32(v, BITS: tl.constexpr):
-    if BITS:  # bfloat16 bits in int16: the upper half of a float32
-        f = (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        f = v.to(tl.float32)
-    return f
-
-
-@triton.jit
-def _from_f32(acc, ELEM: tl.constexpr, BITS: tl.constexpr):
-    if BITS:  # float32 -> bfloat16 bits, round to nearest even; NaN -> 0x7FC0 (as torch)
-        u = acc.to(tl.uint32, bitcast=True)
-        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.int32)
-        r = tl.where(acc != acc, 0x7FC0, r)
-        v = tl.where(r >= 32768, r - 65536, r).to(tl.int16)
-    else:
-        v = acc.to(ELEM)
-    return v
 
 
 @triton.jit
@@ -88,7 +69,7 @@ def dispatch_send(
                     g = tl.arange(0, GP)[:, None]
                     c = tl.arange(0, _GROUP)[None, :]
                     live = (g < G) & (c < _GROUP)
-                    v = _to_f32(tl.load(x + t * H + g * _GROUP + c, mask=live, other=0), BITS)
+                    v = to_f32(tl.load(x + t * H + g * _GROUP + c, mask=live, other=0), BITS)
                     amax = tl.max(tl.abs(v), axis=1)
                     s = tl.math.div_rn(tl.maximum(amax, _FLOOR), _FP8_MAX)
                     codes = to_e4m3(tl.math.div_rn(v, s[:, None]))
@@ -217,6 +198,6 @@ def combine_reduce(
                 k0 = tl.where(tl.load(topk + t * TOPK + j) == e, j, k0)
             w = tl.load(weights + t * TOPK + k)
             if valid:
-                v = _to_f32(tl.load(own + (t * TOPK + k0) * H + cols, mask=cols < H, other=0), BITS)
+                v = to_f32(tl.load(own + (t * TOPK + k0) * H + cols, mask=cols < H, other=0), BITS)
                 acc = acc + w * v
-        tl.store(y + t * H + cols, _from_f32(acc, y.dtype.element_ty, BITS), mask=cols < H)
+        tl.store(y + t * H + cols, from_f32(acc, y.dtype.element_ty, BITS), mask=cols < H)

@@ -31,15 +31,13 @@ from ..language.cells import LINE, round_up
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Channels per scale of the fp8 option (the per-128-channel rule of DeepSeek-style models).
 FP8_GROUP = 128
-#: The floor of ``amax`` in the fp8 rule (:data:`FP8_RULE`) and the largest e4m3 value.
-FP8_AMAX_FLOOR = 1e-4
-FP8_MAX = 448.0
 FP8_RULE = (
     "s = max(amax, 1e-4) / 448 (IEEE float32 division), amax the largest |x| of each 128 channels "
     "of a token (x widened to float32); codes = e4m3fn(x / s), IEEE division, round to nearest even, "
     "saturating at +-448"
 )
-"""The fp8 option's quantization rule, the one statement of it (a scale per token and 128 channels)."""
+"""The fp8 option's quantization rule in words (a scale per token and 128 channels); its numbers and
+the conversion are :mod:`symmsync.language.e4m3`'s (``AMAX_FLOOR``, ``E4M3_MAX``, ``to_e4m3``)."""
 
 
 @dataclass(frozen=True)

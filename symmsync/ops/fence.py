@@ -32,7 +32,7 @@ import torch
 from ..errors import ConfigError
 from . import handles, oplib
 
-FENCE, ARRIVE, WAIT = 0, 1, 2  # the kinds, in the order of Fence's launches
+FENCE, ARRIVE, WAIT = 0, 1, 2  # the op's kinds; a Fence indexes its launches by them (core/fence.py)
 
 
 def _fence(handle: int, kind: int, orders: list[torch.Tensor]) -> None:

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ..checks import require
+from ..checks import is_int, require
 from ..errors import ConfigError
 from . import fence as fence_ops
 from . import handles, oplib
@@ -109,7 +109,7 @@ def _write(handle: int, layer: int, kv_c, k_pe, indexer_k, slots: torch.Tensor, 
     the graph cannot have checked), then the eager write's checked path."""
     writer = handles.lookup(handle, "DirectKVWriter")
     problem = None
-    if type(layer) is int and 0 <= layer < writer.layout.num_layers:  # else the write raises the layout's error
+    if is_int(layer) and 0 <= layer < writer.layout.num_layers:  # else the write raises the layout's error
         if cache.data_ptr() != writer.span(layer).data_ptr():
             problem = CLONED.format(layer=layer)
     batch = writer._last_batch() if writer._last_batch is not None else None

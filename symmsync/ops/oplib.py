@@ -1,5 +1,5 @@
 """The one registration of every symmsync torch op (a schema, a kernel per device, a fake),
-and the one reader of Dynamo's tracing state.
+and the one reader of the frame Dynamo is tracing.
 
 A compiled graph calls symmsync through ops in the ``symmsync`` namespace
 (:mod:`symmsync.ops.collectives`, :mod:`symmsync.ops.kv`,
@@ -18,8 +18,9 @@ compiler may drop it when its outputs go unused.
 
 The fakes that check the graph traced so far (:func:`symmsync.ops.fence.plain_writes`) and the
 writer's choice of op by backend (:mod:`symmsync.ops.kv`) read the frame Dynamo is
-tracing: :func:`tracer`, the one place that reads Dynamo's private state, which moves between
-torch releases.
+tracing: :func:`tracer`, the one place that reads it. It is Dynamo's private state, which moves
+between torch releases; so is the frame callback that :func:`symmsync.backends.compiling` reads
+(whether a function runs under ``torch.compile`` at all), the one other read of it.
 """
 
 from __future__ import annotations

@@ -31,16 +31,16 @@ import triton
 import triton.language as tl
 
 from .. import language as ssl
+from ..language.bf16 import bf16_to_f32
+from ..language.e4m3 import to_e4m3
 from .layout import IndexerKLayout, MainKVLayout
 from .quant import (
-    bf16_to_f32,
     e8m0_word,
     indexer_scale,
     indexer_scale_fp32,
     mla_tile_scale,
     mla_tile_scale_pow2,
     pow2_recip,
-    to_e4m3,
 )
 
 #: Widths of a row of the inputs: kv_c, k_pe, indexer_k (bf16 values).

@@ -42,7 +42,7 @@ import triton
 
 from .. import backends
 from ..backends import mode
-from ..checks import int_problem, require
+from ..checks import int_problem, is_int, require
 from ..core import agreement
 from ..core.fence import Fence
 from ..core.launch import BoundLaunch, Launcher
@@ -395,7 +395,7 @@ class DirectKVWriter:
         Raises: as :meth:`caches`.
         """
         spans = self._spans
-        if spans is not None and type(layer) is int and 0 <= layer < len(spans):  # a compiled write's every call
+        if spans is not None and is_int(layer) and 0 <= layer < len(spans):  # a compiled write's every call
             return spans[layer]
         self.caches(layer)
         return spans[layer]

@@ -101,7 +101,7 @@ def bad_input_then_again(bad_ranks):
 def test_an_input_error_raises_on_its_rank_and_peer_aborted_naming_it_on_the_peer_even_when_it_calls_again(
     host_ranks,
 ):
-    """The issue's case: rank 1 passes too many elements, then calls again at once. Its peer
+    """A failure once reported: rank 1 passes too many elements, then calls again at once. Its peer
     must blame that first call (PeerAborted naming rank 1 and its error), never a
     CollectiveMismatch against the second."""
     peer, bad = host_ranks(bad_input_then_again, 2, (1,))

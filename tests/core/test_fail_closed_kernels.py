@@ -1,4 +1,5 @@
-"""Fail closed inside kernels, on the host backend (issue 31, items 2, 3 and 6).
+"""Fail closed inside kernels, on the host backend: indices checked on every call, kept arguments
+that fail after a close or an abort, and put_signal's checks.
 
 * Indices are checked on every call, debug mode off: a peer, slot or member index out of range
   in a signal or fence primitive raises :class:`~symmsync.IndexCheckError` naming the rank, the

@@ -20,6 +20,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import published, wait_until
 
 import symmsync as ss
 from symmsync import backends
@@ -176,7 +177,11 @@ def stray_stores(kind, over_cells):
     for e in range(1, ROUNDS + 1):
         if me == 1:
             _scribble(table, target, start, 8 * view.size if over_cells else GARBAGE)
-            time.sleep(LATE_S)  # rank 0 is in its fence by now: the garbage has had its chance
+            # Rank 0 has published fence e: it is in its wait for rank 1, with the garbage in place.
+            wait_until(lambda: published(buf, fence, 0) >= e, f"rank 0 to publish fence {e}")
+            # How many of its polls then see the garbage no host check can observe; LATE_S gives it
+            # several. The oracle does not rest on it: errors counts what rank 0 read after each fence.
+            time.sleep(LATE_S)
         for p in range(view.size):
             view.tensor(payload, (2, view.size), torch.int64, index=p)[e % 2, me] = e * 1000 + me
         fence.fence()

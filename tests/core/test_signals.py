@@ -285,6 +285,11 @@ def abort_ends_wait(budget_s):
     dist.barrier()
     out = {}
     if buf.rank == 0:
+        # This sleep stays: ranks 1 and 2 wait inside a kernel that publishes nothing, so no host
+        # check can see that their wait has begun. The test does not rest on it: an abort that
+        # lands before their wait begins ends it at its first poll just the same (status 2, the
+        # same error, at once); the sleep only makes the case named, an abort during the wait,
+        # the likely one.
         time.sleep(0.5)
         out["at"] = time.monotonic()
         view.abort("planted abort")

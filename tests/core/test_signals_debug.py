@@ -158,7 +158,7 @@ def test_debug_mode_compiles_its_checks_for_sm90_and_off_leaves_only_the_index_c
     assert on["debug"] and not off["debug"]
     assert "%gridid" in on["fence"] and "%gridid" not in off["fence"]  # the publish stamp: debug only
     assert "trap;" in on["put"]
-    # Off, the reports left are the index checks' (issue 31: checked on every call), six printf
+    # Off, the reports left are the index checks' (indices are checked on every call), six printf
     # calls each (device_print prints each of its six operands): the fence's member index, once
     # unrecorded (publish) and once recorded (wait_or_trap); put_signal's one report for its
     # three indices. Debug mode adds its own reports to those.

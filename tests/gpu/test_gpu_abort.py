@@ -38,8 +38,10 @@ def _describe(err, t0):
 
 
 def _abort_later(buf, fence, how, reason):
-    """The aborting rank: let the peer enter its wait, then abort (or close)."""
-    time.sleep(0.5)
+    """The aborting rank: once the peer has published its next fence (it is in its wait for this
+    rank), abort (or close)."""
+    nxt = fence.epoch + 1  # the ranks are in step: the peer's next fence publishes this epoch
+    helpers.wait_until(lambda: helpers.published(buf, fence, 0) >= nxt, f"rank 0 to publish fence {nxt}")
     aborted_at = time.time()
     if how == "close":
         buf.close()

@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import describe_error
+from helpers import announce, await_announced, describe_error
 
 import symmsync as ss
 from symmsync import collectives as C
@@ -61,7 +61,9 @@ def loop_until_one_leaves(p, how, budget):
         assert ar(x).tolist() == [10.0] * NUMEL
     store = dist.distributed_c10d._get_default_store()
     if me == p:
-        time.sleep(0.5)  # the others wait in their steps by now
+        # The others have entered their loop of calls, whose first waits for p in its steps (a few
+        # statements on: whether p's event lands just before or in that wait, they fail the same way).
+        await_announced("calls without p", [r for r in range(4) if r != p], budget)
         store.set(EVENT_KEY, repr(time.time()))
         if how == "die":
             os._exit(7)
@@ -72,6 +74,7 @@ def loop_until_one_leaves(p, how, budget):
         dist.barrier()  # the others are done: only the event told them
         buf.close()
         return how
+    announce("calls without p")
     start = time.monotonic()
     err = None
     while time.monotonic() - start < 3 * budget:

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from helpers import describe_error
+from helpers import announce, await_announced, describe_error, wait_until
 
 import symmsync as ss
 from symmsync.core.nodes import NODE_SIZE_ENV
@@ -162,8 +162,8 @@ def store_unreadable_on_rank_0(budget):
 
     if me == 0:
         offnode.posted_aborts = unreadable
-    elif me == 3:
-        time.sleep(0.5)  # the others are waiting by now
+    elif me == 3:  # late: until rank 0's wait has read the store, failed and posted that it gave up
+        wait_until(lambda: offnode.posted_aborts(off.view, [0]), "rank 0 to post that it gave up", BUDGET_S)
     calls = []
     try:
         for _ in range(1 if me == 0 else 2):
@@ -208,7 +208,9 @@ def _gather_once_then(leaver, how, budget):
     me = buf.rank
     off.all_gather(_mine(me))
     if me == leaver:
-        time.sleep(0.3)  # the others are waiting by now
+        # The others have called their second gather (a few statements before its wait; whether the
+        # leaver's step lands just before or in their wait, they fail the same way).
+        await_announced("second gather", [r for r in range(4) if r != leaver], BUDGET_S)
         if how == "close":
             buf.close()
         elif how == "abort":
@@ -219,6 +221,7 @@ def _gather_once_then(leaver, how, budget):
             time.sleep(budget + 1)
         buf.close()
         return how
+    announce("second gather")
     t0 = time.monotonic()
     try:
         off.all_gather(_mine(me))

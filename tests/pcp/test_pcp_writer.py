@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from oracles import WAITS, Cache, assert_byte_oracle, byte_oracle, byte_oracle_without, prompt
+from oracles import WAITS, Cache, assert_byte_oracle, byte_oracle, byte_oracle_without, first_difference, prompt
 
 import symmsync as ss
 from symmsync import pcp
@@ -148,14 +148,14 @@ def one_example(tokens, num_layers, pad, seed):
         slots[torch.rand(tokens, generator=g) < pad] = -1
     split = pcp.pcp_split(tokens, world)
     batch = writer.prepare(split.local_slots(slots, buf.rank))
-    ok = []
+    diffs = []  # per layer: (bytes that differ from torch's cache, the first offsets)
     for layer in range(num_layers):
         rows = [(split.local_rows(t, buf.rank).float() + layer).to(torch.bfloat16).contiguous() for t in (kv, pe, ix)]
         writer.write(layer, *rows, batch)
         want = cache.expected_layer(*[(t.float() + layer).to(torch.bfloat16) for t in (kv, pe, ix)], slots, GUARD)
-        ok.append(torch.equal(cache.raw_layer(buf, layer), want))
+        diffs.append(first_difference(cache.raw_layer(buf, layer), want))
     buf.close()
-    return ok
+    return diffs
 
 
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -166,8 +166,8 @@ def one_example(tokens, num_layers, pad, seed):
     seed=st.integers(0, 2**16),
 )
 def test_direct_writes_match_torch_for_any_token_count_padding_and_layers(host_ranks, tokens, num_layers, pad, seed):
-    for per_rank in host_ranks(one_example, 2, tokens, num_layers, pad, seed):
-        assert per_rank == [True] * num_layers
+    for rank, diffs in enumerate(host_ranks(one_example, 2, tokens, num_layers, pad, seed)):
+        assert diffs == [(0, [])] * num_layers, f"rank {rank}: per layer, (bytes that differ, first offsets): {diffs}"
 
 
 # ---------------------------------------------------------------------- bad input

@@ -35,6 +35,7 @@ imports = _hook("imports")
 
 
 def _python_blocks():
+    assert PAGES, f"docs/**/*.md matched no page under {ROOT / 'docs'}"
     for page in PAGES:
         text = page.read_text()
         for m in FENCE.finditer(text):
@@ -85,12 +86,16 @@ def test_every_copy_names_an_existing_example_and_section():
 
 def test_every_numbered_example_is_shown_on_a_page():
     shown = {path for _, path, _ in _copies()}
-    for example in sorted((ROOT / "examples").glob("[0-9][0-9]_*.py")):
+    examples = sorted((ROOT / "examples").glob("[0-9][0-9]_*.py"))
+    assert examples, "examples/[0-9][0-9]_*.py matched no file"
+    for example in examples:
         assert f"examples/{example.name}" in shown, f"no page shows examples/{example.name}"
 
 
 def test_every_tutorial_page_shows_its_numbered_example():
-    for page in sorted((ROOT / "docs" / "tutorials").glob("[0-9][0-9]-*.md")):
+    pages = sorted((ROOT / "docs" / "tutorials").glob("[0-9][0-9]-*.md"))
+    assert pages, "docs/tutorials/[0-9][0-9]-*.md matched no page"
+    for page in pages:
         number = page.name[:2]
         assert re.search(rf"^<!-- from examples/{number}_[a-z_]+\.py", page.read_text(), re.M), (
             f"{page.name} shows no code"

@@ -116,6 +116,7 @@ def missing(figures_: list[str], files: list[Path]) -> list[str]:
 
 
 def _cited_blocks():
+    assert PAGES[1:], f"docs/**/*.md matched no page under {ROOT / 'docs'}"
     for page in PAGES:
         for line, text, citations, _unsourced, _table in _blocks(page):
             if citations:
@@ -159,9 +160,9 @@ def test_every_raw_file_has_its_machine_and_date_in_the_index():
     rows = {}
     for m in re.finditer(r"^\| `([\w.-]+)` \|([^|]*)\|([^|]*)\|", index, re.M):
         rows[m.group(1)] = (m.group(2).strip(), m.group(3).strip())
-    for path in sorted((RESULTS / "raw").iterdir()):
-        if path.name == "README.md":
-            continue
+    raw = sorted(path for path in (RESULTS / "raw").iterdir() if path.name != "README.md")
+    assert raw, "benchmarks/results/raw/ holds no result file besides README.md"
+    for path in raw:
         assert path.name in rows, f"benchmarks/results/raw/README.md does not list {path.name}"
         machine, date = rows[path.name]
         assert machine and re.fullmatch(r"\d{4}-\d\d-\d\d", date), (

@@ -42,6 +42,7 @@ def results():
 
 
 def test_the_bug_variants_are_the_correct_model_plus_one_flag():
+    assert BUGGY, "verify/check.py's CONFIGS hold no configuration that expects a counterexample"
     for name in BUGGY:
         bugs = [f for f in CONFIGS[name].flags if f.startswith("BUG_")]
         assert len(bugs) == 1, name
