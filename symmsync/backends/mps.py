@@ -123,8 +123,9 @@ def start(pipe_dir: str | None = None, log_dir: str | None = None, timeout_s: fl
     """Start an MPS control daemon with its own folders and wait until it answers.
 
     Args:
-        pipe_dir, log_dir: its folders; default: new ones under the temporary folder
-            (``symmsync-mps-*``), so that it shares nothing with a daemon someone else runs.
+        pipe_dir: its pipe folder; default: a new one under the temporary folder
+            (``symmsync-mps-pipe-*``), so that it shares nothing with a daemon someone else runs.
+        log_dir: its log folder; default: a new one (``symmsync-mps-log-*``).
         timeout_s: how long to wait for it to answer.
 
     Returns:
