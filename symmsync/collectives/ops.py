@@ -13,7 +13,7 @@ import torch
 
 from .. import backends
 from ..backends import mode
-from ..checks import int_problem, number_problem, require
+from ..checks import int_problem, number_problem, require, tensor_problem
 from ..core import agreement
 from ..core.failure import Stall, used_after_abort
 from ..core.fence import Fence
@@ -43,10 +43,14 @@ makes there and its checked call runs (registered by :mod:`.spanning`, which bui
 steps from the classes of this module, so this module names it not)."""
 MAX_HIDDEN = 16384
 """The longest row (``x.shape[-1]``) the fused epilogue takes: one program holds a row."""
-NO_GRAD = (
-    "{name} requires grad and grad mode is on, but the collectives have no autograd formula (a backward "
-    "would get no gradient through them): call them under torch.no_grad() or torch.inference_mode()"
-)
+_NO_GRAD = "the collectives have"  # no autograd formula (symmsync.checks.tensor_problem words it)
+# Why a fused call's tensor has the shape it must have, in its refusal.
+_SHAPE_NOTES = {
+    "residual": " (x's)",
+    "norm_weight": " (x.shape[-1:])",
+    "residual_out": " (x's)",
+    "out": " (x's)",
+}
 
 
 class _Collective:
@@ -320,19 +324,19 @@ class _Collective:
         of :meth:`_out_numel` elements. Whether the members' calls agree is the kernel's check
         (their headers; :mod:`.mismatch` words its error).
         """
-        if type(x) is not torch.Tensor:
-            return f"x must be a torch.Tensor, got {type(x).__name__}"
-        limit = self._limits.get(x.dtype)
-        if limit is None:
-            return f"x must be float32, bfloat16 or float16, got {x.dtype}"
-        dev = x.get_device()  # -1 for CPU and for meta tensors: a tensor without memory never launches
-        if dev != self._device_index or (dev < 0 and not x.is_cpu):
-            return f"x is on {x.device}, the collective's memory on {self._buffer.device}"
-        if not x.is_contiguous():
-            return "x must be contiguous (call .contiguous())"
-        if x.requires_grad and torch.is_grad_enabled():
-            return NO_GRAD.format(name="x")
+        dev = self._device_index
+        # The common case in one expression (it runs on every call); a sentence only for a problem.
+        if not (
+            isinstance(x, torch.Tensor)
+            and x.dtype in self._limits
+            and x.get_device() == dev
+            and (dev >= 0 or x.is_cpu)
+            and x.is_contiguous()
+            and not (x.requires_grad and torch.is_grad_enabled())
+        ):
+            return self._tensor_problem("x", x, dtype=tuple(self._limits))
         numel = x.numel()
+        limit = self._limits[x.dtype]
         if numel > limit:
             return (
                 f"x has {numel} elements, more than the {limit} {x.dtype} elements the workspace holds "
@@ -342,22 +346,13 @@ class _Collective:
             return f"x has {numel} elements, not a multiple of the view's {self.size} members"
         if out is None:
             return None
-        if type(out) is not torch.Tensor:
-            return f"out must be a torch.Tensor, got {type(out).__name__}"
-        want = self._out_numel(numel)
-        if (
-            out.dtype is not x.dtype
-            or out.numel() != want
-            or not out.is_contiguous()
-            or out.get_device() != dev
-            or not (out.is_cuda or out.is_cpu)
-        ):
-            return (
-                f"out must be a contiguous {x.dtype} tensor of {want} elements on {x.device}, got "
-                f"{out.dtype} of {out.numel()} elements on {out.device}"
-                + ("" if out.is_contiguous() else ", not contiguous")
-            )
-        return None
+        return self._tensor_problem("out", out, dtype=x.dtype, numel=self._out_numel(numel))
+
+    def _tensor_problem(self, name: str, t: Any, **want: Any) -> str | None:
+        """What is wrong with the tensor argument ``name`` of a call (:func:`symmsync.checks.tensor_problem`,
+        the rule of every consumer), or ``None``."""
+        memory = f"the collective's memory on {self._buffer.device}"
+        return tensor_problem(name, t, device_index=self._device_index, memory=memory, no_grad=_NO_GRAD, **want)
 
     def _out_numel(self, numel: int) -> int:
         """The elements of a call's output for ``numel`` input elements (the all-reduce's: as many)."""
@@ -592,14 +587,15 @@ class AllReduce(_Collective):
         if (
             out is None
             and res_out is None
-            and type(residual) is torch.Tensor
-            and type(weight) is torch.Tensor
+            and isinstance(residual, torch.Tensor)
+            and isinstance(weight, torch.Tensor)
             and residual.dtype is dt
             and weight.dtype is dt
             and residual.shape == shape
             and weight.shape == shape[-1:]
             and residual.get_device() == dev
             and weight.get_device() == dev
+            and (dev >= 0 or (residual.is_cpu and weight.is_cpu))  # get_device() is -1 for meta tensors too
             and residual.is_contiguous()
             and weight.is_contiguous()
             and type(eps) is float
@@ -615,14 +611,9 @@ class AllReduce(_Collective):
         ):
             if t is None and name in ("residual_out", "out"):
                 continue
-            if type(t) is not torch.Tensor or t.dtype is not dt or tuple(t.shape) != want:
-                return f"{name} must be a {dt} tensor of shape {want}, got " + (
-                    f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                )
-            if t.get_device() != dev or not t.is_contiguous():
-                return f"{name} must be contiguous, on {self._buffer.device}"
-            if t.requires_grad and torch.is_grad_enabled():
-                return NO_GRAD.format(name=name)
+            bad = self._tensor_problem(name, t, dtype=dt, shape=want, shape_note=_SHAPE_NOTES[name])
+            if bad is not None:
+                return bad
         return number_problem("eps", eps)
 
 

@@ -42,7 +42,7 @@ import triton
 
 from .. import backends
 from ..backends import mode
-from ..checks import int_problem, require
+from ..checks import int_problem, require, tensor_problem
 from ..core import agreement
 from ..core.fence import Fence
 from ..core.launch import BoundLaunch, Launcher
@@ -548,9 +548,9 @@ class DirectKVWriter:
         # The common case in one expression (no call per tensor: this runs per layer). get_device()
         # is -1 for CPU tensors and for meta tensors too: on the host backend, CPU is asked apart.
         if (
-            type(kv_c) is torch.Tensor
-            and type(k_pe) is torch.Tensor
-            and type(indexer_k) is torch.Tensor
+            isinstance(kv_c, torch.Tensor)
+            and isinstance(k_pe, torch.Tensor)
+            and isinstance(indexer_k, torch.Tensor)
             and kv_c.dtype is _BF16
             and k_pe.dtype is _BF16
             and indexer_k.dtype is _BF16
@@ -574,26 +574,19 @@ class DirectKVWriter:
         )
 
     def _tensor_problem(self, name: str, t: torch.Tensor, rows: int, width: int) -> tuple[type[InputError], str] | None:
-        if type(t) is not torch.Tensor:
-            return InputError, f"{name} must be a torch.Tensor, got {type(t).__name__}"
-        if t.dtype is not torch.bfloat16:
-            return InputError, f"{name} must be bfloat16, got {t.dtype}"
-        if t.shape != (rows, width):
-            return InputError, (
-                f"{name} must have shape ({rows}, {width}) to match the batch's slot mapping, got {tuple(t.shape)}"
-            )
-        # get_device() is -1 for CPU tensors and for meta tensors too: a tensor without
-        # memory (neither CUDA nor CPU) never reaches a launch.
-        if t.get_device() != self._device_index or not (t.is_cuda or t.is_cpu):
-            return InputError, f"{name} is on {t.device}, the cache on {self.buffer.device}"
-        if not t.is_contiguous():
-            return InputError, f"{name} must be contiguous (call .contiguous())"
-        if t.requires_grad and torch.is_grad_enabled():
-            return InputError, (
-                f"{name} requires grad and grad mode is on, but write() has no autograd formula: call it under "
-                "torch.no_grad() or torch.inference_mode()"
-            )
-        return None
+        """What is wrong with the tensor argument ``name`` of a write (:func:`symmsync.checks.tensor_problem`,
+        the rule of every consumer) and the error it raises, or ``None``."""
+        bad = tensor_problem(
+            name,
+            t,
+            dtype=torch.bfloat16,
+            shape=(rows, width),
+            shape_note=" to match the batch's slot mapping",
+            device_index=self._device_index,
+            memory=f"the cache on {self.buffer.device}",
+            no_grad="write() has",
+        )
+        return None if bad is None else (InputError, bad)
 
     #: The kernel arguments a layer's call passes the batch's bound launch (by name; the
     #: launcher knows their positions).

@@ -57,7 +57,7 @@ def test_a_bad_dispatch_is_refused_on_its_rank_and_reaches_the_other_as_peer_abo
     words = {
         "expert": "topk_idx[1, 1] = 4 is no expert id",
         "tokens": "more than max_tokens=3",
-        "dtype": "x must be a torch.bfloat16 tensor",
+        "dtype": "x must be torch.bfloat16, got torch.float32",
     }
     for kind in KINDS:
         (r0, again0), (r1, again1) = rank0[kind], rank1[kind]

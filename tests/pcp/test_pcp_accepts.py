@@ -21,7 +21,19 @@ def pool():
         yield p
 
 
-WRITER_CASES = ["fits", "float32 kv_c", "rows of another count", "not contiguous", "layer 5", "no batch", "grad"]
+WRITER_CASES = [
+    "fits",
+    "float32 kv_c",
+    "rows of another count",
+    "not contiguous",
+    "layer 5",
+    "no batch",
+    "grad",
+    "kv_c a Parameter, no_grad",
+    "kv_c a Parameter, grad mode on",
+]
+#: The cases a write must take (a Parameter is a tensor): the rest are refused.
+TAKEN = ["fits", "kv_c a Parameter, no_grad"]
 
 
 def ask_then_write(names):
@@ -45,6 +57,8 @@ def ask_then_write(names):
             batch = object()
         elif name == "grad":
             kv, grad = kv.requires_grad_(), True
+        elif name.startswith("kv_c a Parameter"):
+            kv, grad = torch.nn.Parameter(kv), name.endswith("grad mode on")
         with torch.set_grad_enabled(grad):
             said = writer.accepts(layer, kv, pe, ix, batch)
             try:
@@ -62,4 +76,4 @@ def test_the_writer_accepts_exactly_what_it_does_not_refuse(pool):
         for name, said, got in results:
             assert got in ("returned", "InputError", "BoundsError"), (rank, name, got)
             assert said == (got == "returned"), (rank, name, said, got)
-        assert [n for n, said, _ in results if said] == ["fits"], results
+        assert [n for n, said, _ in results if said] == TAKEN, results
