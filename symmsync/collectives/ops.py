@@ -89,6 +89,7 @@ class _Collective:
         mine = making.arguments(max_numel, dtype, algorithm, offset, channel)
         self._keep(view, max_numel, dtype, making.agree(self._NAME, view, mine, problem, error))
         buf.regions.claim(region, self)
+        making.set_protocol_words(buf, ws)
         self.fence = fence
         """The :class:`~symmsync.Fence` whose channel the collective synchronizes on (``None`` over a view
         that spans nodes: its node steps have theirs)."""

@@ -322,3 +322,42 @@ def test_the_fused_residual_and_rms_norm_epilogue_matches_torch_and_is_the_same_
             # in the oracle: one rounding step of the dtype at most.
             assert diff <= {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dt] * 8, (seed, dt, diff)
             assert same, (seed, rank, dt, "members got different bits")
+
+
+# ---------------------------------------------------------------------- bytes used before
+def made_over_used_bytes(calls):
+    """On one buffer: a one-shot all-reduce called ``calls`` times at offset 0, then dropped; an
+    all-gather at offset 0 (channel 0) and a reduce-scatter at the next line after it (channel 1),
+    over bytes the all-reduce's inputs filled; one call of each. Returns their outputs (or the
+    error a call raised). Budgets of seconds: a call that cannot complete fails fast."""
+    import gc
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    buf = ss.SymmetricBuffer(1 << 21, backend="host")
+    view = buf.view(list(range(world)))
+    try:
+        ar = C.AllReduce(view, max_numel=4099, dtype=torch.float32, algorithm="one_shot", timeout_s=5)
+        for i in range(calls):
+            ar(torch.ones((1, 777, 4099)[i % 3]))
+        ar = None
+        gc.collect()  # the all-reduce's bytes are free again
+        ag = C.AllGather(view, max_numel=1000, dtype=torch.float32, timeout_s=5)
+        off = (C.workspace_bytes(1000, torch.float32, world, op="all_gather") + 127) // 128 * 128
+        rs = C.ReduceScatter(view, max_numel=999 * world, dtype=torch.float32, offset=off, channel=1, timeout_s=5)
+        try:
+            return ag(torch.full((333,), float(rank + 1))).tolist(), rs(torch.ones(world * 100) * (rank + 1)).tolist()
+        except ss.SymmSyncError as e:
+            return f"{type(e).__name__}: {e}"
+    finally:
+        buf.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_collective_made_over_bytes_another_used_starts_from_its_own_words(world, host_ranks):
+    gathered_want = [float(r + 1) for r in range(world) for _ in range(333)]
+    summed = float(sum(range(1, world + 1)))
+    for rank, got in enumerate(host_ranks(made_over_used_bytes, world, 36, timeout_s=240)):
+        assert not isinstance(got, str), (rank, got)
+        ag_out, rs_out = got
+        assert ag_out == gathered_want, (rank, "all-gather", ag_out[:4], ag_out[-4:])
+        assert rs_out == [summed] * 100, (rank, "reduce-scatter", rs_out[:8])
