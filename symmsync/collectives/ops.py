@@ -380,7 +380,7 @@ class _Collective:
         rank never makes. ``err`` is recorded first: the abort then fails the view's other waiters,
         not this collective, whose own error stays the first failure."""
         self._failure.fail(self, err)
-        self._failure.abort_quietly(reason or f"{self._NAME}: {type(err).__name__}: {err}")
+        self._failure.abort_quietly(reason or f"{self._NAME}: {type(err).__name__}: {err}", cause=err)
 
     # ------------------------------------------------------------------ failures
     def _check_usable(self) -> None:

@@ -450,7 +450,7 @@ class Dispatcher:
         if self._error is None:
             self._error = err
         if self.view.aborted is None:
-            self.view.abort(reason or f"moe.Dispatcher: {type(err).__name__}: {err}"[:200])
+            self.view.failure.abort(reason or f"moe.Dispatcher: {type(err).__name__}: {err}"[:200], cause=err)
 
     def close(self) -> None:
         """Release the dispatcher's signal memory on this rank (idempotent; needs no other rank)."""
