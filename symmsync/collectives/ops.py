@@ -72,6 +72,8 @@ class _Collective:
     ):
         backends.refuse_compiling(self._NAME)
         self._over = None
+        self._closed = False
+        self._claims: tuple[int, ...] = ()  # its claims on the buffer's bytes (core/regions.py)
         if isinstance(view, PeerView) and not view.nodes.single:  # a layout every member sees alike
             self._init_over_nodes(view, max_numel, dtype, algorithm, offset, channel, timeout_s)
             return
@@ -88,7 +90,7 @@ class _Collective:
             problem, error = buf.regions.problem(region), ConfigError
         mine = making.arguments(max_numel, dtype, algorithm, offset, channel)
         self._keep(view, max_numel, dtype, making.agree(self._NAME, view, mine, problem, error))
-        buf.regions.claim(region, self)
+        self._claims = (buf.regions.claim(region, self),)
         making.set_protocol_words(buf, ws)
         self.fence = fence
         """The :class:`~symmsync.Fence` whose channel the collective synchronizes on (``None`` over a view
@@ -183,12 +185,13 @@ class _Collective:
 
         Raises:
             ConfigError: ``numel`` or ``dtype`` is not one the collective takes.
-            ClosedError: the buffer is closed.
+            ClosedError: the buffer or the collective is closed.
         """
         dtype = self.dtype if dtype is None else dtype
         call = f"{self._NAME}.input"
-        if self._buffer.closed:
-            raise ClosedError(f"rank {self.rank}: {call}: used after its buffer was closed")
+        if self._buffer.closed or self._closed:
+            what = "close()" if self._closed else "its buffer was closed"
+            raise ClosedError(f"rank {self.rank}: {call}: used after {what}")
         if dtype not in self._limits:
             require(f"dtype must be one of {', '.join(map(str, L.DTYPES))}, got {dtype!r}", rank=self.rank, call=call)
         require(int_problem("numel", numel, minimum=0, maximum=self._limits[dtype]), rank=self.rank, call=call)
@@ -234,6 +237,51 @@ class _Collective:
             )
         self._failure.settle(self, self._recorded_error, stall=stall)
 
+    def close(self) -> None:
+        """Release the collective on every member at once (collective over the buffer's group, as
+        its construction: every rank closes its objects in the same order).
+
+        Every member's calls on it are over first (GPUs: the device is synchronized; then a
+        barrier over the group), then its claim on its workspace's bytes goes, on every member:
+        a new object of any layout (another dtype, another operation, the writer, a dispatcher,
+        a user's claim) may be made at the same bytes at once, and no member's new owner can
+        overwrite a slot a slow member still reads. Its calls (and :meth:`input`) raise
+        :class:`~symmsync.ClosedError` from then on, launching nothing; its view, fence channel
+        and the other objects on the view are untouched. Idempotent. ``with AllReduce(...) as
+        ar:`` closes it at the block's end (left by an exception: on this rank only, with no
+        barrier, since the other members may not have raised). An object dropped without
+        ``close()`` still releases its bytes when it is collected (on each rank when its
+        garbage goes; the next construction over them collects first).
+
+        Raises:
+            BackendError: a member died or left before the barrier (the claim goes all the same).
+        """
+        self._close(together=True)
+
+    def _close(self, together: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._over is not None:  # its node steps hold the bytes, and close alike on every rank
+                for step in self._over.steps:
+                    step._close(together)
+            else:
+                agreement.release_together(self._buffer, self._claims, together=together)
+        finally:
+            self.release_tables()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
+
+    def __enter__(self) -> _Collective:
+        return self
+
+    def __exit__(self, kind: Any, err: Any, tb: Any) -> None:
+        self._close(together=kind is None)
+
     # ------------------------------------------------------------------ a call
     def _traced(self, op: Any, args: tuple, out: Any, *after: Any, half: bool = False) -> Any:
         """A call ``torch.compile`` traces: ``op(*args, self.handle, *after)`` (:mod:`symmsync.ops.collectives`), which
@@ -256,10 +304,10 @@ class _Collective:
         # The hot path of an eager call and of the op's body: a few comparisons, one launch
         # (which repacks nothing when the tensors are those of the last call of this variant).
         # A closed buffer's views are never clean (close() aborts them first).
+        if self._closed or not self._failure.clean:
+            self._check_usable()
         if self._over is not None:  # over nodes: the form's steps
             return self._over.launch(x, out, numel, algorithm, count, epilogue)
-        if not self._failure.clean:
-            self._check_usable()
         count = numel if count < 0 else count  # the kernel's element count (the reduce-scatter's chunk)
         if epilogue is None:
             row = 0
@@ -390,6 +438,10 @@ class _Collective:
         so that the members raise :class:`~symmsync.PeerAborted` instead of waiting for it."""
         if self._buffer.closed:
             raise ClosedError(f"rank {self.rank}: {self._NAME}: used after its buffer was closed")
+        if self._closed:
+            raise ClosedError(
+                f"rank {self.rank}: {self._NAME} (view {list(self.view.ranks)}) used after close(): make a new one"
+            )
         # Its own failure first: the first failed call's error, raised again by every later call
         # (an abort of the view that this failure caused fails the fence too, with another error).
         self._failure.check(self)

@@ -157,7 +157,8 @@ class Dispatcher:
         agreement.agree(
             buf.group, call, mine, problem=problem, error=error, same=dict.fromkeys(mine, alike), device=buf.device
         )
-        buf.regions.claim(region, self)
+        self._claims = (buf.regions.claim(region, self),)
+        self._closed = False
         self.sigs = Signals(view, slots=protocol.SLOTS, timeout_s=timeout_s)
         """The :class:`~symmsync.Signals` object the steps signal and wait on (slot 0: dispatches, 1: combines)."""
         self.view = view
@@ -432,6 +433,8 @@ class Dispatcher:
     def _check_usable(self) -> None:
         if self._buffer.closed:
             raise ClosedError(f"rank {self.rank}: moe.Dispatcher used after its buffer was closed")
+        if self._closed:
+            raise ClosedError(f"rank {self.rank}: moe.Dispatcher (view {list(self.view.ranks)}) used after close()")
         if self._error is not None:
             raise self._error
         reason = self.view.aborted
@@ -453,8 +456,39 @@ class Dispatcher:
             self.view.failure.abort(reason or f"moe.Dispatcher: {type(err).__name__}: {err}"[:200], cause=err)
 
     def close(self) -> None:
-        """Release the dispatcher's signal memory on this rank (idempotent; needs no other rank)."""
-        self.sigs.close()
+        """Release the dispatcher on every member at once (collective over the buffer's group, as its
+        construction): every member's steps are over first (GPUs: the device is synchronized;
+        then a barrier over the group), then its claim on its workspace's bytes goes on every
+        member, so that a new owner of any layout may be made there at once, and its signal
+        memory is released. Its calls raise :class:`~symmsync.ClosedError` from then on; its view
+        is untouched. Idempotent. ``with moe.Dispatcher(...) as disp:`` closes it at the block's
+        end (left by an exception: on this rank only, with no barrier). Dropped without
+        ``close()``, it still releases its bytes when it is collected.
+
+        Raises:
+            BackendError: a member died or left before the barrier (the claim goes all the same).
+        """
+        self._close(together=True)
+
+    def _close(self, together: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            agreement.release_together(self._buffer, self._claims, together=together)
+        finally:
+            self.sigs.close()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
+
+    def __enter__(self) -> Dispatcher:
+        return self
+
+    def __exit__(self, kind: Any, err: Any, tb: Any) -> None:
+        self._close(together=kind is None)
 
     def __repr__(self) -> str:
         return (

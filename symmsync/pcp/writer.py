@@ -225,8 +225,8 @@ class DirectKVWriter:
                 ),
             },
         )
-        for region in claims:
-            buf.regions.claim(region, self)
+        self._claims = tuple(buf.regions.claim(region, self) for region in claims)
+        self._closed = False
         #: Across nodes, the members of the view on this rank's node (:attr:`fence`'s view); else ``None``.
         self.node_view = None
         offnode = None
@@ -301,6 +301,46 @@ class DirectKVWriter:
         self._spans: list[torch.Tensor] | None = None  # made once every block is mapped (prepare)
         self._last_batch: weakref.ReferenceType | None = None  # weak: a batch refers to its writer
 
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Release the writer on every member at once (collective over the buffer's group, as its
+        construction): every member's writes are over first (GPUs: the device is synchronized;
+        then a barrier over the group), then its claims on the caches' bytes go on every member,
+        so that a new owner of any layout may be made there at once. Its calls raise
+        :class:`~symmsync.ClosedError` from then on; its view and fence channel are untouched.
+        Idempotent. ``with DirectKVWriter(...) as writer:`` closes it at the block's end (left by
+        an exception: on this rank only, with no barrier). Dropped without ``close()``, it still
+        releases its bytes when it is collected.
+
+        Raises:
+            BackendError: a member died or left before the barrier (the claims go all the same).
+        """
+        self._close(together=True)
+
+    def _close(self, together: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._spans = None
+        agreement.release_together(self.buffer, self._claims, together=together)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
+
+    def __enter__(self) -> DirectKVWriter:
+        return self
+
+    def __exit__(self, kind: Any, err: Any, tb: Any) -> None:
+        self._close(together=kind is None)
+
+    def _check_not_closed(self, call: str) -> None:
+        if self._closed:
+            raise ClosedError(
+                f"rank {self.buffer.rank}: {call}: the writer (view {list(self.view.ranks)}) was closed: make a new one"
+            )
+
     # ------------------------------------------------------------------ per batch
     def prepare(self, slot_mapping: torch.Tensor) -> Batch:
         """Validate this rank's slot mapping (collective over the buffer's group).
@@ -314,6 +354,7 @@ class DirectKVWriter:
         buf = self.buffer
         call = "DirectKVWriter.prepare"
         backends.refuse_compiling(call)
+        self._check_not_closed(call)
         problem = None
         slots = None
         if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
@@ -479,6 +520,8 @@ class DirectKVWriter:
 
     def _write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, indexer_k: torch.Tensor, batch: Batch) -> None:
         """The checked write: what :meth:`write` and its ops (:mod:`symmsync.ops.kv`) run."""
+        if self._closed:
+            self._check_not_closed("DirectKVWriter.write")
         if self.offnode is not None:  # before anything is written or aborted
             self.offnode.refuse_capture(self.buffer.device, "DirectKVWriter.write")
         bad = self._input_problem(layer, kv_c, k_pe, indexer_k, batch)
