@@ -77,3 +77,35 @@ def test_the_writer_accepts_exactly_what_it_does_not_refuse(pool):
             assert got in ("returned", "InputError", "BoundsError"), (rank, name, got)
             assert said == (got == "returned"), (rank, name, said, got)
         assert [n for n, said, _ in results if said] == TAKEN, results
+
+
+def parameter_write(compiled: bool) -> bool:
+    """``write()`` with its three inputs ``nn.Parameter`` s, under ``no_grad``, eagerly or compiled
+    (``fullgraph=True``, aot_eager), and with plain tensors eagerly into a second buffer: whether
+    every replica's bytes are the same (the plain write's own oracle: tests/pcp/test_pcp_formats.py)."""
+    torch._dynamo.reset()
+    cache = Cache(4, 1, 8, base=GUARD_BYTES)
+    g = torch.Generator().manual_seed(7)
+    rows = [torch.randn(4, n, generator=g).to(torch.bfloat16) for n in (512, 64, 128)]
+    replicas = []
+    for as_parameters in (True, False):
+        buf = ss.SymmetricBuffer(cache.end + GUARD_BYTES, backend="host")
+        writer = pcp.DirectKVWriter(ss.pcp_view(buf), cache.layout, timeout_s=60)
+        batch = writer.prepare(torch.arange(4) + 4 * buf.rank)
+        mine = [torch.nn.Parameter(r + buf.rank) if as_parameters else r + buf.rank for r in rows]
+
+        def write(kv_c, k_pe, indexer_k, writer=writer, batch=batch):
+            writer.write(0, kv_c, k_pe, indexer_k, batch)
+
+        call = torch.compile(write, fullgraph=True, backend="aot_eager") if compiled and as_parameters else write
+        with torch.no_grad():
+            call(*mine)
+        writer.fence.fence()  # every member's rows are in every replica
+        replicas.append(buf.local_memory().clone())
+        buf.close()
+    return torch.equal(replicas[0], replicas[1])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_write_takes_parameters(pool, compiled):
+    assert pool.call(parameter_write, compiled) == [True, True]
