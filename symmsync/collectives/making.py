@@ -120,7 +120,9 @@ def set_protocol_words(buf: Any, ws: L.Workspace) -> None:
     agreement, so that every member has finished the calls it made on these bytes before (a
     slow member still reading a dropped collective's slot in this member's memory); before the
     barrier, so that no member's first call runs before every member set its words. (A member
-    writes only its own workspace: the others read it after its publish.)
+    writes only its own workspace: the others read it after its publish.) On GPUs a member's
+    earlier kernels may still run when it enters the agreement: an earlier owner given back with
+    ``close()`` waited for the device first; one only dropped did not.
     """
     buf.tensor(ws.headers, (L.INPUT - L.HEADERS,), torch.uint8).zero_()
     agreement.barrier(buf.group)
