@@ -14,6 +14,7 @@ and compiled, under ``no_grad``), its result the torch oracle's; a refusal names
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import symmsync as ss
 from symmsync import collectives as C
@@ -234,8 +235,6 @@ def decoder_layer(compiled: bool) -> list:
     """The layer's outputs (normed, new residual) for 3 steps, and the torch oracle's: the members'
     partial sums gathered by torch.distributed, summed in member order in float32, then the
     documented epilogue (docs/collectives.md)."""
-    import torch.distributed as dist
-
     torch._dynamo.reset()
     world, rank = dist.get_world_size(), dist.get_rank()
     buf = ss.SymmetricBuffer(C.workspace_bytes(NUMEL, torch.bfloat16, world), backend="host")

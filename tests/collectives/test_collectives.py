@@ -17,6 +17,7 @@ reduce-scatter chunk ``i`` of that sum. Results must be bit-identical on every m
 """
 
 import contextlib
+import gc
 import random
 import secrets
 import time
@@ -330,8 +331,6 @@ def made_over_used_bytes(calls):
     all-gather at offset 0 (channel 0) and a reduce-scatter at the next line after it (channel 1),
     over bytes the all-reduce's inputs filled; one call of each. Returns their outputs (or the
     error a call raised). Budgets of seconds: a call that cannot complete fails fast."""
-    import gc
-
     world, rank = dist.get_world_size(), dist.get_rank()
     buf = ss.SymmetricBuffer(1 << 21, backend="host")
     view = buf.view(list(range(world)))

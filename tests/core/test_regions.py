@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import symmsync as ss
 from symmsync import collectives as C
-from symmsync import pcp
+from symmsync import moe, pcp
 from symmsync.testing import RankPool
 
 N = 64  # elements of every collective here
@@ -180,8 +180,6 @@ def each_consumer_closed_then_another() -> dict:
     """On one buffer, over the same bytes from offset 0, in turn: the writer, a dispatcher, an
     all-reduce, each made while the one before it still holds the bytes (refused), then made again
     right after that one's close(); each takes one call, is closed, and is called again."""
-    from symmsync import moe
-
     w, rank = dist.get_world_size(), dist.get_rank()
     layout = pcp.CacheLayout(num_blocks=1, num_layers=1)
     nbytes = max(layout.nbytes, moe.buffer_bytes(2 * w, 4, 32, torch.bfloat16, 2, w), C.workspace_bytes(N, F32, w))
