@@ -7,7 +7,9 @@
 * an abort in the middle of a run of calls reaches every member at once; a member that
   never calls makes the others time out naming it;
 * bad arguments: at construction ``ConfigError`` / ``BoundsError`` on every rank; in a
-  call ``InputError`` on the caller and ``PeerAborted`` naming it on the others.
+  call ``InputError`` on the caller and ``PeerAborted`` naming it on the others;
+* an abort relayed by a member that gave up on it names its origin and reason on every member;
+* a timeout whose own launch did not publish says so, never that members did not come.
 """
 
 import time

@@ -13,7 +13,12 @@ reduce-scatter chunk ``i`` of that sum. Results must be bit-identical on every m
   loop, so the reference cannot act as a barrier; and the same loop with the epoch
   parity of the input slots removed, which the oracle must catch;
 * a two-shot all-reduce whose reading member does not wait (``protocol.wait`` removed
-  there) while the other stalls before it reduces its chunk, which the oracle must catch.
+  there) while the other stalls before it reduces its chunk, which the oracle must catch;
+* collectives made over bytes a dropped all-reduce used (its inputs in their counters'
+  place), at worlds 2 and 3, with budgets of seconds;
+* ``close()``: every dtype and operation made, called and closed in turn at one offset; a
+  member that closes and overwrites the bytes while another still reads them (the barrier in
+  ``close()`` is what keeps the slow reader's sum right).
 """
 
 import contextlib

@@ -4,6 +4,8 @@ Host backend, world 2. The oracles are the rule docs/concepts.md ("Who owns whic
 states, written here as plain arithmetic over byte ranges: a refusal is a ``ConfigError`` on
 every rank naming both owners and both ranges; the one sharing it allows (collectives of one
 layout on one view and channel) gives every call the plain-torch sum of the members' inputs.
+Every consumer's ``close()`` gives its bytes back on every rank at once: another consumer of
+another layout is made over them right after, and the closed one's calls raise ``ClosedError``.
 """
 
 import random
