@@ -11,12 +11,19 @@ Kinds of mistakes and their errors (:mod:`symmsync.errors`):
 * an index or a byte range outside what exists (a rank, a member, a channel, a
   layer, bytes past a region, a misaligned offset): :class:`~symmsync.BoundsError`;
 * a consumer kernel's tensor input (shape, dtype, device, slots): :class:`~symmsync.InputError`.
+
+A consumer's tensor arguments are checked by one rule, :func:`tensor_problem`: any
+``torch.Tensor`` (an ``nn.Parameter`` and other subclasses too) of the dtype, shape or size,
+device and layout the call needs, that needs no gradient; its sentence names the one
+property that differs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from .errors import BoundsError, ConfigError, SymmSyncError
 
@@ -93,6 +100,66 @@ def index_problem(name: str, v: Any, n: int, of: str) -> str | None:
         return f"{name} must be an int, got {v!r}"
     if not 0 <= v < n:
         return f"{name} {v} is out of range: {of} has {n} (0..{n - 1})" if n else f"{name} {v}: {of} has none"
+    return None
+
+
+def tensor_problem(
+    name: str,
+    t: Any,
+    *,
+    dtype: torch.dtype | tuple[torch.dtype, ...] | None = None,
+    shape: tuple[int, ...] | None = None,
+    numel: int | None = None,
+    device_index: int,
+    memory: str,
+    no_grad: str,
+    shape_note: str = "",
+) -> str | None:
+    """What is wrong with ``t`` as the tensor argument ``name`` of a consumer's call, or ``None``:
+    the one rule of every consumer's tensor checks (the collectives, the writer, the dispatcher).
+
+    ``t`` passes when it is a ``torch.Tensor`` (any subclass: an ``nn.Parameter`` is a tensor)
+    of ``dtype`` (one of them, for a tuple), ``shape`` (or ``numel`` elements), on the device
+    whose index is ``device_index`` (-1: the CPU), contiguous, and not requiring grad while grad
+    mode is on. The sentence names the first property that differs, and what it is and should be.
+
+    Args:
+        name: the argument, as the message names it (``"norm_weight"``).
+        t: its value.
+        dtype: the dtype (or dtypes) it must have; ``None``: any.
+        shape: the shape it must have; ``None``: any.
+        numel: the elements it must have; ``None``: any.
+        device_index: ``Tensor.get_device()`` of the consumer's memory (-1 for the CPU).
+        memory: the consumer's memory, for the message (``"the collective's memory on cpu"``).
+        no_grad: the call and its verb, as the message says it has no autograd formula (``"the collectives
+            have"``).
+        shape_note: why the shape is what it must be, after the shape's sentence.
+    """
+    if not isinstance(t, torch.Tensor):
+        return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+    if dtype is not None and (t.dtype not in dtype if isinstance(dtype, tuple) else t.dtype is not dtype):
+        if isinstance(dtype, tuple):
+            names = [str(d).removeprefix("torch.") for d in dtype]
+            want = ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+        else:
+            want = str(dtype)
+        return f"{name} must be {want}, got {t.dtype}"
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        return f"{name} must have shape {tuple(shape)}{shape_note}, got {tuple(t.shape)}"
+    if numel is not None and t.numel() != numel:
+        return f"{name} must have {numel} elements, got {t.numel()} (shape {tuple(t.shape)})"
+    # get_device() is -1 for CPU tensors and for meta tensors too: a tensor without memory
+    # (neither CUDA nor CPU) never reaches a launch.
+    dev = t.get_device()
+    if dev != device_index or not (t.is_cuda or t.is_cpu):
+        return f"{name} is on {t.device}, {memory}"
+    if not t.is_contiguous():
+        return f"{name} must be contiguous (call .contiguous()), got strides {tuple(t.stride())}"
+    if t.requires_grad and torch.is_grad_enabled():
+        return (
+            f"{name} requires grad and grad mode is on, but {no_grad} no autograd formula (a backward would get "
+            "no gradient through it): call it under torch.no_grad() or torch.inference_mode()"
+        )
     return None
 
 

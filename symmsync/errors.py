@@ -73,8 +73,9 @@ class FenceTimeout(SymmSyncError, TimeoutError):
         rank: global rank whose wait failed.
         epoch: the epoch it was waiting for.
         late: ``{peer global rank: epoch that peer's slot held}`` for every peer that
-            had not arrived and had not aborted: it never reached the fence (crashed,
-            hung, or took another path).
+            had not published the epoch and had not aborted: it did not reach the fence
+            (crashed, hung, or took another path), or its launch reached the wait without
+            publishing (the message says so when this rank's own launch did).
         channel: the fence channel.
         aborted: ``{peer global rank: reason}`` for every peer that had not arrived and
             had aborted instead (empty for a plain timeout). The reason ``"closed"``

@@ -110,6 +110,24 @@ def agree(
     return tuple(r for r in members if r != buf.rank and gpu and agreed[r]["the GPU"] == gpu)
 
 
+def set_protocol_words(buf: Any, ws: L.Workspace) -> None:
+    """Set what a collective's protocol reads before its first write, on this member, then end the
+    construction with a barrier over the buffer's group (collective; after :func:`agree`).
+
+    The workspace's bytes may hold what another owner left there (a dropped collective's inputs,
+    a user's region): the arrival counter, which a launch's programs count up from 0 (the one
+    whose count reaches the target publishes), and the headers are zeroed here. After the
+    agreement, so that every member has finished the calls it made on these bytes before (a
+    slow member still reading a dropped collective's slot in this member's memory); before the
+    barrier, so that no member's first call runs before every member set its words. (A member
+    writes only its own workspace: the others read it after its publish.) On GPUs a member's
+    earlier kernels may still run when it enters the agreement: an earlier owner given back with
+    ``close()`` waited for the device first; one only dropped did not.
+    """
+    buf.tensor(ws.headers, (L.INPUT - L.HEADERS,), torch.uint8).zero_()
+    agreement.barrier(buf.group)
+
+
 def arguments(max_numel: int, dtype: torch.dtype, algorithm: str | None, offset: int, channel: int) -> dict:
     """The arguments a view's members must pass alike, by the names the messages give them."""
     return {

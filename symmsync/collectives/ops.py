@@ -13,7 +13,7 @@ import torch
 
 from .. import backends
 from ..backends import mode
-from ..checks import int_problem, number_problem, require
+from ..checks import int_problem, number_problem, require, tensor_problem
 from ..core import agreement
 from ..core.failure import Stall, used_after_abort
 from ..core.fence import Fence
@@ -43,10 +43,14 @@ makes there and its checked call runs (registered by :mod:`.spanning`, which bui
 steps from the classes of this module, so this module names it not)."""
 MAX_HIDDEN = 16384
 """The longest row (``x.shape[-1]``) the fused epilogue takes: one program holds a row."""
-NO_GRAD = (
-    "{name} requires grad and grad mode is on, but the collectives have no autograd formula (a backward "
-    "would get no gradient through them): call them under torch.no_grad() or torch.inference_mode()"
-)
+_NO_GRAD = "the collectives have"  # no autograd formula (symmsync.checks.tensor_problem words it)
+# Why a fused call's tensor has the shape it must have, in its refusal.
+_SHAPE_NOTES = {
+    "residual": " (x's)",
+    "norm_weight": " (x.shape[-1:])",
+    "residual_out": " (x's)",
+    "out": " (x's)",
+}
 
 
 class _Collective:
@@ -68,6 +72,8 @@ class _Collective:
     ):
         backends.refuse_compiling(self._NAME)
         self._over = None
+        self._closed = False
+        self._claims: tuple[int, ...] = ()  # its claims on the buffer's bytes (core/regions.py)
         if isinstance(view, PeerView) and not view.nodes.single:  # a layout every member sees alike
             self._init_over_nodes(view, max_numel, dtype, algorithm, offset, channel, timeout_s)
             return
@@ -84,7 +90,8 @@ class _Collective:
             problem, error = buf.regions.problem(region), ConfigError
         mine = making.arguments(max_numel, dtype, algorithm, offset, channel)
         self._keep(view, max_numel, dtype, making.agree(self._NAME, view, mine, problem, error))
-        buf.regions.claim(region, self)
+        self._claims = (buf.regions.claim(region, self),)
+        making.set_protocol_words(buf, ws)
         self.fence = fence
         """The :class:`~symmsync.Fence` whose channel the collective synchronizes on (``None`` over a view
         that spans nodes: its node steps have theirs)."""
@@ -178,12 +185,13 @@ class _Collective:
 
         Raises:
             ConfigError: ``numel`` or ``dtype`` is not one the collective takes.
-            ClosedError: the buffer is closed.
+            ClosedError: the buffer or the collective is closed.
         """
         dtype = self.dtype if dtype is None else dtype
         call = f"{self._NAME}.input"
-        if self._buffer.closed:
-            raise ClosedError(f"rank {self.rank}: {call}: used after its buffer was closed")
+        if self._buffer.closed or self._closed:
+            what = "close()" if self._closed else "its buffer was closed"
+            raise ClosedError(f"rank {self.rank}: {call}: used after {what}")
         if dtype not in self._limits:
             require(f"dtype must be one of {', '.join(map(str, L.DTYPES))}, got {dtype!r}", rank=self.rank, call=call)
         require(int_problem("numel", numel, minimum=0, maximum=self._limits[dtype]), rank=self.rank, call=call)
@@ -229,6 +237,51 @@ class _Collective:
             )
         self._failure.settle(self, self._recorded_error, stall=stall)
 
+    def close(self) -> None:
+        """Release the collective on every member at once (collective over the buffer's group, as
+        its construction: every rank closes its objects in the same order).
+
+        Every member's calls on it are over first (GPUs: the device is synchronized; then a
+        barrier over the group), then its claim on its workspace's bytes goes, on every member:
+        a new object of any layout (another dtype, another operation, the writer, a dispatcher,
+        a user's claim) may be made at the same bytes at once, and no member's new owner can
+        overwrite a slot a slow member still reads. Its calls (and :meth:`input`) raise
+        :class:`~symmsync.ClosedError` from then on, launching nothing; its view, fence channel
+        and the other objects on the view are untouched. Idempotent. ``with AllReduce(...) as
+        ar:`` closes it at the block's end (left by an exception: on this rank only, with no
+        barrier, since the other members may not have raised). An object dropped without
+        ``close()`` still releases its bytes when it is collected (on each rank when its
+        garbage goes; the next construction over them collects first).
+
+        Raises:
+            BackendError: a member died or left before the barrier (the claim goes all the same).
+        """
+        self._close(together=True)
+
+    def _close(self, together: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._over is not None:  # its node steps hold the bytes, and close alike on every rank
+                for step in self._over.steps:
+                    step._close(together)
+            else:
+                agreement.release_together(self._buffer, self._claims, together=together)
+        finally:
+            self.release_tables()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
+
+    def __enter__(self) -> _Collective:
+        return self
+
+    def __exit__(self, kind: Any, err: Any, tb: Any) -> None:
+        self._close(together=kind is None)
+
     # ------------------------------------------------------------------ a call
     def _traced(self, op: Any, args: tuple, out: Any, *after: Any, half: bool = False) -> Any:
         """A call ``torch.compile`` traces: ``op(*args, self.handle, *after)`` (:mod:`symmsync.ops.collectives`), which
@@ -251,10 +304,10 @@ class _Collective:
         # The hot path of an eager call and of the op's body: a few comparisons, one launch
         # (which repacks nothing when the tensors are those of the last call of this variant).
         # A closed buffer's views are never clean (close() aborts them first).
+        if self._closed or not self._failure.clean:
+            self._check_usable()
         if self._over is not None:  # over nodes: the form's steps
             return self._over.launch(x, out, numel, algorithm, count, epilogue)
-        if not self._failure.clean:
-            self._check_usable()
         count = numel if count < 0 else count  # the kernel's element count (the reduce-scatter's chunk)
         if epilogue is None:
             row = 0
@@ -320,19 +373,19 @@ class _Collective:
         of :meth:`_out_numel` elements. Whether the members' calls agree is the kernel's check
         (their headers; :mod:`.mismatch` words its error).
         """
-        if type(x) is not torch.Tensor:
-            return f"x must be a torch.Tensor, got {type(x).__name__}"
-        limit = self._limits.get(x.dtype)
-        if limit is None:
-            return f"x must be float32, bfloat16 or float16, got {x.dtype}"
-        dev = x.get_device()  # -1 for CPU and for meta tensors: a tensor without memory never launches
-        if dev != self._device_index or (dev < 0 and not x.is_cpu):
-            return f"x is on {x.device}, the collective's memory on {self._buffer.device}"
-        if not x.is_contiguous():
-            return "x must be contiguous (call .contiguous())"
-        if x.requires_grad and torch.is_grad_enabled():
-            return NO_GRAD.format(name="x")
+        dev = self._device_index
+        # The common case in one expression (it runs on every call); a sentence only for a problem.
+        if not (
+            isinstance(x, torch.Tensor)
+            and x.dtype in self._limits
+            and x.get_device() == dev
+            and (dev >= 0 or x.is_cpu)
+            and x.is_contiguous()
+            and not (x.requires_grad and torch.is_grad_enabled())
+        ):
+            return self._tensor_problem("x", x, dtype=tuple(self._limits))
         numel = x.numel()
+        limit = self._limits[x.dtype]
         if numel > limit:
             return (
                 f"x has {numel} elements, more than the {limit} {x.dtype} elements the workspace holds "
@@ -342,22 +395,13 @@ class _Collective:
             return f"x has {numel} elements, not a multiple of the view's {self.size} members"
         if out is None:
             return None
-        if type(out) is not torch.Tensor:
-            return f"out must be a torch.Tensor, got {type(out).__name__}"
-        want = self._out_numel(numel)
-        if (
-            out.dtype is not x.dtype
-            or out.numel() != want
-            or not out.is_contiguous()
-            or out.get_device() != dev
-            or not (out.is_cuda or out.is_cpu)
-        ):
-            return (
-                f"out must be a contiguous {x.dtype} tensor of {want} elements on {x.device}, got "
-                f"{out.dtype} of {out.numel()} elements on {out.device}"
-                + ("" if out.is_contiguous() else ", not contiguous")
-            )
-        return None
+        return self._tensor_problem("out", out, dtype=x.dtype, numel=self._out_numel(numel))
+
+    def _tensor_problem(self, name: str, t: Any, **want: Any) -> str | None:
+        """What is wrong with the tensor argument ``name`` of a call (:func:`symmsync.checks.tensor_problem`,
+        the rule of every consumer), or ``None``."""
+        memory = f"the collective's memory on {self._buffer.device}"
+        return tensor_problem(name, t, device_index=self._device_index, memory=memory, no_grad=_NO_GRAD, **want)
 
     def _out_numel(self, numel: int) -> int:
         """The elements of a call's output for ``numel`` input elements (the all-reduce's: as many)."""
@@ -384,7 +428,7 @@ class _Collective:
         rank never makes. ``err`` is recorded first: the abort then fails the view's other waiters,
         not this collective, whose own error stays the first failure."""
         self._failure.fail(self, err)
-        self._failure.abort_quietly(reason or f"{self._NAME}: {type(err).__name__}: {err}")
+        self._failure.abort_quietly(reason or f"{self._NAME}: {type(err).__name__}: {err}", cause=err)
 
     # ------------------------------------------------------------------ failures
     def _check_usable(self) -> None:
@@ -394,6 +438,10 @@ class _Collective:
         so that the members raise :class:`~symmsync.PeerAborted` instead of waiting for it."""
         if self._buffer.closed:
             raise ClosedError(f"rank {self.rank}: {self._NAME}: used after its buffer was closed")
+        if self._closed:
+            raise ClosedError(
+                f"rank {self.rank}: {self._NAME} (view {list(self.view.ranks)}) used after close(): make a new one"
+            )
         # Its own failure first: the first failed call's error, raised again by every later call
         # (an abort of the view that this failure caused fails the fence too, with another error).
         self._failure.check(self)
@@ -592,14 +640,15 @@ class AllReduce(_Collective):
         if (
             out is None
             and res_out is None
-            and type(residual) is torch.Tensor
-            and type(weight) is torch.Tensor
+            and isinstance(residual, torch.Tensor)
+            and isinstance(weight, torch.Tensor)
             and residual.dtype is dt
             and weight.dtype is dt
             and residual.shape == shape
             and weight.shape == shape[-1:]
             and residual.get_device() == dev
             and weight.get_device() == dev
+            and (dev >= 0 or (residual.is_cpu and weight.is_cpu))  # get_device() is -1 for meta tensors too
             and residual.is_contiguous()
             and weight.is_contiguous()
             and type(eps) is float
@@ -615,14 +664,9 @@ class AllReduce(_Collective):
         ):
             if t is None and name in ("residual_out", "out"):
                 continue
-            if type(t) is not torch.Tensor or t.dtype is not dt or tuple(t.shape) != want:
-                return f"{name} must be a {dt} tensor of shape {want}, got " + (
-                    f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                )
-            if t.get_device() != dev or not t.is_contiguous():
-                return f"{name} must be contiguous, on {self._buffer.device}"
-            if t.requires_grad and torch.is_grad_enabled():
-                return NO_GRAD.format(name=name)
+            bad = self._tensor_problem(name, t, dtype=dt, shape=want, shape_note=_SHAPE_NOTES[name])
+            if bad is not None:
+                return bad
         return number_problem("eps", eps)
 
 

@@ -53,6 +53,36 @@ def barrier(group: Any) -> None:
         raise _lost_peer(group, e) from e
 
 
+def release_together(buf: Any, keys: Sequence[int], *, together: bool = True) -> None:
+    """A consumer's ``close()``: give back its claims on ``buf`` (keys of ``buf.regions``) on every
+    member at once (collective over the buffer's group, as the consumer's construction).
+
+    Every member's calls on the bytes are over before any member's claim goes: this rank's
+    device work first (GPUs: the device is synchronized; a device that a trap left unusable is
+    passed over), then a barrier over the group. Once it returns, a new owner of the bytes on
+    any member (a consumer of any layout, a user's claim, a plain store) cannot overwrite what a
+    slow member still reads. The claims go even when the barrier fails (a member died: its
+    :class:`~symmsync.BackendError` is raised after).
+
+    Args:
+        buf: the consumer's buffer (closed already: the claims go with no barrier).
+        keys: what :meth:`~symmsync.core.regions.Regions.claim` returned for the consumer's claims.
+        together: False gives the claims back on this rank only, with no barrier (a ``with``
+            block left by an exception, which the other members may not have raised).
+    """
+    try:
+        if together and not buf.closed:
+            if buf.capabilities.streams:
+                try:
+                    torch.cuda.synchronize(buf.device)
+                except RuntimeError as e:  # a trapped context: its kernels run no more
+                    logging.getLogger("symmsync").warning("close(): the device could not be synchronized: %s", e)
+            barrier(buf.group)
+    finally:
+        for key in keys:
+            buf.regions.release(key)
+
+
 def _lost_peer(group: Any, e: Exception) -> BackendError:
     return BackendError(
         f"rank {dist.get_rank(group)}: an exchange with the other ranks of the group failed: a rank "

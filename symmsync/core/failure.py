@@ -243,7 +243,8 @@ class ViewFailure:
         if entry.error is None:
             return
         if operation and self._reason is None:
-            self.abort_quietly(f"rank {self._view.rank}: {type(entry.error).__name__} on {entry.where}")
+            err = entry.error
+            self.abort_quietly(f"rank {self._view.rank}: {type(err).__name__} on {entry.where}", cause=err)
         raise entry.error
 
     def settle(
@@ -301,11 +302,19 @@ class ViewFailure:
                 release()
 
     # ------------------------------------------------------------------ abort
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, cause: Exception | None = None) -> None:
         """Abort the view: fail every waiter, then mark this rank's abort flag at every member.
 
         Idempotent: only the first reason counts, and after ``close()`` (which aborted the
         view with ``"closed"``) it does nothing. :meth:`~symmsync.PeerView.abort` gives the contract.
+
+        Args:
+            reason: why, as this rank's own errors say it.
+            cause: the error that made this rank give up, if any. When it is a
+                :class:`~symmsync.PeerAborted` naming another member (this rank saw that
+                member's abort), this abort only relays it: the members read the origin's rank
+                and reason in this rank's cell (:data:`symmsync.language.cells.REASON_RELAYED`),
+                so that every member's error names the origin, whichever flag its wait saw first.
 
         Raises:
             ClosedError: the buffer was closed without aborting the view first.
@@ -316,15 +325,19 @@ class ViewFailure:
         if view.buffer.closed:
             raise ClosedError(f"rank {view.rank}: PeerView.abort used after its buffer was closed")
         self._set(reason)
-        self._mark(cells.REASON_CLOSED if reason == CLOSED_REASON else cells.REASON_ERROR, reason)
+        origin = _origin(cause, view.rank)
+        if origin is not None:
+            self._mark(cells.REASON_RELAYED + origin[0], origin[1])
+        else:
+            self._mark(cells.REASON_CLOSED if reason == CLOSED_REASON else cells.REASON_ERROR, reason)
 
-    def abort_quietly(self, reason: str) -> None:
+    def abort_quietly(self, reason: str, cause: Exception | None = None) -> None:
         """:meth:`abort`, for an error path or ``close()``: the flags are a courtesy to the
         members, and a failure to send them (a CUDA context that a trap made unusable) must
         not hide the error being raised; the view is aborted here all the same, and the
         members fall back to their budget."""
         try:
-            self.abort(reason)
+            self.abort(reason, cause)
         except Exception:  # noqa: BLE001
             if self._reason is None:
                 self._set(reason)
@@ -382,6 +395,14 @@ class ViewFailure:
                     )
         except Exception:  # noqa: BLE001 - an optimization only: the abort compiles when it runs
             pass
+
+
+def _origin(cause: Exception | None, rank: int) -> tuple[int, str] | None:
+    """``(origin's global rank, its reason)`` when ``cause`` is a :class:`~symmsync.PeerAborted`
+    naming a member other than ``rank`` (whose abort this rank relays), else ``None``."""
+    if not isinstance(cause, PeerAborted):
+        return None
+    return next(((r, why) for r, why in cause.aborted.items() if r != rank), None)
 
 
 @triton.jit

@@ -332,39 +332,66 @@ class Fence:
         late: dict[int, int] = {}
         aborted: dict[int, str] = {}
         counts: dict[int, int] = {}
+        # The recorded reason may be a relay: the member whose flag the wait saw first gave up
+        # after another member's abort, and its cell names that origin (cells.REASON_RELAYED).
+        first_why = cells.decode_reason(rec.reason, closed=CLOSED_REASON)
+        origin = cells.reason_origin(rec.reason)
+        relayed_by = None
         for i, slot in enumerate(rec.slots):
             count = slot & cells.COUNT_MASK
             if i == me or count >= epoch:
                 continue  # arrived: its data is valid even if it aborted afterwards
             counts[ranks[i]] = count
-            if slot < 0:  # the abort flag
-                aborted[ranks[i]] = (
-                    cells.decode_reason(rec.reason, closed=CLOSED_REASON)
-                    if i == rec.aborter
-                    else "(aborted too; its reason was not recorded)"
-                )
+            if slot < 0 and i == rec.aborter and origin is not None and origin != ranks[i]:
+                relayed_by = ranks[i]  # named below as the relay of the origin's abort
+            elif slot < 0:  # the abort flag
+                aborted[ranks[i]] = first_why if i == rec.aborter else "(aborted too; its reason was not recorded)"
             else:
                 late[ranks[i]] = count
+        if relayed_by is not None:
+            aborted.pop(origin, None)
+            aborted = {origin: first_why, **aborted}
         where = f"rank {ranks[me]}: fence on view {list(ranks)} channel {self.channel}"
         parts = []
         for r, why in aborted.items():
+            slot = f"its slot holds epoch {counts[r]}" if r in counts else "it had arrived"
+            if r == origin and relayed_by is not None:
+                slot = f"{slot}; relayed by rank {relayed_by}, whose slot holds epoch {counts[relayed_by]}"
             if why == CLOSED_REASON:
-                parts.append(f"rank {r} closed its buffer (its slot holds epoch {counts[r]})")
+                parts.append(f"rank {r} closed its buffer ({slot})")
             else:
-                parts.append(f"rank {r} aborted (its slot holds epoch {counts[r]}): {why}")
+                parts.append(f"rank {r} aborted ({slot}): {why}")
         if late:
             who = ", ".join(f"rank {r} (its slot holds epoch {v})" for r, v in late.items())
-            parts.append(f"not arrived, neither closed nor aborted: {who}")
+            parts.append(f"not published, neither closed nor aborted: {who}")
         if aborted:
             msg = (
                 f"{where} gave up waiting for epoch {epoch}: " + "; ".join(parts) + ". Those ranks stopped before "
                 "this fence (see their logs for the cause); nothing after it ran."
             )
             return PeerAborted(msg, rank=ranks[me], epoch=epoch, late=late, channel=self.channel, aborted=aborted)
+        own = rec.slots[me] & cells.COUNT_MASK if 0 <= me < len(rec.slots) else epoch
+        if own < epoch:
+            # This rank's own launch reached the wait without publishing: the cause is in the launch
+            # (a counter of its arrivals), not in an absent member, and the members may be alike.
+            cause = (
+                f"this rank did not publish epoch {epoch} itself (its epoch counter holds {own}): its launch "
+                "reached the wait without publishing, so the launch's own arrivals are at fault (an arrival "
+                "counter holding bits that are not this launch's, or programs of the launch not all resident), "
+                "and the ranks named may be in the same state"
+            )
+            parts.insert(0, cause)
+            tail = ". A rank named has not published this epoch either: it did not arrive, or its launch did not publish"
+        else:
+            tail = (
+                ". Those ranks have not published this epoch: they did not reach this fence (crashed, hung, or took "
+                "another path), or reached it and did not publish"
+            )
         msg = (
             f"{where} timed out after {self.timeout_s:g} s waiting for epoch {epoch}; "
             + ("; ".join(parts) or "no member was missing when the record was written")
-            + ". Those ranks never reached this fence (crashed, hung, or took another path); nothing after it ran."
+            + tail
+            + "; nothing after it ran."
         )
         return FenceTimeout(msg, rank=ranks[me], epoch=epoch, late=late, channel=self.channel)
 

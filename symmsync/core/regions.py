@@ -8,7 +8,10 @@ that allows two claims to share bytes is one: they are the same range with the s
 *share key*, which a consumer gives only where sharing is the same as one object's
 calls (collectives of one layout on one view and fence channel; writers of one cache
 layout on one view). Signals and fences take none of these bytes: signals have an
-allocation of their own, a fence its channel's cell.
+allocation of their own, a fence its channel's cell. A consumer's ``close()`` gives its
+claims back on every member at once, after every member's calls are over
+(:func:`symmsync.core.agreement.release_together`); a consumer dropped without it gives
+them back when it is collected.
 
 :func:`carve` gives the offsets to claim, aligned, from the sizing helpers' byte
 counts, in place of hand arithmetic::

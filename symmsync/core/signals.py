@@ -367,6 +367,10 @@ class Signals:
             who = ranks[rec.aborter]
             why = cells.decode_reason(rec.reason, closed=CLOSED_REASON)
             what = "closed its buffer" if why == CLOSED_REASON else f"aborted: {why}"
+            origin = cells.reason_origin(rec.reason)
+            if origin is not None and origin != who:  # that member only relayed the origin's abort
+                what += f" (relayed by rank {who})"
+                who = origin
             msg = (
                 f"{where} gave up waiting for {want}: rank {who} {what}; the slot holds {rec.observed}. "
                 "Nothing after the wait ran (see that rank's log for the cause)."

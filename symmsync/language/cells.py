@@ -16,7 +16,9 @@ A cell (the same byte offset in every member's memory, one per view and channel;
                                               this rank's abort reason: code, text length,
                                               then REASON_TEXT_BYTES of UTF-8 (14 words,
                                               96 bytes of text; written once, before its
-                                              abort flags)
+                                              abort flags). Code CLOSED, ERROR, or
+                                              RELAYED + r: it gave up on rank r's abort,
+                                              and the text is r's reason
     cell + SLOTS      (128)  int64 slot[n]    slot j: how many times member j published to
                                               this rank (its epoch, bits 0..62), bit 63
                                               (ABORT_FLAG) set once member j aborted
@@ -71,6 +73,11 @@ REASON_WORDS = 14
 REASON_TEXT_BYTES = 8 * (REASON_WORDS - 2)
 #: Reason codes (word 0 of a reason): the member closed its buffer; it failed (any other cause).
 REASON_CLOSED, REASON_ERROR = 1, 2
+#: Reason codes at or past it relay another member's abort: ``REASON_RELAYED + r`` is written by a
+#: member that gave up on the view because it saw global rank ``r``'s abort, and its text is ``r``'s
+#: reason as that member read it. A reader names ``r`` and that reason, never the relaying member
+#: (which of several flagged members a wait reads is a race: the origin's news must not depend on it).
+REASON_RELAYED = 1 << 16
 
 #: The epoch ``close()`` stores in each of this rank's cells (``symmsync.core.memory.close_cells``):
 #: a fence wait for an epoch at or past it is a wait through arguments kept past close, and
@@ -147,14 +154,22 @@ def encode_reason(code: int, text: str) -> list[int]:
 
 
 def decode_reason(words: list[int], closed: str = "closed") -> str:
-    """The reason text of :func:`encode_reason`'s words (``closed`` for a closed buffer)."""
+    """The reason text of :func:`encode_reason`'s words (``closed`` for a closed buffer); for a
+    relay (:data:`REASON_RELAYED`), the origin's reason (:func:`reason_origin` names the origin)."""
     code, n = words[0], words[1]
     if code == REASON_CLOSED:
         return closed
-    if code != REASON_ERROR or not 0 <= n <= REASON_TEXT_BYTES:
+    if code not in (REASON_ERROR, REASON_CLOSED) and code < REASON_RELAYED or not 0 <= n <= REASON_TEXT_BYTES:
         return f"(no reason recorded: code {code})"
     raw = b"".join(w.to_bytes(8, "little", signed=True) for w in words[2:REASON_WORDS])
-    return raw[:n].decode("utf-8", "replace") or "(no reason given)"
+    text = raw[:n].decode("utf-8", "replace") or "(no reason given)"
+    return closed if code >= REASON_RELAYED and text == "closed" else text
+
+
+def reason_origin(words: list[int]) -> int | None:
+    """The global rank whose abort the reason ``words`` relay (:data:`REASON_RELAYED`), or ``None``
+    for a member's own reason."""
+    return words[0] - REASON_RELAYED if words[0] >= REASON_RELAYED else None
 
 
 # ---------------------------------------------------------------------- point-to-point signals

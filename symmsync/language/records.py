@@ -12,7 +12,8 @@ Fence record (:func:`write_timeout_record`; :func:`read_fence_record`, used by
     [flag, epoch, index, size, slot[0], ..., slot[size - 1], aborter, reason[REASON_WORDS]]
       flag      TIMED_OUT, or ABORTED when a member below the epoch carries its abort flag
       epoch     the epoch waited for;  index: the waiting member's index;  size: the view's
-      slot[j]   member j's raw slot (count | ABORT_FLAG); the waiter's own holds the epoch
+      slot[j]   member j's raw slot (count | ABORT_FLAG); the waiter's own holds its own epoch
+                counter when the wait gave up (below the epoch: this rank never published it)
       aborter   the first aborted member below the epoch, or -1;  reason: its reason words
 
 Signal record (:func:`write_signal_record`; :func:`read_signal_record`, used by
@@ -70,6 +71,7 @@ from .core import (
     FIRST_FLAGGED,
     REASON,
     _prims,
+    epoch_ptr,
     program_index,
     scan_members,
     slots_ptr,
@@ -235,7 +237,9 @@ def write_timeout_record(record, ptrs, cell, me, epoch, SIZE: tl.constexpr):
     ``flag`` is :data:`ABORTED` when a member below ``epoch`` carries the abort flag (then
     ``aborter`` is the first such member's index and ``reason`` the words of its own cell's
     reason, read through the pointer table), else :data:`TIMED_OUT` (``aborter`` is -1).
-    Slots are raw: count and flag. The flag goes last (:func:`finish_record`, no trap:
+    Slots are raw: count and flag; this rank's own holds its own epoch counter, so that a
+    reader can tell a wait that gave up on members from one whose own launch never published
+    the epoch it waits for. The flag goes last (:func:`finish_record`, no trap:
     :func:`~symmsync.language.wait_or_trap` traps after it). The host turns the record into a
     :class:`~symmsync.FenceTimeout` (or :class:`~symmsync.PeerAborted`) that names the
     late or aborted members. A wait for an epoch at or past ``CLOSED_EPOCH`` (through
@@ -244,6 +248,7 @@ def write_timeout_record(record, ptrs, cell, me, epoch, SIZE: tl.constexpr):
     """
     rec = _words(record)
     first, _unused = scan_members(slots_ptr(ptrs, cell, me), me, epoch, rec + _FENCE_SLOTS, SIZE, FIRST_BEHIND)
+    tl.store(rec + _FENCE_SLOTS + me, tl.load(epoch_ptr(ptrs, cell, me)))  # this rank's own count
     first = tl.where(tl.full((), 0, tl.int64) + epoch >= _CLOSED_EPOCH, me, first)  # int64: see _wait
     found = _copy_reason(rec + _FENCE_REASON + SIZE, ptrs, cell, first, me, SIZE)
     tl.store(rec + _FENCE_ABORTER + SIZE, tl.where(found, first, -1))

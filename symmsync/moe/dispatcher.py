@@ -14,7 +14,7 @@ import torch
 
 from .. import backends
 from ..backends import mode
-from ..checks import int_problem
+from ..checks import int_problem, tensor_problem
 from ..core import agreement
 from ..core.failure import used_after_abort
 from ..core.nodes import spanning_problem
@@ -29,10 +29,7 @@ from . import layout as L
 
 #: The most entries per token (``top_k``) a dispatcher takes.
 MAX_TOP_K = 32
-_NO_GRAD = (
-    "{name} requires grad and grad mode is on, but dispatch and combine have no autograd formula: "
-    "call them under torch.no_grad() or torch.inference_mode()"
-)
+_NO_GRAD = "dispatch and combine have"  # no autograd formula (symmsync.checks.tensor_problem words it)
 
 
 class Handle(NamedTuple):
@@ -160,7 +157,8 @@ class Dispatcher:
         agreement.agree(
             buf.group, call, mine, problem=problem, error=error, same=dict.fromkeys(mine, alike), device=buf.device
         )
-        buf.regions.claim(region, self)
+        self._claims = (buf.regions.claim(region, self),)
+        self._closed = False
         self.sigs = Signals(view, slots=protocol.SLOTS, timeout_s=timeout_s)
         """The :class:`~symmsync.Signals` object the steps signal and wait on (slot 0: dispatches, 1: combines)."""
         self.view = view
@@ -204,18 +202,12 @@ class Dispatcher:
         return self._buffer.rank
 
     def _tensor_problem(self, name: str, t: Any, dtype: Any, shape: tuple) -> str | None:
-        if type(t) is not torch.Tensor:
-            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
-        if t.dtype is not dtype or tuple(t.shape) != shape:
-            return f"{name} must be a {dtype} tensor of shape {shape}, got {t.dtype} {tuple(t.shape)}"
-        dev = t.get_device()
-        if dev != self._device_index or (dev < 0 and not t.is_cpu):
-            return f"{name} is on {t.device}, the dispatcher's memory on {self._device}"
-        if not t.is_contiguous():
-            return f"{name} must be contiguous (call .contiguous())"
-        if t.requires_grad and torch.is_grad_enabled():
-            return _NO_GRAD.format(name=name)
-        return None
+        """What is wrong with the tensor argument ``name`` of a call (:func:`symmsync.checks.tensor_problem`,
+        the rule of every consumer), or ``None``."""
+        memory = f"the dispatcher's memory on {self._device}"
+        return tensor_problem(
+            name, t, dtype=dtype, shape=shape, device_index=self._device_index, memory=memory, no_grad=_NO_GRAD
+        )
 
     def _routing_problem(self, topk_idx: Any, tokens: int) -> str | None:
         """What is wrong with ``topk_idx`` for ``tokens`` tokens: its type and shape, then its values
@@ -239,7 +231,7 @@ class Dispatcher:
     def _dispatch_problem(self, x: Any, topk_idx: Any) -> str | None:
         """What is wrong with a dispatch's arguments on this member, or ``None``: the one statement
         of a valid dispatch (:meth:`accepts` asks it too)."""
-        if type(x) is not torch.Tensor:
+        if not isinstance(x, torch.Tensor):
             return f"x must be a torch.Tensor, got {type(x).__name__}"
         if x.dim() != 2 or x.shape[1] != self.hidden:
             return f"x must be [tokens, hidden={self.hidden}], got {tuple(x.shape)}"
@@ -255,7 +247,7 @@ class Dispatcher:
 
     def _combine_problem(self, expert_out: Any, topk_weights: Any, handle: Any) -> str | None:
         """What is wrong with a combine's arguments on this member, or ``None``."""
-        if not isinstance(handle, Handle) or not all(type(t) is torch.Tensor for t in handle):
+        if not isinstance(handle, Handle) or not all(isinstance(t, torch.Tensor) for t in handle):
             return f"handle must be the Handle this dispatcher's dispatch returned, got {type(handle).__name__}"
         rows = self.size * self.max_tokens
         want = (self.local_experts, rows)
@@ -441,6 +433,8 @@ class Dispatcher:
     def _check_usable(self) -> None:
         if self._buffer.closed:
             raise ClosedError(f"rank {self.rank}: moe.Dispatcher used after its buffer was closed")
+        if self._closed:
+            raise ClosedError(f"rank {self.rank}: moe.Dispatcher (view {list(self.view.ranks)}) used after close()")
         if self._error is not None:
             raise self._error
         reason = self.view.aborted
@@ -459,11 +453,42 @@ class Dispatcher:
         if self._error is None:
             self._error = err
         if self.view.aborted is None:
-            self.view.abort(reason or f"moe.Dispatcher: {type(err).__name__}: {err}"[:200])
+            self.view.failure.abort(reason or f"moe.Dispatcher: {type(err).__name__}: {err}"[:200], cause=err)
 
     def close(self) -> None:
-        """Release the dispatcher's signal memory on this rank (idempotent; needs no other rank)."""
-        self.sigs.close()
+        """Release the dispatcher on every member at once (collective over the buffer's group, as its
+        construction): every member's steps are over first (GPUs: the device is synchronized;
+        then a barrier over the group), then its claim on its workspace's bytes goes on every
+        member, so that a new owner of any layout may be made there at once, and its signal
+        memory is released. Its calls raise :class:`~symmsync.ClosedError` from then on; its view
+        is untouched. Idempotent. ``with moe.Dispatcher(...) as disp:`` closes it at the block's
+        end (left by an exception: on this rank only, with no barrier). Dropped without
+        ``close()``, it still releases its bytes when it is collected.
+
+        Raises:
+            BackendError: a member died or left before the barrier (the claim goes all the same).
+        """
+        self._close(together=True)
+
+    def _close(self, together: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            agreement.release_together(self._buffer, self._claims, together=together)
+        finally:
+            self.sigs.close()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
+
+    def __enter__(self) -> Dispatcher:
+        return self
+
+    def __exit__(self, kind: Any, err: Any, tb: Any) -> None:
+        self._close(together=kind is None)
 
     def __repr__(self) -> str:
         return (

@@ -42,7 +42,7 @@ import triton
 
 from .. import backends
 from ..backends import mode
-from ..checks import int_problem, is_int, require
+from ..checks import int_problem, is_int, require, tensor_problem
 from ..core import agreement
 from ..core.fence import Fence
 from ..core.launch import BoundLaunch, Launcher
@@ -225,8 +225,8 @@ class DirectKVWriter:
                 ),
             },
         )
-        for region in claims:
-            buf.regions.claim(region, self)
+        self._claims = tuple(buf.regions.claim(region, self) for region in claims)
+        self._closed = False
         #: Across nodes, the members of the view on this rank's node (:attr:`fence`'s view); else ``None``.
         self.node_view = None
         offnode = None
@@ -301,6 +301,46 @@ class DirectKVWriter:
         self._spans: list[torch.Tensor] | None = None  # made once every block is mapped (prepare)
         self._last_batch: weakref.ReferenceType | None = None  # weak: a batch refers to its writer
 
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Release the writer on every member at once (collective over the buffer's group, as its
+        construction): every member's writes are over first (GPUs: the device is synchronized;
+        then a barrier over the group), then its claims on the caches' bytes go on every member,
+        so that a new owner of any layout may be made there at once. Its calls raise
+        :class:`~symmsync.ClosedError` from then on; its view and fence channel are untouched.
+        Idempotent. ``with DirectKVWriter(...) as writer:`` closes it at the block's end (left by
+        an exception: on this rank only, with no barrier). Dropped without ``close()``, it still
+        releases its bytes when it is collected.
+
+        Raises:
+            BackendError: a member died or left before the barrier (the claims go all the same).
+        """
+        self._close(together=True)
+
+    def _close(self, together: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._spans = None
+        agreement.release_together(self.buffer, self._claims, together=together)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
+
+    def __enter__(self) -> DirectKVWriter:
+        return self
+
+    def __exit__(self, kind: Any, err: Any, tb: Any) -> None:
+        self._close(together=kind is None)
+
+    def _check_not_closed(self, call: str) -> None:
+        if self._closed:
+            raise ClosedError(
+                f"rank {self.buffer.rank}: {call}: the writer (view {list(self.view.ranks)}) was closed: make a new one"
+            )
+
     # ------------------------------------------------------------------ per batch
     def prepare(self, slot_mapping: torch.Tensor) -> Batch:
         """Validate this rank's slot mapping (collective over the buffer's group).
@@ -314,6 +354,7 @@ class DirectKVWriter:
         buf = self.buffer
         call = "DirectKVWriter.prepare"
         backends.refuse_compiling(call)
+        self._check_not_closed(call)
         problem = None
         slots = None
         if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
@@ -479,6 +520,8 @@ class DirectKVWriter:
 
     def _write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, indexer_k: torch.Tensor, batch: Batch) -> None:
         """The checked write: what :meth:`write` and its ops (:mod:`symmsync.ops.kv`) run."""
+        if self._closed:
+            self._check_not_closed("DirectKVWriter.write")
         if self.offnode is not None:  # before anything is written or aborted
             self.offnode.refuse_capture(self.buffer.device, "DirectKVWriter.write")
         bad = self._input_problem(layer, kv_c, k_pe, indexer_k, batch)
@@ -548,9 +591,9 @@ class DirectKVWriter:
         # The common case in one expression (no call per tensor: this runs per layer). get_device()
         # is -1 for CPU tensors and for meta tensors too: on the host backend, CPU is asked apart.
         if (
-            type(kv_c) is torch.Tensor
-            and type(k_pe) is torch.Tensor
-            and type(indexer_k) is torch.Tensor
+            isinstance(kv_c, torch.Tensor)
+            and isinstance(k_pe, torch.Tensor)
+            and isinstance(indexer_k, torch.Tensor)
             and kv_c.dtype is _BF16
             and k_pe.dtype is _BF16
             and indexer_k.dtype is _BF16
@@ -574,26 +617,19 @@ class DirectKVWriter:
         )
 
     def _tensor_problem(self, name: str, t: torch.Tensor, rows: int, width: int) -> tuple[type[InputError], str] | None:
-        if type(t) is not torch.Tensor:
-            return InputError, f"{name} must be a torch.Tensor, got {type(t).__name__}"
-        if t.dtype is not torch.bfloat16:
-            return InputError, f"{name} must be bfloat16, got {t.dtype}"
-        if t.shape != (rows, width):
-            return InputError, (
-                f"{name} must have shape ({rows}, {width}) to match the batch's slot mapping, got {tuple(t.shape)}"
-            )
-        # get_device() is -1 for CPU tensors and for meta tensors too: a tensor without
-        # memory (neither CUDA nor CPU) never reaches a launch.
-        if t.get_device() != self._device_index or not (t.is_cuda or t.is_cpu):
-            return InputError, f"{name} is on {t.device}, the cache on {self.buffer.device}"
-        if not t.is_contiguous():
-            return InputError, f"{name} must be contiguous (call .contiguous())"
-        if t.requires_grad and torch.is_grad_enabled():
-            return InputError, (
-                f"{name} requires grad and grad mode is on, but write() has no autograd formula: call it under "
-                "torch.no_grad() or torch.inference_mode()"
-            )
-        return None
+        """What is wrong with the tensor argument ``name`` of a write (:func:`symmsync.checks.tensor_problem`,
+        the rule of every consumer) and the error it raises, or ``None``."""
+        bad = tensor_problem(
+            name,
+            t,
+            dtype=torch.bfloat16,
+            shape=(rows, width),
+            shape_note=" to match the batch's slot mapping",
+            device_index=self._device_index,
+            memory=f"the cache on {self.buffer.device}",
+            no_grad="write() has",
+        )
+        return None if bad is None else (InputError, bad)
 
     #: The kernel arguments a layer's call passes the batch's bound launch (by name; the
     #: launcher knows their positions).

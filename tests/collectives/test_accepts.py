@@ -7,11 +7,14 @@ must be False exactly where the call raised ``InputError``, True where it return
 writer's: tests/pcp/test_pcp_accepts.py). Then docs/inside-a-model.md's communicator pattern
 (``ar(x)`` where ``ar.accepts(x)``, the runtime's own path elsewhere), eager and compiled
 with ``fullgraph=True``: the members' sum where the input fits, the fallback's mark where it
-does not, and the fast path still working after them.
+does not, and the fast path still working after them. And docs/inside-a-model.md's
+``DecoderLayer``, whose norm weight is an ``nn.Parameter``: a Parameter is a tensor (eager
+and compiled, under ``no_grad``), its result the torch oracle's; a refusal names what differs.
 """
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import symmsync as ss
 from symmsync import collectives as C
@@ -54,6 +57,23 @@ def _ar_case(name):
             {"residual": torch.zeros_like(rows), "norm_weight": torch.ones(HIDDEN), "algorithm": "two_shot"},
             True,
         ),
+        "x a Parameter, no_grad": ((torch.nn.Parameter(torch.ones(NUMEL)),), {}, False),
+        "x a Parameter, grad mode on": ((torch.nn.Parameter(torch.ones(NUMEL)),), {}, True),
+        "fused, norm_weight a Parameter, no_grad": (
+            (rows,),
+            {"residual": torch.zeros_like(rows), "norm_weight": torch.nn.Parameter(torch.ones(HIDDEN))},
+            False,
+        ),
+        "fused, norm_weight a Parameter, grad mode on": (
+            (rows,),
+            {"residual": torch.zeros_like(rows), "norm_weight": torch.nn.Parameter(torch.ones(HIDDEN))},
+            True,
+        ),
+        "fused, norm_weight a Parameter that needs no grad": (
+            (rows,),
+            {"residual": torch.zeros_like(rows), "norm_weight": torch.nn.Parameter(torch.ones(HIDDEN), False)},
+            True,
+        ),
     }
     return cases[name]
 
@@ -74,7 +94,23 @@ AR_CASES = [
     "fused fits",
     "fused, residual of another shape",
     "fused, two-shot",
+    "x a Parameter, no_grad",
+    "x a Parameter, grad mode on",
+    "fused, norm_weight a Parameter, no_grad",
+    "fused, norm_weight a Parameter, grad mode on",
+    "fused, norm_weight a Parameter that needs no grad",
 ]
+#: The cases a call must take: the rest are refused.
+AR_TAKEN = {
+    "fits",
+    "other dtype, same bytes",
+    "requires grad, no_grad",
+    "out fits",
+    "fused fits",
+    "x a Parameter, no_grad",
+    "fused, norm_weight a Parameter, no_grad",
+    "fused, norm_weight a Parameter that needs no grad",
+}
 
 
 def ask_then_call_all_reduce(names):
@@ -100,8 +136,8 @@ def test_an_all_reduce_accepts_exactly_what_it_does_not_refuse(pool):
         for name, said, got in results:
             assert got in ("returned", "InputError"), (rank, name, got)
             assert said == (got == "returned"), (rank, name, said, got)
-        # the sweep holds both answers
-        assert {said for _, said, _ in results} == {True, False}, results
+        # the calls that must be taken are (a Parameter is a tensor), the others are refused
+        assert {name for name, said, _ in results if said} == AR_TAKEN, results
 
 
 def ask_then_call_gather_and_scatter():
@@ -178,3 +214,109 @@ def test_the_communicator_pattern_takes_the_fast_path_exactly_where_it_fits(pool
         for name in ("too many elements", "not contiguous", "int32"):
             x = dict(COMMUNICATOR_INPUTS)[name](rank)
             assert got[name] == [FALLBACK] * x.numel(), (rank, name, got[name])
+
+
+# ---------------------------------------------------------------------- a model's Parameters
+class DecoderLayer(torch.nn.Module):
+    """docs/inside-a-model.md's fragment, whole: its tail's fused call takes the layer's norm
+    weight, an ``nn.Parameter`` (a stand-in projection gives this rank's partial sum)."""
+
+    def __init__(self, ar: C.AllReduce, hidden_size: int, eps: float):
+        super().__init__()
+        self.ar, self.eps = ar, eps
+        self.norm_weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, hidden_size, dtype=torch.bfloat16))
+
+    def forward(self, hidden, residual):
+        partial = hidden * 2.0  # this rank's partial sum: no reduction yet
+        return self.ar(partial, residual=residual, norm_weight=self.norm_weight, eps=self.eps)
+
+
+def decoder_layer(compiled: bool) -> list:
+    """The layer's outputs (normed, new residual) for 3 steps, and the torch oracle's: the members'
+    partial sums gathered by torch.distributed, summed in member order in float32, then the
+    documented epilogue (docs/collectives.md)."""
+    torch._dynamo.reset()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    buf = ss.SymmetricBuffer(C.workspace_bytes(NUMEL, torch.bfloat16, world), backend="host")
+    ar = C.AllReduce(buf.view(list(range(world))), NUMEL, torch.bfloat16, timeout_s=60)
+    layer = DecoderLayer(ar, HIDDEN, 1e-6)
+    call = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
+    out = []
+    with torch.no_grad():
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            hidden = torch.randn(NUMEL // HIDDEN, HIDDEN, generator=g).to(torch.bfloat16)
+            residual = torch.randn(NUMEL // HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(step))
+            residual = residual.to(torch.bfloat16)
+            y, new_residual = call(hidden, residual)
+            partials = [None] * world
+            dist.all_gather_object(partials, hidden * 2.0)
+            acc = partials[0].float()
+            for p in partials[1:]:
+                acc = acc + p.float()
+            want_r = (acc.to(torch.bfloat16).float() + residual.float()).to(torch.bfloat16)
+            h = want_r.float()
+            want_y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * layer.norm_weight.float())
+            out.append(
+                (
+                    torch.equal(new_residual.view(torch.int16), want_r.view(torch.int16)),
+                    float((y.float() - want_y.to(torch.bfloat16).float()).abs().max()),
+                )
+            )
+    buf.close()
+    return out
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_decoder_layer_passes_its_norm_weight_parameter_to_the_fused_call(pool, compiled):
+    for rank, steps in enumerate(pool.call(decoder_layer, compiled)):
+        assert len(steps) == 3, (rank, steps)
+        for step, (residual_exact, y_diff) in enumerate(steps):
+            assert residual_exact, (rank, step, "the new residual differs from the oracle's bits")
+            # The normed output's mean is a tree sum in the kernel, a torch reduction in the oracle.
+            assert y_diff <= 1.6e-2 * 8, (rank, step, y_diff)
+
+
+#: Bad fused calls, each with one property of one tensor wrong, and the words its refusal must hold.
+DIFFERS = {
+    "norm_weight of another dtype": (
+        {"norm_weight": torch.ones(HIDDEN, dtype=torch.float64)},
+        "norm_weight must be torch.float32, got torch.float64",
+    ),
+    "norm_weight of another shape": (
+        {"norm_weight": torch.ones(HIDDEN + 1)},
+        f"norm_weight must have shape ({HIDDEN},) (x.shape[-1:]), got ({HIDDEN + 1},)",
+    ),
+    "norm_weight not contiguous": ({"norm_weight": torch.ones(2 * HIDDEN)[::2]}, "norm_weight must be contiguous"),
+    "norm_weight on meta": ({"norm_weight": torch.ones(HIDDEN, device="meta")}, "norm_weight is on meta"),
+    "residual of another shape": (
+        {"residual": torch.zeros(HIDDEN)},
+        f"residual must have shape ({NUMEL // HIDDEN}, {HIDDEN}) (x's), got ({HIDDEN},)",
+    ),
+    "norm_weight requires grad": (
+        {"norm_weight": torch.nn.Parameter(torch.ones(HIDDEN))},
+        "norm_weight requires grad and grad mode is on",
+    ),
+}
+
+
+def refusals(names) -> dict:
+    out = {}
+    for name in names:
+        kwargs = {"residual": torch.zeros(NUMEL // HIDDEN, HIDDEN), "norm_weight": torch.ones(HIDDEN)}
+        kwargs.update(DIFFERS[name][0])
+        buf = ss.SymmetricBuffer(C.workspace_bytes(NUMEL, torch.float32, 2), backend="host")
+        ar = C.AllReduce(buf.view([0, 1]), NUMEL, torch.float32, timeout_s=60)
+        try:
+            ar(torch.ones(NUMEL // HIDDEN, HIDDEN), **kwargs)
+            out[name] = "returned"
+        except ss.InputError as e:
+            out[name] = str(e)
+        buf.close()
+    return out
+
+
+def test_a_refused_tensor_is_told_what_differs(pool):
+    for rank, said in enumerate(pool.call(refusals, list(DIFFERS))):
+        for name, (_, words) in DIFFERS.items():
+            assert f"rank {rank}: AllReduce: {words}" in said[name], (rank, name, said[name])

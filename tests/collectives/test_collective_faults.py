@@ -7,7 +7,9 @@
 * an abort in the middle of a run of calls reaches every member at once; a member that
   never calls makes the others time out naming it;
 * bad arguments: at construction ``ConfigError`` / ``BoundsError`` on every rank; in a
-  call ``InputError`` on the caller and ``PeerAborted`` naming it on the others.
+  call ``InputError`` on the caller and ``PeerAborted`` naming it on the others;
+* an abort relayed by a member that gave up on it names its origin and reason on every member;
+* a timeout whose own launch did not publish says so, never that members did not come.
 """
 
 import time
@@ -245,7 +247,7 @@ def bad_call(case):
         ("too_many", "x has 1025 elements, more than the 1024 torch.float32 elements the workspace holds"),
         ("not_contiguous", "x must be contiguous"),
         ("not_a_tensor", "x must be a torch.Tensor, got list"),
-        ("out", "out must be a contiguous torch.float32 tensor of 512 elements on cpu, got torch.float32 of 3"),
+        ("out", "out must have 512 elements, got 3 (shape (3,))"),
     ],
 )
 def test_a_bad_call_raises_input_error_on_the_caller_and_peer_aborted_naming_it_on_the_others(case, text, host_ranks):
@@ -277,3 +279,72 @@ def rs_not_divisible():
         return {"type": "InputError", "msg": str(e)}
     finally:
         buf.close()
+
+
+# ---------------------------------------------------------------------- a relayed abort
+def relayed_abort():
+    """World 3, an all-reduce (channel 0) and an all-gather (channel 1) on one view: rank 2 calls the
+    all-reduce with a bad input and aborts the view; rank 0 calls the all-gather, which raises naming
+    rank 2, and calls it again, which aborts the view in turn (a relay: rank 0 never published the
+    all-reduce's epoch); rank 1 calls the all-reduce late, when both flags are there. What each
+    first call raised, and whom it names."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per = C.workspace_bytes(N, torch.float32, world)
+    buf = ss.SymmetricBuffer(2 * per, backend="host")
+    view = buf.view(list(range(world)))
+    ar = C.AllReduce(view, N, torch.float32, "one_shot", timeout_s=20)
+    ag = C.AllGather(view, N, torch.float32, offset=per, channel=1, timeout_s=20)
+    if rank == 1:
+        time.sleep(1.0)  # rank 0's relay has landed by now
+    try:
+        if rank == 0:
+            ag(torch.ones(8))
+        else:
+            ar(torch.ones(8, dtype=torch.int32 if rank == 2 else torch.float32))
+        out = {"type": "returned"}
+    except ss.SymmSyncError as e:
+        out = {"type": type(e).__name__, "msg": str(e), "aborted": getattr(e, "aborted", None)}
+    if rank == 0:
+        with pytest.raises(ss.PeerAborted):
+            ag(torch.ones(8))  # raises its first failure again, and aborts the view: a relay
+    dist.barrier()
+    buf.close()
+    return out
+
+
+def test_a_relayed_abort_names_the_origin_and_its_reason_on_every_member(host_ranks):
+    results = host_ranks(relayed_abort, 3, timeout_s=180)
+    assert results[2]["type"] == "InputError", results[2]
+    reason = "AllReduce: x must be float32, bfloat16 or float16, got torch.int32"
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["type"] == "PeerAborted", (rank, r)
+        assert list(r["aborted"]) == [2] and r["aborted"][2] == reason, (rank, r["aborted"])
+        assert "rank 2 aborted" in r["msg"] and reason in r["msg"], (rank, r["msg"])
+        assert "rank 0 aborted" not in r["msg"], (rank, r["msg"])
+
+
+# ---------------------------------------------------------------------- a launch that did not publish
+def stale_counter():
+    """Every member's reduce-scatter finds bits in its arrival counter that are not its launch's
+    (planted after construction, as bytes an earlier owner left there would be): its launch
+    reaches the wait without publishing, on every member. What each call raised."""
+    world = dist.get_world_size()
+    buf = ss.SymmetricBuffer(C.workspace_bytes(N, torch.float32, world), backend="host")
+    rs = C.ReduceScatter(buf.view(list(range(world))), N, torch.float32, timeout_s=2)
+    buf.tensor(rs.workspace.counter, (1,), torch.int64).fill_(12345)
+    try:
+        rs(torch.ones(16))
+        out = {"type": "returned"}
+    except ss.SymmSyncError as e:
+        out = {"type": type(e).__name__, "msg": str(e)}
+    dist.barrier()
+    buf.close()
+    return out
+
+
+def test_a_timeout_whose_own_launch_did_not_publish_says_so_and_not_that_members_never_came(host_ranks):
+    for rank, r in enumerate(host_ranks(stale_counter, 2, timeout_s=120)):
+        assert r["type"] == "FenceTimeout", (rank, r)
+        assert "this rank did not publish epoch 1 itself (its epoch counter holds 0)" in r["msg"], (rank, r["msg"])
+        assert "never reached" not in r["msg"] and "did not reach this fence" not in r["msg"], (rank, r["msg"])

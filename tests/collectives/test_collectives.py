@@ -13,10 +13,16 @@ reduce-scatter chunk ``i`` of that sum. Results must be bit-identical on every m
   loop, so the reference cannot act as a barrier; and the same loop with the epoch
   parity of the input slots removed, which the oracle must catch;
 * a two-shot all-reduce whose reading member does not wait (``protocol.wait`` removed
-  there) while the other stalls before it reduces its chunk, which the oracle must catch.
+  there) while the other stalls before it reduces its chunk, which the oracle must catch;
+* collectives made over bytes a dropped all-reduce used (its inputs in their counters'
+  place), at worlds 2 and 3, with budgets of seconds;
+* ``close()``: every dtype and operation made, called and closed in turn at one offset; a
+  member that closes and overwrites the bytes while another still reads them (the barrier in
+  ``close()`` is what keeps the slow reader's sum right).
 """
 
 import contextlib
+import gc
 import random
 import secrets
 import time
@@ -322,3 +328,113 @@ def test_the_fused_residual_and_rms_norm_epilogue_matches_torch_and_is_the_same_
             # in the oracle: one rounding step of the dtype at most.
             assert diff <= {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dt] * 8, (seed, dt, diff)
             assert same, (seed, rank, dt, "members got different bits")
+
+
+# ---------------------------------------------------------------------- bytes used before
+def made_over_used_bytes(calls):
+    """On one buffer: a one-shot all-reduce called ``calls`` times at offset 0, then dropped; an
+    all-gather at offset 0 (channel 0) and a reduce-scatter at the next line after it (channel 1),
+    over bytes the all-reduce's inputs filled; one call of each. Returns their outputs (or the
+    error a call raised). Budgets of seconds: a call that cannot complete fails fast."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    buf = ss.SymmetricBuffer(1 << 21, backend="host")
+    view = buf.view(list(range(world)))
+    try:
+        ar = C.AllReduce(view, max_numel=4099, dtype=torch.float32, algorithm="one_shot", timeout_s=5)
+        for i in range(calls):
+            ar(torch.ones((1, 777, 4099)[i % 3]))
+        ar = None
+        gc.collect()  # the all-reduce's bytes are free again
+        ag = C.AllGather(view, max_numel=1000, dtype=torch.float32, timeout_s=5)
+        off = (C.workspace_bytes(1000, torch.float32, world, op="all_gather") + 127) // 128 * 128
+        rs = C.ReduceScatter(view, max_numel=999 * world, dtype=torch.float32, offset=off, channel=1, timeout_s=5)
+        try:
+            return ag(torch.full((333,), float(rank + 1))).tolist(), rs(torch.ones(world * 100) * (rank + 1)).tolist()
+        except ss.SymmSyncError as e:
+            return f"{type(e).__name__}: {e}"
+    finally:
+        buf.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_collective_made_over_bytes_another_used_starts_from_its_own_words(world, host_ranks):
+    gathered_want = [float(r + 1) for r in range(world) for _ in range(333)]
+    summed = float(sum(range(1, world + 1)))
+    for rank, got in enumerate(host_ranks(made_over_used_bytes, world, 36, timeout_s=240)):
+        assert not isinstance(got, str), (rank, got)
+        ag_out, rs_out = got
+        assert ag_out == gathered_want, (rank, "all-gather", ag_out[:4], ag_out[-4:])
+        assert rs_out == [summed] * 100, (rank, "reduce-scatter", rs_out[:8])
+
+
+# ---------------------------------------------------------------------- close()
+def closed_and_made_again():
+    """At offset 0 of one buffer, in turn: an all-reduce of each dtype, an all-gather and a
+    reduce-scatter, each made, called once, closed (the last in a ``with`` block), the next made
+    at once over the same bytes. Per object: its result against the oracle, then what a call
+    after close() raised."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    buf = ss.SymmetricBuffer(C.workspace_bytes(MAX_NUMEL, torch.float32, world), backend="host")
+    view = buf.view(list(range(world)))
+    n = 2 * 3 * 4 * 5  # splits into one chunk per member at worlds 2 and 3
+    g = torch.Generator().manual_seed(rank)
+    made = [(C.AllReduce, "one_shot", dt) for dt in DTYPES] + [
+        (C.AllReduce, "two_shot", torch.float32),
+        (C.AllGather, "all_gather", torch.float16),
+        (C.ReduceScatter, "reduce_scatter", torch.bfloat16),
+    ]
+    out = []
+    try:
+        for i, (cls, op, dtype) in enumerate(made):
+            kw = {"algorithm": op} if cls is C.AllReduce else {}
+            obj = cls(view, n, dtype, timeout_s=10, **kw)
+            x = torch.randn(n, generator=g).to(dtype)
+            if i == len(made) - 1:
+                with obj:
+                    y = obj(x)
+            else:
+                y = obj(x)
+                obj.close()
+            obj.close()  # idempotent
+            try:
+                obj(x)
+                after = "returned"
+            except ss.ClosedError as e:
+                after = str(e)
+            out.append((op, str(dtype), same_bits(y, expected(op, gathered(x), rank)), after))
+    finally:
+        buf.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_closed_collective_frees_its_bytes_for_any_layout_at_once(world, host_ranks):
+    for rank, results in enumerate(host_ranks(closed_and_made_again, world, timeout_s=240)):
+        assert len(results) == 6, results
+        for op, dtype, right, after in results:
+            assert right, (rank, op, dtype, "the result differs from the oracle")
+            assert "used after close()" in after, (rank, op, dtype, after)
+
+
+CLOSE_STALL_NS = 500_000_000
+
+
+def closing_under_a_slow_reader():
+    """Rank 1 stalls in its kernel between its wait and its reads of rank 0's slot; rank 0, once
+    its call returned, closes the all-reduce and fills the bytes it held with NaN (a new owner's
+    stores). Returns whether this rank's sum is the oracle's."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    with launching(variants.stalling_kernel, stall_ns=CLOSE_STALL_NS if rank == 1 else 0):
+        buf = ss.SymmetricBuffer(C.workspace_bytes(MAX_NUMEL, torch.float32, world), backend="host")
+        ar = C.AllReduce(buf.view(list(range(world))), MAX_NUMEL, torch.float32, "one_shot", timeout_s=10)
+        x = torch.full((777,), float(rank + 1))
+        y = ar(x)
+        ar.close()  # returns once every member's call is over
+        buf.local_memory().view(torch.float32).fill_(float("nan"))
+        right = same_bits(y, expected("one_shot", gathered(x), rank))
+        buf.close()
+    return right
+
+
+def test_close_returns_only_when_every_member_is_done_with_the_bytes(host_ranks):
+    assert host_ranks(closing_under_a_slow_reader, 2, timeout_s=240) == [True, True]

@@ -189,12 +189,14 @@ def one_rank_never_arrives(absent, budget):
     return out
 
 
-def test_a_peer_that_never_arrived_is_a_timeout_that_says_not_arrived_not_closed(host_ranks):
+def test_a_peer_that_never_arrived_is_a_timeout_that_says_not_published_not_closed(host_ranks):
     budget = 1.5
     r = host_ranks(one_rank_never_arrives, 2, 1, budget, timeout_s=120)[0]
     assert r["type"] == "FenceTimeout" and r["elapsed"] >= budget, r
     assert r["late"] == {1: 1} and r["aborted"] == {} and r["closed"] == [], r
-    assert "not arrived, neither closed nor aborted: rank 1" in r["msg"] and "closed its buffer" not in r["msg"]
+    assert "not published, neither closed nor aborted: rank 1" in r["msg"] and "closed its buffer" not in r["msg"]
+    # this rank published the epoch: the message says so by naming no launch of its own at fault
+    assert "did not reach this fence" in r["msg"] and "did not publish epoch" not in r["msg"], r["msg"]
 
 
 # ---------------------------------------------------------------------- a clean close

@@ -4,6 +4,8 @@ Host backend, world 2. The oracles are the rule docs/concepts.md ("Who owns whic
 states, written here as plain arithmetic over byte ranges: a refusal is a ``ConfigError`` on
 every rank naming both owners and both ranges; the one sharing it allows (collectives of one
 layout on one view and channel) gives every call the plain-torch sum of the members' inputs.
+Every consumer's ``close()`` gives its bytes back on every rank at once: another consumer of
+another layout is made over them right after, and the closed one's calls raise ``ClosedError``.
 """
 
 import random
@@ -16,7 +18,7 @@ from oracles import first_difference
 
 import symmsync as ss
 from symmsync import collectives as C
-from symmsync import pcp
+from symmsync import moe, pcp
 from symmsync.testing import RankPool
 
 N = 64  # elements of every collective here
@@ -176,3 +178,62 @@ def test_collectives_of_one_layout_on_one_channel_share_a_workspace_and_nothing_
             kind, message = seen[case]
             assert kind == "ConfigError" and message.count("AllReduce (view [0, 1], channel") == 2, (case, seen[case])
         assert seen["after they are gone"] == ("ok", 2 * N)
+
+
+# ---------------------------------------------------------------------------- close()
+def each_consumer_closed_then_another() -> dict:
+    """On one buffer, over the same bytes from offset 0, in turn: the writer, a dispatcher, an
+    all-reduce, each made while the one before it still holds the bytes (refused), then made again
+    right after that one's close(); each takes one call, is closed, and is called again."""
+    w, rank = dist.get_world_size(), dist.get_rank()
+    layout = pcp.CacheLayout(num_blocks=1, num_layers=1)
+    nbytes = max(layout.nbytes, moe.buffer_bytes(2 * w, 4, 32, torch.bfloat16, 2, w), C.workspace_bytes(N, F32, w))
+    seen = {}
+    with ss.SymmetricBuffer(nbytes, backend="host", channels=3) as buf:
+        view = buf.view(list(range(w)))
+
+        def writer():
+            return pcp.DirectKVWriter(view, layout, channel=0, timeout_s=20)
+
+        def dispatcher():
+            return moe.Dispatcher(view, 2 * w, 4, 32, torch.bfloat16, 2, timeout_s=20)
+
+        def all_reduce():
+            return C.AllReduce(view, N, F32, channel=1, timeout_s=20)
+
+        def write(kv):
+            rows = (torch.ones(2, n, dtype=torch.bfloat16) for n in (512, 64, 128))
+            kv.write(0, *rows, kv.prepare(torch.arange(2) + 2 * rank))
+            return "written"
+
+        def dispatch(d):
+            return d.dispatch(torch.ones(4, 32, dtype=torch.bfloat16), torch.zeros(4, 2, dtype=torch.int64))[1].tolist()
+
+        def reduce(ar):
+            return ar(torch.full((N,), float(rank + 1))).tolist()[:2]
+
+        steps = [("writer", writer, write), ("dispatcher", dispatcher, dispatch), ("all-reduce", all_reduce, reduce)]
+        held = None
+        for name, make, call in steps:
+            if held is not None:
+                seen[f"{name} over the {held[0]}"] = _outcome(lambda: type(make()).__name__)
+                held[1].close()
+            obj = make()
+            seen[name] = _outcome(lambda: call(obj))
+            held = (name, obj)
+        held[1].close()
+        seen["all-reduce after close()"] = _outcome(lambda: call(held[1]))
+    return seen
+
+
+def test_every_consumer_s_close_frees_its_bytes_for_another_at_once(pool):
+    for rank, seen in enumerate(pool.call(each_consumer_closed_then_another)):
+        for case in ("dispatcher over the writer", "all-reduce over the dispatcher"):
+            kind, message = seen[case]
+            assert kind == "ConfigError" and "overlaps" in message, (rank, case, seen[case])
+        assert seen["writer"] == ("ok", "written"), (rank, seen["writer"])
+        # every token of both members goes to expert 0 (rank 0's first): 8 rows there, none elsewhere
+        assert seen["dispatcher"] == ("ok", [8, 0] if rank == 0 else [0, 0]), (rank, seen["dispatcher"])
+        assert seen["all-reduce"] == ("ok", [3.0, 3.0]), (rank, seen["all-reduce"])
+        kind, message = seen["all-reduce after close()"]
+        assert kind == "ClosedError" and "used after close()" in message, (rank, seen["all-reduce after close()"])

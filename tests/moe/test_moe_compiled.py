@@ -5,6 +5,8 @@ A compiled MoE layer (dispatch, an elementwise expert, combine) traces to the
 runs compiled, then eagerly on the same dispatcher (the oracle: the eager path, whose own oracle
 is tests/moe/test_moe.py), and the outputs must have the same bits, on every member, with aot_eager
 and with Inductor. The graph compiles once (Dynamo's frame counter), with no graph break.
+Every tensor argument may be an ``nn.Parameter`` (a tensor), eagerly and compiled, under
+``no_grad``: the layer's results are the oracle's (``moe_oracle.py``).
 """
 
 import pytest
@@ -12,7 +14,7 @@ import routings
 import torch
 import torch._dynamo.testing
 import torch.distributed as dist
-from test_moe import make
+from test_moe import compare, experts, gathered, make
 
 E, M, H, K = 4, 4, 32, 2
 
@@ -56,3 +58,40 @@ def test_a_compiled_moe_layer_gives_the_eager_layers_bits(host_ranks, backend, f
     results = host_ranks(compiled_layers, 2, backend, fp8, timeout_s=600)
     assert [r[0] for r in results] == [[], []], results
     assert all(r[1] >= 1 for r in results), results
+
+
+def parameters(compiled):
+    """A layer whose every tensor argument is an ``nn.Parameter`` (the int64 ids one that needs no
+    grad), under ``no_grad``: what ``accepts()`` says, and the results' differences from the oracle."""
+    torch._dynamo.reset()
+    world, me = dist.get_world_size(), dist.get_rank()
+    buf, disp = make(E, M, H, torch.bfloat16, K)
+
+    def compile(fn):
+        return torch.compile(fn, fullgraph=True, backend="aot_eager") if compiled else fn
+
+    dispatch, combine = compile(disp.dispatch), compile(disp.combine)
+
+    def call(x, ids, w):  # the experts' output a Parameter too, made between the two calls
+        recv, counts, handle = dispatch(x, ids)
+        return recv, counts, handle, combine(torch.nn.Parameter(experts(disp, recv)), w, handle)
+
+    wrong = []
+    try:
+        with torch.no_grad():
+            for i in range(2):
+                x, ids, w = routings.routing(routings.KINDS[i], me, world, E, M, H, K, torch.bfloat16, 60 + i)
+                px, pw = torch.nn.Parameter(x), torch.nn.Parameter(w)
+                pids = torch.nn.Parameter(ids, requires_grad=False)  # int64: no grad
+                if not disp.accepts(px, pids):
+                    wrong.append(f"layer {i}: accepts() refused Parameters")
+                got = call(px, pids, pw)
+                wrong += compare(disp, i, got, (gathered(x), gathered(ids), gathered(w)), me)
+    finally:
+        buf.close()
+    return wrong
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_parameters_are_tensors_to_dispatch_and_combine(host_ranks, compiled):
+    assert host_ranks(parameters, 2, compiled, timeout_s=300) == [[], []]

@@ -1,6 +1,9 @@
 """symmsync.moe fails closed: bad input is refused on its rank before anything is sent and
 reaches the members as PeerAborted naming it; a member that never comes is named by a bounded
-wait; construction is agreed (every rank raises, or none); a view over nodes is refused."""
+wait; construction is agreed (every rank raises, or none); a view over nodes is refused; a
+member that gave up on another's abort relays it, and every member names the origin."""
+
+import time
 
 import moe_oracle as oracle  # noqa: F401 - the package's tests share the oracle's module path
 import pytest
@@ -57,7 +60,7 @@ def test_a_bad_dispatch_is_refused_on_its_rank_and_reaches_the_other_as_peer_abo
     words = {
         "expert": "topk_idx[1, 1] = 4 is no expert id",
         "tokens": "more than max_tokens=3",
-        "dtype": "x must be a torch.bfloat16 tensor",
+        "dtype": "x must be torch.bfloat16, got torch.float32",
     }
     for kind in KINDS:
         (r0, again0), (r1, again1) = rank0[kind], rank1[kind]
@@ -137,3 +140,35 @@ def over_two_nodes():
 def test_a_view_over_two_nodes_is_refused_clearly():
     results = run(over_two_nodes, 4, env={NODE_SIZE_ENV: "2"}, timeout_s=180)
     assert all("moe.Dispatcher" in r and "node" in r for r in results), results
+
+
+def relayed_abort():
+    """World 3: rank 2 dispatches a bad expert id; rank 1 dispatches late, after rank 0 gave up
+    on rank 2's abort and aborted the view in turn. What each raised, and whom it names."""
+    me = dist.get_rank()
+    buf, disp = make(E + 2, M, H, torch.bfloat16, K, timeout_s=20)
+    ids = torch.zeros(M, K, dtype=torch.int64)
+    if me == 2:
+        ids[0, 0] = E + 2  # one past the last expert
+    if me == 1:
+        time.sleep(1.0)  # rank 0's relay of rank 2's abort has landed by now
+    try:
+        disp.dispatch(torch.zeros(M, H, dtype=torch.bfloat16), ids)
+        out = ("returned",)
+    except ss.SymmSyncError as e:
+        out = (type(e).__name__, str(e), getattr(e, "aborted", None))
+    dist.barrier()
+    buf.close()
+    return out
+
+
+def test_a_relayed_abort_names_the_origin_and_its_reason_on_every_member():
+    results = run(relayed_abort, 3, timeout_s=180)
+    assert results[2][0] == "InputError", results[2]
+    reason = "moe.Dispatcher.dispatch: topk_idx[0, 0] = 6 is no expert id"
+    for rank in (0, 1):
+        kind, msg, aborted = results[rank]
+        assert kind == "SignalAborted", (rank, kind, msg)
+        assert list(aborted) == [2] and aborted[2].startswith(reason), (rank, aborted)
+        assert f"rank 2 aborted: {reason}" in msg, (rank, msg)
+        assert "rank 0 aborted" not in msg and "rank 1 aborted" not in msg, (rank, msg)
