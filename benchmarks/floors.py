@@ -45,7 +45,7 @@ import symmsync.language as ssl
 
 #: collective_floor modes.
 ONE_SHOT, TWO_SHOT, GATHER, SCATTER = 0, 1, 2, 3
-#: Elements per block and warps per program of the collectives' kernel (symmsync.collectives.ops).
+#: Elements per block and warps per program of the collectives' kernel (symmsync.collectives.operations).
 COLLECTIVE_BLOCK, COLLECTIVE_WARPS = 1024, 4
 #: Chunk rounding of the two-shot all-reduce (symmsync.collectives.layout.CHUNK_ALIGN).
 CHUNK_ALIGN = 64

@@ -184,16 +184,16 @@ def calls(cases: dict, failed: dict, notes: dict, keep: list) -> None:
     lib.impl("alloc", lambda u, h, a: torch.empty_like(u), "CUDA")
     torch.library.register_fake("host_bench::alloc", lambda u, h, a: torch.empty_like(u), lib=lib)
     fns["python_op"] = (lambda u: torch.ops.host_bench.alloc(u, 1, "a"), (x,))
-    fns["ar_op"] = (lambda u: torch.ops.symmsync.all_reduce(u, ar.handle, "auto"), (x,))
+    fns["ar_op"] = (lambda u: torch.ops.symmsync.all_reduce(u, ar.op_handle, "auto"), (x,))
     eager = {**fns, "nccl_all_reduce": (lambda u: dist.all_reduce(u), (x,))}
     for name, (f, args) in eager.items():
         prepare(cases, failed, f"{name}.eager", lambda f=f, args=args: lambda: f(*args))
     for name, (f, args) in fns.items():
         prepare(cases, failed, f"{name}.compiled", lambda f=f, args=args: compiled(f, args))
     ops = {  # the op as a split graph calls it between compiled pieces
-        "ar": lambda: torch.ops.symmsync.all_reduce.default(x, ar.handle, "auto"),
-        "fused": lambda: torch.ops.symmsync.all_reduce_residual_rms_norm.default(x, r, w, 1e-6, ar.handle, "auto"),
-        "fence": lambda: torch.ops.symmsync.fence.default(fence._handle, 0, fence._orders()),
+        "ar": lambda: torch.ops.symmsync.all_reduce.default(x, ar.op_handle, "auto"),
+        "fused": lambda: torch.ops.symmsync.all_reduce_residual_rms_norm.default(x, r, w, 1e-6, ar.op_handle, "auto"),
+        "fence": lambda: torch.ops.symmsync.fence.default(fence.op_handle, 0, fence.orders()),
     }
     for name, f in ops.items():
         prepare(cases, failed, f"{name}.between_pieces", lambda f=f: f)
@@ -255,7 +255,7 @@ def writer_at(T: int, cases: dict, failed: dict, notes: dict, keep: list) -> Non
     prepare(cases, failed, f"{key}.torch_op", lambda: lambda: kv.mul(2))
     prepare(cases, failed, f"{key}.eager", lambda: lambda: w.write(0, kv, pe, ix, batch))
     prepare(
-        cases, failed, f"{key}.between_pieces", lambda: lambda: op(w.handle, 0, kv, pe, ix, batch.slots, layer_span)
+        cases, failed, f"{key}.between_pieces", lambda: lambda: op(w.op_handle, 0, kv, pe, ix, batch.slots, layer_span)
     )
     prepare(cases, failed, f"{key}.compiled_step_2_layers", lambda: compiled(step, (kv, pe, ix)))
     cs = cases.get(f"{key}.compiled_step_2_layers")

@@ -17,12 +17,13 @@ view whose members span nodes, the same objects run node steps and one exchange 
 nodes through torch.distributed (:mod:`.spanning`; not in a CUDA graph).
 """
 
-from ..ops import collectives as _ops  # noqa: F401 - registers the symmsync:: ops of the collectives
-from . import spanning as _spanning  # noqa: F401 - registers the forms over nodes (collectives.ops.FORMS)
+from . import spanning as _spanning  # noqa: F401 - registers the forms over nodes (collectives.operations.FORMS)
 from .layout import ALGORITHMS, Workspace, workspace_bytes
 from .mismatch import CollectiveMismatch
-from .ops import MAX_HIDDEN, AllGather, AllReduce, ReduceScatter
+from .operations import MAX_HIDDEN, AllGather, AllReduce, ReduceScatter
 from .tuning import choose
+
+from . import torch_ops as _torch_ops  # noqa: E402, F401, I001 - registers the symmsync:: ops of the collectives
 
 __all__ = [
     "ALGORITHMS",

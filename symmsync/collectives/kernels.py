@@ -388,7 +388,7 @@ def collective_kernel(
     Its parts are :func:`_hand_over` (copy in, header, arrive, wait), :func:`_verdict` (the
     headers, the grid barrier) and :func:`_read_members`, so that a test can build a variant
     of this kernel from them (a stall before the reads, or input slots without the parity)
-    and launch it through the seam :data:`symmsync.collectives.ops.KERNEL`.
+    and launch it through the seam :data:`symmsync.collectives.operations.KERNEL`.
     """
     PHASES: tl.constexpr = 2 if (TWO_SHOT or SYMMETRIC) else 1
     pid = tl.program_id(0)

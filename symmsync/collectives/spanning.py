@@ -59,7 +59,7 @@ from ..spanning import parts as spanning
 from . import layout as L
 from . import making
 from .mismatch import differing_calls
-from .ops import FORMS, AllGather, ReduceScatter
+from .operations import FORMS, AllGather, ReduceScatter
 
 _STEP_CLASSES = {L.REDUCE_SCATTER: ReduceScatter, L.ALL_GATHER: AllGather}
 _HEADER_BYTES = L.HEADER_WORDS * 8
@@ -161,7 +161,7 @@ class _NodeSteps:
         failure of any fails the collective and aborts the view."""
         owner = self._owner
         if not owner._failure.clean or owner._buffer.closed:
-            owner._check_usable()
+            owner.check_usable()
         self.exchange.refuse_capture(x.device, f"{self._name} over a view that spans {self._nodes} nodes")
         try:
             self._calls += 1
@@ -171,7 +171,7 @@ class _NodeSteps:
             self._run(x, out, numel, count, epilogue, words)
         except Exception as e:
             err = self._named(e)
-            owner._fail(err)
+            owner.fail(err)
             if err is e:
                 raise
             raise err from e
@@ -218,7 +218,7 @@ class _NodeSteps:
                 step.synchronize()
         except SymmSyncError as e:
             err = self._named(e)
-            self._owner._fail(err)
+            self._owner.fail(err)
             if err is e:
                 raise
             raise err from e

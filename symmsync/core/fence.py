@@ -31,10 +31,10 @@ with :class:`~symmsync.PeerAborted`, naming the rank and its reason.
 all be resident at once.
 
 Under torch.compile each operation is the custom op ``symmsync::fence``
-(:mod:`symmsync.ops.fence`), an side-effectful op in the graph: ``fullgraph=True`` compiles,
+(:mod:`symmsync.ops.fence_op`), an side-effectful op in the graph: ``fullgraph=True`` compiles,
 and the fence stays ordered with symmsync's own ops (the direct-KV writer's). Plain torch
 writes into symmetric memory in the same graph are not ordered by it (functionalization
-applies them at the end of the graph): see :mod:`symmsync.ops.fence`.
+applies them at the end of the graph): see :mod:`symmsync.ops.fence_op`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from ..backends.mode import kernels_interpreted
 from ..checks import require, timeout_problem
 from ..errors import CLOSED_REASON, ClosedError, ConfigError, FenceTimeout, PeerAborted, SymmSyncError
 from ..language import cells, records
-from ..ops import fence as fence_ops
+from ..ops import fence_op as fence_ops
 from ..ops import handles
 from . import memory, nodes
 from .failure import used_after_abort
@@ -151,14 +151,15 @@ class Fence:
         self._buffer = buf
         self._streams = caps.streams
         self._host_checks = caps.host_checks_status
-        # One launcher per kind of the op (symmsync.ops.fence), indexed by it: (arrive, wait).
+        # One launcher per kind of the op (symmsync.ops.fence_op), indexed by it: (arrive, wait).
         kinds = {fence_ops.FENCE: (True, True), fence_ops.ARRIVE: (True, False), fence_ops.WAIT: (False, True)}
         self._launchers = [
             Launcher(_fence_kernel, (1,), num_warps=1, SIZE=view.size, ARRIVE=arrive, WAIT=wait, TRAP=caps.traps)
             for _kind, (arrive, wait) in sorted(kinds.items())
         ]
         self._launch = [launcher.bind(*self._kernel_args) for launcher in self._launchers]
-        self._handle = handles.register(self, "Fence")  # names this fence to the op (symmsync.ops.fence)
+        self.op_handle = handles.register(self)
+        """The int that names this fence to the op ``symmsync::fence`` (:mod:`symmsync.ops.fence_op`)."""
         # Views, made here: aot_autograd refuses a base among mutated views of it as graph inputs.
         self._order_views = [fence_ops.user_views(buf)[r] for r in view.ranks]
 
@@ -187,23 +188,24 @@ class Fence:
     def fence(self) -> None:
         """Advance the epoch, publish it, wait for every member: one launch."""
         if torch.compiler.is_compiling():
-            return fence_ops.fence_op(self._handle, fence_ops.FENCE, self._orders())
-        self._launch_now(fence_ops.FENCE)
+            return fence_ops.fence_op(self.op_handle, fence_ops.FENCE, self.orders())
+        self.launch_now(fence_ops.FENCE)
 
     def arrive(self) -> None:
         """Advance the epoch and publish it (first half of a split fence)."""
         if torch.compiler.is_compiling():
-            return fence_ops.fence_op(self._handle, fence_ops.ARRIVE, self._orders())
-        self._launch_now(fence_ops.ARRIVE)
+            return fence_ops.fence_op(self.op_handle, fence_ops.ARRIVE, self.orders())
+        self.launch_now(fence_ops.ARRIVE)
 
     def wait(self) -> None:
         """Wait until every member published this rank's current epoch (second half)."""
         if torch.compiler.is_compiling():
-            return fence_ops.fence_op(self._handle, fence_ops.WAIT, self._orders())
-        self._launch_now(fence_ops.WAIT)
+            return fence_ops.fence_op(self.op_handle, fence_ops.WAIT, self.orders())
+        self.launch_now(fence_ops.WAIT)
 
-    def _orders(self) -> list[torch.Tensor]:
-        # What the compiled op takes (symmsync.ops.fence): the members' user regions.
+    def orders(self) -> list[torch.Tensor]:
+        """What the compiled op takes (:mod:`symmsync.ops.fence_op`): the members' user regions, whose
+        plain writes earlier in a traced graph the op's fake refuses."""
         return self._order_views
 
     @contextlib.contextmanager
@@ -228,14 +230,17 @@ class Fence:
         side = self._side
         main = side.fork()
         if self._launch[fence_ops.FENCE].packed and not torch.compiler.is_compiling():
-            self._launch_now(fence_ops.FENCE, side.raw)
+            self.launch_now(fence_ops.FENCE, side.raw)
         else:  # the first launch compiles through Triton, which launches on the current stream
             with torch.cuda.stream(side.stream):
                 self.fence()
         yield
         side.join(main)
 
-    def _launch_now(self, kind: int, stream: int | None = None) -> None:
+    def launch_now(self, kind: int, stream: int | None = None) -> None:
+        """Launch ``kind`` (``fence_op.FENCE``, ``ARRIVE`` or ``WAIT``) now, on ``stream`` (default: the
+        current one): what :meth:`fence`, :meth:`arrive` and :meth:`wait` run eagerly, and the op
+        ``symmsync::fence`` runs when a compiled graph calls it."""
         # The eager hot path: a few attribute reads and one cuLaunchKernel (benchmarks/fence.py).
         # A closed buffer's views are never clean (close() aborts them first).
         if not self._failure.clean:
@@ -449,6 +454,8 @@ class _ForkJoin:
         cuda.check(drv.cuEventRecord(self.join_event, cu_stream(self.raw)), "cuEventRecord", call=_OVERLAP)
         cuda.check(drv.cuStreamWaitEvent(cu_stream(main), self.join_event, 0), "cuStreamWaitEvent", call=_OVERLAP)
 
+
+fence_ops.serve(Fence)  # the class whose objects symmsync::fence runs
 
 _OVERLAP = "Fence.overlap"  # the operation a failed driver call of _ForkJoin is reported under
 

@@ -17,7 +17,7 @@ expert) and the combine sums a token's contributions in float32 in the order of 
 entries, so every run gives the same bits (docs/moe.md states the order).
 """
 
-from ..ops import moe as _ops  # noqa: F401 - registers the symmsync:: ops of the dispatcher
+from . import torch_ops as _torch_ops  # noqa: F401 - registers the symmsync:: ops of the dispatcher
 from .dispatcher import MAX_TOP_K, Dispatcher, Handle
 from .layout import FP8_RULE, Workspace, buffer_bytes
 

@@ -192,8 +192,8 @@ class Dispatcher:
             HP=_pow2(hidden),
         )
         self._error: SymmSyncError | None = None
-        self.handle = handles.register(self, "moe.Dispatcher")
-        """The int that names this object to its torch custom ops (:mod:`symmsync.ops.moe`)."""
+        self.op_handle = handles.register(self)
+        """The int that names this object to its torch custom ops (:mod:`symmsync.moe.torch_ops`)."""
 
     # ------------------------------------------------------------------ checks
     @property
@@ -298,16 +298,16 @@ class Dispatcher:
         """
         if torch.compiler.is_compiling():
             outs = torch.ops.symmsync.moe_dispatch(
-                x, topk_idx, self.handle, self.local_experts, self.size, self.max_tokens, self.fp8
+                x, topk_idx, self.op_handle, self.local_experts, self.size, self.max_tokens, self.fp8
             )
             return self._outputs(outs, topk_idx)
-        return self._outputs(self._dispatch(x, topk_idx), topk_idx)
+        return self._outputs(self.eager_dispatch(x, topk_idx), topk_idx)
 
     def _outputs(self, outs: tuple, topk_idx: torch.Tensor) -> tuple[Any, torch.Tensor, Handle]:
         recv, scales, counts, src, per_source = outs
         return ((recv, scales) if self.fp8 else recv), counts, Handle(topk_idx, src, per_source)
 
-    def _dispatch(self, x: Any, topk_idx: Any) -> tuple[torch.Tensor, ...]:
+    def eager_dispatch(self, x: Any, topk_idx: Any) -> tuple[torch.Tensor, ...]:
         """The checked dispatch: what :meth:`dispatch` and ``symmsync::moe_dispatch`` run. Returns
         ``(recv, scales, counts, src, per_source)`` (``scales`` empty without fp8)."""
         self._check_usable()
@@ -375,18 +375,18 @@ class Dispatcher:
         """
         if torch.compiler.is_compiling():
             src, per = handle.src, handle.per_source
-            return torch.ops.symmsync.moe_combine(expert_out, topk_weights, handle.topk_idx, src, per, self.handle)
+            return torch.ops.symmsync.moe_combine(expert_out, topk_weights, handle.topk_idx, src, per, self.op_handle)
         if not isinstance(handle, Handle):
             self._check_usable()
             self._refuse("combine", f"handle must be the Handle a dispatch returned, got {type(handle).__name__}")
-        return self._combine(expert_out, topk_weights, *handle)
+        return self.eager_combine(expert_out, topk_weights, *handle)
 
     def accepts_combine(self, expert_out: Any, topk_weights: Any, handle: Any) -> bool:
         """Whether ``combine(expert_out, topk_weights, handle)`` passes this rank's input checks,
         by the rule the call checks with (as :meth:`accepts`)."""
         return self._combine_problem(expert_out, topk_weights, handle) is None
 
-    def _combine(self, expert_out: Any, topk_weights: Any, topk_idx: Any, src: Any, per_source: Any) -> torch.Tensor:
+    def eager_combine(self, expert_out: Any, topk_weights: Any, topk_idx: Any, src: Any, per_source: Any) -> torch.Tensor:
         """The checked combine (a handle's parts): what :meth:`combine` and ``symmsync::moe_combine`` run."""
         self._check_usable()
         handle = Handle(topk_idx, src, per_source)

@@ -13,46 +13,47 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import ClosedError, ConfigError
 
+T = TypeVar("T")
+
 _lock = threading.Lock()
 _issued = 0  # the last handle given out
-_objects: dict[int, tuple[weakref.ReferenceType, str]] = {}  # handle -> (its object, held weakly; its kind)
+_objects: dict[int, weakref.ReferenceType] = {}  # handle -> its object, held weakly
 
 
-def register(obj: Any, kind: str) -> int:
-    """A new handle for ``obj``, an object of ``kind`` (the name an op asks for: ``"AllReduce"``);
-    held weakly: the entry goes when ``obj`` does."""
+def register(obj: Any) -> int:
+    """A new handle for ``obj``, held weakly: the entry goes when ``obj`` does."""
     global _issued
     with _lock:
         _issued += 1
         handle = _issued
-        _objects[handle] = (weakref.ref(obj, lambda _ref, h=handle: _objects.pop(h, None)), kind)
+        _objects[handle] = weakref.ref(obj, lambda _ref, h=handle: _objects.pop(h, None))
     return handle
 
 
-def lookup(handle: int, kind: str) -> Any:
-    """The object ``handle`` names, checked to be of ``kind``.
+def lookup(handle: int, cls: type[T]) -> T:
+    """The object ``handle`` names, checked to be a ``cls``.
 
-    The kind is a name, not a class, so that an op's module needs no import of the class
-    whose objects it calls (the op is below the object in the layers).
+    An op's module passes the class its op calls (the module lives beside that class, in the
+    consumer's folder), so a handle of another kind of object is refused by type, not by name.
 
     Raises:
         ClosedError: the object was garbage-collected (a graph outlived it).
         ConfigError: ``handle`` names nothing this process registered, or an object of
-            another kind.
+            another class.
     """
-    entry = _objects.get(handle)
-    obj = entry[0]() if entry is not None else None
+    ref = _objects.get(handle)
+    obj = ref() if ref is not None else None
     if obj is None:
         if isinstance(handle, int) and 0 < handle <= _issued:
             raise ClosedError(
-                f"symmsync handle {handle} named a {kind} that no longer exists: "
+                f"symmsync handle {handle} named a {cls.__name__} that no longer exists: "
                 "keep the object alive as long as a compiled graph that calls it"
             )
         raise ConfigError(f"{handle!r} is not a symmsync handle of this process")
-    if entry[1] != kind:
-        raise ConfigError(f"symmsync handle {handle} names a {entry[1]} object, not a {kind}")
+    if not isinstance(obj, cls):
+        raise ConfigError(f"symmsync handle {handle} names a {type(obj).__name__} object, not a {cls.__name__}")
     return obj

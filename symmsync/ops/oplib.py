@@ -2,8 +2,8 @@
 and the one reader of the frame Dynamo is tracing.
 
 A compiled graph calls symmsync through ops in the ``symmsync`` namespace
-(:mod:`symmsync.ops.collectives`, :mod:`symmsync.ops.kv`,
-:mod:`symmsync.ops.fence`). Each is registered here the way torch's own C++ ops and vLLM's
+(:mod:`symmsync.collectives.torch_ops`, :mod:`symmsync.pcp.torch_ops`, :mod:`symmsync.moe.torch_ops`,
+:mod:`symmsync.ops.fence_op`). Each is registered here the way torch's own C++ ops and vLLM's
 ``direct_register_custom_op`` are: ``Library.define`` with its schema, ``Library.impl`` of
 one Python function for the ``CPU`` and ``CUDA`` keys, and a fake for tracing. A call of
 such an op is one pass through the dispatcher into that function. ``torch.library.custom_op``
@@ -16,8 +16,8 @@ warn at a backward, the ops' bodies refuse an input that requires grad while gra
 Every op is side-effecting (``torch.fx.node.has_side_effect``): its members wait for it, so no
 compiler may drop it when its outputs go unused.
 
-The fakes that check the graph traced so far (:func:`symmsync.ops.fence.plain_writes`) and the
-writer's choice of op by backend (:mod:`symmsync.ops.kv`) read the frame Dynamo is
+The fakes that check the graph traced so far (:func:`symmsync.ops.fence_op.plain_writes`) and the
+writer's choice of op by backend (:func:`backend_runs_in_order`) read the frame Dynamo is
 tracing: :func:`tracer`, the one place that reads it. It is Dynamo's private state, which moves
 between torch releases; so is the frame callback that :func:`symmsync.backends.compiling` reads
 (whether a function runs under ``torch.compile`` at all), the one other read of it.
@@ -55,3 +55,22 @@ def tracer():
 
     tx = getattr(getattr(symbolic_convert, "tls", None), "current_tx", None)  # InstructionTranslator.current_tx()
     return tx if isinstance(tx, symbolic_convert.InstructionTranslator) else None
+
+
+# Dynamo calls it while tracing and keeps the answer in the graph; no guard is needed, since
+# Dynamo reuses a graph only under the backend it was traced for.
+@torch.compiler.assume_constant_result
+def backend_runs_in_order() -> bool:
+    """Whether the graph Dynamo traces now goes to ``aot_eager`` (unwrapped from Dynamo's wrappers):
+    the one backend that runs a graph's nodes in their traced order, with no reinplacing, reordering
+    or merging (the direct-KV writer's op for it declares nothing mutated: :mod:`symmsync.pcp.torch_ops`)."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    tx = tracer()
+    backend = tx.output.compiler_fn if tx is not None else None
+    for _ in range(8):  # torch.compile's wrapper, Dynamo's debug wrapper: each holds the next
+        inner = getattr(backend, "_torchdynamo_orig_backend", None) or getattr(backend, "compiler_fn", None)
+        if inner is None:
+            break
+        backend = inner
+    return backend is not None and backend is lookup_backend("aot_eager")

@@ -15,7 +15,7 @@ ranks of :mod:`symmsync.core.agreement`, the argument checks of :mod:`symmsync.c
         writer.write(layer, kv_c, k_pe, indexer_k, batch)
 """
 
-from ..ops import kv as torch_ops  # noqa: E402, F401  (registers symmsync::kv_write)
+from . import torch_ops as _torch_ops  # noqa: F401 - registers symmsync::kv_write and kv_write_in_order
 from .layout import CacheLayout, CacheTensors, IndexerKLayout, MainKVLayout, Placement
 from .quant import INDEXER_SCALES, MAIN_SCALES
 from .split import PCPSplit, pcp_split

@@ -49,7 +49,7 @@ import torch
 
 from ..checks import index_problem, int_problem, is_int, positive_int_problem
 from ..errors import BoundsError, ConfigError
-from ..ops.fence import user_views
+from ..ops.fence_op import user_views
 from .quant import INDEXER_DIM, INDEXER_SCALES, MAIN_SCALES, MLA_NOPE_DIM, MLA_ROPE_DIM, MLA_TILE, MLA_TOKEN_BYTES
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class _Layers:
 
     num_layers: int
 
-    def _layer_problem(self, layer: int) -> tuple[type[ConfigError], str] | None:
+    def layer_problem(self, layer: int) -> tuple[type[ConfigError], str] | None:
         """What is wrong with ``layer`` as one of this cache's layers, and the error it
         raises, or ``None``. The one check of a layer: :meth:`check_layer` and
         ``DirectKVWriter.write`` raise what it finds.
@@ -93,7 +93,7 @@ class _Layers:
             BoundsError: ``layer`` is an int outside ``[0, num_layers)``.
             ConfigError: ``layer`` is not an int (a bool is not).
         """
-        bad = self._layer_problem(layer)
+        bad = self.layer_problem(layer)
         if bad is not None:
             error, problem = bad
             raise error(f"{type(self).__name__}: {problem}")

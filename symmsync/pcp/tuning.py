@@ -54,7 +54,7 @@ class Tuning:
         )
 
     @classmethod
-    def _with(cls, base: object, **shorthand: object) -> tuple[Tuning | None, str | None]:
+    def with_shorthand(cls, base: object, **shorthand: object) -> tuple[Tuning | None, str | None]:
         """``base`` with the knobs given as shorthand (``None``: keep ``base``'s), and the
         problem that refuses it, if any: what the writer agrees across ranks."""
         if base is None:

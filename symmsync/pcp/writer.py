@@ -48,8 +48,7 @@ from ..core.fence import Fence
 from ..core.launch import BoundLaunch, Launcher
 from ..core.regions import Region
 from ..errors import ClosedError, ConfigError, InputError, SymmSyncError
-from ..ops import handles
-from ..ops import kv as torch_ops
+from ..ops import handles, oplib
 from ..spanning import exchange
 from ..spanning import parts as spanning
 from .kernels import IDX as _IDX
@@ -91,6 +90,17 @@ class Batch:
     _grid: tuple[int, int, int] = field(default=(1, 1, 1), repr=False, compare=False)
     _packed: tuple[torch.Tensor, ...] | None = field(default=None, repr=False, compare=False)
     _gathered: tuple[torch.Tensor, ...] | None = field(default=None, repr=False, compare=False)
+
+
+#: The refusal of a write on cloned caches (what to do instead).
+CLONED = (
+    "layer {layer}: the compiled graph passed copies of the caches (functionalization ran the "
+    "symmsync::kv_write op on clones: a backend that runs aot_autograd without reinplacing, such as "
+    "aot_eager_decomp_partition or Inductor with reinplacing off), and copying them back at the end of "
+    "the graph would overwrite the bytes peers wrote meanwhile. Compile with Inductor (the default "
+    "backend) or aot_eager, split the graph at symmsync::kv_write (vLLM's splitting_ops) so that it runs "
+    "between compiled pieces, or call write() outside compiled code"
+)
 
 
 class DirectKVWriter:
@@ -179,7 +189,7 @@ class DirectKVWriter:
         if problem is None and how.among == "group" and group is None and view.size != buf.world_size:
             problem = "the allgather route needs group=, the torch.distributed group of the view's ranks"
         if problem is None:
-            tuning, problem = Tuning._with(
+            tuning, problem = Tuning.with_shorthand(
                 tuning,
                 block_rows=block_rows,
                 num_warps=num_warps,
@@ -295,9 +305,9 @@ class DirectKVWriter:
         self._offsets = list(placement.offsets)
         self._strides = (placement.main_block_stride, placement.indexer_block_stride)
         self._usable = (-1, 0)  # (buffer size, blocks usable at that size)
-        # Compiled code: the op (symmsync.ops.kv) names this writer by a handle.
-        self.handle = handles.register(self, "DirectKVWriter")
-        """The int that names this writer to its torch custom ops (:mod:`symmsync.ops.kv`)."""
+        # Compiled code: the op (symmsync.pcp.torch_ops) names this writer by a handle.
+        self.op_handle = handles.register(self)
+        """The int that names this writer to its torch custom ops (:mod:`symmsync.pcp.torch_ops`)."""
         self._spans: list[torch.Tensor] | None = None  # made once every block is mapped (prepare)
         self._last_batch: weakref.ReferenceType | None = None  # weak: a batch refers to its writer
 
@@ -416,7 +426,7 @@ class DirectKVWriter:
 
     def caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``(main_kv, indexer_k)`` of ``layer`` (the layout's), views of the span a compiled
-        :meth:`write` passes its op (:mod:`symmsync.ops.kv`): read them in compiled code so that
+        :meth:`write` passes its op (:mod:`symmsync.pcp.torch_ops`): read them in compiled code so that
         the reads come after the write. Made by the first ``prepare()`` with every block in mapped memory.
 
         Raises:
@@ -431,7 +441,7 @@ class DirectKVWriter:
 
     def span(self, layer: int) -> torch.Tensor:
         """The span of this rank's memory that holds ``layer``'s caches (uint8): what a compiled
-        :meth:`write` passes its op as the tensor it mutates (:mod:`symmsync.ops.kv`).
+        :meth:`write` passes its op as the tensor it mutates (:mod:`symmsync.pcp.torch_ops`).
 
         Raises: as :meth:`caches`.
         """
@@ -514,12 +524,53 @@ class DirectKVWriter:
             ClosedError: the buffer was closed.
             CaptureError: across nodes, during CUDA graph capture (nothing aborted).
         """
-        if torch.compiler.is_compiling():  # the op for the backend (symmsync.ops.kv)
-            return torch_ops.traced_write(self, layer, kv_c, k_pe, indexer_k, batch)
-        self._write(layer, kv_c, k_pe, indexer_k, batch)
+        if torch.compiler.is_compiling():  # the op for the backend (symmsync.pcp.torch_ops)
+            return self._traced_write(layer, kv_c, k_pe, indexer_k, batch)
+        self.eager_write(layer, kv_c, k_pe, indexer_k, batch)
 
-    def _write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, indexer_k: torch.Tensor, batch: Batch) -> None:
-        """The checked write: what :meth:`write` and its ops (:mod:`symmsync.ops.kv`) run."""
+    def _traced_write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, indexer_k: torch.Tensor, batch: Batch):
+        """What :meth:`write` puts in the graph Dynamo traces: the op for its backend
+        (:mod:`symmsync.pcp.torch_ops`: ``kv_write_in_order`` under ``aot_eager``, else ``kv_write``)."""
+        span = self.span(layer)  # refuses a writer without caches
+        if oplib.backend_runs_in_order():
+            orders = self.fence.orders()
+            return torch.ops.symmsync.kv_write_in_order(
+                self.op_handle, layer, kv_c, k_pe, indexer_k, batch.slots, span, orders
+            )
+        return torch.ops.symmsync.kv_write(self.op_handle, layer, kv_c, k_pe, indexer_k, batch.slots, span)
+
+    def last_batch(self) -> Batch | None:
+        """The :class:`Batch` that :meth:`prepare` returned last, while it is alive (what a compiled
+        write names by its ``slots``), else ``None``."""
+        return self._last_batch() if self._last_batch is not None else None
+
+    def compiled_write(
+        self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, indexer_k: torch.Tensor, slots: torch.Tensor,
+        cache: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """What the ops of a compiled :meth:`write` run (:mod:`symmsync.pcp.torch_ops`): check that
+        ``cache`` is this writer's span of ``layer`` (not a clone functionalization made: :data:`CLONED`)
+        and ``slots`` the last batch's (what the graph cannot have checked), then :meth:`eager_write`.
+        A refusal aborts the view first, so that the members raise too."""
+        problem = None
+        if is_int(layer) and 0 <= layer < self.layout.num_layers:  # else the write raises the layout's error
+            if cache.data_ptr() != self.span(layer).data_ptr():
+                problem = CLONED.format(layer=layer)
+        batch = self._last_batch() if self._last_batch is not None else None
+        stale = batch is None or batch.slots.data_ptr() != slots.data_ptr() or batch.rows != slots.shape[0]
+        if problem is None and stale:
+            problem = "a compiled write() takes the Batch that this writer's prepare() returned last (once per batch)"
+        if problem is not None:
+            try:
+                require(problem, rank=self.buffer.rank, call="DirectKVWriter.write (compiled)")
+            except ConfigError as e:
+                self.abort(str(e))  # the members may already wait in this layer's fence (across nodes too)
+                raise
+        self.eager_write(layer, kv_c, k_pe, indexer_k, batch)
+
+    def eager_write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, indexer_k: torch.Tensor, batch: Batch) -> None:
+        """The checked write, launched now: what :meth:`write` runs outside compiled code and its ops
+        (:mod:`symmsync.pcp.torch_ops`) run when a compiled graph calls them."""
         if self._closed:
             self._check_not_closed("DirectKVWriter.write")
         if self.offnode is not None:  # before anything is written or aborted
@@ -531,7 +582,7 @@ class DirectKVWriter:
                 require(problem, rank=self.buffer.rank, call="DirectKVWriter.write", error=error)
             except ConfigError as e:  # InputError, BoundsError: every bad input
                 # Members may wait in this layer's fence: tell them now (PeerAborted). Nothing was written.
-                self._abort(str(e))
+                self.abort(str(e))
                 raise
         try:
             self._write_checked(layer, kv_c, k_pe, indexer_k, batch)
@@ -540,7 +591,7 @@ class DirectKVWriter:
                 raise
             # A node fence names the node peer whose flag it saw: name the view's origin instead.
             err = exchange.as_origin(self.view, self.buffer.rank, "DirectKVWriter.write", e)
-            self._abort(str(err))
+            self.abort(str(err))
             if err is e:
                 raise
             raise err from e
@@ -578,7 +629,7 @@ class DirectKVWriter:
         layer): identity and attribute tests first, sentences only for a problem.
         """
         if type(layer) is not int or not 0 <= layer < self._num_layers:
-            bad = self.layout._layer_problem(layer)  # the layout's own check and error
+            bad = self.layout.layer_problem(layer)  # the layout's own check and error
             if bad is not None:
                 return bad
         if type(batch) is not Batch or batch.writer is not self:
@@ -665,7 +716,7 @@ class DirectKVWriter:
         bound(kv_c, k_pe, idx_k, main_off, idx_off)
 
     # ------------------------------------------------------------------ gathered rows
-    def _abort(self, reason: str) -> None:
+    def abort(self, reason: str) -> None:
         """Abort the writer's fence's view (across nodes the node view, whose abort the view's parts
         pass to the view over nodes, which reaches the other nodes: :mod:`symmsync.spanning.parts`)."""
         self.fence.abort(reason)

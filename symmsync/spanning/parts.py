@@ -75,7 +75,7 @@ class SpanningParts:
         #: The view's origin once the watch read it (``(global rank, reason)``), else ``None``.
         self.origin: tuple[int, str] | None = None
         self._lock = threading.Lock()  # the watch's store into the cells, against close()
-        self._cells: torch.Tensor | None = view.buffer._memory.cell_memory().view(torch.int64)
+        self._cells: torch.Tensor | None = view.buffer.cell_memory().view(torch.int64)
         self._globals = exchange.global_ranks(view)
         _watch(self)
 

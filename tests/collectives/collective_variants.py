@@ -12,7 +12,7 @@ on the host backend, where a kernel reads host memory):
   back-to-back oracle must catch.
 
 A test puts it in through the seam the package documents,
-:data:`symmsync.collectives.ops.KERNEL`, before it constructs its operations.
+:data:`symmsync.collectives.operations.KERNEL`, before it constructs its operations.
 
 :func:`no_wait` is :func:`symmsync.collectives.protocol.wait` with the wait removed (it returns
 True at once): a test puts it in ``protocol``'s place in one rank process, where the

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 import symmsync as ss
 from symmsync import collectives as C
-from symmsync.collectives import ops as collective_ops
+from symmsync.collectives import operations as collective_ops
 from symmsync.collectives import protocol, tuning
 
 MAX_NUMEL = 4104  # a multiple of 2, 3 and 4: the largest reduce-scatter input too
@@ -174,7 +174,7 @@ STALLS_NS = (0, 0, 0, 1_000_000, 40_000_000, 120_000_000)
 @contextlib.contextmanager
 def launching(kernel, stall_ns=0, input_slots=2):
     """Operations launch ``kernel`` in this (rank) process inside the block, through the seam
-    :data:`symmsync.collectives.ops.KERNEL`; the pool's process is left as it was found."""
+    :data:`symmsync.collectives.operations.KERNEL`; the pool's process is left as it was found."""
     shipped = collective_ops.KERNEL
     collective_ops.KERNEL = kernel
     variants.CONTROL[:] = torch.tensor([stall_ns, input_slots])

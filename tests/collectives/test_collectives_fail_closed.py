@@ -29,7 +29,7 @@ import triton.language as tl
 import symmsync as ss
 from symmsync import collectives as C
 from symmsync.collectives import kernels as K
-from symmsync.collectives import ops
+from symmsync.collectives import operations as ops
 from symmsync.core import failure
 from symmsync.core.memory import CLOSED_EPOCH
 from symmsync.language import cells, records
@@ -119,7 +119,7 @@ def grad_then_no_grad(op):
     the op; then both call under no_grad, which an input that requires grad may."""
     buf, view, ar = _setup()
     x = torch.ones(8, requires_grad=dist.get_rank() == 1)
-    call = (lambda t: torch.ops.symmsync.all_reduce.default(t, ar.handle, "auto")) if op else ar
+    call = (lambda t: torch.ops.symmsync.all_reduce.default(t, ar.op_handle, "auto")) if op else ar
     out = {}
     try:
         out["grad"] = ("returned", call(x).tolist())

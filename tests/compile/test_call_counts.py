@@ -128,25 +128,25 @@ def counts() -> dict:
     plain_write = compile_(lambda kv, pe, ix: torch.empty_like(kv))
     cases = {
         "all_reduce.eager": (lambda: ar(x), None),
-        "all_reduce.op": (lambda: torch.ops.symmsync.all_reduce.default(x, ar.handle, "auto"), None),
+        "all_reduce.op": (lambda: torch.ops.symmsync.all_reduce.default(x, ar.op_handle, "auto"), None),
         "all_reduce.compiled": compiled(lambda t: ar(t)),
         "fused.eager": (lambda: ar(x, residual=r, norm_weight=w, eps=1e-6), None),
         "fused.op": (
-            lambda: torch.ops.symmsync.all_reduce_residual_rms_norm.default(x, r, w, 1e-6, ar.handle, "auto"),
+            lambda: torch.ops.symmsync.all_reduce_residual_rms_norm.default(x, r, w, 1e-6, ar.op_handle, "auto"),
             None,
         ),
         "fused.compiled": compiled(lambda t, u: ar(t, residual=u, norm_weight=w, eps=1e-6), 2),
         "all_gather.eager": (lambda: ag(x), None),
-        "all_gather.op": (lambda: torch.ops.symmsync.all_gather.default(x, ag.handle, 1), None),
+        "all_gather.op": (lambda: torch.ops.symmsync.all_gather.default(x, ag.op_handle, 1), None),
         "all_gather.compiled": compiled(lambda t: ag(t)),
         "reduce_scatter.eager": (lambda: rs(x), None),
-        "reduce_scatter.op": (lambda: torch.ops.symmsync.reduce_scatter.default(x, rs.handle, 1), None),
+        "reduce_scatter.op": (lambda: torch.ops.symmsync.reduce_scatter.default(x, rs.op_handle, 1), None),
         "reduce_scatter.compiled": compiled(lambda t: rs(t)),
         "fence.eager": (fence.fence, None),
-        "fence.op": (lambda: torch.ops.symmsync.fence.default(fence._handle, 0, fence._orders()), None),
+        "fence.op": (lambda: torch.ops.symmsync.fence.default(fence.op_handle, 0, fence.orders()), None),
         "fence.compiled": compiled(lambda t: fence.fence() or torch.empty_like(t)),
         "write.eager": (lambda: writer.write(0, kv, pe, ix, batch), None),
-        "write.op": (lambda: kv_write(writer.handle, 0, kv, pe, ix, batch.slots, span), None),
+        "write.op": (lambda: kv_write(writer.op_handle, 0, kv, pe, ix, batch.slots, span), None),
         "write.compiled": (lambda: cw(kv, pe, ix), lambda: plain_write(kv, pe, ix)),
     }
     out = {}

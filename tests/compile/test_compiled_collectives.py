@@ -1,7 +1,7 @@
 """The collectives inside ``torch.compile(fullgraph=True)``: the same calls, bit for bit.
 
 ``ar(x)``, ``ar(x, residual=r, norm_weight=w, eps=e)``, ``ag(x)`` and ``rs(x)`` in a
-compiled decode step trace to the ``symmsync::`` custom ops (symmsync/ops/collectives.py)
+compiled decode step trace to the ``symmsync::`` custom ops (symmsync/collectives/torch_ops.py)
 and must give the bits the eager calls give, on every member:
 
 * 50 decode steps at worlds 2 and 3, with Inductor and with aot_eager, token counts changing

@@ -25,7 +25,7 @@ def compiled_exchange(n, mode):
     compiled, no fence) or ``"unrefused"`` (as ``"fence"``, the trace-time check removed in
     this process). Returns how many steps read stale data, or the error."""
     if mode == "unrefused":  # the unsafe form: the fence op gets no user region (a tensor of no buffer's), so its
-        ss.Fence._orders = lambda self: [torch.empty(0, dtype=torch.uint8)]  # fake finds no write before it
+        ss.Fence.orders = lambda self: [torch.empty(0, dtype=torch.uint8)]  # fake finds no write before it
     buf = ss.SymmetricBuffer(4096, backend="host")
     r = buf.rank
     fence = ss.Fence(buf.view([0, 1]), timeout_s=60)

@@ -25,8 +25,6 @@ from oracles import Cache, first_difference, oracle_cache
 
 import symmsync as ss
 from symmsync import pcp
-from symmsync.ops import handles
-from symmsync.ops import kv as torch_ops
 from symmsync.testing import run
 
 STEPS = 50
@@ -75,21 +73,16 @@ def unsafe_on(writer) -> None:
     ``symmsync::kv_write`` whatever the backend (under ``aot_eager`` it runs on a clone of
     the span, copied back at the end of the graph), without the op's refusal of clones.
     Every other writer keeps the shipped dispatch and op body."""
-    shipped_trace, shipped_write = torch_ops.traced_write, torch_ops._write
 
-    def trace(w, layer, kv_c, k_pe, indexer_k, batch):
-        if w is not writer:
-            return shipped_trace(w, layer, kv_c, k_pe, indexer_k, batch)
-        w.caches(layer)
-        return torch.ops.symmsync.kv_write(w.handle, layer, kv_c, k_pe, indexer_k, batch.slots, w.span(layer))
+    def trace(layer, kv_c, k_pe, indexer_k, batch):  # this writer's _traced_write, set on the object
+        writer.caches(layer)
+        span = writer.span(layer)
+        return torch.ops.symmsync.kv_write(writer.op_handle, layer, kv_c, k_pe, indexer_k, batch.slots, span)
 
-    def write(handle, layer, kv_c, k_pe, indexer_k, slots, cache):
-        if handle != writer.handle:
-            return shipped_write(handle, layer, kv_c, k_pe, indexer_k, slots, cache)
-        w = handles.lookup(handle, "DirectKVWriter")
-        w.write(layer, kv_c, k_pe, indexer_k, w._last_batch())  # through its pointers, the clone unused
+    def write(layer, kv_c, k_pe, indexer_k, slots, cache):  # the ops' body, without the refusal of clones
+        writer.write(layer, kv_c, k_pe, indexer_k, writer.last_batch())  # through its pointers, the clone unused
 
-    torch_ops.traced_write, torch_ops._write = trace, write
+    writer._traced_write, writer.compiled_write = trace, write
 
 
 def compiled_decode(modes):

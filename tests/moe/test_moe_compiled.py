@@ -1,7 +1,7 @@
 """symmsync.moe inside ``torch.compile(fullgraph=True)``: the same layers, bit for bit.
 
 A compiled MoE layer (dispatch, an elementwise expert, combine) traces to the
-``symmsync::moe_dispatch`` and ``symmsync::moe_combine`` ops (symmsync/ops/moe.py); each layer
+``symmsync::moe_dispatch`` and ``symmsync::moe_combine`` ops (symmsync/moe/torch_ops.py); each layer
 runs compiled, then eagerly on the same dispatcher (the oracle: the eager path, whose own oracle
 is tests/moe/test_moe.py), and the outputs must have the same bits, on every member, with aot_eager
 and with Inductor. The graph compiles once (Dynamo's frame counter), with no graph break.

@@ -11,7 +11,7 @@ object, or the eager path's comparison of data pointers, cannot enter a graph)::
     symmsync::all_gather(Tensor x, int handle, int size) -> Tensor
     symmsync::reduce_scatter(Tensor x, int handle, int size) -> Tensor
 
-``handle`` names the collective (its ``handle`` attribute, :mod:`symmsync.ops.handles`); the
+``handle`` names the collective (its ``op_handle`` attribute, :mod:`symmsync.ops.handles`); the
 fused op returns ``(out, residual_out)``, as the eager call does; ``size`` is the view's
 size, which the output's shape depends on. Each op runs the eager call
 of the object its handle names: a call in a compiled graph checks its input, launches and
@@ -28,7 +28,7 @@ a collective's result still makes the call, since its members wait for it; a pur
 output went unused would be removed by dead-code elimination (Dynamo's, AOTAutograd's and
 Inductor's) on that rank alone.
 
-Each op's body is the eager call's own checked path (``AllReduce._reduce`` and its
+Each op's body is the eager call's own checked path (:meth:`AllReduce.eager` and its
 siblings: the checks run once, then the launch), entered through one pass of the dispatcher
 (:mod:`symmsync.ops.oplib`). It keeps none of its tensors: a bound launch holds what its last
 call packed to, never the tensors (:class:`~symmsync.core.launch.BoundLaunch`), so under
@@ -39,23 +39,24 @@ Replays of a captured graph run no Python at all.
 
 import torch
 
-from . import handles, oplib
+from ..ops import handles, oplib
+from .operations import AllGather, AllReduce, ReduceScatter
 
 
 def _all_reduce(x, handle, algorithm):
-    return handles.lookup(handle, "AllReduce")._reduce(x, None, algorithm)
+    return handles.lookup(handle, AllReduce).eager(x, None, algorithm)
 
 
 def _fused(x, residual, weight, eps, handle, algorithm):
-    return handles.lookup(handle, "AllReduce")._fused(x, None, algorithm, residual, weight, eps, None)
+    return handles.lookup(handle, AllReduce).eager_fused(x, None, algorithm, residual, weight, eps, None)
 
 
 def _all_gather(x, handle, size):
-    return handles.lookup(handle, "AllGather")._gather(x, None)
+    return handles.lookup(handle, AllGather).eager(x, None)
 
 
 def _reduce_scatter(x, handle, size):
-    return handles.lookup(handle, "ReduceScatter")._scatter(x, None)
+    return handles.lookup(handle, ReduceScatter).eager(x, None)
 
 
 oplib.define(

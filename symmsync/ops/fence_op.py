@@ -35,10 +35,20 @@ from . import handles, oplib
 FENCE, ARRIVE, WAIT = 0, 1, 2  # the op's kinds; a Fence indexes its launches by them (core/fence.py)
 
 
+_served: list[type] = []  # the class whose objects the op runs: symmsync.core.fence.Fence, by serve()
+
+
+def serve(cls: type) -> None:
+    """Name the class whose objects ``symmsync::fence`` runs (:class:`symmsync.core.fence.Fence` calls
+    this as it is defined: a registration, since this layer is below the fence's)."""
+    _served[:] = [cls]
+
+
 def _fence(handle: int, kind: int, orders: list[torch.Tensor]) -> None:
-    """Run the fence ``handle`` names (``kind`` 0 fence, 1 arrive, 2 wait). ``orders``: the
-    user regions of the view's members, as this rank maps them (read by the trace-time check)."""
-    handles.lookup(handle, "Fence")._launch_now(kind)
+    """Run the fence ``handle`` names (``kind`` 0 fence, 1 arrive, 2 wait): its ``launch_now``.
+    ``orders``: the user regions of the view's members, as this rank maps them (read by the
+    trace-time check)."""
+    handles.lookup(handle, _served[0]).launch_now(kind)
 
 
 def _fence_fake(handle: int, kind: int, orders: list[torch.Tensor]) -> None:

@@ -9,22 +9,23 @@ Inside a function being compiled, ``disp.dispatch(x, topk_idx)`` and
     symmsync::moe_combine(Tensor expert_out, Tensor topk_weights, Tensor topk_idx, Tensor src,
                           Tensor per_source, int handle) -> Tensor
 
-``handle`` names the dispatcher (its ``handle`` attribute, :mod:`symmsync.ops.handles`); the
+``handle`` names the dispatcher (its ``op_handle`` attribute, :mod:`symmsync.ops.handles`); the
 dispatch op also takes the sizes its outputs' shapes depend on (local experts, members,
 ``max_tokens``, ``fp8``), so that its fake reads nothing from the object a handle names (a graph
 cache keys a graph by its nodes and constants, not by the object). Each op runs the eager
-call's checked path and returns new tensors, never an input (functional, as the
+call's checked path (:meth:`Dispatcher.eager_dispatch`, :meth:`Dispatcher.eager_combine`) and returns new tensors, never an input (functional, as the
 collectives' ops). Marked side-effecting
 (:func:`symmsync.ops.oplib.define`): the members wait for every call.
 """
 
 import torch
 
-from . import handles, oplib
+from ..ops import handles, oplib
+from .dispatcher import Dispatcher
 
 
 def _dispatch(x, topk_idx, handle, local_experts, size, max_tokens, fp8):
-    return handles.lookup(handle, "moe.Dispatcher")._dispatch(x, topk_idx)
+    return handles.lookup(handle, Dispatcher).eager_dispatch(x, topk_idx)
 
 
 def _dispatch_fake(x, topk_idx, handle, local_experts, size, max_tokens, fp8):
@@ -45,7 +46,7 @@ def _dispatch_fake(x, topk_idx, handle, local_experts, size, max_tokens, fp8):
 
 
 def _combine(expert_out, topk_weights, topk_idx, src, per_source, handle):
-    return handles.lookup(handle, "moe.Dispatcher")._combine(expert_out, topk_weights, topk_idx, src, per_source)
+    return handles.lookup(handle, Dispatcher).eager_combine(expert_out, topk_weights, topk_idx, src, per_source)
 
 
 def _combine_fake(expert_out, topk_weights, topk_idx, src, per_source, handle):

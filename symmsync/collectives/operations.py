@@ -138,12 +138,12 @@ class _Collective:
             ws.reduced,
         )
         # The view's failure owner keeps this object's failure (a call's recorded timeout or
-        # mismatch) and fails it when the view is aborted: _check_usable() asks it.
+        # mismatch) and fails it when the view is aborted: check_usable() asks it.
         self._channel = channel
         self._failure = view.failure
         self._failure.register(self, f"{self._NAME} (channel {channel})")
-        self.handle = handles.register(self, self._NAME)
-        """The int that names this object to its torch custom op (:mod:`symmsync.ops.collectives`)."""
+        self.op_handle = handles.register(self)
+        """The int that names this object to its torch custom op (:mod:`symmsync.collectives.torch_ops`)."""
 
     def _init_over_nodes(self, view, max_numel, dtype, algorithm, offset, channel, timeout_s) -> None:
         """Over a view that spans nodes: the operation's form there (:data:`FORMS`), its node steps
@@ -163,7 +163,7 @@ class _Collective:
         self._device_index = view.buffer.device.index if caps.streams else -1
         self._failure = view.failure
         self._failure.register(self, f"{self._NAME} (over {view.nodes.num_nodes} nodes)")
-        self.handle = handles.register(self, self._NAME)
+        self.op_handle = handles.register(self)
 
     def _keep(self, view: PeerView, max_numel: int, dtype: torch.dtype, shares_gpu: tuple[int, ...]) -> None:
         """What every form keeps of its arguments, once they are agreed (:func:`.making.agree`)."""
@@ -284,13 +284,13 @@ class _Collective:
 
     # ------------------------------------------------------------------ a call
     def _traced(self, op: Any, args: tuple, out: Any, *after: Any, half: bool = False) -> Any:
-        """A call ``torch.compile`` traces: ``op(*args, self.handle, *after)`` (:mod:`symmsync.ops.collectives`), which
+        """A call ``torch.compile`` traces: ``op(*args, self.op_handle, *after)`` (:mod:`.torch_ops`), which
         makes the eager call's checked path when the graph runs; no data pointer is read. Raises
         ConfigError while tracing for an ``out=`` (the op returns new tensors) or a ``half`` epilogue."""
         if out is not None or half:
             what = "pass residual= and norm_weight=" if half else "out= is eager-only (the op returns new tensors)"
             raise ConfigError(f"rank {self.rank}: {self._NAME} under torch.compile: {what} (docs/collectives.md)")
-        return op(*args, self.handle, *after)
+        return op(*args, self.op_handle, *after)
 
     def _launch(
         self,
@@ -305,7 +305,7 @@ class _Collective:
         # (which repacks nothing when the tensors are those of the last call of this variant).
         # A closed buffer's views are never clean (close() aborts them first).
         if self._closed or not self._failure.clean:
-            self._check_usable()
+            self.check_usable()
         if self._over is not None:  # over nodes: the form's steps
             return self._over.launch(x, out, numel, algorithm, count, epilogue)
         count = numel if count < 0 else count  # the kernel's element count (the reduce-scatter's chunk)
@@ -334,7 +334,7 @@ class _Collective:
             # A launch that raised (an error of symmsync's from inside an interpreted kernel, a
             # failed compile or launch) may have run part of the call: the collective fails with
             # it and the members are told, so no later call of this rank's can meet theirs.
-            self._fail(e)
+            self.fail(e)
             raise
         if self._host_checks:
             self._failure.settle(self, self._recorded_error, synchronize=False)
@@ -416,12 +416,12 @@ class _Collective:
 
     def _refuse(self, problem: str) -> None:
         """Refuse a bad call on this member before it launches: fail, tell the members, raise."""
-        self._check_usable()  # a collective that failed, or whose view was aborted, raises that first
+        self.check_usable()  # a collective that failed, or whose view was aborted, raises that first
         err = InputError(f"rank {self.rank}: {self._NAME}: {problem}")
-        self._fail(err, f"{self._NAME}: {problem}")
+        self.fail(err, f"{self._NAME}: {problem}")
         raise err
 
-    def _fail(self, err: Exception, reason: str | None = None) -> None:
+    def fail(self, err: Exception, reason: str | None = None) -> None:
         """This rank's call failed with ``err``: every later call raises ``err`` without launching,
         and the members' calls raise :class:`~symmsync.PeerAborted` naming this rank and ``reason``
         (default: the error's type and message), at once, instead of waiting out their budget for a call this
@@ -431,7 +431,7 @@ class _Collective:
         self._failure.abort_quietly(reason or f"{self._NAME}: {type(err).__name__}: {err}", cause=err)
 
     # ------------------------------------------------------------------ failures
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
         """Raise if this collective may not run a call: its buffer is closed, or it failed (a
         call's recorded error, this rank's abort of the view). The view's failure owner
         decides, and aborts the view first (once) after a failure of this collective's own,
@@ -579,8 +579,8 @@ class AllReduce(_Collective):
             half = residual is None or norm_weight is None
             return self._traced(torch.ops.symmsync.all_reduce_residual_rms_norm, args, outs, alg, half=half)
         if residual is not None or norm_weight is not None:
-            return self._fused(x, out, algorithm, residual, norm_weight, eps, residual_out)
-        return self._reduce(x, out, algorithm)
+            return self.eager_fused(x, out, algorithm, residual, norm_weight, eps, residual_out)
+        return self.eager(x, out, algorithm)
 
     def accepts(
         self,
@@ -600,8 +600,9 @@ class AllReduce(_Collective):
             return self._fused_problem(x, out, algorithm, residual, norm_weight, eps, residual_out) is None
         return self._problem(x, out) is None and (algorithm or self.algorithm) in self._codes
 
-    def _reduce(self, x: Any, out: Any, algorithm: str | None) -> torch.Tensor:
-        """The checked call without the epilogue: what ``__call__`` and ``symmsync::all_reduce`` run."""
+    def eager(self, x: Any, out: Any = None, algorithm: str | None = None) -> torch.Tensor:
+        """The checked call without the epilogue, launched now: what ``__call__`` runs outside compiled code
+        and ``symmsync::all_reduce`` runs when a compiled graph calls it."""
         code = self._codes.get(algorithm or self.algorithm)
         bad = self._problem(x, out)
         if bad is not None or code is None:
@@ -614,7 +615,7 @@ class AllReduce(_Collective):
         self._launch(x, out, numel, code)
         return out
 
-    def _fused(self, x, out, algorithm, residual, weight, eps, res_out) -> tuple[torch.Tensor, torch.Tensor]:
+    def eager_fused(self, x, out, algorithm, residual, weight, eps, res_out) -> tuple[torch.Tensor, torch.Tensor]:
         """The checked call with the fused residual + RMS norm epilogue (one-shot, whole rows per
         program): what ``__call__`` and ``symmsync::all_reduce_residual_rms_norm`` run."""
         bad = self._fused_problem(x, out, algorithm, residual, weight, eps, res_out)
@@ -687,10 +688,10 @@ class AllGather(_Collective):
         """
         if torch.compiler.is_compiling():
             return self._traced(torch.ops.symmsync.all_gather, (x,), out, self.size)
-        return self._gather(x, out)
+        return self.eager(x, out)
 
-    def _gather(self, x: Any, out: Any) -> torch.Tensor:
-        """The checked call: what ``__call__`` and ``symmsync::all_gather`` run."""
+    def eager(self, x: Any, out: Any = None) -> torch.Tensor:
+        """The checked call, launched now: what ``__call__`` and ``symmsync::all_gather`` run."""
         out = self._output(x, out)
         self._launch(x, out, x.numel(), -1)
         return out
@@ -717,10 +718,10 @@ class ReduceScatter(_Collective):
         """
         if torch.compiler.is_compiling():
             return self._traced(torch.ops.symmsync.reduce_scatter, (x,), out, self.size)
-        return self._scatter(x, out)
+        return self.eager(x, out)
 
-    def _scatter(self, x: Any, out: Any) -> torch.Tensor:
-        """The checked call: what ``__call__`` and ``symmsync::reduce_scatter`` run."""
+    def eager(self, x: Any, out: Any = None) -> torch.Tensor:
+        """The checked call, launched now: what ``__call__`` and ``symmsync::reduce_scatter`` run."""
         out = self._output(x, out)
         self._launch(x, out, x.numel(), -1, self._out_numel(x.numel()))
         return out
