@@ -15,6 +15,7 @@ from .. import backends
 from ..backends import mode
 from ..checks import int_problem, number_problem, require, tensor_problem
 from ..core import agreement
+from ..core.consumer import Consumer
 from ..core.failure import Stall, used_after_abort
 from ..core.fence import Fence
 from ..core.launch import BoundLaunch, Launcher
@@ -53,7 +54,7 @@ _SHAPE_NOTES = {
 }
 
 
-class _Collective:
+class _Collective(Consumer):
     """What the three operations share: construction, the workspace, launches, failures."""
 
     _OP = 0
@@ -237,50 +238,15 @@ class _Collective:
             )
         self._failure.settle(self, self._recorded_error, stall=stall)
 
-    def close(self) -> None:
-        """Release the collective on every member at once (collective over the buffer's group, as
-        its construction: every rank closes its objects in the same order).
-
-        Every member's calls on it are over first (GPUs: the device is synchronized; then a
-        barrier over the group), then its claim on its workspace's bytes goes, on every member:
-        a new object of any layout (another dtype, another operation, the writer, a dispatcher,
-        a user's claim) may be made at the same bytes at once, and no member's new owner can
-        overwrite a slot a slow member still reads. Its calls (and :meth:`input`) raise
-        :class:`~symmsync.ClosedError` from then on, launching nothing; its view, fence channel
-        and the other objects on the view are untouched. Idempotent. ``with AllReduce(...) as
-        ar:`` closes it at the block's end (left by an exception: on this rank only, with no
-        barrier, since the other members may not have raised). An object dropped without
-        ``close()`` still releases its bytes when it is collected (on each rank when its
-        garbage goes; the next construction over them collects first).
-
-        Raises:
-            BackendError: a member died or left before the barrier (the claim goes all the same).
-        """
-        self._close(together=True)
-
-    def _close(self, together: bool) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _release(self, together: bool) -> None:
         try:
             if self._over is not None:  # its node steps hold the bytes, and close alike on every rank
                 for step in self._over.steps:
                     step._close(together)
             else:
-                agreement.release_together(self._buffer, self._claims, together=together)
+                super()._release(together)
         finally:
             self.release_tables()
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` ran."""
-        return self._closed
-
-    def __enter__(self) -> _Collective:
-        return self
-
-    def __exit__(self, kind: Any, err: Any, tb: Any) -> None:
-        self._close(together=kind is None)
 
     # ------------------------------------------------------------------ a call
     def _traced(self, op: Any, args: tuple, out: Any, *after: Any, half: bool = False) -> Any:

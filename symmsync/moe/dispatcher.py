@@ -16,6 +16,7 @@ from .. import backends
 from ..backends import mode
 from ..checks import int_problem, tensor_problem
 from ..core import agreement
+from ..core.consumer import Consumer
 from ..core.failure import used_after_abort
 from ..core.nodes import spanning_problem
 from ..core.regions import Region
@@ -52,7 +53,7 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-class Dispatcher:
+class Dispatcher(Consumer):
     """Send each token to the members that own its top-k experts, and bring the outputs back.
 
     Args:
@@ -455,40 +456,11 @@ class Dispatcher:
         if self.view.aborted is None:
             self.view.failure.abort(reason or f"moe.Dispatcher: {type(err).__name__}: {err}"[:200], cause=err)
 
-    def close(self) -> None:
-        """Release the dispatcher on every member at once (collective over the buffer's group, as its
-        construction): every member's steps are over first (GPUs: the device is synchronized;
-        then a barrier over the group), then its claim on its workspace's bytes goes on every
-        member, so that a new owner of any layout may be made there at once, and its signal
-        memory is released. Its calls raise :class:`~symmsync.ClosedError` from then on; its view
-        is untouched. Idempotent. ``with moe.Dispatcher(...) as disp:`` closes it at the block's
-        end (left by an exception: on this rank only, with no barrier). Dropped without
-        ``close()``, it still releases its bytes when it is collected.
-
-        Raises:
-            BackendError: a member died or left before the barrier (the claim goes all the same).
-        """
-        self._close(together=True)
-
-    def _close(self, together: bool) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _release(self, together: bool) -> None:
         try:
-            agreement.release_together(self._buffer, self._claims, together=together)
+            super()._release(together)
         finally:
-            self.sigs.close()
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` ran."""
-        return self._closed
-
-    def __enter__(self) -> Dispatcher:
-        return self
-
-    def __exit__(self, kind: Any, err: Any, tb: Any) -> None:
-        self._close(together=kind is None)
+            self.sigs.close()  # its signal memory
 
     def __repr__(self) -> str:
         return (

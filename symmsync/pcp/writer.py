@@ -44,6 +44,7 @@ from .. import backends
 from ..backends import mode
 from ..checks import int_problem, is_int, require, tensor_problem
 from ..core import agreement
+from ..core.consumer import Consumer
 from ..core.fence import Fence
 from ..core.launch import BoundLaunch, Launcher
 from ..core.regions import Region
@@ -103,7 +104,7 @@ CLONED = (
 )
 
 
-class DirectKVWriter:
+class DirectKVWriter(Consumer):
     """Writes a PCP group's KV-cache bytes into every replica, one layer at a time.
 
     Args:
@@ -170,7 +171,7 @@ class DirectKVWriter:
         buf = view.buffer
         fused = route == "direct" if fused is None else bool(fused)
         self.view, self.layout, self.route, self.fused, self.debug = view, layout, route, fused, debug
-        self.buffer = buf
+        self.buffer = self._buffer = buf
         call = "DirectKVWriter"
         problem, error = None, ConfigError
         placement = None
@@ -312,38 +313,9 @@ class DirectKVWriter:
         self._last_batch: weakref.ReferenceType | None = None  # weak: a batch refers to its writer
 
     # ------------------------------------------------------------------ lifetime
-    def close(self) -> None:
-        """Release the writer on every member at once (collective over the buffer's group, as its
-        construction): every member's writes are over first (GPUs: the device is synchronized;
-        then a barrier over the group), then its claims on the caches' bytes go on every member,
-        so that a new owner of any layout may be made there at once. Its calls raise
-        :class:`~symmsync.ClosedError` from then on; its view and fence channel are untouched.
-        Idempotent. ``with DirectKVWriter(...) as writer:`` closes it at the block's end (left by
-        an exception: on this rank only, with no barrier). Dropped without ``close()``, it still
-        releases its bytes when it is collected.
-
-        Raises:
-            BackendError: a member died or left before the barrier (the claims go all the same).
-        """
-        self._close(together=True)
-
-    def _close(self, together: bool) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _release(self, together: bool) -> None:
         self._spans = None
-        agreement.release_together(self.buffer, self._claims, together=together)
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` ran."""
-        return self._closed
-
-    def __enter__(self) -> DirectKVWriter:
-        return self
-
-    def __exit__(self, kind: Any, err: Any, tb: Any) -> None:
-        self._close(together=kind is None)
+        super()._release(together)
 
     def _check_not_closed(self, call: str) -> None:
         if self._closed:
