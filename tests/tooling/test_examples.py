@@ -56,6 +56,12 @@ EXPECTED = {
         )
     ],
     "10_moe.py": ["2 ranks: 3 MoE layers, top-2 of 4 experts: bit for bit"],
+    "11_broadcast.py": [
+        "rank 0: the root's 8 values, eagerly and compiled",
+        "rank 0: PeerAborted naming rank [1]",
+        "rank 1: the root's 8 values, eagerly and compiled",
+        "rank 1: InputError: x must be torch.float16, got torch.float64",
+    ],
 }
 HOST_ONLY = {
     "01_buffer.py": [f"rank {r}: host backend, 1024 bytes on cpu" for r in (0, 1)],

@@ -33,6 +33,19 @@ def test_the_compiled_decode_example_runs_under_torchrun():
         assert proc.stdout.count(line) == 1, proc.stdout
 
 
+def test_the_new_consumer_tutorial_runs_under_torchrun():
+    # A consumer built in the tutorial (examples/11_broadcast.py): made, compiled, closed, failing closed.
+    proc = torchrun("examples/11_broadcast.py")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for line in (
+        "rank 0: the root's 8 values, eagerly and compiled",
+        "rank 1: the root's 8 values, eagerly and compiled",
+        "rank 0: PeerAborted naming rank [1]",
+        "rank 1: InputError: x must be torch.float16, got torch.float64",
+    ):
+        assert proc.stdout.count(line) == 1, (line, proc.stdout)
+
+
 def _job_section() -> str:
     text = (ROOT / "examples" / "torchrun_job.py").read_text()
     return text.split("# --8<-- [start:job]\n")[1].split("# --8<-- [end:job]")[0]
