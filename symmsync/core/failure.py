@@ -55,6 +55,7 @@ import triton.language as tl
 from .. import language as ssl
 from ..errors import CLOSED_REASON, ClosedError, PeerAborted
 from ..language import cells
+from . import liveness
 
 if TYPE_CHECKING:  # the view makes its owner; this module needs only the view's public API
     from .views import PeerView
@@ -219,6 +220,11 @@ class ViewFailure:
         if self._reason is not None:
             entry.error = waiter.abort_error(self._reason)
         self._waiters[waiter] = entry
+        view = self._view
+        if view.nodes.single and view.size > 1:  # a member that dies is named within a poll (core/liveness.py)
+            processes = getattr(view.buffer, "_processes", None)
+            if processes is not None:
+                liveness.watch(view, [processes[r] for r in view.ranks])
         if not self._warm and self._view.buffer.capabilities.traps and self._view.nodes.single:
             self._warm = True
             self._warm_up()
