@@ -204,6 +204,10 @@ class ViewFailure:
         self._waiters: weakref.WeakKeyDictionary[Waiter, _Entry] = weakref.WeakKeyDictionary()
         self._warm = False  # the marking kernel is compiled (GPU)
         self.clean = True
+        #: ``(rank, reason)`` of the member whose abort this rank's abort relays (it gave up on
+        #: seeing that member's abort, or its death), else ``None``: set before the waiters are
+        #: failed, so that the view over nodes above a node view relays the same origin.
+        self.relayed: tuple[int, str] | None = None
 
     @property
     def reason(self) -> str | None:
@@ -330,8 +334,8 @@ class ViewFailure:
         view = self._view
         if view.buffer.closed:
             raise ClosedError(f"rank {view.rank}: PeerView.abort used after its buffer was closed")
+        origin = self.relayed = _origin(cause, view.rank)
         self._set(reason)
-        origin = _origin(cause, view.rank)
         if origin is not None:
             self._mark(cells.REASON_RELAYED + origin[0], origin[1])
         else:
