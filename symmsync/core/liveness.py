@@ -110,7 +110,9 @@ class _Watched:
         for i, proc in self.procs.items():
             if i not in self.flagged and not alive(proc):
                 self.flagged.add(i)
-                log.warning("symmsync: rank %d of view %s died; its members' waits end", view.ranks[i], list(view.ranks))
+                log.warning(
+                    "symmsync: rank %d of view %s died; its members' waits end", view.ranks[i], list(view.ranks)
+                )
                 flag_dead(view, i)
         return len(self.flagged) < len(self.procs)
 
