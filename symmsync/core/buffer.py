@@ -41,7 +41,7 @@ from .. import backends
 from ..checks import check_index, int_problem, is_int, require
 from ..errors import CLOSED_REASON, BoundsError, ClosedError, ConfigError, SizeMismatchError
 from ..language.cells import CellLayout
-from . import memory, nodes
+from . import liveness, memory, nodes
 from .agreement import Same, agree
 from .regions import Region, Regions
 from .views import PeerView, create_view
@@ -310,10 +310,12 @@ class SymmetricBuffer:
         (:mod:`symmsync.core.nodes`)."""
         if new:
             args, problem = nodes.with_fields(args, problem, dev)
+            args["process"] = liveness.identity()  # what the node peers watch (core/liveness.py)
         same = {k: rule for k, rule in (_AGREED | nodes.AGREED).items() if k in args}
         agreed = agree(self._group, call, args, problem=problem, error=error, same=same, device=dev)
         if new:  # and what this rank maps: its node's ranks
             self._nodes, self._key, self._near = nodes.layout(agreed, call, self._rank)
+            self._processes = tuple(a["process"] for a in agreed)
 
     def grow(self, nbytes: int) -> None:
         """Grow the user region to ``nbytes`` on every rank (collective).

@@ -55,6 +55,7 @@ import triton.language as tl
 from .. import language as ssl
 from ..errors import CLOSED_REASON, ClosedError, PeerAborted
 from ..language import cells
+from . import liveness
 
 if TYPE_CHECKING:  # the view makes its owner; this module needs only the view's public API
     from .views import PeerView
@@ -203,6 +204,10 @@ class ViewFailure:
         self._waiters: weakref.WeakKeyDictionary[Waiter, _Entry] = weakref.WeakKeyDictionary()
         self._warm = False  # the marking kernel is compiled (GPU)
         self.clean = True
+        #: ``(rank, reason)`` of the member whose abort this rank's abort relays (it gave up on
+        #: seeing that member's abort, or its death), else ``None``: set before the waiters are
+        #: failed, so that the view over nodes above a node view relays the same origin.
+        self.relayed: tuple[int, str] | None = None
 
     @property
     def reason(self) -> str | None:
@@ -219,6 +224,11 @@ class ViewFailure:
         if self._reason is not None:
             entry.error = waiter.abort_error(self._reason)
         self._waiters[waiter] = entry
+        view = self._view
+        if view.nodes.single and view.size > 1:  # a member that dies is named within a poll (core/liveness.py)
+            processes = getattr(view.buffer, "_processes", None)
+            if processes is not None:
+                liveness.watch(view, [processes[r] for r in view.ranks])
         if not self._warm and self._view.buffer.capabilities.traps and self._view.nodes.single:
             self._warm = True
             self._warm_up()
@@ -324,8 +334,8 @@ class ViewFailure:
         view = self._view
         if view.buffer.closed:
             raise ClosedError(f"rank {view.rank}: PeerView.abort used after its buffer was closed")
+        origin = self.relayed = _origin(cause, view.rank)
         self._set(reason)
-        origin = _origin(cause, view.rank)
         if origin is not None:
             self._mark(cells.REASON_RELAYED + origin[0], origin[1])
         else:

@@ -180,7 +180,12 @@ class Signals:
         if caps.streams:
             torch.cuda.synchronize(buf.device)
         members = list(view.ranks)
-        inbox = mem.ptrs.cpu()[members]
+        # The members' slot memory: the view's entries of the allocation's own table, as a view
+        # takes its entries of the buffer's (core/views.py). Its group is the buffer's, which may
+        # span nodes; the view's members are on this rank's node (refused above otherwise), so
+        # each entry names mapped memory (mem.ptrs refuses the whole table of a spanning group).
+        table = mem._ptrs
+        inbox = table.cpu()[members]
         data = view.ptrs.cpu()
         cell = view.cell_ptrs.cpu() + view.cell_offset(0)
         self._record = torch.zeros(records.SIGNAL_RECORD_WORDS, dtype=torch.int64, pin_memory=caps.pinned_record)
@@ -199,7 +204,7 @@ class Signals:
         # The handle names the slots' memory, the view's user regions and cells, and the
         # record: a kernel launched through kernel_args kept past close() finds them all
         # still mapped (as tensors kept past close() do), never freed memory.
-        keep_alive(self._handle, mem.ptrs, view.ptrs, view.cell_ptrs, self._record)
+        keep_alive(self._handle, table, view.ptrs, view.cell_ptrs, self._record)
         self.record = self._record.data_ptr()
         """Address of the timeout record (kernel argument; pinned host memory on GPUs)."""
         self._kernel_args = (self._handle, view.local_index, self.timeout_ns, self.record)

@@ -141,7 +141,10 @@ def post_abort(view: PeerView, reason: str) -> None:
         me = global_ranks(view)[view.local_index]
         for off in _offnodes(view):
             off.post_done(me)
-        if BROKE not in reason:
+        relayed = view.failure.relayed  # it relays a member's abort (or death): that member is the origin
+        if relayed is not None and relayed[0] in view.ranks:
+            claim_origin(view, global_ranks(view)[view.ranks.index(relayed[0])], relayed[1])
+        elif BROKE not in reason:
             claim_origin(view, me, reason)
         _store().set(_key(view, me), reason)
     except Exception as e:  # noqa: BLE001 - an abort must not raise for it

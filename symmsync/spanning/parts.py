@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..core.failure import used_after_abort
+from ..errors import PeerAborted
 from ..language import cells
 from . import exchange
 from .exchange import OffNode
@@ -69,7 +70,7 @@ class SpanningParts:
         self.node_view = view.buffer.view([view.ranks[i] for i in members])
         self.exchange = OffNode(view, timeout_s=timeout_s)
         self._taken = 0  # the node view's channels its consumers took, from 0 up
-        self._up = _Up(view)  # held here: a failure owner holds its waiters weakly
+        self._up = _Up(view, self.node_view)  # held here: a failure owner holds its waiters weakly
         view.failure.register(self, "its node view")
         self.node_view.failure.register(self._up, "the view over nodes")
         #: The view's origin once the watch read it (``(global rank, reason)``), else ``None``.
@@ -148,14 +149,21 @@ class SpanningParts:
 class _Up:
     """A waiter of the node view: its abort aborts the view over nodes."""
 
-    def __init__(self, view: PeerView):
+    def __init__(self, view: PeerView, node_view: PeerView):
         self._view = view
+        self._node = node_view
 
     def abort_error(self, reason: str) -> Exception:
         return used_after_abort(self._view, "the view over nodes", reason)
 
     def refuse_kernel_args(self, reason: str) -> None:
-        self._view.failure.abort_quietly(reason)
+        # A node view's abort that relays a node peer's (one found dead by core/liveness.py, one
+        # whose flag a node step saw) relays it over nodes too: its origin is claimed, not this rank.
+        origin = self._node.failure.relayed
+        cause = None
+        if origin is not None:
+            cause = PeerAborted(reason, rank=self._view.rank, epoch=-1, late={}, channel=-1, aborted=dict([origin]))
+        self._view.failure.abort_quietly(reason, cause=cause)
 
 
 _WATCHED: weakref.WeakSet[SpanningParts] = weakref.WeakSet()

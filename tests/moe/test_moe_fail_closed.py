@@ -1,8 +1,12 @@
 """symmsync.moe fails closed: bad input is refused on its rank before anything is sent and
 reaches the members as PeerAborted naming it; a member that never comes is named by a bounded
 wait; construction is agreed (every rank raises, or none); a view over nodes is refused; a
-member that gave up on another's abort relays it, and every member names the origin."""
+member that gave up on another's abort relays it, and every member names the origin; a member
+killed mid-sequence (between its dispatch and its combine) is named by every survivor within a
+few seconds (its process is watched, core/liveness.py), not at the 30 s budget."""
 
+import os
+import signal
 import time
 
 import moe_oracle as oracle  # noqa: F401 - the package's tests share the oracle's module path
@@ -14,7 +18,7 @@ from test_moe import make
 import symmsync as ss
 from symmsync import moe
 from symmsync.core.nodes import NODE_SIZE_ENV
-from symmsync.testing import run
+from symmsync.testing import Died, run
 
 E, M, H, K = 4, 3, 32, 2
 
@@ -172,3 +176,56 @@ def test_a_relayed_abort_names_the_origin_and_its_reason_on_every_member():
         assert list(aborted) == [2] and aborted[2].startswith(reason), (rank, aborted)
         assert f"rank 2 aborted: {reason}" in msg, (rank, msg)
         assert "rank 0 aborted" not in msg and "rank 1 aborted" not in msg, (rank, msg)
+
+
+# ---------------------------------------------------------------------- a member killed mid-sequence
+KILLED_BUDGET_S = 30.0  # every wait's budget: a member left to it shows as 30 s
+NAMED_WITHIN_S = 5.0  # every survivor raises within this of the kill
+
+
+def killed_mid_sequence(victim, kill_at):
+    """Layers of dispatch + combine at world 3; at layer ``kill_at`` the victim dispatches, stamps
+    the time in the store and kills itself before its combine. The survivors return what their
+    first failing call raised, when, and what a next call raised."""
+    me = dist.get_rank()
+    buf, disp = make(6, M, H, torch.bfloat16, K, timeout_s=KILLED_BUDGET_S)
+    store = dist.distributed_c10d._get_default_store()
+    x = torch.ones(M, H, dtype=torch.bfloat16)
+    ids = torch.tensor([[(me + t) % 6, (me + t + 2) % 6] for t in range(M)], dtype=torch.int64)
+    w = torch.full((M, K), 0.5)
+    for n in range(10):
+        try:
+            recv, _, handle = disp.dispatch(x, ids)
+            if me == victim and n == kill_at:
+                store.set("test/moe-killed", repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            disp.combine(recv, w, handle)
+        except ss.SymmSyncError as e:
+            at = time.time()
+            err = {"type": type(e).__name__, "msg": str(e), "aborted": getattr(e, "aborted", None), "layer": n}
+            try:
+                disp.dispatch(x, ids)
+                again = "no error"
+            except ss.SymmSyncError as e2:
+                again = type(e2).__name__
+            killed = float(store.get("test/moe-killed").decode())
+            buf.close()
+            return err, at - killed, again
+    buf.close()
+    return "no error"
+
+
+def test_a_member_killed_mid_sequence_is_named_by_every_survivor_within_seconds():
+    victim, kill_at = 1, 2
+    results = run(killed_mid_sequence, 3, victim, kill_at, timeout_s=180, may_die=[victim])
+    assert results[victim] == Died(victim, -signal.SIGKILL), results[victim]
+    for rank in (0, 2):
+        got = results[rank]
+        assert got != "no error", rank
+        err, after, again = got
+        print(f"rank {rank}: {err['type']} at layer {err['layer']}, {after:.2f} s after the kill")
+        assert after < NAMED_WITHIN_S, (rank, after, err)  # not the 30 s budget
+        assert err["type"] in ("SignalAborted", "PeerAborted"), (rank, err)
+        assert list(err["aborted"]) == [victim] and "died" in err["aborted"][victim], (rank, err)
+        assert f"rank {victim}" in err["msg"] and "died" in err["msg"], (rank, err)
+        assert again in ("SignalAborted", "PeerAborted"), (rank, again)  # fails closed from then on
