@@ -242,7 +242,7 @@ class _Collective(Consumer):
         try:
             if self._over is not None:  # its node steps hold the bytes, and close alike on every rank
                 for step in self._over.steps:
-                    step._close(together)
+                    step.close(together)
             else:
                 super()._release(together)
         finally:

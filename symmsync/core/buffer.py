@@ -460,13 +460,16 @@ class SymmetricBuffer:
         self._check_open("local_memory")
         return self._memory.user_tensor(self._rank)[: self._nbytes]
 
-    def cell_memory(self) -> torch.Tensor:
-        """``uint8`` tensor over this rank's cells, from its :attr:`cell_ptrs` base.
+    def cell_memory(self, rank: int | None = None) -> torch.Tensor:
+        """``uint8`` tensor over this rank's cells, from its :attr:`cell_ptrs` base, or over the
+        cells of ``rank`` as this rank maps them (a member of its node).
 
         Cell ``c`` is at ``[c, c + cell_bytes)``.
         """
         self._check_open("cell_memory")
-        return self._memory.cell_memory()
+        if rank is None or rank == self._rank:
+            return self._memory.cell_memory()
+        return self._memory.cells.peers[rank].tensor
 
     def offset_of(self, t: torch.Tensor) -> int:
         """Byte offset of ``t``'s first element from this rank's base address.

@@ -35,18 +35,19 @@ class Consumer:
     _claims: Any = ()
     _buffer: Any = None
 
-    def close(self) -> None:
+    def close(self, together: bool = True) -> None:
         """Release the object on every member at once (collective over the buffer's group, as its
         construction): every member's calls are over first, then its bytes are free on every
         member for a new owner of any layout; its calls raise :class:`~symmsync.ClosedError` from
-        then on (:mod:`symmsync.core.consumer`).
+        then on (:mod:`symmsync.core.consumer`). Idempotent.
+
+        Args:
+            together: ``False``: on this rank only, with no barrier (what a ``with`` block left by
+                an exception does, when the other members may not come).
 
         Raises:
             BackendError: a member died or left before the barrier (the claims go all the same).
         """
-        self._close(together=True)
-
-    def _close(self, together: bool) -> None:
         if self._closed:
             return
         self._closed = True
@@ -66,4 +67,4 @@ class Consumer:
         return self
 
     def __exit__(self, kind: Any, err: Any, tb: Any) -> None:
-        self._close(together=kind is None)
+        self.close(together=kind is None)

@@ -121,11 +121,10 @@ def flag_dead(view: PeerView, i: int) -> None:
     """Mark member ``i`` of ``view`` (found dead) as aborted at this rank: its reason in its own
     cells (every channel, unless it wrote one), then its abort flag in this rank's cells."""
     buf = view.buffer
-    mem = buf._memory
     rank = view.ranks[i]
     offsets = [view.cell_offset(c) for c in range(buf.cells.channels)]
-    theirs = mem.cells.peers[rank].tensor.view(torch.int64)
-    mine = mem.cell_memory().view(torch.int64)
+    theirs = buf.cell_memory(rank).view(torch.int64)
+    mine = buf.cell_memory().view(torch.int64)
     reason = torch.tensor(cells.encode_reason(cells.REASON_ERROR, DIED), dtype=torch.int64)
     flags = torch.tensor([(c + cells.SLOTS) // 8 + i for c in offsets], dtype=torch.int64)
 
