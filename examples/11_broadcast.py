@@ -59,8 +59,12 @@ class Broadcast(Consumer):
             raise ss.ClosedError(f"rank {self._buffer.rank}: Broadcast: used after close()")
         dev = self._buffer.device
         bad = tensor_problem(
-            "x", x, dtype=self.dtype, device_index=dev.index if dev.type == "cuda" else -1,
-            memory=f"the broadcast's memory on {dev}", no_grad="the broadcast has",
+            "x",
+            x,
+            dtype=self.dtype,
+            device_index=dev.index if dev.type == "cuda" else -1,
+            memory=f"the broadcast's memory on {dev}",
+            no_grad="the broadcast has",
         ) or int_problem("x.numel()", x.numel(), maximum=self.max_numel)
         if bad is not None:  # fail closed: the members stop waiting for a call this rank will not make
             err = ss.InputError(f"rank {self._buffer.rank}: Broadcast: {bad}")

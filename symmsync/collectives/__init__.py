@@ -18,12 +18,11 @@ nodes through torch.distributed (:mod:`.spanning`; not in a CUDA graph).
 """
 
 from . import spanning as _spanning  # noqa: F401 - registers the forms over nodes (collectives.operations.FORMS)
+from . import torch_ops as _torch_ops  # noqa: F401 - registers the symmsync:: ops of the collectives
 from .layout import ALGORITHMS, Workspace, workspace_bytes
 from .mismatch import CollectiveMismatch
 from .operations import MAX_HIDDEN, AllGather, AllReduce, ReduceScatter
 from .tuning import choose
-
-from . import torch_ops as _torch_ops  # noqa: E402, F401, I001 - registers the symmsync:: ops of the collectives
 
 __all__ = [
     "ALGORITHMS",

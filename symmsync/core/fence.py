@@ -386,7 +386,9 @@ class Fence:
                 "and the ranks named may be in the same state"
             )
             parts.insert(0, cause)
-            tail = ". A rank named has not published this epoch either: it did not arrive, or its launch did not publish"
+            tail = (
+                ". A rank named has not published this epoch either: it did not arrive, or its launch did not publish"
+            )
         else:
             tail = (
                 ". Those ranks have not published this epoch: they did not reach this fence (crashed, hung, or took "

@@ -387,7 +387,9 @@ class Dispatcher(Consumer):
         by the rule the call checks with (as :meth:`accepts`)."""
         return self._combine_problem(expert_out, topk_weights, handle) is None
 
-    def eager_combine(self, expert_out: Any, topk_weights: Any, topk_idx: Any, src: Any, per_source: Any) -> torch.Tensor:
+    def eager_combine(
+        self, expert_out: Any, topk_weights: Any, topk_idx: Any, src: Any, per_source: Any
+    ) -> torch.Tensor:
         """The checked combine (a handle's parts): what :meth:`combine` and ``symmsync::moe_combine`` run."""
         self._check_usable()
         handle = Handle(topk_idx, src, per_source)

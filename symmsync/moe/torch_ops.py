@@ -13,8 +13,8 @@ Inside a function being compiled, ``disp.dispatch(x, topk_idx)`` and
 dispatch op also takes the sizes its outputs' shapes depend on (local experts, members,
 ``max_tokens``, ``fp8``), so that its fake reads nothing from the object a handle names (a graph
 cache keys a graph by its nodes and constants, not by the object). Each op runs the eager
-call's checked path (:meth:`Dispatcher.eager_dispatch`, :meth:`Dispatcher.eager_combine`) and returns new tensors, never an input (functional, as the
-collectives' ops). Marked side-effecting
+call's checked path (:meth:`Dispatcher.eager_dispatch`, :meth:`Dispatcher.eager_combine`)
+and returns new tensors, never an input (functional, as the collectives' ops). Marked side-effecting
 (:func:`symmsync.ops.oplib.define`): the members wait for every call.
 """
 

@@ -235,4 +235,3 @@ def e8m0_word(s):
     # keep its low 32 (the two's-complement int32 of the same bytes).
     w = e.to(tl.int64) * 0x01010101
     return (w - ((w >> 31) << 32)).to(tl.int32)
-

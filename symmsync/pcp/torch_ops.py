@@ -45,8 +45,6 @@ graph with :class:`~symmsync.ConfigError` (:data:`UNORDERED`).
 
 from __future__ import annotations
 
-import torch
-
 from ..errors import ConfigError
 from ..ops import fence_op, handles, oplib
 from .writer import DirectKVWriter

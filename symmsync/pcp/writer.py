@@ -540,7 +540,9 @@ class DirectKVWriter(Consumer):
                 raise
         self.eager_write(layer, kv_c, k_pe, indexer_k, batch)
 
-    def eager_write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, indexer_k: torch.Tensor, batch: Batch) -> None:
+    def eager_write(
+        self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, indexer_k: torch.Tensor, batch: Batch
+    ) -> None:
         """The checked write, launched now: what :meth:`write` runs outside compiled code and its ops
         (:mod:`symmsync.pcp.torch_ops`) run when a compiled graph calls them."""
         if self._closed:

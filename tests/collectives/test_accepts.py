@@ -256,7 +256,7 @@ def decoder_layer(compiled: bool) -> list:
                 acc = acc + p.float()
             want_r = (acc.to(torch.bfloat16).float() + residual.float()).to(torch.bfloat16)
             h = want_r.float()
-            want_y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * layer.norm_weight.float())
+            want_y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * layer.norm_weight.float()
             out.append(
                 (
                     torch.equal(new_residual.view(torch.int16), want_r.view(torch.int16)),

@@ -178,7 +178,7 @@ def stray_stores(kind, over_cells):
         if me == 1:
             _scribble(table, target, start, 8 * view.size if over_cells else GARBAGE)
             # Rank 0 has published fence e: it is in its wait for rank 1, with the garbage in place.
-            wait_until(lambda: published(buf, fence, 0) >= e, f"rank 0 to publish fence {e}")
+            wait_until(lambda: published(buf, fence, 0) >= e, f"rank 0 to publish fence {e}")  # noqa: B023 - called at once
             # How many of its polls then see the garbage no host check can observe; LATE_S gives it
             # several. The oracle does not rest on it: errors counts what rank 0 read after each fence.
             time.sleep(LATE_S)

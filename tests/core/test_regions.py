@@ -216,10 +216,10 @@ def each_consumer_closed_then_another() -> dict:
         held = None
         for name, make, call in steps:
             if held is not None:
-                seen[f"{name} over the {held[0]}"] = _outcome(lambda: type(make()).__name__)
+                seen[f"{name} over the {held[0]}"] = _outcome(lambda: type(make()).__name__)  # noqa: B023 - called at once
                 held[1].close()
             obj = make()
-            seen[name] = _outcome(lambda: call(obj))
+            seen[name] = _outcome(lambda: call(obj))  # noqa: B023 - called at once
             held = (name, obj)
         held[1].close()
         seen["all-reduce after close()"] = _outcome(lambda: call(held[1]))

@@ -24,7 +24,7 @@ STEPS = 3
 
 
 def transaction_with_a_planted_failure(failing_step, failing_rank):
-    me, world = dist.get_rank(), dist.get_world_size()
+    me = dist.get_rank()
     undone = []
     seen = []
     try:

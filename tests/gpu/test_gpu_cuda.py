@@ -123,8 +123,10 @@ def adopt_torch_symmetric_memory():
 
 def test_adopting_torch_symmetric_memory_gives_views_and_fences():
     if torch.cuda.device_count() < WORLD:
-        pytest.skip("torch's symmetric memory refuses ranks on one device (allocations from overlapping devices): "
-                    "needs a GPU per rank")
+        pytest.skip(
+            "torch's symmetric memory refuses ranks on one device (allocations from overlapping devices): "
+            "needs a GPU per rank"
+        )
     for rank, (got, same) in enumerate(run(adopt_torch_symmetric_memory, WORLD, backend="cuda")):
         assert got == [1 - rank + 0.5] * 8 and same
 

@@ -6,7 +6,8 @@ ranks then share the GPUs there are: a smoke run on one GPU). The oracle is test
 of every member's inputs; results are compared bit for bit (the combine's kernel is built
 without fused multiply-add, so its float32 sums are the oracle's).
 
-* every routing kind at each world of ``SYMMSYNC_GPU_WORLDS`` (default 2), bfloat16, and the fp8 option's codes and scales;
+* every routing kind at each world of ``SYMMSYNC_GPU_WORLDS`` (default 2), bfloat16, and the fp8
+  option's codes and scales;
 * 200 back-to-back layers with a random delay on one member, checked after the loop;
 * one layer captured in a CUDA graph and replayed 100 times on fresh routings copied into the
   graph's inputs (the step counters and counted waits advance on the device), every replay

@@ -1,4 +1,5 @@
-"""Soak on 2 GPUs (or at the largest world of ``SYMMSYNC_GPU_WORLDS``): a million fences in CUDA-graph replay with the payload oracle and random delays.
+"""Soak on 2 GPUs (or at the largest world of ``SYMMSYNC_GPU_WORLDS``): a million fences in CUDA-graph
+replay with the payload oracle and random delays.
 
 Each step of the captured graph is: delay, stamp the next epoch's payload into every
 member (double-buffered by epoch parity), delay, fence, delay, check every member's

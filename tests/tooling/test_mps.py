@@ -94,8 +94,17 @@ def test_the_context_manager_leaves_a_daemon_it_did_not_start_running(fake_contr
 
 def test_run_from_the_command_line_stops_the_daemon_and_returns_the_commands_exit_code(fake_control, tmp_path):
     seen = tmp_path / "seen"
-    cmd = [sys.executable, "-m", "symmsync", "mps", "run", "--", sys.executable, "-c",
-           f"import os; open({str(seen)!r}, 'w').write(os.environ[{mps.PIPE_ENV!r}]); raise SystemExit(3)"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "symmsync",
+        "mps",
+        "run",
+        "--",
+        sys.executable,
+        "-c",
+        f"import os; open({str(seen)!r}, 'w').write(os.environ[{mps.PIPE_ENV!r}]); raise SystemExit(3)",
+    ]
     env = {k: v for k, v in os.environ.items() if k not in (mps.PIPE_ENV, mps.LOG_ENV)}  # no folder named
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 3, done.stderr
@@ -106,13 +115,15 @@ def test_run_from_the_command_line_stops_the_daemon_and_returns_the_commands_exi
 
 
 def test_status_from_the_command_line_says_whether_a_daemon_answers(fake_control):
-    done = subprocess.run([sys.executable, "-m", "symmsync", "mps", "status"], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "symmsync", "mps", "status"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 1 and "no daemon" in done.stdout, (done.stdout, done.stderr)
     d = mps.start()
     env = dict(os.environ, **d.env)
-    done = subprocess.run([sys.executable, "-m", "symmsync", "mps", "status"], capture_output=True, text=True,
-                          timeout=120, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "symmsync", "mps", "status"], capture_output=True, text=True, timeout=120, env=env
+    )
     assert done.returncode == 0 and "running" in done.stdout, (done.stdout, done.stderr)
     mps.stop(d.pipe_dir, d.log_dir)
 

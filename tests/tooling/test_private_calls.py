@@ -56,6 +56,8 @@ def test_no_module_calls_another_modules_private_method():
 def test_the_check_bites(tmp_path):
     pkg = tmp_path / "symmsync"
     pkg.mkdir()
-    (pkg / "a.py").write_text("class A:\n    def _run(self):\n        return 1\n    def run(self):\n        return self._run()\n")
+    (pkg / "a.py").write_text(
+        "class A:\n    def _run(self):\n        return 1\n    def run(self):\n        return self._run()\n"
+    )
     (pkg / "b.py").write_text("def use(a):\n    return a._run()\n")
     assert private_calls_across_modules(pkg) == ["symmsync/b.py:2: a._run (defined in ['symmsync/a.py'])"]
