@@ -104,9 +104,12 @@ def sharing_gpus() -> bool:
     return os.environ.get("SYMMSYNC_SHARE_GPUS", "0") not in ("", "0")
 
 
-def mps(pipe_dir: str | None = None, log_dir: str | None = None):
-    """A context manager: an MPS daemon for the block, so that ranks sharing a GPU run at the same
-    time (:func:`symmsync.backends.mps.daemon`; it stops a daemon it started, also after a failure)::
+@contextlib.contextmanager
+def mps(pipe_dir: str | None = None, log_dir: str | None = None) -> Iterator[Any]:
+    """An MPS daemon for the block, so that ranks sharing a GPU run at the same time
+    (:func:`symmsync.backends.mps.daemon`: the one answering, or a new one it stops at the end,
+    also after a failure), named in ``os.environ`` inside the block (restored after it), so that
+    the ranks :func:`run` starts there are its clients::
 
         os.environ["SYMMSYNC_SHARE_GPUS"] = "1"
         with mps():
@@ -114,7 +117,8 @@ def mps(pipe_dir: str | None = None, log_dir: str | None = None):
     """
     from .backends.mps import daemon
 
-    return daemon(pipe_dir, log_dir)
+    with daemon(pipe_dir, log_dir) as d, _environ(d.env):
+        yield d
 
 
 _said_time_sliced = []

@@ -191,9 +191,9 @@ def daemon(pipe_dir: str | None = None, log_dir: str | None = None) -> Iterator[
     ``pipe_dir`` (default: ``CUDA_MPS_PIPE_DIRECTORY``), or, where neither names a folder, in
     private new ones.
 
-    Inside the block, ``os.environ`` names the daemon (``CUDA_MPS_PIPE_DIRECTORY`` and
-    ``CUDA_MPS_LOG_DIRECTORY``), so processes started there, such as the ranks of
-    :func:`symmsync.testing.run`, become its clients; the variables are restored after it::
+    Processes given its :attr:`Daemon.env` become its clients; :func:`symmsync.testing.mps` also
+    sets it in ``os.environ`` for the block, so that the ranks :func:`symmsync.testing.run` starts
+    there are::
 
         from symmsync.testing import mps, run
 
@@ -203,16 +203,9 @@ def daemon(pipe_dir: str | None = None, log_dir: str | None = None) -> Iterator[
     found = status(pipe_dir, log_dir)
     own = not found.running
     d = start(pipe_dir or os.environ.get(PIPE_ENV), log_dir or os.environ.get(LOG_ENV)) if own else found
-    saved = {k: os.environ.get(k) for k in d.env}
-    os.environ.update(d.env)
     try:
         yield d
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         if own:
             stop(d.pipe_dir, d.log_dir)
 
@@ -264,7 +257,7 @@ def main(argv: list[str]) -> int:
             parser.error("run needs a command: python -m symmsync mps run -- COMMAND ...")
         with daemon(args.pipe_dir, args.log_dir) as d:
             print(f"mps: daemon in {d.pipe_dir}; running {' '.join(command)}", file=sys.stderr, flush=True)
-            return subprocess.call(command)
+            return subprocess.call(command, env={**os.environ, **d.env})
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
