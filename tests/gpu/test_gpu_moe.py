@@ -180,7 +180,9 @@ def test_200_back_to_back_layers_are_exact_on_gpus(world):
 
 
 def test_a_captured_layer_replays_exactly_on_fresh_routings(world):
-    assert run(_graph, world, 100, backend="cuda", timeout_s=900) == [[]] * world
+    # A hang here fails in 5 minutes, naming the ranks that never finished: under MPS at world 4 one
+    # device call's limit ran out inside this test once (benchmarks/results/raw/mps_gpu_suite_h200x1_part2.txt).
+    assert run(_graph, world, 100, backend="cuda", timeout_s=300) == [[]] * world
 
 
 def test_a_compiled_layer_gives_the_eager_bits_on_gpus(world):
