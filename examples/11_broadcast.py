@@ -31,6 +31,8 @@ class Broadcast(Consumer):
         buf = view.buffer
         # 1. This rank's problem, if any: its arguments, then the bytes it would claim.
         problem = int_problem("max_numel", max_numel, minimum=1) or int_problem("root", root, minimum=0)
+        if problem is None and not isinstance(dtype, torch.dtype):
+            problem = f"dtype must be a torch.dtype, got {dtype!r}"
         nbytes = max_numel * dtype.itemsize if problem is None else 0
         region = Region(f"Broadcast (view {list(view.ranks)}, channel {channel})", offset, offset + nbytes)
         if problem is None and root >= view.size:
