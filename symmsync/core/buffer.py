@@ -465,10 +465,17 @@ class SymmetricBuffer:
         cells of ``rank`` as this rank maps them (a member of its node).
 
         Cell ``c`` is at ``[c, c + cell_bytes)``.
+
+        Raises:
+            BoundsError: ``rank`` is not a rank of the group.
+            ViewError: ``rank`` is on another node, whose cells are not mapped here.
         """
         self._check_open("cell_memory")
         if rank is None or rank == self._rank:
             return self._memory.cell_memory()
+        me, call = self._rank, "SymmetricBuffer.cell_memory"
+        rank = check_index("rank", rank, self._world, "the group", rank=me, call=call)
+        nodes.refuse_peer(self._nodes, me, rank, call)
         return self._memory.cells.peers[rank].tensor
 
     def offset_of(self, t: torch.Tensor) -> int:

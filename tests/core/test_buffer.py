@@ -70,6 +70,28 @@ def test_tensor_is_a_view_of_the_peers_memory_not_a_copy(host_ranks):
         assert not same
 
 
+def peer_cells_are_the_peers_cells():
+    buf = ss.SymmetricBuffer(4096, backend="host")
+    peer = (buf.rank + 1) % buf.world_size
+    out = {
+        "addr": buf.cell_memory(peer).data_ptr(),
+        "expected": buf.cell_ptrs[peer].item(),
+        "own": buf.cell_memory(buf.rank).data_ptr() == buf.cell_memory().data_ptr(),
+    }
+    try:
+        buf.cell_memory(buf.world_size)
+    except ss.BoundsError as e:
+        out["refused"] = str(e)
+    buf.close()
+    return out
+
+
+def test_cell_memory_of_a_peer_is_its_cells_as_this_rank_maps_them(host_ranks):
+    for out in host_ranks(peer_cells_are_the_peers_cells, 2):
+        assert out["addr"] == out["expected"] and out["own"], out
+        assert "SymmetricBuffer.cell_memory" in out.get("refused", ""), out
+
+
 def bad_size_on_one_rank(backend="host"):
     nbytes = 4096 if dist.get_rank() != 1 else 8192
     with pytest.raises(ss.SizeMismatchError) as e:
