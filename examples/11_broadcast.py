@@ -16,10 +16,7 @@ import torch
 import torch.distributed as dist
 
 import symmsync as ss
-from symmsync.checks import int_problem, tensor_problem
-from symmsync.core import agreement
-from symmsync.core.consumer import Consumer
-from symmsync.core.regions import Region
+from symmsync.core.consumer import Consumer, Making
 from symmsync.ops import handles
 from symmsync.testing import is_main_process, run
 
@@ -27,29 +24,25 @@ from symmsync.testing import is_main_process, run
 class Broadcast(Consumer):
     """``bc(x)``: every member of ``view`` returns the root's ``x`` (``numel`` up to ``max_numel``)."""
 
+    _NAME = "Broadcast"
+
     def __init__(self, view, max_numel, dtype, *, root=0, offset=0, channel=0, timeout_s=None):
-        buf = view.buffer
-        # 1. This rank's problem, if any: its arguments, then the bytes it would claim.
-        problem = int_problem("max_numel", max_numel, minimum=1) or int_problem("root", root, minimum=0)
-        if problem is None and not isinstance(dtype, torch.dtype):
-            problem = f"dtype must be a torch.dtype, got {dtype!r}"
-        nbytes = max_numel * dtype.itemsize if problem is None else 0
-        region = Region(f"Broadcast (view {list(view.ranks)}, channel {channel})", offset, offset + nbytes)
-        if problem is None and root >= view.size:
-            problem = f"root must be a member's index below {view.size}, got {root}"
-        problem = problem or buf.regions.problem(region)
-        fence, failed, error = agreement.attempt(lambda: ss.Fence(view, channel, timeout_s=timeout_s), buf.rank)
+        # 1. This rank's problems (the first one counts): its arguments, its fence, the bytes it claims.
+        make = Making(self._NAME, view)
+        make.ints(max_numel=(max_numel, 1, None), root=(root, 0, view.size - 1))
+        if make.ok and not isinstance(dtype, torch.dtype):
+            make.check(f"dtype must be a torch.dtype, got {dtype!r}")
+        if make.offset(offset):
+            nbytes = max_numel * dtype.itemsize
+            make.fits(offset, nbytes, "pass a larger SymmetricBuffer, or lower max_numel")
+            make.claim(f"Broadcast (view {list(view.ranks)}, channel {channel})", offset, offset + nbytes)
+        fence = make.fence(channel, timeout_s)
         # 2. One exchange: every rank raises the first rank's problem, or a difference among the members.
-        same = agreement.Same(among=tuple(view.ranks), hint="every member passes the same")
-        mine = {"max_numel": max_numel, "dtype": str(dtype), "root": root, "offset": offset, "channel": channel}
-        agreement.agree(
-            buf.group, "Broadcast", mine, problem=problem or failed, error=error, same=dict.fromkeys(mine, same)
-        )
-        # 3. Made everywhere: claim the bytes (released by close()), name the object to its torch op.
-        self._buffer, self._claims = buf, (buf.regions.claim(region, self),)
-        self.view, self.fence, self.dtype, self.root, self.offset = view, fence, dtype, root, offset
-        self.max_numel = max_numel
-        self.op_handle = handles.register(self)
+        make.agree({"max_numel": max_numel, "dtype": str(dtype), "root": root, "offset": offset, "channel": channel})
+        # 3. Made everywhere: claim the bytes (released by close()), register its failures, name it to its op.
+        self._made(make, f"Broadcast (channel {channel})", memory=f"the broadcast's memory on {view.buffer.device}",
+                   no_grad="the broadcast has")  # fmt: skip
+        self.fence, self.dtype, self.root, self.offset, self.max_numel = fence, dtype, root, offset, max_numel
 
     def __call__(self, x):
         if torch.compiler.is_compiling():  # a graph holds no Python object: the op names it by an int
@@ -57,21 +50,12 @@ class Broadcast(Consumer):
         return self.eager(x)
 
     def eager(self, x):
-        if self.closed:
-            raise ss.ClosedError(f"rank {self._buffer.rank}: Broadcast: used after close()")
-        dev = self._buffer.device
-        bad = tensor_problem(
-            "x",
-            x,
-            dtype=self.dtype,
-            device_index=dev.index if dev.type == "cuda" else -1,
-            memory=f"the broadcast's memory on {dev}",
-            no_grad="the broadcast has",
-        ) or int_problem("x.numel()", x.numel(), maximum=self.max_numel)
-        if bad is not None:  # fail closed: the members stop waiting for a call this rank will not make
-            err = ss.InputError(f"rank {self._buffer.rank}: Broadcast: {bad}")
-            self.fence.abort(str(err))
-            raise err
+        self.check_usable()  # closed, failed, or its view aborted: raise before any wait
+        bad = self.tensor_problem("x", x, dtype=self.dtype)
+        if bad is None and x.numel() > self.max_numel:
+            bad = f"x has {x.numel()} elements, more than max_numel={self.max_numel}"
+        if bad is not None:  # fail closed: InputError here, PeerAborted naming this rank on the members
+            self.refuse(bad)
         slot = self._buffer.tensor(self.offset, (x.numel(),), self.dtype, rank=self.view.ranks[self.root])
         if self.view.local_index == self.root:
             slot.copy_(x.reshape(-1))  # the root writes its own slot

@@ -11,18 +11,14 @@ from typing import Any
 
 import torch
 
-from .. import backends
 from ..backends import mode
-from ..checks import int_problem, number_problem, require, tensor_problem
-from ..core import agreement
+from ..checks import int_problem, number_problem, require
 from ..core.consumer import Consumer
-from ..core.failure import Stall, used_after_abort
-from ..core.fence import Fence
+from ..core.failure import Stall
 from ..core.launch import BoundLaunch, Launcher
 from ..core.views import PeerView
-from ..errors import ClosedError, ConfigError, InputError, PeerAborted, SymmSyncError
+from ..errors import ClosedError, ConfigError, SymmSyncError
 from ..language import records
-from ..ops import handles
 from . import kernels, making, tuning
 from . import layout as L
 from .mismatch import mismatch_error, shared_gpu_note, stalled_error
@@ -71,27 +67,23 @@ class _Collective(Consumer):
         channel: int = 0,
         timeout_s: float | None = None,
     ):
-        backends.refuse_compiling(self._NAME)
         self._over = None
         self._closed = False
         self._claims: tuple[int, ...] = ()  # its claims on the buffer's bytes (core/regions.py)
+        self._channel = channel
         if isinstance(view, PeerView) and not view.nodes.single:  # a layout every member sees alike
             self._init_over_nodes(view, max_numel, dtype, algorithm, offset, channel, timeout_s)
             return
-        buf, problem, error = making.arguments_problem(self._NAME, view, max_numel, dtype, algorithm, offset)
-        ws = fence = None
-        if problem is None:
+        make = making.start(self._NAME, view, max_numel, dtype, algorithm, offset)
+        buf, ws = make.buffer, None
+        if make.ok:
             ws = L.Workspace.plan(offset, max_numel, dtype, view.size, reduced=self._OP == L.ALL_REDUCE)
-            problem, error = making.fit_problem(buf, offset, ws.nbytes)
-        if problem is None:  # a bad channel or timeout is agreed like the rest, so that every rank raises
-            fence, problem, error = agreement.attempt(lambda: Fence(view, channel, timeout_s=timeout_s), buf.rank)
-        region = None
-        if problem is None:  # its workspace's bytes, shared only by collectives of this layout on this channel
-            region = making.workspace_region(self._NAME, view, channel, ws)
-            problem, error = buf.regions.problem(region), ConfigError
+            making.fits(make, offset, ws.nbytes)
+        fence = make.fence(channel, timeout_s)  # a bad channel or timeout is agreed like the rest
+        making.claim_workspace(make, channel, ws)  # shared only by collectives of this layout on this channel
         mine = making.arguments(max_numel, dtype, algorithm, offset, channel)
-        self._keep(view, max_numel, dtype, making.agree(self._NAME, view, mine, problem, error))
-        self._claims = (buf.regions.claim(region, self),)
+        self._keep(view, max_numel, dtype, making.agree(make, mine))
+        self._made(make, f"{self._NAME} (channel {channel})", memory=self._memory_words(buf), no_grad=_NO_GRAD)
         making.set_protocol_words(buf, ws)
         self.fence = fence
         """The :class:`~symmsync.Fence` whose channel the collective synchronizes on (``None`` over a view
@@ -107,7 +99,6 @@ class _Collective(Consumer):
         self._streams = caps.streams
         self._host_checks = caps.host_checks_status
         self._interp = mode.kernels_interpreted()
-        self._device_index = buf.device.index if caps.streams else -1
         if caps.streams:  # one program per multiprocessor at most: every program resident at once
             self._max_programs = torch.cuda.get_device_properties(buf.device).multi_processor_count
         else:
@@ -138,13 +129,6 @@ class _Collective(Consumer):
             ws.symmetric,
             ws.reduced,
         )
-        # The view's failure owner keeps this object's failure (a call's recorded timeout or
-        # mismatch) and fails it when the view is aborted: check_usable() asks it.
-        self._channel = channel
-        self._failure = view.failure
-        self._failure.register(self, f"{self._NAME} (channel {channel})")
-        self.op_handle = handles.register(self)
-        """The int that names this object to its torch custom op (:mod:`symmsync.collectives.torch_ops`)."""
 
     def _init_over_nodes(self, view, max_numel, dtype, algorithm, offset, channel, timeout_s) -> None:
         """Over a view that spans nodes: the operation's form there (:data:`FORMS`), its node steps
@@ -159,12 +143,13 @@ class _Collective(Consumer):
         self._limits = form.limits
         self._bound = {}
         self._channel = -1
-        caps = view.buffer.capabilities
-        self._streams = caps.streams
-        self._device_index = view.buffer.device.index if caps.streams else -1
-        self._failure = view.failure
-        self._failure.register(self, f"{self._NAME} (over {view.nodes.num_nodes} nodes)")
-        self.op_handle = handles.register(self)
+        self._streams = view.buffer.capabilities.streams
+        where = f"{self._NAME} (over {view.nodes.num_nodes} nodes)"
+        self._made(form.make, where, memory=self._memory_words(view.buffer), no_grad=_NO_GRAD)
+
+    @staticmethod
+    def _memory_words(buf: Any) -> str:
+        return f"the collective's memory on {buf.device}"
 
     def _keep(self, view: PeerView, max_numel: int, dtype: torch.dtype, shares_gpu: tuple[int, ...]) -> None:
         """What every form keeps of its arguments, once they are agreed (:func:`.making.agree`)."""
@@ -197,11 +182,6 @@ class _Collective(Consumer):
             require(f"dtype must be one of {', '.join(map(str, L.DTYPES))}, got {dtype!r}", rank=self.rank, call=call)
         require(int_problem("numel", numel, minimum=0, maximum=self._limits[dtype]), rank=self.rank, call=call)
         return self._sym_bytes[: numel * dtype.itemsize].view(dtype)
-
-    @property
-    def rank(self) -> int:
-        """This process's global rank."""
-        return self._buffer.rank
 
     def accepts(self, x: Any, out: Any = None) -> bool:
         """Whether a call with these arguments passes this rank's input checks: False exactly when
@@ -349,7 +329,7 @@ class _Collective(Consumer):
             and x.is_contiguous()
             and not (x.requires_grad and torch.is_grad_enabled())
         ):
-            return self._tensor_problem("x", x, dtype=tuple(self._limits))
+            return self.tensor_problem("x", x, dtype=tuple(self._limits))
         numel = x.numel()
         limit = self._limits[x.dtype]
         if numel > limit:
@@ -361,13 +341,7 @@ class _Collective(Consumer):
             return f"x has {numel} elements, not a multiple of the view's {self.size} members"
         if out is None:
             return None
-        return self._tensor_problem("out", out, dtype=x.dtype, numel=self._out_numel(numel))
-
-    def _tensor_problem(self, name: str, t: Any, **want: Any) -> str | None:
-        """What is wrong with the tensor argument ``name`` of a call (:func:`symmsync.checks.tensor_problem`,
-        the rule of every consumer), or ``None``."""
-        memory = f"the collective's memory on {self._buffer.device}"
-        return tensor_problem(name, t, device_index=self._device_index, memory=memory, no_grad=_NO_GRAD, **want)
+        return self.tensor_problem("out", out, dtype=x.dtype, numel=self._out_numel(numel))
 
     def _out_numel(self, numel: int) -> int:
         """The elements of a call's output for ``numel`` input elements (the all-reduce's: as many)."""
@@ -377,40 +351,15 @@ class _Collective(Consumer):
         """``out`` (a new 1-D tensor when ``None``), after refusing the call if its tensors are wrong."""
         bad = self._problem(x, out)
         if bad is not None:
-            self._refuse(bad)
+            self.refuse(bad)
         return torch.empty(self._out_numel(x.numel()), dtype=x.dtype, device=x.device) if out is None else out
-
-    def _refuse(self, problem: str) -> None:
-        """Refuse a bad call on this member before it launches: fail, tell the members, raise."""
-        self.check_usable()  # a collective that failed, or whose view was aborted, raises that first
-        err = InputError(f"rank {self.rank}: {self._NAME}: {problem}")
-        self.fail(err, f"{self._NAME}: {problem}")
-        raise err
-
-    def fail(self, err: Exception, reason: str | None = None) -> None:
-        """This rank's call failed with ``err``: every later call raises ``err`` without launching,
-        and the members' calls raise :class:`~symmsync.PeerAborted` naming this rank and ``reason``
-        (default: the error's type and message), at once, instead of waiting out their budget for a call this
-        rank never makes. ``err`` is recorded first: the abort then fails the view's other waiters,
-        not this collective, whose own error stays the first failure."""
-        self._failure.fail(self, err)
-        self._failure.abort_quietly(reason or f"{self._NAME}: {type(err).__name__}: {err}", cause=err)
 
     # ------------------------------------------------------------------ failures
     def check_usable(self) -> None:
-        """Raise if this collective may not run a call: its buffer is closed, or it failed (a
-        call's recorded error, this rank's abort of the view). The view's failure owner
-        decides, and aborts the view first (once) after a failure of this collective's own,
-        so that the members raise :class:`~symmsync.PeerAborted` instead of waiting for it."""
-        if self._buffer.closed:
-            raise ClosedError(f"rank {self.rank}: {self._NAME}: used after its buffer was closed")
-        if self._closed:
-            raise ClosedError(
-                f"rank {self.rank}: {self._NAME} (view {list(self.view.ranks)}) used after close(): make a new one"
-            )
-        # Its own failure first: the first failed call's error, raised again by every later call
-        # (an abort of the view that this failure caused fails the fence too, with another error).
-        self._failure.check(self)
+        """Raise if this collective may not run a call (:meth:`symmsync.core.consumer.Consumer.check_usable`:
+        its buffer or itself closed, its own failure first, the first failed call's error raised
+        again by every later call), then if its fence failed a wait of its own (used directly)."""
+        super().check_usable()
         if self.fence is not None:
             self.fence.check_usable()  # then a failed wait of the fence's own (used directly)
 
@@ -433,11 +382,6 @@ class _Collective(Consumer):
         self._bound = {}
         self._fixed = ()
         self._sym_bytes = None
-
-    def abort_error(self, reason: str) -> PeerAborted:
-        """The :class:`~symmsync.PeerAborted` this collective's calls raise once this rank
-        aborted its view with ``reason`` (its part of :class:`symmsync.core.failure.Waiter`)."""
-        return used_after_abort(self.view, self._NAME, reason, self._channel)
 
 
 class AllReduce(_Collective):
@@ -572,7 +516,7 @@ class AllReduce(_Collective):
         code = self._codes.get(algorithm or self.algorithm)
         bad = self._problem(x, out)
         if bad is not None or code is None:
-            self._refuse(bad or f"algorithm must be one of {L.ALGORITHMS}, got {algorithm!r}")
+            self.refuse(bad or f"algorithm must be one of {L.ALGORITHMS}, got {algorithm!r}")
         numel = x.numel()
         if code < 0:  # auto: the rule is tuning.choose's
             code = L.ALGORITHM_CODES[tuning.choose(numel * x.element_size(), self.size)]
@@ -586,7 +530,7 @@ class AllReduce(_Collective):
         program): what ``__call__`` and ``symmsync::all_reduce_residual_rms_norm`` run."""
         bad = self._fused_problem(x, out, algorithm, residual, weight, eps, res_out)
         if bad is not None:
-            self._refuse(bad)
+            self.refuse(bad)
         out = torch.empty_like(x) if out is None else out
         res_out = torch.empty_like(x) if res_out is None else res_out
         self._launch(x, out, x.numel(), 0, epilogue=(residual, weight, res_out, x.shape[-1], float(eps)))
@@ -631,7 +575,7 @@ class AllReduce(_Collective):
         ):
             if t is None and name in ("residual_out", "out"):
                 continue
-            bad = self._tensor_problem(name, t, dtype=dt, shape=want, shape_note=_SHAPE_NOTES[name])
+            bad = self.tensor_problem(name, t, dtype=dt, shape=want, shape_note=_SHAPE_NOTES[name])
             if bad is not None:
                 return bad
         return number_problem("eps", eps)

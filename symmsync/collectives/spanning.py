@@ -94,6 +94,8 @@ class _NodeSteps:
             (:func:`~symmsync.collectives.layout.node_steps`).
         exchange: the view's :class:`~symmsync.spanning.exchange.OffNode`.
         shares_gpu: what the agreement returned (the other members on this rank's GPU).
+        make: the agreed construction (:class:`~symmsync.core.consumer.Making`; it claims no bytes:
+            the steps hold them).
     """
 
     def __init__(
@@ -108,23 +110,24 @@ class _NodeSteps:
         timeout_s: float | None,
     ):
         name, op = owner._NAME, owner._OP
-        buf, problem, error = making.arguments_problem(name, view, max_numel, dtype, algorithm, offset)
-        nodes = view.nodes
+        make = making.start(name, view, max_numel, dtype, algorithm, offset)
+        buf, nodes = make.buffer, view.nodes
         plan: tuple[tuple[int, int], ...] = ()
-        if problem is None:
+        if make.ok:
             plan = L.node_steps(op, max_numel, dtype, view.size, nodes.num_nodes)
-            problem = (
+            make.check(
                 layout_problem(nodes, spanning.channels_left(view), len(plan))
                 or index_problem("channel", channel, buf.cells.channels, "each view")
                 or (timeout_problem(timeout_s) if timeout_s is not None else None)
             )
-        if problem is None:
+        if make.ok:
             m = view.size // nodes.num_nodes
             nbytes = sum(L.Workspace.plan(0, n, dtype, m, reduced=False).nbytes for _, n in plan)
-            problem, error = making.fit_problem(buf, offset, nbytes, nodes.num_nodes)
+            making.fits(make, offset, nbytes, nodes.num_nodes)
         mine = making.arguments(max_numel, dtype, algorithm, offset, channel)
         first = "" if spanning.made(view) else ", making the view's node view"
-        self.shares_gpu = making.agree(name, view, mine, problem, error, steps=name + first)
+        self.shares_gpu = making.agree(make, mine, steps=name + first)
+        self.make = make
         parts = spanning.parts_of(view, timeout_s=timeout_s)
         self.node_view, self.exchange = parts.node_view, parts.exchange
         steps, at = [], offset

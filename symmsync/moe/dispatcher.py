@@ -12,19 +12,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import backends
 from ..backends import mode
-from ..checks import int_problem, tensor_problem
-from ..core import agreement
-from ..core.consumer import Consumer
-from ..core.failure import used_after_abort
+from ..core.consumer import Consumer, Making
 from ..core.nodes import spanning_problem
-from ..core.regions import Region
 from ..core.signals import Signals
 from ..core.views import PeerView
-from ..errors import BoundsError, ClosedError, ConfigError, InputError, SymmSyncError
-from ..language.cells import LINE
-from ..ops import handles
+from ..errors import SymmSyncError
 from . import kernels, protocol
 from . import layout as L
 
@@ -84,6 +77,8 @@ class Dispatcher(Consumer):
         y = disp.combine(experts(recv, counts), topk_weights, handle)
     """
 
+    _NAME = "moe.Dispatcher"
+
     def __init__(
         self,
         view: PeerView,
@@ -97,69 +92,47 @@ class Dispatcher(Consumer):
         offset: int = 0,
         timeout_s: float | None = None,
     ):
-        call = "moe.Dispatcher"
-        backends.refuse_compiling(call)
-        if not isinstance(view, PeerView):
-            raise ConfigError(f"{call}: view must be a symmsync.PeerView, got {type(view).__name__}")
-        buf = view.buffer
-        if buf.closed:
-            raise ClosedError(f"rank {buf.rank}: {call}: the view's buffer is closed")
-        problem, error = spanning_problem(view.nodes, "a moe.Dispatcher"), ConfigError
-        for name, v, lo, hi in (
-            ("num_experts", num_experts, 1, None),
-            ("max_tokens", max_tokens, 1, None),
-            ("hidden", hidden, 1, None),
-            ("top_k", top_k, 1, MAX_TOP_K),
-            ("offset", offset, 0, None),
-        ):
-            problem = problem or int_problem(name, v, minimum=lo, maximum=hi)
-        if problem is None and num_experts % view.size:
-            problem = (
+        make = Making(self._NAME, view)
+        buf = make.buffer
+        make.check(spanning_problem(view.nodes, "a moe.Dispatcher"))
+        make.ints(
+            num_experts=(num_experts, 1, None),
+            max_tokens=(max_tokens, 1, None),
+            hidden=(hidden, 1, None),
+            top_k=(top_k, 1, MAX_TOP_K),
+        )
+        if make.ok and num_experts % view.size:
+            make.check(
                 f"num_experts={num_experts} is not a multiple of the view's {view.size} members "
                 "(each member owns num_experts / members experts)"
             )
-        if problem is None and top_k > num_experts:
-            problem = f"top_k={top_k} is more than num_experts={num_experts}"
-        if problem is None and dtype not in L.DTYPES:
-            problem = f"dtype must be one of {', '.join(map(str, L.DTYPES))}, got {dtype!r}"
-        if problem is None and not isinstance(fp8, bool):
-            problem = f"fp8 must be a bool, got {fp8!r}"
-        if problem is None and fp8 and hidden % L.FP8_GROUP:
-            problem = f"with fp8, hidden must be a multiple of {L.FP8_GROUP} (a scale per 128 channels), got {hidden}"
+        if make.ok and top_k > num_experts:
+            make.check(f"top_k={top_k} is more than num_experts={num_experts}")
+        if make.ok and dtype not in L.DTYPES:
+            make.check(f"dtype must be one of {', '.join(map(str, L.DTYPES))}, got {dtype!r}")
+        if make.ok and not isinstance(fp8, bool):
+            make.check(f"fp8 must be a bool, got {fp8!r}")
+        if make.ok and fp8 and hidden % L.FP8_GROUP:
+            make.check(f"with fp8, hidden must be a multiple of {L.FP8_GROUP} (a scale per 128 channels), got {hidden}")
         ws = None
-        if problem is None and offset % LINE:
-            problem, error = f"offset must be a multiple of {LINE} bytes, got {offset}", BoundsError
-        if problem is None:
+        if make.offset(offset):
             ws = L.Workspace.plan(offset, num_experts, view.size, max_tokens, hidden, dtype, top_k, fp8)
-            if offset + ws.nbytes > buf.nbytes:
-                problem, error = (
-                    (
-                        f"the workspace needs bytes [{offset}, {offset + ws.nbytes}) of the buffer, which holds "
-                        f"{buf.nbytes}: allocate symmsync.moe.buffer_bytes(...) more, or lower max_tokens"
-                    ),
-                    BoundsError,
-                )
-        members = tuple(view.ranks)
-        region = None
-        if problem is None:  # its workspace's bytes: shared with no other owner
-            region = Region(f"{call} (view {list(members)})", offset, offset + ws.nbytes)
-            problem, error = buf.regions.problem(region), ConfigError
-        mine = {
-            "num_experts": num_experts,
-            "max_tokens": max_tokens,
-            "hidden": hidden,
-            "the dtype": str(dtype),
-            "top_k": top_k,
-            "fp8": fp8,
-            "the offset": offset,
-            "timeout_s": timeout_s,
-        }
-        alike = agreement.Same(among=members, hint=f"every member of the view {list(members)} must pass the same")
-        agreement.agree(
-            buf.group, call, mine, problem=problem, error=error, same=dict.fromkeys(mine, alike), device=buf.device
+            make.fits(offset, ws.nbytes, "allocate symmsync.moe.buffer_bytes(...) more, or lower max_tokens")
+            make.claim(f"{self._NAME} (view {list(view.ranks)})", offset, offset + ws.nbytes)  # shared with none
+        make.agree(
+            {
+                "num_experts": num_experts,
+                "max_tokens": max_tokens,
+                "hidden": hidden,
+                "the dtype": str(dtype),
+                "top_k": top_k,
+                "fp8": fp8,
+                "the offset": offset,
+                "timeout_s": timeout_s,
+            }
         )
-        self._claims = (buf.regions.claim(region, self),)
-        self._closed = False
+        memory = f"the dispatcher's memory on {buf.device}"
+        self._made(make, f"{self._NAME} (view {list(view.ranks)})", memory=memory, no_grad=_NO_GRAD)
         self.sigs = Signals(view, slots=protocol.SLOTS, timeout_s=timeout_s)
         """The :class:`~symmsync.Signals` object the steps signal and wait on (slot 0: dispatches, 1: combines)."""
         self.view = view
@@ -175,9 +148,7 @@ class Dispatcher(Consumer):
         self.workspace = ws
         """Where the dispatcher's bytes live in every member (:class:`~symmsync.moe.layout.Workspace`)."""
         caps = buf.capabilities
-        self._buffer = buf
         self._device = buf.device
-        self._device_index = buf.device.index if caps.streams else -1
         self._host_checks = caps.host_checks_status
         self._interp = mode.kernels_interpreted()
         self._bits = self._interp and dtype is torch.bfloat16
@@ -192,30 +163,14 @@ class Dispatcher(Consumer):
             H=hidden,
             HP=_pow2(hidden),
         )
-        self._error: SymmSyncError | None = None
-        self.op_handle = handles.register(self)
-        """The int that names this object to its torch custom ops (:mod:`symmsync.moe.torch_ops`)."""
 
     # ------------------------------------------------------------------ checks
-    @property
-    def rank(self) -> int:
-        """This process's global rank."""
-        return self._buffer.rank
-
-    def _tensor_problem(self, name: str, t: Any, dtype: Any, shape: tuple) -> str | None:
-        """What is wrong with the tensor argument ``name`` of a call (:func:`symmsync.checks.tensor_problem`,
-        the rule of every consumer), or ``None``."""
-        memory = f"the dispatcher's memory on {self._device}"
-        return tensor_problem(
-            name, t, dtype=dtype, shape=shape, device_index=self._device_index, memory=memory, no_grad=_NO_GRAD
-        )
-
     def _routing_problem(self, topk_idx: Any, tokens: int) -> str | None:
         """What is wrong with ``topk_idx`` for ``tokens`` tokens: its type and shape, then its values
         (ids from -1 to ``num_experts - 1``), read on the host: free for CPU tensors, one device
         synchronization on GPUs, skipped while a CUDA graph is being captured (there the kernels
         skip an id out of range, never storing through it)."""
-        bad = self._tensor_problem("topk_idx", topk_idx, torch.int64, (tokens, self.top_k))
+        bad = self.tensor_problem("topk_idx", topk_idx, dtype=torch.int64, shape=(tokens, self.top_k))
         if bad is not None or tokens == 0:
             return bad
         if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -242,7 +197,7 @@ class Dispatcher(Consumer):
                 f"x has {tokens} tokens, more than max_tokens={self.max_tokens}: split the batch, or make the "
                 "dispatcher with a larger max_tokens"
             )
-        return self._tensor_problem("x", x, self.dtype, (tokens, self.hidden)) or self._routing_problem(
+        return self.tensor_problem("x", x, dtype=self.dtype, shape=(tokens, self.hidden)) or self._routing_problem(
             topk_idx, tokens
         )
 
@@ -255,9 +210,9 @@ class Dispatcher(Consumer):
         if handle.src.shape != want or handle.per_source.shape != (self.local_experts, self.size):
             return "handle comes from another dispatcher (its shapes differ)"
         tokens = handle.topk_idx.shape[0]
-        return self._tensor_problem(
-            "expert_out", expert_out, self.dtype, (self.local_experts, rows, self.hidden)
-        ) or self._tensor_problem("topk_weights", topk_weights, torch.float32, (tokens, self.top_k))
+        return self.tensor_problem(
+            "expert_out", expert_out, dtype=self.dtype, shape=(self.local_experts, rows, self.hidden)
+        ) or self.tensor_problem("topk_weights", topk_weights, dtype=torch.float32, shape=(tokens, self.top_k))
 
     def accepts(self, x: Any, topk_idx: Any) -> bool:
         """Whether ``dispatch(x, topk_idx)`` passes this rank's input checks: False exactly when
@@ -311,10 +266,10 @@ class Dispatcher(Consumer):
     def eager_dispatch(self, x: Any, topk_idx: Any) -> tuple[torch.Tensor, ...]:
         """The checked dispatch: what :meth:`dispatch` and ``symmsync::moe_dispatch`` run. Returns
         ``(recv, scales, counts, src, per_source)`` (``scales`` empty without fp8)."""
-        self._check_usable()
+        self.check_usable()
         bad = self._dispatch_problem(x, topk_idx)
         if bad is not None:
-            self._refuse("dispatch", bad)
+            self.refuse(bad, "dispatch")
         ws, el, size, m = self.workspace, self.local_experts, self.size, self.max_tokens
         dev = self._device
         rows = size * m
@@ -351,7 +306,7 @@ class Dispatcher(Consumer):
                 **self._consts, FP8=self.fp8, G=self._groups, GP=_pow2(self._groups),
             )  # fmt: skip
         except SymmSyncError as e:
-            self._fail(e)
+            self.fail(e)
             raise
         return recv, scales, per_source.sum(dim=1), src, per_source
 
@@ -378,8 +333,8 @@ class Dispatcher(Consumer):
             src, per = handle.src, handle.per_source
             return torch.ops.symmsync.moe_combine(expert_out, topk_weights, handle.topk_idx, src, per, self.op_handle)
         if not isinstance(handle, Handle):
-            self._check_usable()
-            self._refuse("combine", f"handle must be the Handle a dispatch returned, got {type(handle).__name__}")
+            self.check_usable()
+            self.refuse(f"handle must be the Handle a dispatch returned, got {type(handle).__name__}", "combine")
         return self.eager_combine(expert_out, topk_weights, *handle)
 
     def accepts_combine(self, expert_out: Any, topk_weights: Any, handle: Any) -> bool:
@@ -391,11 +346,11 @@ class Dispatcher(Consumer):
         self, expert_out: Any, topk_weights: Any, topk_idx: Any, src: Any, per_source: Any
     ) -> torch.Tensor:
         """The checked combine (a handle's parts): what :meth:`combine` and ``symmsync::moe_combine`` run."""
-        self._check_usable()
+        self.check_usable()
         handle = Handle(topk_idx, src, per_source)
         bad = self._combine_problem(expert_out, topk_weights, handle)
         if bad is not None:
-            self._refuse("combine", bad)
+            self.refuse(bad, "combine")
         ws, el, size = self.workspace, self.local_experts, self.size
         tokens = topk_idx.shape[0]
         y = torch.empty((tokens, self.hidden), dtype=self.dtype, device=self._device)
@@ -417,7 +372,7 @@ class Dispatcher(Consumer):
                 **self._launch_kw,
             )  # fmt: skip
         except SymmSyncError as e:
-            self._fail(e)
+            self.fail(e)
             raise
         return y
 
@@ -426,37 +381,12 @@ class Dispatcher(Consumer):
         """Wait for the device; turn a trapped wait into the error it recorded
         (:class:`~symmsync.SignalTimeout`, :class:`~symmsync.SignalAborted`). On the host backend
         calls raise by themselves."""
-        self._check_usable()
+        self.check_usable()
         try:
             self.sigs.synchronize()
         except SymmSyncError as e:
-            self._fail(e)
+            self.fail(e)
             raise
-
-    def _check_usable(self) -> None:
-        if self._buffer.closed:
-            raise ClosedError(f"rank {self.rank}: moe.Dispatcher used after its buffer was closed")
-        if self._closed:
-            raise ClosedError(f"rank {self.rank}: moe.Dispatcher (view {list(self.view.ranks)}) used after close()")
-        if self._error is not None:
-            raise self._error
-        reason = self.view.aborted
-        if reason is not None:
-            raise used_after_abort(self.view, "moe.Dispatcher", reason)
-
-    def _refuse(self, call: str, problem: str) -> None:
-        """Refuse a bad call on this member before anything is sent: fail, tell the members, raise."""
-        err = InputError(f"rank {self.rank}: moe.Dispatcher.{call}: {problem}")
-        self._fail(err, f"moe.Dispatcher.{call}: {problem}")
-        raise err
-
-    def _fail(self, err: SymmSyncError, reason: str | None = None) -> None:
-        """This rank's call failed with ``err``: every later call raises it again without launching,
-        and the members' waits end at once with :class:`~symmsync.PeerAborted` naming this rank."""
-        if self._error is None:
-            self._error = err
-        if self.view.aborted is None:
-            self.view.failure.abort(reason or f"moe.Dispatcher: {type(err).__name__}: {err}"[:200], cause=err)
 
     def _release(self, together: bool) -> None:
         try:

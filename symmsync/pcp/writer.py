@@ -42,14 +42,13 @@ import triton
 
 from .. import backends
 from ..backends import mode
-from ..checks import int_problem, is_int, require, tensor_problem
+from ..checks import int_problem, is_int, require
 from ..core import agreement
-from ..core.consumer import Consumer
+from ..core.consumer import Consumer, Making
 from ..core.fence import Fence
 from ..core.launch import BoundLaunch, Launcher
-from ..core.regions import Region
 from ..errors import ClosedError, ConfigError, InputError, SymmSyncError
-from ..ops import handles, oplib
+from ..ops import oplib
 from ..spanning import exchange
 from ..spanning import parts as spanning
 from .kernels import IDX as _IDX
@@ -150,6 +149,8 @@ class DirectKVWriter(Consumer):
             arguments were agreed.
     """
 
+    _NAME = "DirectKVWriter"
+
     def __init__(
         self,
         view: PeerView,
@@ -167,29 +168,25 @@ class DirectKVWriter(Consumer):
         programs_per_sm: int | None = None,
         spread: bool | None = None,
     ):
-        backends.refuse_compiling("DirectKVWriter")
-        buf = view.buffer
+        make = Making("DirectKVWriter", view)
+        buf = make.buffer
         fused = route == "direct" if fused is None else bool(fused)
         self.view, self.layout, self.route, self.fused, self.debug = view, layout, route, fused, debug
-        self.buffer = self._buffer = buf
-        call = "DirectKVWriter"
-        problem, error = None, ConfigError
+        self.buffer = buf
         placement = None
         how, route_problem = route_for(view, route)  # the route as the view's node layout makes it
         if not isinstance(layout, (CacheLayout, CacheTensors)):
-            problem = f"layout must be a symmsync.pcp.CacheLayout or CacheTensors, got {type(layout).__name__}"
-        elif route_problem is not None:
-            problem = route_problem
-        elif fused and route != "direct":
-            problem = "fused=True needs route='direct' (the all-gather route has no fence to fuse)"
-        else:
+            make.check(f"layout must be a symmsync.pcp.CacheLayout or CacheTensors, got {type(layout).__name__}")
+        elif make.check(route_problem) and fused and route != "direct":
+            make.check("fused=True needs route='direct' (the all-gather route has no fence to fuse)")
+        if make.ok:
             try:
                 placement = layout.placement(buf)
             except ConfigError as e:
-                problem, error = str(e), type(e)
-        if problem is None and how.among == "group" and group is None and view.size != buf.world_size:
-            problem = "the allgather route needs group=, the torch.distributed group of the view's ranks"
-        if problem is None:
+                make.check(str(e), type(e))
+        if make.ok and how.among == "group" and group is None and view.size != buf.world_size:
+            make.check("the allgather route needs group=, the torch.distributed group of the view's ranks")
+        if make.ok:
             tuning, problem = Tuning.with_shorthand(
                 tuning,
                 block_rows=block_rows,
@@ -197,47 +194,41 @@ class DirectKVWriter(Consumer):
                 spread=spread,
                 programs_per_sm=programs_per_sm,
             )
-        if problem is None and how.spans and spanning.channels_left(view) < 1:
-            problem = (
+            make.check(problem)
+        if make.ok and how.spans and spanning.channels_left(view) < 1:
+            make.check(
                 "the view's node view has no fence channel left for the writer (the consumers over this view took "
                 "them all): pass channels= to SymmetricBuffer for more"
             )
-        fence = None
-        if problem is None and not how.spans:  # a bad channel or timeout is agreed like the rest
-            fence, problem, error = agreement.attempt(lambda: Fence(view, channel, timeout_s=timeout_s), buf.rank)
+        fence = make.fence(channel, timeout_s) if make.ok and not how.spans else None  # a bad one: agreed
         members = tuple(view.ranks)
-        claims = []
-        if problem is None:  # the caches' bytes, shared only by writers of these caches on this PCP group
+        if make.ok:  # the caches' bytes, shared only by writers of these caches on this PCP group
             owner, share = f"DirectKVWriter (view {list(members)}) caches", ("kv caches", members, placement.agreed())
-            claims = [Region(owner, start, stop, share=share) for start, stop in placement.spans()]
-            problem, error = next(filter(None, map(buf.regions.problem, claims)), None), ConfigError
-        hint = f"every member of the PCP group {list(members)} must pass the same"
-        in_group = agreement.Same(among=members, hint=hint)
-        agreement.agree(
-            buf.group,
-            call,
-            {
-                "the route": how.agreed(fused) if how is not None else route,
-                "the node view": "made here" if how is not None and how.spans and not spanning.made(view) else None,
-                "the layout": placement.agreed() if placement is not None else None,
-                "the channel": channel,
-            },
-            problem=problem,
-            error=error,
-            same={
-                "the route": agreement.Same(
-                    hint="every rank must take the same route, and the views of every rank span nodes or none does"
+            for start, stop in placement.spans():
+                make.claim(owner, start, stop, share=share)
+        node_view_rule = agreement.Same(
+            hint="a view's first consumer over nodes makes its node view, collectively over the buffer's "
+            "group: every rank must make its views' first consumers over nodes together"
+        )
+        make.agree(
+            {"the layout": placement.agreed() if placement is not None else None, "the channel": channel},
+            hint=f"every member of the PCP group {list(members)} must pass the same",
+            group_wide={
+                "the route": (
+                    how.agreed(fused) if how is not None else route,
+                    agreement.Same(
+                        hint="every rank must take the same route, and the views of every rank span nodes or none does"
+                    ),
                 ),
-                "the layout": in_group,
-                "the channel": in_group,
-                "the node view": agreement.Same(
-                    hint="a view's first consumer over nodes makes its node view, collectively over the buffer's "
-                    "group: every rank must make its views' first consumers over nodes together"
+                "the node view": (
+                    "made here" if how is not None and how.spans and not spanning.made(view) else None,
+                    node_view_rule,
                 ),
             },
         )
-        self._claims = tuple(buf.regions.claim(region, self) for region in claims)
-        self._closed = False
+        self._made(
+            make, f"DirectKVWriter (channel {channel})", memory=f"the cache on {buf.device}", no_grad="write() has"
+        )
         #: Across nodes, the members of the view on this rank's node (:attr:`fence`'s view); else ``None``.
         self.node_view = None
         offnode = None
@@ -251,7 +242,7 @@ class DirectKVWriter(Consumer):
             fence, problem, error = agreement.attempt(
                 lambda: Fence(self.node_view, node_channel, timeout_s=timeout_s), buf.rank
             )
-            agreement.agree(buf.group, call, {}, problem=problem, error=error)
+            agreement.agree(buf.group, "DirectKVWriter", {}, problem=problem, error=error)
         #: Across nodes, the view's off-node exchange (:class:`~symmsync.spanning.exchange.OffNode`);
         #: ``None`` otherwise.
         self.offnode = offnode
@@ -277,10 +268,8 @@ class DirectKVWriter(Consumer):
         if caps.streams:  # a GPU: one persistent grid fills its multiprocessors
             sms = torch.cuda.get_device_properties(buf.device).multi_processor_count
             self._max_programs = sms * tuning.programs_per_sm  # 0: one program per work item
-            self._device_index = buf.device.index
         else:
             self._max_programs = 4  # the interpreter runs programs one after another
-            self._device_index = -1  # what Tensor.get_device() gives for CPU tensors
         # Triton's interpreter (numpy: no bfloat16) reads bf16 rows as their int16 bits; the
         # interpreter's fact, not the memory's: ask the module that knows (the kernel takes either).
         self._bf16_as_bits = mode.kernels_interpreted()
@@ -306,9 +295,6 @@ class DirectKVWriter(Consumer):
         self._offsets = list(placement.offsets)
         self._strides = (placement.main_block_stride, placement.indexer_block_stride)
         self._usable = (-1, 0)  # (buffer size, blocks usable at that size)
-        # Compiled code: the op (symmsync.pcp.torch_ops) names this writer by a handle.
-        self.op_handle = handles.register(self)
-        """The int that names this writer to its torch custom ops (:mod:`symmsync.pcp.torch_ops`)."""
         self._spans: list[torch.Tensor] | None = None  # made once every block is mapped (prepare)
         self._last_batch: weakref.ReferenceType | None = None  # weak: a batch refers to its writer
 
@@ -546,18 +532,17 @@ class DirectKVWriter(Consumer):
         """The checked write, launched now: what :meth:`write` runs outside compiled code and its ops
         (:mod:`symmsync.pcp.torch_ops`) run when a compiled graph calls them."""
         if self._closed:
-            self._check_not_closed("DirectKVWriter.write")
+            self.check_usable()
         if self.offnode is not None:  # before anything is written or aborted
             self.offnode.refuse_capture(self.buffer.device, "DirectKVWriter.write")
         bad = self._input_problem(layer, kv_c, k_pe, indexer_k, batch)
-        if bad is not None:
+        if bad is not None:  # InputError, BoundsError: every bad input, each named, before anything is written
             error, problem = bad
-            try:
-                require(problem, rank=self.buffer.rank, call="DirectKVWriter.write", error=error)
-            except ConfigError as e:  # InputError, BoundsError: every bad input
-                # Members may wait in this layer's fence: tell them now (PeerAborted). Nothing was written.
-                self.abort(str(e))
-                raise
+            err = error(f"rank {self.rank}: DirectKVWriter.write: {problem}")
+            self.fail(err, f"DirectKVWriter.write: {problem}")  # members may wait in this layer's fence: tell them
+            raise err
+        if not self._failure.clean:
+            self.check_usable()
         try:
             self._write_checked(layer, kv_c, k_pe, indexer_k, batch)
         except SymmSyncError as e:  # across nodes, the node fence's failure reaches the other nodes too
@@ -565,7 +550,7 @@ class DirectKVWriter(Consumer):
                 raise
             # A node fence names the node peer whose flag it saw: name the view's origin instead.
             err = exchange.as_origin(self.view, self.buffer.rank, "DirectKVWriter.write", e)
-            self.abort(str(err))
+            self.fail(err, str(err))
             if err is e:
                 raise
             raise err from e
@@ -642,17 +627,10 @@ class DirectKVWriter(Consumer):
         )
 
     def _tensor_problem(self, name: str, t: torch.Tensor, rows: int, width: int) -> tuple[type[InputError], str] | None:
-        """What is wrong with the tensor argument ``name`` of a write (:func:`symmsync.checks.tensor_problem`,
-        the rule of every consumer) and the error it raises, or ``None``."""
-        bad = tensor_problem(
-            name,
-            t,
-            dtype=torch.bfloat16,
-            shape=(rows, width),
-            shape_note=" to match the batch's slot mapping",
-            device_index=self._device_index,
-            memory=f"the cache on {self.buffer.device}",
-            no_grad="write() has",
+        """What is wrong with the tensor argument ``name`` of a write (the rule of every consumer:
+        :meth:`~symmsync.core.consumer.Consumer.tensor_problem`) and the error it raises, or ``None``."""
+        bad = self.tensor_problem(
+            name, t, dtype=torch.bfloat16, shape=(rows, width), shape_note=" to match the batch's slot mapping"
         )
         return None if bad is None else (InputError, bad)
 
@@ -694,6 +672,15 @@ class DirectKVWriter(Consumer):
         """Abort the writer's fence's view (across nodes the node view, whose abort the view's parts
         pass to the view over nodes, which reaches the other nodes: :mod:`symmsync.spanning.parts`)."""
         self.fence.abort(reason)
+
+    def fail(self, err: Exception, reason: str | None = None) -> None:
+        """This rank's write failed with ``err`` (:meth:`symmsync.core.consumer.Consumer.fail`): the members
+        are told through the writer's fence's view (across nodes its node view: :meth:`abort`)."""
+        self._failure.fail(self, err)
+        try:
+            self.abort(reason or f"DirectKVWriter: {type(err).__name__}: {err}"[:200])
+        except SymmSyncError:  # a closed buffer: the error being raised says enough
+            pass
 
     def _exchange(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The all-gather of ``t`` into ``out``. Across nodes a failed exchange (a peer aborted or
