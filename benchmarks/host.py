@@ -31,6 +31,9 @@ figures: host cost only), but for the decode step, which runs on 2 ranks sharing
   compiled 2-layer step (write, read of the cache; Inductor, not graphed); that step in a
   CUDA graph (replay); and under ``reduce-overhead`` (which torch's graph trees skip:
   the caches are mutated inputs);
+* **the MoE dispatcher** (128 tokens, hidden 7168, top-8, 8 experts, bf16, its one member: host
+  cost only): ``dispatch`` and ``combine`` eager (three bound launches each), beside a torch op on
+  the tokens (``x.mul(2)``) and ``index_select`` of the same 1024 rows;
 * **a decode step** of 8 layers (a GEMM, then the fused all-reduce + residual + RMS
   norm), 16 tokens, eager, compiled, and compiled in a CUDA graph (replay), against the
   same model with local torch ops in place of the all-reduce (no communication); each
@@ -268,6 +271,28 @@ def writer_at(T: int, cases: dict, failed: dict, notes: dict, keep: list) -> Non
     notes[f"{key}.reduce_overhead_skips"] = {k: v for k, v in counters.get("inductor", {}).items() if "cudagraph" in k}
 
 
+def moe(cases: dict, failed: dict, notes: dict, keep: list) -> None:
+    """The dispatcher's eager calls at its one member (host cost: no peer), beside torch ops."""
+    import symmsync as ss
+    from symmsync import moe as ssmoe
+
+    E, M, H, K = 8, 128, 7168, 8
+    buf = ss.SymmetricBuffer(ssmoe.buffer_bytes(E, M, H, torch.bfloat16, K, 1), backend="cuda")
+    disp = ssmoe.Dispatcher(buf.view([0]), E, M, H, torch.bfloat16, K, timeout_s=60)
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(M, H, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(M)])
+    w = torch.rand(M, K, device="cuda", generator=g)
+    recv, counts, handle = disp.dispatch(x, ids)
+    rows = torch.arange(M, device="cuda").repeat_interleave(K)
+    keep.extend((buf, disp, recv, handle))
+    prepare(cases, failed, "moe.torch_op", lambda: lambda: x.mul(2))
+    prepare(cases, failed, "moe.index_select", lambda: lambda: x.index_select(0, rows))
+    prepare(cases, failed, "moe.dispatch", lambda: lambda: disp.dispatch(x, ids))
+    prepare(cases, failed, "moe.combine", lambda: lambda: disp.combine(recv, w, handle))
+    notes["moe"] = {"tokens": M, "hidden": H, "top_k": K, "experts": E, "members": 1}
+
+
 # ---------------------------------------------------------------------- the decode step, 2 ranks
 def decode_rank() -> None:
     """One rank of the decode step (run under torchrun by :func:`decode`); rank 0 prints the JSON."""
@@ -481,6 +506,10 @@ def table(R: dict) -> str:
         ):
             v = R.get(f"writer.{T}.{what}")
             lines.append(f"  {what:32s} {v:>9.2f}" if isinstance(v, float) else f"  {what:32s} {v}")
+    lines.append("MoE dispatcher, eager (128 tokens, 7168, top-8, one member):")
+    for what in ("torch_op", "index_select", "dispatch", "combine"):
+        v = R.get(f"moe.{what}")
+        lines.append(f"  {what:32s} {v:>9.2f}" if isinstance(v, float) else f"  {what:32s} {v}")
     return "\n".join(lines)
 
 
@@ -552,6 +581,7 @@ def main() -> None:
         print("preparing the calls (world 1): compiling, warming up", flush=True)
         calls(cases, failed, notes, keep)
         writer(cases, failed, notes, keep)
+        moe(cases, failed, notes, keep)
         print(f"timing {len(cases)} calls in turns: {args.reps} rounds of {args.iters} calls each", flush=True)
         R, spread = interleaved(cases, args.iters, args.reps)
     R.update(failed)

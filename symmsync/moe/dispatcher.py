@@ -14,16 +14,39 @@ import torch
 
 from ..backends import mode
 from ..core.consumer import Consumer, Making
+from ..core.launch import BoundLaunch, Launcher
 from ..core.nodes import spanning_problem
 from ..core.signals import Signals
 from ..core.views import PeerView
-from ..errors import SymmSyncError
+from ..errors import InputError, SymmSyncError
 from . import kernels, protocol
 from . import layout as L
 
 #: The most entries per token (``top_k``) a dispatcher takes.
 MAX_TOP_K = 32
 _NO_GRAD = "dispatch and combine have"  # no autograd formula (symmsync.checks.tensor_problem words it)
+
+
+class StepMismatch(InputError):
+    """The members of a dispatcher made different steps (one a dispatch, another a combine, or
+    their counts of steps differ): raised on every member, before anything of the step was read.
+
+    Attributes:
+        rank: this member's global rank.
+        other: the global rank of the member whose step differed.
+    """
+
+    def __init__(self, message: str, *, rank: int, other: int):
+        super().__init__(message)
+        self.rank = rank
+        self.other = other
+
+    def __reduce__(self):
+        return (_rebuild_mismatch, (str(self), self.rank, self.other))
+
+
+def _rebuild_mismatch(message: str, rank: int, other: int) -> StepMismatch:
+    return StepMismatch(message, rank=rank, other=other)
 
 
 class Handle(NamedTuple):
@@ -152,16 +175,88 @@ class Dispatcher(Consumer):
         self._host_checks = caps.host_checks_status
         self._interp = mode.kernels_interpreted()
         self._bits = self._interp and dtype is torch.bfloat16
-        self._launch_kw = {} if self._interp else {"enable_fp_fusion": False}  # the documented order, no FMA
-        # [dispatch steps, last dispatch's status, combine steps, last combine's status], on the device
-        self._state = torch.zeros(4, dtype=torch.int64, device=buf.device)
-        self._sig_args = self.sigs.kernel_args
+        # [steps, the last step's status, a mismatch's member and header] (protocol.py), on the device
+        self._state = torch.zeros(protocol.STATE_WORDS, dtype=torch.int64, device=buf.device)
         self._groups = hidden // L.FP8_GROUP if fp8 else 1
-        self._consts = dict(
-            SIZE=view.size,
-            M=max_tokens,
-            H=hidden,
-            HP=_pow2(hidden),
+        self._launches = self._launchers(caps.traps)
+        self._bound: dict[tuple, BoundLaunch] = {}  # (kernel, grid) -> its launch, packed once
+
+    def _launchers(self, traps: bool) -> dict[str, tuple[Launcher, dict[str, Any], tuple[str, ...]]]:
+        """Each kernel's launcher, its fixed arguments by name, and the names a call passes."""
+        ws, size, el = self.workspace, self.size, self.local_experts
+        sig, me, timeout_ns, record = self.sigs.kernel_args
+        state = self._state
+        shape = dict(SIZE=size, M=self.max_tokens, H=self.hidden, HP=_pow2(self.hidden))
+        routing = dict(E=self.num_experts, EL=el, TOPK=self.top_k, BT=_pow2(self.max_tokens))
+        fp8 = dict(FP8=self.fp8, G=self._groups, GP=_pow2(self._groups))
+        wait = dict(SIZE=size, NSLOTS=protocol.SLOTS, TRAP=traps)
+        steps = dict(state=state, sig=sig, me=me)
+        waits = dict(steps, timeout_ns=timeout_ns, record=record, headers_off=ws.headers)
+        regions = dict(rows_off=ws.rows, scales_off=ws.scales, src_off=ws.src, stride=ws.dispatch_stride)
+        combine = dict(comb_off=ws.combine, stride=ws.combine_stride)
+        exact = {} if self._interp else {"enable_fp_fusion": False}  # the documented order, no FMA
+        return {
+            "dispatch_send": (
+                Launcher(
+                    kernels.dispatch_send, (1,), 4, **shape, **routing, KP=_pow2(self.top_k), **fp8, BITS=self._bits
+                ),
+                dict(steps, **regions),
+                ("x", "topk", "T"),
+            ),
+            "dispatch_notify": (
+                Launcher(kernels.dispatch_notify, (1,), 4, **wait, **routing),
+                dict(waits, counts_off=ws.counts, stride=ws.dispatch_stride),
+                ("topk", "T"),
+            ),
+            "dispatch_read": (
+                Launcher(kernels.dispatch_read, (1,), 4, **shape, **fp8),
+                dict(steps, **regions, counts_off=ws.counts),
+                ("recv", "scales", "per_source", "src"),
+            ),
+            "combine_send": (
+                Launcher(kernels.combine_send, (1,), 4, **shape),
+                dict(steps, **combine),
+                ("out", "per_source", "src"),
+            ),
+            "combine_notify": (Launcher(kernels.combine_notify, (1,), 4, **wait), waits, ()),
+            "combine_reduce": (
+                Launcher(
+                    kernels.combine_reduce, (1,), 4, E=self.num_experts, H=self.hidden, HP=shape["HP"],
+                    TOPK=self.top_k, BITS=self._bits, **exact,
+                ),
+                dict(steps, **combine),
+                ("y", "topk", "weights", "T"),
+            ),
+        }  # fmt: skip
+
+    def _launch(self, name: str, programs: int, *values: Any) -> None:
+        """Launch kernel ``name`` on ``programs`` programs with a call's ``values`` (its bound launch,
+        packed at the first call of that grid: a later call repacks only what changed)."""
+        bound = self._bound.get((name, programs))
+        if bound is None:
+            launcher, fixed, per_call = self._launches[name]
+            args = dict(fixed, **dict(zip(per_call, values)))
+            bound = launcher.bind(*[args[n] for n in launcher.names], grid=(programs,), per_call=per_call)
+            self._bound[(name, programs)] = bound
+        bound(*values)
+
+    def _settle_step(self, kind: str) -> None:
+        """On the host backend (launches have finished): raise what the step's wait or header check found."""
+        self.sigs.check()  # a wait that failed raises here, before anything is read
+        status = self._state.tolist()
+        if status[protocol.STATUS] == protocol.MISMATCH:
+            raise self._mismatch(kind, status)
+
+    def _mismatch(self, kind: str, state: list[int]) -> StepMismatch:
+        member, header = state[protocol.WHO], state[protocol.WHAT]
+        n = state[protocol.STEPS] - 1
+        other = self.view.ranks[member]
+        return StepMismatch(
+            f"rank {self.rank}: moe.Dispatcher (view {list(self.view.ranks)}): this member made {kind} (step {n}) "
+            f"while rank {other} made {protocol.describe(header)}: every member must make the same dispatches and "
+            "combines in the same order; nothing was read (the dispatcher fails: make a new one)",
+            rank=self.rank,
+            other=other,
         )
 
     # ------------------------------------------------------------------ checks
@@ -270,7 +365,7 @@ class Dispatcher(Consumer):
         bad = self._dispatch_problem(x, topk_idx)
         if bad is not None:
             self.refuse(bad, "dispatch")
-        ws, el, size, m = self.workspace, self.local_experts, self.size, self.max_tokens
+        el, size, m = self.local_experts, self.size, self.max_tokens
         dev = self._device
         rows = size * m
         tokens = x.shape[0]
@@ -285,26 +380,12 @@ class Dispatcher(Consumer):
         src = torch.empty((el, rows), dtype=torch.int64, device=dev)
         per_source = torch.empty((el, size), dtype=torch.int64, device=dev)
         xk = x.view(torch.int16) if self._bits else x
-        sig, me, timeout_ns, record = self._sig_args
-        common = dict(E=self.num_experts, EL=el, TOPK=self.top_k, BT=_pow2(m))
         try:
-            kernels.dispatch_send[(max(tokens, 1),)](
-                xk, topk_idx, tokens, self._state, sig, me,
-                ws.rows, ws.scales, ws.src, ws.dispatch_stride,
-                **self._consts, **common, KP=_pow2(self.top_k), FP8=self.fp8, G=self._groups,
-                GP=_pow2(self._groups), BITS=self._bits,
-            )  # fmt: skip
-            kernels.dispatch_notify[(1,)](
-                topk_idx, tokens, self._state, sig, me, timeout_ns, record, ws.counts, ws.dispatch_stride,
-                SIZE=size, NSLOTS=protocol.SLOTS, TRAP=self.sigs.traps, **common,
-            )  # fmt: skip
+            self._launch("dispatch_send", max(tokens, 1), xk, topk_idx, tokens)
+            self._launch("dispatch_notify", 1, topk_idx, tokens)
             if self._host_checks:
-                self.sigs.check()  # a wait that failed raises here, before anything is read
-            kernels.dispatch_read[(el * size,)](
-                recv_k, scales, per_source, src, self._state, sig, me,
-                ws.rows, ws.scales, ws.src, ws.counts, ws.dispatch_stride,
-                **self._consts, FP8=self.fp8, G=self._groups, GP=_pow2(self._groups),
-            )  # fmt: skip
+                self._settle_step("dispatch")
+            self._launch("dispatch_read", el * size, recv_k, scales, per_source, src)
         except SymmSyncError as e:
             self.fail(e)
             raise
@@ -351,26 +432,16 @@ class Dispatcher(Consumer):
         bad = self._combine_problem(expert_out, topk_weights, handle)
         if bad is not None:
             self.refuse(bad, "combine")
-        ws, el, size = self.workspace, self.local_experts, self.size
+        el, size = self.local_experts, self.size
         tokens = topk_idx.shape[0]
         y = torch.empty((tokens, self.hidden), dtype=self.dtype, device=self._device)
         out_k, y_k = (expert_out.view(torch.int16), y.view(torch.int16)) if self._bits else (expert_out, y)
-        sig, me, timeout_ns, record = self._sig_args
         try:
-            kernels.combine_send[(el * size,)](
-                out_k, handle.per_source, handle.src, self._state, sig, me, ws.combine, ws.combine_stride,
-                **self._consts,
-            )  # fmt: skip
-            kernels.combine_notify[(1,)](
-                self._state, sig, me, timeout_ns, record, SIZE=size, NSLOTS=protocol.SLOTS, TRAP=self.sigs.traps
-            )
+            self._launch("combine_send", el * size, out_k, handle.per_source, handle.src)
+            self._launch("combine_notify", 1)
             if self._host_checks:
-                self.sigs.check()
-            kernels.combine_reduce[(max(tokens, 1),)](
-                y_k, topk_idx, topk_weights, tokens, self._state, sig, me, ws.combine, ws.combine_stride,
-                E=self.num_experts, H=self.hidden, HP=self._consts["HP"], TOPK=self.top_k, BITS=self._bits,
-                **self._launch_kw,
-            )  # fmt: skip
+                self._settle_step("combine")
+            self._launch("combine_reduce", max(tokens, 1), y_k, topk_idx, topk_weights, tokens)
         except SymmSyncError as e:
             self.fail(e)
             raise
@@ -384,6 +455,9 @@ class Dispatcher(Consumer):
         self.check_usable()
         try:
             self.sigs.synchronize()
+            state = self._state.tolist()
+            if state[protocol.STATUS] == protocol.MISMATCH:
+                raise self._mismatch("a step", state)
         except SymmSyncError as e:
             self.fail(e)
             raise

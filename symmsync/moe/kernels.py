@@ -1,4 +1,5 @@
-"""The dispatcher's kernels: three launches per step (:mod:`.protocol` says why and in what order).
+"""The dispatcher's kernels: three launches per step (:mod:`.protocol` says why and in what order),
+each bound once (:mod:`symmsync.core.launch`).
 
 Placement, computed by the sender with a prefix count (no atomics): token ``t`` of member
 ``s`` routed to expert ``e`` (owned by member ``e // EL`` as its local expert ``e % EL``) lands
@@ -29,6 +30,7 @@ _FLOOR = tl.constexpr(AMAX_FLOOR)
 _FP8_MAX = tl.constexpr(E4M3_MAX)
 _DISPATCH = tl.constexpr(protocol.DISPATCH)
 _COMBINE = tl.constexpr(protocol.COMBINE)
+_OK = tl.constexpr(protocol.OK)
 
 
 @triton.jit
@@ -54,7 +56,7 @@ def dispatch_send(
     source index into the region of each expert it is routed to."""
     t = tl.program_id(0)
     if t < T:
-        base = protocol.parity(state, _DISPATCH) * stride
+        base = protocol.parity(state) * stride
         tt = tl.arange(0, BT)[:, None]
         kk = tl.arange(0, KP)[None, :]
         routes = tl.load(topk + tt * TOPK + kk, mask=(tt < T) & (kk < TOPK), other=-1)
@@ -89,13 +91,13 @@ def dispatch_send(
 
 @triton.jit
 def dispatch_notify(
-    topk, T, state, sig, me, timeout_ns, record, counts_off, stride,
+    topk, T, state, sig, me, timeout_ns, record, counts_off, stride, headers_off,
     SIZE: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr, E: tl.constexpr, EL: tl.constexpr,
     TOPK: tl.constexpr, BT: tl.constexpr,
 ):  # fmt: skip
     """Step 2 of a dispatch (one program): every receiver's count of this member's rows for each
     of its local experts (zeros too), then :func:`.protocol.notify_and_wait`."""
-    base = protocol.parity(state, _DISPATCH) * stride
+    base = protocol.parity(state) * stride
     tt = tl.arange(0, BT)
     for m in tl.static_range(SIZE):
         for el in tl.static_range(EL):
@@ -105,7 +107,7 @@ def dispatch_notify(
                 hit = hit | (tl.load(topk + tt * TOPK + k, mask=tt < T, other=-1) == e).to(tl.int32)
             n = tl.sum(hit, axis=0).to(tl.int64)
             tl.store(ssl.data_ptr(sig, m, counts_off + base + (el * SIZE + me) * 8, tl.int64), n)
-    protocol.notify_and_wait(sig, me, timeout_ns, record, state, _DISPATCH, SIZE, NSLOTS, TRAP)
+    protocol.notify_and_wait(sig, me, timeout_ns, record, state, headers_off, _DISPATCH, SIZE, NSLOTS, TRAP)
 
 
 @triton.jit
@@ -121,8 +123,8 @@ def dispatch_read(
     pid = tl.program_id(0)
     el = pid // SIZE
     s = pid % SIZE
-    base = protocol.finished_parity(state, _DISPATCH) * stride
-    ok = protocol.status(state, _DISPATCH) == 0
+    base = protocol.finished_parity(state) * stride
+    ok = protocol.status(state) == _OK
     n = tl.where(ok, tl.load(ssl.data_ptr(sig, me, counts_off + base + (el * SIZE + s) * 8, tl.int64)), 0)
     tl.store(per_source + el * SIZE + s, n)
     cols = tl.arange(0, HP)
@@ -154,7 +156,7 @@ def combine_send(
     pid = tl.program_id(0)
     el = pid // SIZE
     s = pid % SIZE
-    base = protocol.parity(state, _COMBINE) * stride
+    base = protocol.parity(state) * stride
     n = tl.load(per_source + el * SIZE + s)
     cols = tl.arange(0, HP)
     dst = ssl.data_ptr(sig, s, comb_off + base, out.dtype.element_ty)  # member s's region, looked up once
@@ -167,11 +169,11 @@ def combine_send(
 
 @triton.jit
 def combine_notify(
-    state, sig, me, timeout_ns, record,
+    state, sig, me, timeout_ns, record, headers_off,
     SIZE: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr,
 ):  # fmt: skip
     """Step 2 of a combine (one program): :func:`.protocol.notify_and_wait`."""
-    protocol.notify_and_wait(sig, me, timeout_ns, record, state, _COMBINE, SIZE, NSLOTS, TRAP)
+    protocol.notify_and_wait(sig, me, timeout_ns, record, state, headers_off, _COMBINE, SIZE, NSLOTS, TRAP)
 
 
 @triton.jit
@@ -184,8 +186,8 @@ def combine_reduce(
     an entry naming the expert of an earlier entry reads that entry's row), then rounds once."""
     t = tl.program_id(0)
     if t < T:
-        base = protocol.finished_parity(state, _COMBINE) * stride
-        ok = protocol.status(state, _COMBINE) == 0
+        base = protocol.finished_parity(state) * stride
+        ok = protocol.status(state) == _OK
         cols = tl.arange(0, HP)
         acc = tl.zeros([HP], dtype=tl.float32)
         own = ssl.data_ptr(sig, me, comb_off + base, y.dtype.element_ty)

@@ -13,7 +13,10 @@ spin inside its read launch), so that the race the step closes is real.
 * the combine's wait (the same, on the combine slot): a member sums before a late expert
   owner's outputs land;
 * the parity (``parity`` and ``finished_parity`` always 0): back-to-back dispatches with a slow
-  reader, whose region the next dispatch of the other member overwrites while it reads.
+  reader, whose region the next dispatch of the other member overwrites while it reads;
+* the header check (``notify_and_wait`` that never compares the members' step headers): one
+  member dispatches while the other combines, and a member reads a step the other never made
+  instead of raising :class:`~symmsync.moe.StepMismatch` on both.
 """
 
 import contextlib
@@ -37,48 +40,71 @@ READ_LAG_NS = 0  # set per process: the read launch's spin (the slow reader's)
 
 
 @triton.jit
-def _notify(sig, me, timeout_ns, record, state, KIND: tl.constexpr, SIZE: tl.constexpr, NSLOTS: tl.constexpr,
-            TRAP: tl.constexpr, SKIP: tl.constexpr):  # fmt: skip
+def _notify(sig, me, timeout_ns, record, state, headers_off, KIND: tl.constexpr, SIZE: tl.constexpr,
+            NSLOTS: tl.constexpr, TRAP: tl.constexpr, SKIP: tl.constexpr, CHECK: tl.constexpr):  # fmt: skip
+    """The shipped ``notify_and_wait`` with its waits taken out for steps of kind ``SKIP`` (and the
+    header check, which a wait must precede), or with only the header check taken out (not ``CHECK``)."""
+    n = tl.load(state)
+    q = n % 2
+    mine = 2 * n + KIND + 1
+    for m in tl.static_range(SIZE):
+        tl.store(ssl.data_ptr(sig, m, headers_off + (q * SIZE + me) * 8, tl.int64), mine)
     tl.debug_barrier()
     for m in tl.static_range(SIZE):
-        ssl.signal(sig, me, m, KIND, 1, ssl.ADD, NSLOTS)
+        ssl.signal(sig, me, m, 0, 1, ssl.ADD, NSLOTS)
     failed = me * 0
+    who = (me * 0 - 1).to(tl.int64)
     if KIND != SKIP:
         for m in tl.static_range(SIZE):
-            failed += ssl.wait_count(sig, me, m, KIND, 1, timeout_ns, record, SIZE, NSLOTS, TRAP)
-    tl.store(state + 2 * KIND + 1, failed.to(tl.int64))
-    tl.store(state + 2 * KIND, tl.load(state + 2 * KIND) + 1)
+            failed += ssl.wait_count(sig, me, m, 0, 1, timeout_ns, record, SIZE, NSLOTS, TRAP)
+        if CHECK:
+            own = ssl.data_ptr(sig, me, headers_off + q * SIZE * 8, tl.int64)
+            for m in tl.static_range(SIZE):
+                h = tl.load(own + m, volatile=True)
+                if (h != mine) & (who < 0):
+                    who = m + who * 0
+    result = tl.where(failed != 0, 1, tl.where(who >= 0, 2, 0)).to(tl.int64)
+    tl.store(state + 2, who)
+    tl.store(state + 1, result)
+    tl.store(state, n + 1)
 
 
 @triton.jit
-def no_dispatch_wait(sig, me, timeout_ns, record, state, KIND: tl.constexpr, SIZE: tl.constexpr,
+def no_dispatch_wait(sig, me, timeout_ns, record, state, headers_off, KIND: tl.constexpr, SIZE: tl.constexpr,
                      NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
-    """``notify_and_wait`` that signals but does not wait on the dispatch slot."""
-    _notify(sig, me, timeout_ns, record, state, KIND, SIZE, NSLOTS, TRAP, 0)
+    """``notify_and_wait`` that signals but does not wait in a dispatch."""
+    _notify(sig, me, timeout_ns, record, state, headers_off, KIND, SIZE, NSLOTS, TRAP, 0, True)
 
 
 @triton.jit
-def no_combine_wait(sig, me, timeout_ns, record, state, KIND: tl.constexpr, SIZE: tl.constexpr,
+def no_combine_wait(sig, me, timeout_ns, record, state, headers_off, KIND: tl.constexpr, SIZE: tl.constexpr,
                     NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
-    """``notify_and_wait`` that signals but does not wait on the combine slot."""
-    _notify(sig, me, timeout_ns, record, state, KIND, SIZE, NSLOTS, TRAP, 1)
+    """``notify_and_wait`` that signals but does not wait in a combine."""
+    _notify(sig, me, timeout_ns, record, state, headers_off, KIND, SIZE, NSLOTS, TRAP, 1, True)
 
 
 @triton.jit
-def slow_finished_parity(state, KIND: tl.constexpr):
+def no_header_check(sig, me, timeout_ns, record, state, headers_off, KIND: tl.constexpr, SIZE: tl.constexpr,
+                    NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
+    """``notify_and_wait`` that waits but never compares the members' headers."""
+    _notify(sig, me, timeout_ns, record, state, headers_off, KIND, SIZE, NSLOTS, TRAP, -1, False)
+
+
+@triton.jit
+def slow_finished_parity(state):
     """The shipped ``finished_parity``, after a spin of ``READ_LAG_NS`` (a slow reader)."""
     spin(READ_LAG_NS)
-    return (tl.load(state + 2 * KIND) - 1) % 2
+    return (tl.load(state) - 1) % 2
 
 
 @triton.jit
-def no_parity(state, KIND: tl.constexpr):
+def no_parity(state):
     """Every step on parity 0."""
     return tl.load(state) * 0
 
 
 @triton.jit
-def slow_no_finished_parity(state, KIND: tl.constexpr):
+def slow_no_finished_parity(state):
     spin(READ_LAG_NS)
     return tl.load(state) * 0
 
@@ -86,6 +112,7 @@ def slow_no_finished_parity(state, KIND: tl.constexpr):
 VARIANTS = {
     "dispatch_wait": {"notify_and_wait": no_dispatch_wait},
     "combine_wait": {"notify_and_wait": no_combine_wait},
+    "header_check": {"notify_and_wait": no_header_check},
     "slow_reader": {"finished_parity": slow_finished_parity},
     "parity": {"parity": no_parity, "finished_parity": slow_no_finished_parity},
 }
@@ -151,15 +178,53 @@ def _bites(host_ranks, variant, late, layers=2, with_combine=True, shipped=None)
 
 
 def test_the_dispatch_wait_bites(host_ranks):
-    broken = _bites(host_ranks, "dispatch_wait", "dispatch")
+    # Dispatches only: without its wait a member runs ahead into its next step, whose wait (one
+    # count for every step) and header check would then catch it as a mismatch instead.
+    broken = _bites(host_ranks, "dispatch_wait", "dispatch", with_combine=False)
     assert any("received rows" in s for r in broken for s in r), broken
 
 
 def test_the_combine_wait_bites(host_ranks):
-    broken = _bites(host_ranks, "combine_wait", "combine")
+    broken = _bites(host_ranks, "combine_wait", "combine", layers=1)  # one step after it: none to catch it
     assert any("combined output" in s for r in broken for s in r), broken
 
 
 def test_the_dispatch_parity_bites(host_ranks):
     broken = _bites(host_ranks, "parity", "read", layers=3, with_combine=False, shipped="slow_reader")
     assert any("received rows" in s for s in broken[1]), broken
+
+
+def mismatched_steps(variant):
+    """Rank 0 dispatches while rank 1 combines, after one good dispatch and combine; what each
+    call raised (``None``: nothing), and whether the dispatcher's next call refuses to run."""
+    me = dist.get_rank()
+    buf, disp = make(4, 3, 32, torch.bfloat16, 2, timeout_s=60)
+    try:
+        with replaced(variant):
+            x, ids, w = routings.routing("random", me, 2, 4, 3, 32, 2, torch.bfloat16, 7)
+            recv, counts, handle = disp.dispatch(x, ids)
+            out = experts(disp, recv)
+            disp.combine(out, w, handle)
+            try:
+                if me == 0:
+                    disp.dispatch(x, ids)
+                else:
+                    disp.combine(out, w, handle)
+                raised = None
+            except Exception as e:  # noqa: BLE001 - what it raised is the verdict
+                raised = f"{type(e).__name__}: {e}"
+    finally:
+        buf.close()
+    return raised
+
+
+def test_the_step_header_check_bites(host_ranks):
+    held = host_ranks(mismatched_steps, 2, None, timeout_s=300)
+    for rank, raised in enumerate(held):
+        assert raised is not None and raised.startswith("StepMismatch"), f"rank {rank}: {raised}"
+    other = ["combine", "dispatch"]
+    assert all(f"while rank {1 - r} made {other[r]}" in held[r] for r in range(2)), held
+    broken = host_ranks(mismatched_steps, 2, "header_check", timeout_s=300)
+    assert not all(b and b.startswith("StepMismatch") for b in broken), (
+        f"with the header check taken out, a member must take the other's step for its own: {broken}"
+    )
