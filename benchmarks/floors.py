@@ -19,8 +19,8 @@ its time is. ``benchmarks/shared.py`` times each beside its operation (docs/perf
     reduce-scatter   SCATTER: copy in, then sum this rank's chunk of every member's slot.
     MoE dispatch     moe_send_floor: each token's row (fp8: its codes and scales) and its source
                      index into the receiving member's rows at the dispatcher's row;
-                     moe_read_floor: this rank's rows copied out (zeros past the count, as
-                     the dispatcher's read does, or, ZERO_FILL=False, the routed rows only).
+                     moe_read_floor: this rank's rows copied out to their packed places (each
+                     source's from its offset), the routed rows only, as the dispatcher's read.
     MoE combine      moe_return_floor: each received row back into its source member's combine
                      rows at the slot the handle names; moe_sum_floor: each token's top-k rows
                      summed with their weights, as the combine does.
@@ -185,46 +185,44 @@ def moe_send_floor(x, dst_member, dst_row, ptrs, rows_off, scales_off, src_off,
 
 
 @triton.jit
-def moe_read_floor(recv, scales, src, per_source, ptrs, me, rows_off, scales_off, src_off,
+def moe_read_floor(recv, scales, src, per_source, offsets, ptrs, me, rows_off, scales_off, src_off,
                    SIZE: tl.constexpr, M: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, FP8: tl.constexpr,
-                   G: tl.constexpr, GP: tl.constexpr, ZERO_FILL: tl.constexpr):  # fmt: skip
+                   G: tl.constexpr, GP: tl.constexpr):  # fmt: skip
     """Program ``(e, s)``: the rows member ``s`` sent local expert ``e`` copied out of this rank's
-    rows (their count from ``per_source``), with zeros and source -1 past it (``ZERO_FILL``: the
-    dispatcher's read) or nothing past it (the routed rows alone)."""
+    rows (their count from ``per_source``) to their packed places, from ``offsets[e][s]``: the
+    dispatcher's read."""
     pid = tl.program_id(0)
     el = pid // SIZE
     s = pid % SIZE
     n = tl.load(per_source + el * SIZE + s)
+    to = el * SIZE * M + tl.load(offsets + el * SIZE + s)
     first = (el * SIZE + s) * M
     cols = tl.arange(0, HP)
     gs = tl.arange(0, GP)
     rows = tl.multiple_of(ssl.peer_ptr(ptrs, me, rows_off, recv.dtype.element_ty), 16) + first * H
     srcs = ssl.peer_ptr(ptrs, me, src_off, tl.int64) + first
     scl = tl.multiple_of(ssl.peer_ptr(ptrs, me, scales_off, tl.float32), 16) + first * G
-    last = M if ZERO_FILL else n
-    for j in range(last):
-        width = tl.where(j < n, H, 0)
-        v = tl.load(rows + j * H + cols, mask=cols < width, other=0)
-        tl.store(recv + (first + j) * H + cols, v, mask=cols < H)
+    for j in range(n):
+        tl.store(recv + (to + j) * H + cols, tl.load(rows + j * H + cols, mask=cols < H), mask=cols < H)
         if FP8:
-            sv = tl.load(scl + j * G + gs, mask=gs < tl.where(j < n, G, 0), other=0.0)
-            tl.store(scales + (first + j) * G + gs, sv, mask=gs < G)
-        tl.store(src + first + j, tl.where(j < n, tl.load(srcs + j), -1))
+            tl.store(scales + (to + j) * G + gs, tl.load(scl + j * G + gs, mask=gs < G), mask=gs < G)
+        tl.store(src + to + j, tl.load(srcs + j))
 
 
 @triton.jit
-def moe_return_floor(out, src, per_source, ptrs, comb_off, SIZE: tl.constexpr, M: tl.constexpr, H: tl.constexpr,
-                     HP: tl.constexpr):  # fmt: skip
-    """Program ``(e, s)``: each row member ``s`` sent local expert ``e`` (``per_source`` rows) back
-    into ``s``'s combine rows at the slot ``src`` names: the combine's send."""
+def moe_return_floor(out, src, per_source, offsets, ptrs, comb_off, SIZE: tl.constexpr, M: tl.constexpr,
+                     H: tl.constexpr, HP: tl.constexpr):  # fmt: skip
+    """Program ``(e, s)``: each row member ``s`` sent local expert ``e`` (``per_source`` rows, packed
+    from ``offsets[e][s]``) back into ``s``'s combine rows at the slot ``src`` names: the combine's send."""
     pid = tl.program_id(0)
     el = pid // SIZE
     s = pid % SIZE
     n = tl.load(per_source + el * SIZE + s)
+    start = el * SIZE * M + tl.load(offsets + el * SIZE + s)
     cols = tl.arange(0, HP)
     dst = tl.multiple_of(ssl.peer_ptr(ptrs, s, comb_off, out.dtype.element_ty), 16)
     for j in range(n):
-        row = (el * SIZE + s) * M + j
+        row = start + j
         slot = tl.load(src + row)
         tl.store(dst + slot * H + cols, tl.load(out + row * H + cols, mask=cols < H), mask=cols < H)
 
@@ -421,47 +419,41 @@ def check() -> list[str]:
         per_source = torch.zeros(EL, size, dtype=torch.int64)
         for e in range(EL):
             per_source[e, me] = int(((ids == me * EL + e) & (member >= 0)).sum())
-        for zero in (True, False):
-            shape = (EL, size * M, H)
-            recv = torch.full(shape, 5, dtype=torch.uint8 if fp8 else torch.float16)
-            scales = torch.full((EL, size * M, G), 5.0)
-            srcs = torch.full((EL, size * M), 9, dtype=torch.int64)
-            moe_read_floor[(EL * size,)](recv, scales, srcs, per_source, bptrs, me, rows_off, scales_off, src_off,
-                                         SIZE=size, M=M, H=H, HP=H, FP8=fp8, G=G, GP=triton.next_power_of_2(G),
-                                         ZERO_FILL=zero)  # fmt: skip
-            ok = True
-            for e in range(EL):
-                n_in = int(per_source[e, me])
-                for j in range(M):
-                    r = (e * size + me) * M + j
-                    if j < n_in:
-                        if fp8:
-                            ok &= torch.equal(recv[e, me * M + j], big[me][r * H : (r + 1) * H])
-                        else:
-                            ok &= torch.equal(
-                                recv[e, me * M + j], big[me][r * 2 * H : (r + 1) * 2 * H].view(torch.float16)
-                            )
-                        ok &= int(srcs[e, me * M + j]) == int(
-                            big[me][src_off + 8 * r : src_off + 8 * r + 8].view(torch.int64)
-                        )
-                    elif zero:
-                        ok &= bool((recv[e, me * M + j] == 0).all()) and int(srcs[e, me * M + j]) == -1
+        offsets = per_source.cumsum(1) - per_source
+        recv = torch.full((EL, size * M, H), 5, dtype=torch.uint8 if fp8 else torch.float16)
+        scales = torch.full((EL, size * M, G), 5.0)
+        srcs = torch.full((EL, size * M), 9, dtype=torch.int64)
+        moe_read_floor[(EL * size,)](recv, scales, srcs, per_source, offsets, bptrs, me, rows_off, scales_off,
+                                     src_off, SIZE=size, M=M, H=H, HP=H, FP8=fp8, G=G,
+                                     GP=triton.next_power_of_2(G))  # fmt: skip
+        ok = True
+        for e in range(EL):
+            n_in = int(per_source[e, me])
+            at = int(offsets[e, me])
+            for j in range(M):
+                r = (e * size + me) * M + j
+                if j < n_in:
+                    if fp8:
+                        ok &= torch.equal(recv[e, at + j], big[me][r * H : (r + 1) * H])
                     else:
-                        ok &= bool((recv[e, me * M + j] == 5).all())
-            expect(f"moe_read_floor ({'fp8' if fp8 else 'bf16'}, zero fill {zero}): the received rows", ok)
+                        ok &= torch.equal(recv[e, at + j], big[me][r * 2 * H : (r + 1) * 2 * H].view(torch.float16))
+                    ok &= int(srcs[e, at + j]) == int(big[me][src_off + 8 * r : src_off + 8 * r + 8].view(torch.int64))
+            ok &= bool((recv[e, int(per_source[e].sum()) :] == 5).all())  # nothing past the count
+        expect(f"moe_read_floor ({'fp8' if fp8 else 'bf16'}): the received rows at their packed places", ok)
 
     # combine: rows received by `me` go back to their sources' combine rows, then a weighted sum
     comb = [torch.zeros(T * K * H * 2, dtype=torch.uint8) for _ in range(size)]
     cptrs = torch.tensor([b.data_ptr() for b in comb], dtype=torch.int64)
     out_rows = torch.randn(EL, size * M, H, generator=g).to(torch.float16)
     per_source = torch.tensor([[2, 0, 1], [1, 1, 0]], dtype=torch.int64)
+    offsets = per_source.cumsum(1) - per_source
     srcs = torch.full((EL, size * M), -1, dtype=torch.int64)
-    srcs[0, 0 * M + 0], srcs[0, 0 * M + 1], srcs[0, 2 * M + 0] = 3, 6, 1
-    srcs[1, 0 * M + 0], srcs[1, 1 * M + 0] = 4, 9
-    moe_return_floor[(EL * size,)](out_rows, srcs, per_source, cptrs, 0, SIZE=size, M=M, H=H, HP=H)
+    srcs[0, 0], srcs[0, 1], srcs[0, 2] = 3, 6, 1  # expert 0: member 0's two rows, then member 2's
+    srcs[1, 0], srcs[1, 1] = 4, 9  # expert 1: member 0's row, then member 1's
+    moe_return_floor[(EL * size,)](out_rows, srcs, per_source, offsets, cptrs, 0, SIZE=size, M=M, H=H, HP=H)
     ok = True
-    for e, s, j, t in ((0, 0, 0, 3), (0, 0, 1, 6), (0, 2, 0, 1), (1, 0, 0, 4), (1, 1, 0, 9)):
-        ok &= torch.equal(comb[s][t * H * 2 : (t + 1) * H * 2].view(torch.float16), out_rows[e, s * M + j])
+    for e, s, r, t in ((0, 0, 0, 3), (0, 0, 1, 6), (0, 2, 2, 1), (1, 0, 0, 4), (1, 1, 1, 9)):
+        ok &= torch.equal(comb[s][t * H * 2 : (t + 1) * H * 2].view(torch.float16), out_rows[e, r])
     expect("moe_return_floor: each row at its source's slot", ok)
     w = torch.rand(T, K, generator=g)
     y = torch.zeros(T, H, dtype=torch.float16)

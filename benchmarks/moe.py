@@ -224,24 +224,25 @@ def _shared_kind(ctx, fp8: bool) -> None:
         frecv = torch.empty((EL, w * M, H), dtype=torch.uint8 if fp8 else bf16, device=dev)
         fscales = torch.empty((EL, w * M, G), dtype=torch.float32, device=dev)
         fsrc = torch.empty((EL, w * M), dtype=torch.int64, device=dev)
-        per_source = handle.per_source
+        per_source, offsets = handle.per_source, handle.offsets
 
-        def floor_dispatch(zero_fill: bool = True) -> None:
+        def floor_dispatch() -> None:
             floors.moe_send_floor[(T,)](x, member, row, fptrs, ws.rows, ws.scales, ws.src,
                                         TOPK=K, H=H, HP=HP, FP8=fp8, G=G, GP=GP)  # fmt: skip
-            floors.moe_read_floor[(EL * w,)](frecv, fscales, fsrc, per_source, fptrs, fview.local_index,
+            floors.moe_read_floor[(EL * w,)](frecv, fscales, fsrc, per_source, offsets, fptrs, fview.local_index,
                                              ws.rows, ws.scales, ws.src, SIZE=w, M=M, H=H, HP=HP, FP8=fp8,
-                                             G=G, GP=GP, ZERO_FILL=zero_fill)  # fmt: skip
+                                             G=G, GP=GP)  # fmt: skip
 
         def dispatch_check():
             ctx.barrier()
             for _ in range(2):  # every member's rows in place before the read of the second round
                 floor_dispatch()
                 ctx.barrier()
-            if not torch.equal(fsrc, handle.src):
-                return "source indices differ from the dispatcher's"
-            if not fp8 and not torch.equal(frecv.view(torch.int16), recv.view(torch.int16)):
-                return "received rows differ from the dispatcher's"
+            for e, n in enumerate(counts.tolist()):  # the received rows, packed: past the counts, nothing
+                if not torch.equal(fsrc[e, :n], handle.src[e, :n]):
+                    return "source indices differ from the dispatcher's"
+                if not fp8 and not torch.equal(frecv[e, :n].view(torch.int16), recv[e, :n].view(torch.int16)):
+                    return "received rows differ from the dispatcher's"
             return True
 
         sent = int((member >= 0).sum())
@@ -253,20 +254,16 @@ def _shared_kind(ctx, fp8: bool) -> None:
             floor_dispatch,
             "moe_send_floor + moe_read_floor",
             f"{sent} rows of {row_bytes} B stored into the owners' rows (+ 8 B source index each), then "
-            f"this rank's {EL}x{w}x{M} received rows written out ({EL * w * M * row_bytes / 2**20:.1f} MiB: "
-            "zeros past the counts, as the dispatcher's read stores them)",
+            "the rows this rank received written out to their packed places (as the dispatcher's read)",
             iters=max(20, ctx.iters // 4),
-            more={
-                "floor, routed rows only (no zero fill)": lambda: floor_dispatch(False),
-                f"torch index_select of {T * K} rows (local)": lambda: x.index_select(0, rows_idx),
-            },
+            more={f"torch index_select of {T * K} rows (local)": lambda: x.index_select(0, rows_idx)},
             check=dispatch_check,
         )
         expert_out = torch.randn((EL, w * M, H), device=dev).to(bf16)
         fy = torch.empty(T, H, dtype=bf16, device=dev)
 
         def floor_combine() -> None:
-            floors.moe_return_floor[(EL * w,)](expert_out, handle.src, per_source, fptrs, ws.combine,
+            floors.moe_return_floor[(EL * w,)](expert_out, handle.src, per_source, offsets, fptrs, ws.combine,
                                                SIZE=w, M=M, H=H, HP=HP)  # fmt: skip
             floors.moe_sum_floor[(T,)](fy, weights, fptrs, fview.local_index, ws.combine, TOPK=K, H=H, HP=HP,
                                        enable_fp_fusion=False)  # fmt: skip

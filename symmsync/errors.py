@@ -139,6 +139,31 @@ class InputError(ConfigError):
     """
 
 
+class PeerRefused(SymmSyncError):
+    """Another member of the view refused its part of this call: its input failed its checks
+    (it raised :class:`InputError`). The call did nothing on any member, and the object stays
+    usable: the members' next call goes on as if this one had not been made.
+
+    Attributes:
+        rank: this member's global rank.
+        origin: the global rank of the member that refused.
+        reason: why it refused, as far as this member knows.
+    """
+
+    def __init__(self, message: str, *, rank: int, origin: int, reason: str):
+        super().__init__(message)
+        self.rank = rank
+        self.origin = origin
+        self.reason = reason
+
+    def __reduce__(self):
+        return (_rebuild_peer_refused, (str(self), self.rank, self.origin, self.reason))
+
+
+def _rebuild_peer_refused(message, rank, origin, reason):
+    return PeerRefused(message, rank=rank, origin=origin, reason=reason)
+
+
 class RankFailure(SymmSyncError):
     """Raised by :func:`symmsync.testing.run` when a rank failed or hung.
 

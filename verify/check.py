@@ -269,6 +269,15 @@ CONFIGS: tuple[Config, ...] = (
     ),
     C("moe-mismatch", ("N=2", "S=3", "MISMATCH"), "pass", "a dispatch against a combine: all stop", model=MOE),
     C("moe-mismatch-3r", ("N=3", "S=3", "MISMATCH"), "pass", "the same with 3 members", model=MOE),
+    C("moe-refuse", ("N=2", "S=4", "REFUSE"), "pass", "a member refuses step 2: nobody reads it, all go on", model=MOE),
+    C("moe-refuse-3r", ("N=3", "S=3", "REFUSE"), "pass", "the same with 3 members", model=MOE),
+    C(
+        "moe-norefuse",
+        ("N=2", "S=4", "REFUSE", "BUG_NOREFUSE"),
+        "stale",
+        "a member refuses step 2, the check blind to it: rows read that were never sent",
+        model=MOE,
+    ),
     C(
         "moe-noheader",
         ("N=2", "S=3", "MISMATCH", "BUG_NOHEADER"),

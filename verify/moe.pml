@@ -1,12 +1,14 @@
 /*
  * Models:
- *   symmsync/moe/protocol.py: parity, finished_parity, notify_and_wait (header, signal, counted
- *     wait, header check), header
- *   symmsync/moe/kernels.py: dispatch_send / combine_send (step 1), dispatch_notify /
- *     combine_notify (step 2), dispatch_read / combine_reduce (step 3): one step counter and one
- *     signal slot for both kinds of step, a region per kind and parity
- *   (on symmsync/language/signals.py: signal, ADD with release; wait_count, acquire against a
- *   device-resident base, as verify/signals.pml models them)
+ *   symmsync/moe/protocol.py: parity, notify (header with the refusal, signal), check (the
+ *     wait for every member's signal count n + 1, the header check), finish (the step counted)
+ *   symmsync/moe/kernels.py: dispatch_send / combine_send (the rows, then the last program's
+ *     notify), dispatch_read / combine_reduce (check, then the read): one step counter and one
+ *     signal slot for both kinds of step, a region per kind and parity; one program per launch
+ *     (the arrival counter that makes a launch's last program notify is the fence's `arrive`,
+ *     whose argument language/core.py gives)
+ *   (on symmsync/language/signals.py: signal, ADD with release; wait_signal GE, acquire, as
+ *   verify/signals.pml models them)
  *
  * The dispatcher's buffer reuse and its step check: every member runs S steps back to back, with
  * no host barrier; step k of member i is a dispatch or a combine (KIND(i, k)). Step k of member i:
@@ -27,6 +29,9 @@
  *   ONEKIND        every step a dispatch (dispatches with no combine between them)
  *   MISMATCH       member 1 makes the other kind of step at step 2: every member must stop at
  *                  step 2 at the latest, failed or aborted, having read nothing of it
+ *   REFUSE         member 1 refuses its step 2 (a bad argument): it sends no rows, its header
+ *                  says so; every member reads nothing of step 2 and every member makes all S
+ *                  steps, the later ones read right
  * Bug variants (each must yield a counterexample):
  *   BUG_NOPARITY   (with ONEKIND) one region per sender, no parity: a fast member's next step
  *                  overwrites rows a slow member still reads
@@ -35,6 +40,7 @@
  *                  read before they land)
  *   BUG_EARLY      the signal before the stores (no release order): the same
  *   BUG_NOHEADER   (with MISMATCH) no header check: a member reads a step the other never made
+ *   BUG_NOREFUSE   (with REFUSE) the check blind to a refusal: a member reads rows never sent
  */
 
 #ifndef N
@@ -55,6 +61,13 @@
 #else
 #define KIND(i, k) ((k) % 2)
 #endif
+#ifdef REFUSE
+#define REFUSES(i, k) ((i) == 1 && (k) == 2)
+#else
+#define REFUSES(i, k) 0
+#endif
+/* a header: 2 k + kind + 1, plus 100 when the step is refused */
+#define REFUSED_BIT 100
 
 /* rows[r][s][kind][b]: the step that last wrote member r's region of that kind from sender s of
  * parity b (0: none); prows: sender s's store not visible yet */
@@ -91,14 +104,19 @@ proctype Member(byte i) {
     byte m = 0;
     byte c = 0;
     bool failed = false;
+    bool refused = false;
     do
     :: k < S && !failed && !aborted ->
         k++;
         c = KIND(i, k);
-        /* step 1: the send, every receiver's region of the step's kind, parity k % NBUF */
-        d_step { for (q : 0 .. N - 1) { PROWS(q, i, c, k % NBUF) = k }; q = 0 }
-        /* step 2: notify_and_wait; the header first, then the signals to the members in any order */
-        d_step { for (q : 0 .. N - 1) { PHDR(q, i, k % 2) = 2 * k + c + 1 }; q = 0 }
+        /* step 1: the send, every receiver's region of the step's kind, parity k % NBUF (none
+         * when the step is refused) */
+        if
+        :: !REFUSES(i, k) -> d_step { for (q : 0 .. N - 1) { PROWS(q, i, c, k % NBUF) = k }; q = 0 }
+        :: else -> skip
+        fi;
+        /* notify: the header first, then the signals to the members in any order */
+        d_step { for (q : 0 .. N - 1) { PHDR(q, i, k % 2) = 2 * k + c + 1 + (REFUSES(i, k) -> REFUSED_BIT : 0) }; q = 0 }
         m = 0;
         do
         :: m < N ->
@@ -123,18 +141,26 @@ proctype Member(byte i) {
         :: else -> break
         od;
 #endif
+        refused = false;
 #ifndef BUG_NOHEADER
         m = 0;
         do
-        :: !failed && m < N && HDR(i, m, k % 2) == 2 * k + c + 1 -> m++
-        :: !failed && m < N && HDR(i, m, k % 2) != 2 * k + c + 1 -> failed = true; aborted = true; break
+        :: !failed && m < N && HDR(i, m, k % 2) % REFUSED_BIT == 2 * k + c + 1 ->
+#ifndef BUG_NOREFUSE
+            if
+            :: HDR(i, m, k % 2) >= REFUSED_BIT -> refused = true
+            :: else -> skip
+            fi;
+#endif
+            m++
+        :: !failed && m < N && HDR(i, m, k % 2) % REFUSED_BIT != 2 * k + c + 1 -> failed = true; aborted = true; break
         :: else -> break
         od;
 #endif
-        /* step 3: the read, one sender's rows at a time, when the step did not fail */
+        /* the read, one sender's rows at a time, when the step did not fail and nobody refused */
         m = 0;
         do
-        :: !failed && m < N -> READ(ROWS(i, m, c, k % NBUF)); m++
+        :: !failed && !refused && m < N -> READ(ROWS(i, m, c, k % NBUF)); m++
         :: else -> break
         od
     :: else -> break

@@ -1,9 +1,10 @@
 """Expert-parallel dispatch and combine over a peer view: the host side.
 
-A :class:`Dispatcher` is made collectively and owns a workspace in the view's buffer
-(:mod:`.layout`) and a :class:`~symmsync.Signals` object of two slots (one per kind of
-step); a dispatch or a combine is three launches (:mod:`.kernels`, in the order of
-:mod:`.protocol`), with no host synchronization and no host barrier between calls.
+A :class:`Dispatcher` is made with the consumer kit (:mod:`symmsync.core.consumer`) and owns a
+workspace in the view's buffer (:mod:`.layout`) and a :class:`~symmsync.Signals` object of one
+slot; a dispatch or a combine is two bound launches (:mod:`.kernels`, in the order of
+:mod:`.protocol`), with no host synchronization and no host barrier between calls. A bad
+argument fails the call on every member and nothing else; steps that differ fail the dispatcher.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from ..core.launch import BoundLaunch, Launcher
 from ..core.nodes import spanning_problem
 from ..core.signals import Signals
 from ..core.views import PeerView
-from ..errors import InputError, SymmSyncError
+from ..errors import InputError, PeerRefused, SymmSyncError
 from . import kernels, protocol
 from . import layout as L
 
 #: The most entries per token (``top_k``) a dispatcher takes.
 MAX_TOP_K = 32
+_CHUNK = 2048  # channels of a row a program moves (at most): rows x chunks spread a step's programs
+_ROWS = 4  # received rows a program of a read (or a combine's send) moves
 _NO_GRAD = "dispatch and combine have"  # no autograd formula (symmsync.checks.tensor_problem words it)
 
 
@@ -54,15 +57,18 @@ class Handle(NamedTuple):
 
     Attributes:
         topk_idx: the routing this member dispatched (``[tokens, top_k]``, int64).
-        src: ``[local experts, members * max_tokens]`` int64: for received row ``s * M + j`` of
-            a local expert, ``t * top_k + k`` (token ``t`` of member ``s``, its entry ``k``), or -1
-            past the rows ``s`` sent.
+        src: ``[local experts, members * max_tokens]`` int64: for received row ``offsets[e][s] + j``
+            of local expert ``e``, ``t * top_k + k`` (token ``t`` of member ``s``, its entry ``k``);
+            past ``counts[e]`` not written.
         per_source: ``[local experts, members]`` int64: the rows each member sent each local expert.
+        offsets: ``[local experts, members]`` int64: where member ``s``'s rows start among local
+            expert ``e``'s received rows (the sum of ``per_source[e][:s]``).
     """
 
     topk_idx: torch.Tensor
     src: torch.Tensor
     per_source: torch.Tensor
+    offsets: torch.Tensor
 
 
 def _pow2(n: int) -> int:
@@ -179,73 +185,96 @@ class Dispatcher(Consumer):
         self._state = torch.zeros(protocol.STATE_WORDS, dtype=torch.int64, device=buf.device)
         self._groups = hidden // L.FP8_GROUP if fp8 else 1
         self._launches = self._launchers(caps.traps)
+        dev, i64 = buf.device, torch.int64
+        # What a refused step launches with: no tokens, no rows (its header says why).
+        self._no_tokens = (
+            torch.empty((0, hidden), dtype=dtype, device=dev),
+            torch.empty((0, top_k), dtype=i64, device=dev),
+        )
+        per = torch.zeros((self.local_experts, view.size), dtype=i64, device=dev)
+        rows = view.size * max_tokens
+        self._no_outputs = (
+            torch.empty((self.local_experts, rows, hidden), dtype=dtype, device=dev),
+            torch.empty((0, top_k), dtype=torch.float32, device=dev),
+            Handle(self._no_tokens[1], torch.zeros((self.local_experts, rows), dtype=i64, device=dev), per, per),
+        )
         self._bound: dict[tuple, BoundLaunch] = {}  # (kernel, grid) -> its launch, packed once
 
     def _launchers(self, traps: bool) -> dict[str, tuple[Launcher, dict[str, Any], tuple[str, ...]]]:
         """Each kernel's launcher, its fixed arguments by name, and the names a call passes."""
-        ws, size, el = self.workspace, self.size, self.local_experts
+        ws, size, el, h = self.workspace, self.size, self.local_experts, self.hidden
         sig, me, timeout_ns, record = self.sigs.kernel_args
-        state = self._state
-        shape = dict(SIZE=size, M=self.max_tokens, H=self.hidden, HP=_pow2(self.hidden))
-        routing = dict(E=self.num_experts, EL=el, TOPK=self.top_k, BT=_pow2(self.max_tokens))
-        fp8 = dict(FP8=self.fp8, G=self._groups, GP=_pow2(self._groups))
-        wait = dict(SIZE=size, NSLOTS=protocol.SLOTS, TRAP=traps)
-        steps = dict(state=state, sig=sig, me=me)
-        waits = dict(steps, timeout_ns=timeout_ns, record=record, headers_off=ws.headers)
-        regions = dict(rows_off=ws.rows, scales_off=ws.scales, src_off=ws.src, stride=ws.dispatch_stride)
+        hb = min(_pow2(h), _CHUNK)
+        self._chunks = -(-h // hb)
+        self._row_blocks = -(-self.max_tokens // _ROWS)
+        steps = dict(state=self._state, sig=sig, me=me, headers_off=ws.headers)
+        waits = dict(steps, timeout_ns=timeout_ns, record=record)
+        regions = dict(
+            rows_off=ws.rows, scales_off=ws.scales, src_off=ws.src, counts_off=ws.counts, stride=ws.dispatch_stride
+        )
         combine = dict(comb_off=ws.combine, stride=ws.combine_stride)
+        sync = dict(SIZE=size, NSLOTS=protocol.SLOTS)
         exact = {} if self._interp else {"enable_fp_fusion": False}  # the documented order, no FMA
         return {
             "dispatch_send": (
                 Launcher(
-                    kernels.dispatch_send, (1,), 4, **shape, **routing, KP=_pow2(self.top_k), **fp8, BITS=self._bits
+                    kernels.dispatch_send, (1,), 4, **sync, E=self.num_experts, EL=el, M=self.max_tokens, H=h, HB=hb,
+                    C=self._chunks, TOPK=self.top_k, BT=_pow2(self.max_tokens), KP=_pow2(self.top_k), FP8=self.fp8,
+                    GB=max(1, hb // L.FP8_GROUP), BITS=self._bits,
                 ),
                 dict(steps, **regions),
-                ("x", "topk", "T"),
-            ),
-            "dispatch_notify": (
-                Launcher(kernels.dispatch_notify, (1,), 4, **wait, **routing),
-                dict(waits, counts_off=ws.counts, stride=ws.dispatch_stride),
-                ("topk", "T"),
+                ("x", "topk", "T", "refused"),
             ),
             "dispatch_read": (
-                Launcher(kernels.dispatch_read, (1,), 4, **shape, **fp8),
-                dict(steps, **regions, counts_off=ws.counts),
-                ("recv", "scales", "per_source", "src"),
+                Launcher(
+                    kernels.dispatch_read, (1,), 4, **sync, SP=_pow2(size), TRAP=traps, EL=el, M=self.max_tokens,
+                    H=h, HP=_pow2(h), RB=_ROWS, FP8=self.fp8, G=self._groups, GP=_pow2(self._groups),
+                ),
+                dict(waits, **regions),
+                ("recv", "scales", "counts_out", "per_source", "offsets", "src"),
             ),
             "combine_send": (
-                Launcher(kernels.combine_send, (1,), 4, **shape),
+                Launcher(kernels.combine_send, (1,), 4, **sync, M=self.max_tokens, H=h, HP=_pow2(h), RB=_ROWS),
                 dict(steps, **combine),
-                ("out", "per_source", "src"),
+                ("out", "per_source", "offsets", "src", "refused"),
             ),
-            "combine_notify": (Launcher(kernels.combine_notify, (1,), 4, **wait), waits, ()),
             "combine_reduce": (
                 Launcher(
-                    kernels.combine_reduce, (1,), 4, E=self.num_experts, H=self.hidden, HP=shape["HP"],
+                    kernels.combine_reduce, (1,), 4, **sync, TRAP=traps, E=self.num_experts, H=h, HB=hb,
                     TOPK=self.top_k, BITS=self._bits, **exact,
                 ),
-                dict(steps, **combine),
+                dict(waits, **combine),
                 ("y", "topk", "weights", "T"),
             ),
         }  # fmt: skip
 
-    def _launch(self, name: str, programs: int, *values: Any) -> None:
-        """Launch kernel ``name`` on ``programs`` programs with a call's ``values`` (its bound launch,
-        packed at the first call of that grid: a later call repacks only what changed)."""
-        bound = self._bound.get((name, programs))
+    def _launch(self, name: str, grid: tuple[int, int, int], *values: Any) -> None:
+        """Launch kernel ``name`` on ``grid`` with a call's ``values`` (its bound launch, packed at
+        the first call of that grid: a later call repacks only what changed)."""
+        bound = self._bound.get((name, grid))
         if bound is None:
             launcher, fixed, per_call = self._launches[name]
             args = dict(fixed, **dict(zip(per_call, values)))
-            bound = launcher.bind(*[args[n] for n in launcher.names], grid=(programs,), per_call=per_call)
-            self._bound[(name, programs)] = bound
+            bound = launcher.bind(*[args[n] for n in launcher.names], grid=grid, per_call=per_call)
+            self._bound[(name, grid)] = bound
         bound(*values)
 
-    def _settle_step(self, kind: str) -> None:
-        """On the host backend (launches have finished): raise what the step's wait or header check found."""
-        self.sigs.check()  # a wait that failed raises here, before anything is read
-        status = self._state.tolist()
-        if status[protocol.STATUS] == protocol.MISMATCH:
-            raise self._mismatch(kind, status)
+    def _settle_step(self, kind: str, refused: str | None) -> None:  # noqa: D417
+        """Raise what the step found, read from the device state (the host backend after each
+        step, where launches have finished; :meth:`synchronize` on GPUs): a failed wait
+        (its :class:`~symmsync.SignalTimeout`, the dispatcher fails), a mismatch
+        (:class:`StepMismatch`, the dispatcher fails), a refusal (this member's
+        :class:`~symmsync.InputError`, or :class:`~symmsync.PeerRefused`: the call only).
+        ``refused``: this member's own refusal of the call on the host, in words."""
+        self.sigs.check()  # a wait that failed raises here
+        state = self._state.tolist()
+        status = state[protocol.STATUS]
+        if status == protocol.MISMATCH:
+            err = self._mismatch(kind, state)
+            self.fail(err)
+            raise err
+        if status == protocol.REFUSED:
+            raise self._refusal(kind, state, refused)
 
     def _mismatch(self, kind: str, state: list[int]) -> StepMismatch:
         member, header = state[protocol.WHO], state[protocol.WHAT]
@@ -259,15 +288,38 @@ class Dispatcher(Consumer):
             other=other,
         )
 
+    def _refusal(self, kind: str, state: list[int], refused: str | None) -> SymmSyncError:
+        """The error a refused step raises here: this member's own :class:`~symmsync.InputError`, or
+        :class:`~symmsync.PeerRefused` naming the member that refused and why."""
+        member, code = state[protocol.WHO], state[protocol.WHAT]
+        origin = self.view.ranks[member]
+        if code == protocol.REFUSED_EXPERT_ID:
+            t, k = divmod(state[protocol.WHERE], self.top_k)
+            why = (
+                f"topk_idx[{t}, {k}] = {state[protocol.VALUE]} is no expert id: ids run from 0 to "
+                f"{self.num_experts - 1} (num_experts={self.num_experts}), -1 masks an entry"
+            )
+        else:
+            why = (
+                refused
+                if origin == self.rank and refused
+                else "its arguments failed its checks (its InputError says which)"
+            )
+        if origin == self.rank:
+            return InputError(f"rank {self.rank}: moe.Dispatcher.{kind}: {why}; no member's {kind} did anything")
+        return PeerRefused(
+            f"rank {self.rank}: moe.Dispatcher.{kind} (view {list(self.view.ranks)}): rank {origin} refused its "
+            f"{kind}: {why}; no member's {kind} did anything, and the next call goes on",
+            rank=self.rank,
+            origin=origin,
+            reason=why,
+        )
+
     # ------------------------------------------------------------------ checks
-    def _routing_problem(self, topk_idx: Any, tokens: int) -> str | None:
-        """What is wrong with ``topk_idx`` for ``tokens`` tokens: its type and shape, then its values
-        (ids from -1 to ``num_experts - 1``), read on the host: free for CPU tensors, one device
-        synchronization on GPUs, skipped while a CUDA graph is being captured (there the kernels
-        skip an id out of range, never storing through it)."""
-        bad = self.tensor_problem("topk_idx", topk_idx, dtype=torch.int64, shape=(tokens, self.top_k))
-        if bad is not None or tokens == 0:
-            return bad
+    def _ids_problem(self, topk_idx: torch.Tensor) -> str | None:
+        """What is wrong with the values of ``topk_idx`` (ids from -1 to ``num_experts - 1``), read on
+        the host: what :meth:`accepts` asks (a call checks them on the device instead: no host
+        read, :mod:`.protocol`)."""
         if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
         wrong = (topk_idx < -1) | (topk_idx >= self.num_experts)
@@ -292,8 +344,8 @@ class Dispatcher(Consumer):
                 f"x has {tokens} tokens, more than max_tokens={self.max_tokens}: split the batch, or make the "
                 "dispatcher with a larger max_tokens"
             )
-        return self.tensor_problem("x", x, dtype=self.dtype, shape=(tokens, self.hidden)) or self._routing_problem(
-            topk_idx, tokens
+        return self.tensor_problem("x", x, dtype=self.dtype, shape=(tokens, self.hidden)) or self.tensor_problem(
+            "topk_idx", topk_idx, dtype=torch.int64, shape=(tokens, self.top_k)
         )
 
     def _combine_problem(self, expert_out: Any, topk_weights: Any, handle: Any) -> str | None:
@@ -302,7 +354,8 @@ class Dispatcher(Consumer):
             return f"handle must be the Handle this dispatcher's dispatch returned, got {type(handle).__name__}"
         rows = self.size * self.max_tokens
         want = (self.local_experts, rows)
-        if handle.src.shape != want or handle.per_source.shape != (self.local_experts, self.size):
+        per = (self.local_experts, self.size)
+        if handle.src.shape != want or handle.per_source.shape != per or handle.offsets.shape != per:
             return "handle comes from another dispatcher (its shapes differ)"
         tokens = handle.topk_idx.shape[0]
         return self.tensor_problem(
@@ -311,10 +364,12 @@ class Dispatcher(Consumer):
 
     def accepts(self, x: Any, topk_idx: Any) -> bool:
         """Whether ``dispatch(x, topk_idx)`` passes this rank's input checks: False exactly when
-        the call would raise :class:`~symmsync.InputError` (and fail the dispatcher for good), by
-        the rule the call checks with (types, shapes, dtypes, devices, the token count, the ids).
-        It says nothing of the other members' calls, nor of a dispatcher that failed before."""
-        return self._dispatch_problem(x, topk_idx) is None
+        the call would raise :class:`~symmsync.InputError`, by the rule the call checks with
+        (types, shapes, dtypes, devices, the token count; and the ids, which this reads on the
+        host: a device synchronization on GPUs, where the call checks them on the device). It
+        says nothing of the other members' calls, nor of a dispatcher that failed before."""
+        bad = self._dispatch_problem(x, topk_idx)
+        return bad is None and (x.shape[0] == 0 or self._ids_problem(topk_idx) is None)
 
     # ------------------------------------------------------------------ calls
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[Any, torch.Tensor, Handle]:
@@ -330,17 +385,24 @@ class Dispatcher(Consumer):
             ``(recv, counts, handle)``. ``recv`` is ``[local experts, members * max_tokens, hidden]``
             of the dtype (with ``fp8``: a pair ``(codes, scales)``, ``codes`` that shape of
             ``torch.float8_e4m3fn``, ``scales`` ``[local experts, members * max_tokens, hidden / 128]``
-            float32). Row ``s * max_tokens + j`` of local expert ``e`` is the ``j``-th token of member
-            ``s`` (in token order) routed to ``e``; rows past member ``s``'s count are zero.
-            ``counts`` is ``[local experts]`` int64, the rows each received (on the device);
-            ``handle`` goes to :meth:`combine` (its ``per_source`` holds the count per member).
+            float32). Packed: ``recv[e][:counts[e]]`` holds every row local expert ``e`` received, in
+            (source member, token index) order: member ``s``'s from ``handle.offsets[e][s]``, its
+            ``j``-th token routed to ``e`` at ``handle.offsets[e][s] + j``. Rows past ``counts[e]``
+            are not written (their bytes are whatever the allocator gave). ``counts`` is
+            ``[local experts]`` int64, the rows each received (on the device); ``handle`` goes to
+            :meth:`combine` (its ``per_source`` holds the count per member).
 
-        Every member must call it, in the same order of dispatches and combines. New tensors are
-        returned; the workspace may be reused at once.
+        Every member must call it, in the same order of dispatches and combines. Two launches
+        (:mod:`symmsync.moe.protocol`), no host synchronization: the ids are checked on the
+        device. New tensors are returned; the workspace may be reused at once.
 
         Raises:
-            InputError: a bad argument on this member, before anything is sent (its members
-                raise :class:`~symmsync.PeerAborted` naming it).
+            InputError: a bad argument on this member (found on the host, or an expert id out of
+                range found on the device): the step is made all the same, with nothing sent, so
+                every member's call fails and the next call of every member goes on; the others
+                raise :class:`~symmsync.PeerRefused` naming this member and why. (On GPUs an id
+                found on the device raises at :meth:`synchronize`.)
+            StepMismatch: a member made a combine instead (on every member; the dispatcher fails).
             SignalTimeout: a member did not dispatch within the budget (naming it);
                 :class:`~symmsync.SignalAborted` (a :class:`~symmsync.PeerAborted`): one aborted.
             ClosedError: the buffer is closed.
@@ -355,19 +417,18 @@ class Dispatcher(Consumer):
         return self._outputs(self.eager_dispatch(x, topk_idx), topk_idx)
 
     def _outputs(self, outs: tuple, topk_idx: torch.Tensor) -> tuple[Any, torch.Tensor, Handle]:
-        recv, scales, counts, src, per_source = outs
-        return ((recv, scales) if self.fp8 else recv), counts, Handle(topk_idx, src, per_source)
+        recv, scales, counts, src, per_source, offsets = outs
+        return ((recv, scales) if self.fp8 else recv), counts, Handle(topk_idx, src, per_source, offsets)
 
     def eager_dispatch(self, x: Any, topk_idx: Any) -> tuple[torch.Tensor, ...]:
         """The checked dispatch: what :meth:`dispatch` and ``symmsync::moe_dispatch`` run. Returns
-        ``(recv, scales, counts, src, per_source)`` (``scales`` empty without fp8)."""
+        ``(recv, scales, counts, src, per_source, offsets)`` (``scales`` empty without fp8)."""
         self.check_usable()
         bad = self._dispatch_problem(x, topk_idx)
-        if bad is not None:
-            self.refuse(bad, "dispatch")
-        el, size, m = self.local_experts, self.size, self.max_tokens
-        dev = self._device
-        rows = size * m
+        el, size, dev = self.local_experts, self.size, self._device
+        rows = size * self.max_tokens
+        if bad is not None:  # the step is made all the same: nothing sent, the refusal in its header
+            x, topk_idx = self._no_tokens
         tokens = x.shape[0]
         if self.fp8:
             recv = torch.empty((el, rows, self.hidden), dtype=torch.float8_e4m3fn, device=dev)
@@ -378,18 +439,37 @@ class Dispatcher(Consumer):
             scales = torch.empty(0, dtype=torch.float32, device=dev)
             recv_k = recv.view(torch.int16) if self._bits else recv
         src = torch.empty((el, rows), dtype=torch.int64, device=dev)
+        counts = torch.empty(el, dtype=torch.int64, device=dev)
         per_source = torch.empty((el, size), dtype=torch.int64, device=dev)
+        offsets = torch.empty((el, size), dtype=torch.int64, device=dev)
         xk = x.view(torch.int16) if self._bits else x
         try:
-            self._launch("dispatch_send", max(tokens, 1), xk, topk_idx, tokens)
-            self._launch("dispatch_notify", 1, topk_idx, tokens)
-            if self._host_checks:
-                self._settle_step("dispatch")
-            self._launch("dispatch_read", el * size, recv_k, scales, per_source, src)
+            self._launch(
+                "dispatch_send", (max(tokens, 1), self.top_k, self._chunks), xk, topk_idx, tokens, int(bad is not None)
+            )
+            self._launch(
+                "dispatch_read", (el * size, self._row_blocks, 1), recv_k, scales, counts, per_source, offsets, src
+            )
         except SymmSyncError as e:
             self.fail(e)
             raise
-        return recv, scales, per_source.sum(dim=1), src, per_source
+        self._finish_step("dispatch", bad)
+        return recv, scales, counts, src, per_source, offsets
+
+    def _finish_step(self, kind: str, bad: str | None) -> None:
+        """After a step's launches: raise what it found where launches have finished (the host
+        backend), then this member's own refusal (on GPUs at once: the members learn it at their
+        :meth:`synchronize`)."""
+        if self._host_checks:
+            try:
+                self._settle_step(kind, bad)
+            except (InputError, PeerRefused):
+                raise  # the call only: the dispatcher goes on
+            except SymmSyncError as e:
+                self.fail(e)
+                raise
+        if bad is not None:  # this member's own refusal, whatever the step's record says
+            raise InputError(f"rank {self.rank}: moe.Dispatcher.{kind}: {bad}; no member's {kind} did anything")
 
     def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, handle: Handle) -> torch.Tensor:
         """Bring every expert's outputs back to the tokens' members and sum them per token.
@@ -408,14 +488,13 @@ class Dispatcher(Consumer):
             ``topk_idx[t, k]`` returned for token ``t``: an entry repeating an expert adds that row
             again, with its own weight); the same bits on every run.
 
-        Raises: as :meth:`dispatch`. Under ``torch.compile``: ``symmsync::moe_combine``.
+        Raises: as :meth:`dispatch` (a bad argument is found on the host). Under ``torch.compile``:
+        ``symmsync::moe_combine``.
         """
         if torch.compiler.is_compiling():
-            src, per = handle.src, handle.per_source
-            return torch.ops.symmsync.moe_combine(expert_out, topk_weights, handle.topk_idx, src, per, self.op_handle)
+            return torch.ops.symmsync.moe_combine(expert_out, topk_weights, *handle, self.op_handle)
         if not isinstance(handle, Handle):
-            self.check_usable()
-            self.refuse(f"handle must be the Handle a dispatch returned, got {type(handle).__name__}", "combine")
+            return self.eager_combine(expert_out, topk_weights, handle, None, None, None)
         return self.eager_combine(expert_out, topk_weights, *handle)
 
     def accepts_combine(self, expert_out: Any, topk_weights: Any, handle: Any) -> bool:
@@ -424,27 +503,31 @@ class Dispatcher(Consumer):
         return self._combine_problem(expert_out, topk_weights, handle) is None
 
     def eager_combine(
-        self, expert_out: Any, topk_weights: Any, topk_idx: Any, src: Any, per_source: Any
+        self, expert_out: Any, topk_weights: Any, topk_idx: Any, src: Any, per_source: Any, offsets: Any
     ) -> torch.Tensor:
         """The checked combine (a handle's parts): what :meth:`combine` and ``symmsync::moe_combine`` run."""
         self.check_usable()
-        handle = Handle(topk_idx, src, per_source)
+        handle = topk_idx if src is None else Handle(topk_idx, src, per_source, offsets)
         bad = self._combine_problem(expert_out, topk_weights, handle)
-        if bad is not None:
-            self.refuse(bad, "combine")
+        if bad is not None:  # the step is made all the same: nothing sent, the refusal in its header
+            expert_out, topk_weights, handle = self._no_outputs
         el, size = self.local_experts, self.size
-        tokens = topk_idx.shape[0]
+        tokens = handle.topk_idx.shape[0]
         y = torch.empty((tokens, self.hidden), dtype=self.dtype, device=self._device)
         out_k, y_k = (expert_out.view(torch.int16), y.view(torch.int16)) if self._bits else (expert_out, y)
         try:
-            self._launch("combine_send", el * size, out_k, handle.per_source, handle.src)
-            self._launch("combine_notify", 1)
-            if self._host_checks:
-                self._settle_step("combine")
-            self._launch("combine_reduce", max(tokens, 1), y_k, topk_idx, topk_weights, tokens)
+            refused = int(bad is not None)
+            self._launch(
+                "combine_send", (el * size, self._row_blocks, 1), out_k, handle.per_source, handle.offsets, handle.src,
+                refused,
+            )  # fmt: skip
+            self._launch(
+                "combine_reduce", (max(tokens, 1), self._chunks, 1), y_k, handle.topk_idx, topk_weights, tokens
+            )
         except SymmSyncError as e:
             self.fail(e)
             raise
+        self._finish_step("combine", bad)
         return y
 
     # ------------------------------------------------------------------ failures
@@ -455,12 +538,10 @@ class Dispatcher(Consumer):
         self.check_usable()
         try:
             self.sigs.synchronize()
-            state = self._state.tolist()
-            if state[protocol.STATUS] == protocol.MISMATCH:
-                raise self._mismatch("a step", state)
         except SymmSyncError as e:
             self.fail(e)
             raise
+        self._settle_step("the last step", None)  # a mismatch fails the dispatcher; a refusal the call
 
     def _release(self, together: bool) -> None:
         try:

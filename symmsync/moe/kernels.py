@@ -1,12 +1,20 @@
-"""The dispatcher's kernels: three launches per step (:mod:`.protocol` says why and in what order),
+"""The dispatcher's kernels: two launches per step (:mod:`.protocol` says why and in what order),
 each bound once (:mod:`symmsync.core.launch`).
 
 Placement, computed by the sender with a prefix count (no atomics): token ``t`` of member
 ``s`` routed to expert ``e`` (owned by member ``e // EL`` as its local expert ``e % EL``) lands
-in row ``s * M + p`` of that expert, ``p`` the number of tokens ``t' < t`` of ``s`` routed to
-``e``. An entry ``topk_idx[t, k]`` is skipped when it is negative or not below the number of
-experts (the host refuses such ids in eager calls), and when an earlier entry of the same
-token names the same expert: a (token, expert) pair is sent once.
+in row ``p`` of source ``s``'s block of that expert in the receiver's region, ``p`` the number
+of tokens ``t' < t`` of ``s`` routed to ``e``. The receiver packs the blocks: local expert
+``e``'s received rows are ``recv[e][:counts[e]]``, source ``s``'s from ``offsets[e][s]``, in
+(source member, token index) order. An entry ``topk_idx[t, k]`` is skipped when it is -1, or
+when an earlier entry of the same token names the same expert (a (token, expert) pair is sent
+once); one below -1 or not below the number of experts refuses the step on every member
+(:func:`.protocol.refuse_id`).
+
+Programs: a dispatch's send runs one program per (token, entry, chunk of ``HB`` channels), a
+read one per (local expert and source, ``RB`` rows); a combine's send one per (local expert
+and source, ``RB`` rows), its reduce one per (token, chunk). Each moves whole chunks of a row
+with one masked access per chunk.
 
 Element types under Triton's interpreter: numpy has no bfloat16, so bfloat16 tensors
 travel as their int16 bits (``BITS``) and are widened and rounded by integer arithmetic
@@ -31,11 +39,13 @@ _FP8_MAX = tl.constexpr(E4M3_MAX)
 _DISPATCH = tl.constexpr(protocol.DISPATCH)
 _COMBINE = tl.constexpr(protocol.COMBINE)
 _OK = tl.constexpr(protocol.OK)
+_SENT = tl.constexpr(protocol.SENT)
+_DONE = tl.constexpr(protocol.DONE)
 
 
 @triton.jit
 def _first(topk, t, k, E: tl.constexpr, TOPK: tl.constexpr):
-    """``(e, sent)``: entry ``k`` of token ``t``, and whether it is sent (a valid id that no
+    """``(e, sent)``: entry ``k`` of token ``t``, and whether it is sent (an expert id that no
     earlier entry of the token names)."""
     e = tl.load(topk + t * TOPK + k)
     sent = (e >= 0) & (e < E)
@@ -45,151 +55,176 @@ def _first(topk, t, k, E: tl.constexpr, TOPK: tl.constexpr):
 
 
 @triton.jit
-def dispatch_send(
-    x, topk, T, state, sig, me,
-    rows_off, scales_off, src_off, stride,
-    SIZE: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, M: tl.constexpr, H: tl.constexpr,
-    HP: tl.constexpr, TOPK: tl.constexpr, BT: tl.constexpr, KP: tl.constexpr,
-    FP8: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BITS: tl.constexpr,
-):  # fmt: skip
-    """Step 1 of a dispatch: program ``t`` stores token ``t``'s row (and its fp8 scales) and its
-    source index into the region of each expert it is routed to."""
-    t = tl.program_id(0)
-    if t < T:
-        base = protocol.parity(state) * stride
-        tt = tl.arange(0, BT)[:, None]
-        kk = tl.arange(0, KP)[None, :]
-        routes = tl.load(topk + tt * TOPK + kk, mask=(tt < T) & (kk < TOPK), other=-1)
-        earlier = tt < t
-        for k in tl.static_range(TOPK):
-            e, sent = _first(topk, t, k, E, TOPK)
-            if sent:
-                pos = tl.sum(tl.max(((routes == e) & earlier).to(tl.int32), axis=1), axis=0)
-                m = e // EL
-                row = ((e % EL) * SIZE + me) * M + pos
-                if FP8:
-                    g = tl.arange(0, GP)[:, None]
-                    c = tl.arange(0, _GROUP)[None, :]
-                    live = (g < G) & (c < _GROUP)
-                    v = to_f32(tl.load(x + t * H + g * _GROUP + c, mask=live, other=0), BITS)
-                    amax = tl.max(tl.abs(v), axis=1)
-                    s = tl.math.div_rn(tl.maximum(amax, _FLOOR), _FP8_MAX)
-                    codes = to_e4m3(tl.math.div_rn(v, s[:, None]))
-                    dst = ssl.data_ptr(sig, m, rows_off + base + row * H, tl.uint8)
-                    tl.store(dst + g * _GROUP + c, codes, mask=live)
-                    gs = tl.arange(0, GP)
-                    sdst = ssl.data_ptr(sig, m, scales_off + base + row * G * 4, tl.float32)
-                    tl.store(sdst + gs, s, mask=gs < G)
-                else:
-                    cols = tl.arange(0, HP)
-                    v = tl.load(x + t * H + cols, mask=cols < H)
-                    ELEM: tl.constexpr = x.dtype.element_ty.primitive_bitwidth // 8
-                    dst = ssl.data_ptr(sig, m, rows_off + base + row * H * ELEM, x.dtype.element_ty)
-                    tl.store(dst + cols, v, mask=cols < H)
-                tl.store(ssl.data_ptr(sig, m, src_off + base + row * 8, tl.int64), t * TOPK + k)
+def _sources(counts, el, SIZE: tl.constexpr, SP: tl.constexpr):
+    """Member-indexed counts of local expert ``el`` (``[SP]``, zeros past ``SIZE``) from a counts array."""
+    m = tl.arange(0, SP)
+    return m, tl.load(counts + el * SIZE + m, mask=m < SIZE, other=0)
 
 
 @triton.jit
-def dispatch_notify(
-    topk, T, state, sig, me, timeout_ns, record, counts_off, stride, headers_off,
-    SIZE: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr, E: tl.constexpr, EL: tl.constexpr,
-    TOPK: tl.constexpr, BT: tl.constexpr,
+def dispatch_send(
+    x, topk, T, refused, state, sig, me, rows_off, scales_off, src_off, counts_off, headers_off, stride,
+    SIZE: tl.constexpr, NSLOTS: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, M: tl.constexpr,
+    H: tl.constexpr, HB: tl.constexpr, C: tl.constexpr, TOPK: tl.constexpr, BT: tl.constexpr,
+    KP: tl.constexpr, FP8: tl.constexpr, GB: tl.constexpr, BITS: tl.constexpr,
 ):  # fmt: skip
-    """Step 2 of a dispatch (one program): every receiver's count of this member's rows for each
-    of its local experts (zeros too), then :func:`.protocol.notify_and_wait`."""
-    base = protocol.parity(state) * stride
-    tt = tl.arange(0, BT)
-    for m in tl.static_range(SIZE):
-        for el in tl.static_range(EL):
-            e = m * EL + el
-            hit = tl.zeros([BT], dtype=tl.int32)
-            for k in tl.static_range(TOPK):
-                hit = hit | (tl.load(topk + tt * TOPK + k, mask=tt < T, other=-1) == e).to(tl.int32)
-            n = tl.sum(hit, axis=0).to(tl.int64)
-            tl.store(ssl.data_ptr(sig, m, counts_off + base + (el * SIZE + me) * 8, tl.int64), n)
-    protocol.notify_and_wait(sig, me, timeout_ns, record, state, headers_off, _DISPATCH, SIZE, NSLOTS, TRAP)
+    """Step 1 of a dispatch: program ``(t, k, c)`` stores chunk ``c`` of token ``t``'s row (its fp8
+    codes and scales) and, from chunk 0, its source index into the region of the expert of
+    entry ``k``, unless an earlier entry of the token named it; an id out of range is kept
+    (:func:`.protocol.refuse_id`). The last program to arrive stores every receiver's counts
+    and notifies (:func:`.protocol.notify`)."""
+    t = tl.program_id(0)
+    k = tl.program_id(1)
+    c = tl.program_id(2)
+    if t < T:
+        base = protocol.parity(state) * stride
+        e, sent = _first(topk, t, k, E, TOPK)
+        if (c == 0) & ((e < -1) | (e >= E)):
+            protocol.refuse_id(state, t * TOPK + k, e)
+        if sent:
+            tt = tl.arange(0, BT)[:, None]
+            kk = tl.arange(0, KP)[None, :]
+            routes = tl.load(topk + tt * TOPK + kk, mask=(tt < T) & (kk < TOPK), other=-1)
+            pos = tl.sum(tl.max(((routes == e) & (tt < t)).to(tl.int32), axis=1), axis=0)
+            m = e // EL
+            row = ((e % EL) * SIZE + me) * M + pos
+            if FP8:
+                g = tl.arange(0, GB)[:, None]
+                ch = tl.arange(0, _GROUP)[None, :]
+                col = c * HB + g * _GROUP + ch
+                live = col < H
+                v = to_f32(tl.load(x + t * H + col, mask=live, other=0), BITS)
+                amax = tl.max(tl.abs(v), axis=1)
+                s = tl.math.div_rn(tl.maximum(amax, _FLOOR), _FP8_MAX)
+                codes = to_e4m3(tl.math.div_rn(v, s[:, None]))
+                dst = ssl.data_ptr(sig, m, rows_off + base + row * H, tl.uint8)
+                tl.store(dst + col, codes, mask=live)
+                gs = tl.arange(0, GB)
+                sdst = ssl.data_ptr(sig, m, scales_off + base + row * (H // _GROUP) * 4, tl.float32)
+                tl.store(sdst + c * (HB // _GROUP) + gs, s, mask=c * HB + gs * _GROUP < H)
+            else:
+                col = c * HB + tl.arange(0, HB)
+                ELEM: tl.constexpr = x.dtype.element_ty.primitive_bitwidth // 8
+                v = tl.load(x + t * H + col, mask=col < H)
+                dst = ssl.data_ptr(sig, m, rows_off + base + row * H * ELEM, x.dtype.element_ty)
+                tl.store(dst + col, v, mask=col < H)
+            if c == 0:
+                tl.store(ssl.data_ptr(sig, m, src_off + base + row * 8, tl.int64), t * TOPK + k)
+    programs = tl.maximum(T, 1) * TOPK * C
+    if protocol.arrive_last(state, _SENT, programs):
+        base = protocol.parity(state) * stride
+        tt = tl.arange(0, BT)
+        for m in tl.static_range(SIZE):
+            for el in tl.static_range(EL):
+                e = m * EL + el
+                hit = tl.zeros([BT], dtype=tl.int32)
+                for j in tl.static_range(TOPK):
+                    hit = hit | (tl.load(topk + tt * TOPK + j, mask=tt < T, other=-1) == e).to(tl.int32)
+                n = tl.sum(hit, axis=0).to(tl.int64)
+                tl.store(ssl.data_ptr(sig, m, counts_off + base + (el * SIZE + me) * 8, tl.int64), n)
+        protocol.notify(sig, me, state, headers_off, refused, _DISPATCH, SIZE, NSLOTS)
 
 
 @triton.jit
 def dispatch_read(
-    recv, scales, per_source, src, state, sig, me,
-    rows_off, scales_off, src_off, counts_off, stride,
-    SIZE: tl.constexpr, M: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
-    FP8: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+    recv, scales, counts_out, per_source, offsets, src, state, sig, me, timeout_ns, record,
+    rows_off, scales_off, src_off, counts_off, headers_off, stride,
+    SIZE: tl.constexpr, SP: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr, EL: tl.constexpr,
+    M: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, RB: tl.constexpr, FP8: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr,
 ):  # fmt: skip
-    """Step 3 of a dispatch: program ``(e, s)`` copies what member ``s`` sent local expert ``e``
-    out of this member's region: rows ``s * M + j`` for ``j`` below its count, zeros past it
-    (and source index -1), and the count."""
+    """Step 2 of a dispatch: program ``(e * SIZE + s, b)`` waits and checks the step
+    (:func:`.protocol.check`), then copies rows ``b * RB ..`` of what member ``s`` sent local
+    expert ``e`` to their packed places, ``recv[e][offsets[e][s] + j]`` (and their scales and
+    source indices); program ``(e * SIZE, 0)`` stores ``e``'s counts, per source and in all, and
+    the offsets (zeros when the step failed). The last program to arrive counts the step."""
     pid = tl.program_id(0)
     el = pid // SIZE
     s = pid % SIZE
-    base = protocol.finished_parity(state) * stride
-    ok = protocol.status(state) == _OK
-    n = tl.where(ok, tl.load(ssl.data_ptr(sig, me, counts_off + base + (el * SIZE + s) * 8, tl.int64)), 0)
-    tl.store(per_source + el * SIZE + s, n)
+    b = tl.program_id(1)
+    status, who, what, where, value = protocol.check(
+        sig, me, timeout_ns, record, state, headers_off, _DISPATCH, SIZE, NSLOTS, TRAP
+    )
+    ok = status == _OK
+    base = protocol.parity(state) * stride
+    own_counts = ssl.data_ptr(sig, me, counts_off + base, tl.int64)
+    m, cnt = _sources(own_counts, el, SIZE, SP)
+    cnt = tl.where(ok, cnt, 0)
+    start = tl.sum(tl.where(m < s, cnt, 0), axis=0)
+    n = tl.sum(tl.where(m == s, cnt, 0), axis=0)
+    if (s == 0) & (b == 0):
+        tl.store(per_source + el * SIZE + m, cnt, mask=m < SIZE)
+        tl.store(offsets + el * SIZE + m, tl.cumsum(cnt, axis=0) - cnt, mask=m < SIZE)
+        tl.store(counts_out + el, tl.sum(cnt, axis=0))
     cols = tl.arange(0, HP)
     gs = tl.arange(0, GP)
     ELEM: tl.constexpr = recv.dtype.element_ty.primitive_bitwidth // 8
     first = (el * SIZE + s) * M
-    # this member's own region, looked up once (each lookup checks its index)
     rows = ssl.data_ptr(sig, me, rows_off + base + first * H * ELEM, recv.dtype.element_ty)
     srcs = ssl.data_ptr(sig, me, src_off + base + first * 8, tl.int64)
     scl = ssl.data_ptr(sig, me, scales_off + base + first * G * 4, tl.float32)
-    for j in range(M):
-        live = j < n
-        width = tl.where(live, H, 0)  # past the count: nothing read, zeros stored
-        v = tl.load(rows + j * H + cols, mask=cols < width, other=0)
-        tl.store(recv + (first + j) * H + cols, v, mask=cols < H)
-        if FP8:
-            sv = tl.load(scl + j * G + gs, mask=gs < tl.where(live, G, 0), other=0.0)
-            tl.store(scales + (first + j) * G + gs, sv, mask=gs < G)
-        tl.store(src + first + j, tl.where(live, tl.load(srcs + j), -1))
+    for i in tl.static_range(RB):
+        j = b * RB + i
+        if j < n:
+            to = el * (SIZE * M) + start + j
+            tl.store(recv + to * H + cols, tl.load(rows + j * H + cols, mask=cols < H), mask=cols < H)
+            if FP8:
+                tl.store(scales + to * G + gs, tl.load(scl + j * G + gs, mask=gs < G), mask=gs < G)
+            tl.store(src + to, tl.load(srcs + j))
+    if protocol.arrive_last(state, _DONE, EL * SIZE * tl.num_programs(1)):
+        protocol.finish(state, status, who, what, where, value)
 
 
 @triton.jit
 def combine_send(
-    out, per_source, src, state, sig, me, comb_off, stride,
-    SIZE: tl.constexpr, M: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
+    out, per_source, offsets, src, refused, state, sig, me, comb_off, headers_off, stride,
+    SIZE: tl.constexpr, NSLOTS: tl.constexpr, M: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
+    RB: tl.constexpr,
 ):  # fmt: skip
-    """Step 1 of a combine: program ``(e, s)`` stores the expert's outputs for member ``s``'s rows
-    into ``s``'s combine region, at the row its source index names (token ``t``, entry ``k``)."""
+    """Step 1 of a combine: program ``(e * SIZE + s, b)`` stores the expert's outputs for rows
+    ``b * RB ..`` of member ``s``'s (packed from ``offsets[e][s]``) into ``s``'s combine region, at
+    the row their source index names (token ``t``, entry ``k``). The last program to arrive
+    notifies (:func:`.protocol.notify`)."""
     pid = tl.program_id(0)
     el = pid // SIZE
     s = pid % SIZE
+    b = tl.program_id(1)
     base = protocol.parity(state) * stride
     n = tl.load(per_source + el * SIZE + s)
+    start = tl.load(offsets + el * SIZE + s)
     cols = tl.arange(0, HP)
     dst = ssl.data_ptr(sig, s, comb_off + base, out.dtype.element_ty)  # member s's region, looked up once
-    for j in range(n):
-        row = (el * SIZE + s) * M + j
-        slot = tl.load(src + row)
-        v = tl.load(out + row * H + cols, mask=cols < H)
-        tl.store(dst + slot * H + cols, v, mask=cols < H)
-
-
-@triton.jit
-def combine_notify(
-    state, sig, me, timeout_ns, record, headers_off,
-    SIZE: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr,
-):  # fmt: skip
-    """Step 2 of a combine (one program): :func:`.protocol.notify_and_wait`."""
-    protocol.notify_and_wait(sig, me, timeout_ns, record, state, headers_off, _COMBINE, SIZE, NSLOTS, TRAP)
+    for i in tl.static_range(RB):
+        j = b * RB + i
+        if j < n:
+            row = el * (SIZE * M) + start + j
+            slot = tl.load(src + row)
+            tl.store(dst + slot * H + cols, tl.load(out + row * H + cols, mask=cols < H), mask=cols < H)
+    if protocol.arrive_last(state, _SENT, tl.num_programs(0) * tl.num_programs(1)):
+        protocol.notify(sig, me, state, headers_off, refused, _COMBINE, SIZE, NSLOTS)
 
 
 @triton.jit
 def combine_reduce(
-    y, topk, weights, T, state, sig, me, comb_off, stride,
-    E: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, TOPK: tl.constexpr, BITS: tl.constexpr,
+    y, topk, weights, T, state, sig, me, timeout_ns, record, comb_off, headers_off, stride,
+    SIZE: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr, E: tl.constexpr, H: tl.constexpr,
+    HB: tl.constexpr, TOPK: tl.constexpr, BITS: tl.constexpr,
 ):  # fmt: skip
-    """Step 3 of a combine: program ``t`` sums token ``t``'s contributions in float32, in the order
-    ``k = 0 .. top_k - 1``: ``acc = acc + w[t, k] * out_k`` (``out_k`` the row its expert sent back;
-    an entry naming the expert of an earlier entry reads that entry's row), then rounds once."""
+    """Step 2 of a combine: program ``(t, c)`` waits and checks the step (:func:`.protocol.check`),
+    then sums chunk ``c`` of token ``t``'s contributions in float32, in the order ``k = 0 .. top_k - 1``:
+    ``acc = acc + w[t, k] * out_k`` (``out_k`` the row its expert sent back; an entry naming the
+    expert of an earlier entry reads that entry's row), then rounds once (zeros when the step
+    failed). The last program to arrive counts the step."""
     t = tl.program_id(0)
+    c = tl.program_id(1)
+    status, who, what, where, value = protocol.check(
+        sig, me, timeout_ns, record, state, headers_off, _COMBINE, SIZE, NSLOTS, TRAP
+    )
     if t < T:
-        base = protocol.finished_parity(state) * stride
-        ok = protocol.status(state) == _OK
-        cols = tl.arange(0, HP)
-        acc = tl.zeros([HP], dtype=tl.float32)
+        ok = status == _OK
+        base = protocol.parity(state) * stride
+        cols = c * HB + tl.arange(0, HB)
+        acc = tl.zeros([HB], dtype=tl.float32)
         own = ssl.data_ptr(sig, me, comb_off + base, y.dtype.element_ty)
         for k in tl.static_range(TOPK):
             e = tl.load(topk + t * TOPK + k)
@@ -203,3 +238,5 @@ def combine_reduce(
                 v = to_f32(tl.load(own + (t * TOPK + k0) * H + cols, mask=cols < H, other=0), BITS)
                 acc = acc + w * v
         tl.store(y + t * H + cols, from_f32(acc, y.dtype.element_ty, BITS), mask=cols < H)
+    if protocol.arrive_last(state, _DONE, tl.num_programs(0) * tl.num_programs(1)):
+        protocol.finish(state, status, who, what, where, value)

@@ -14,7 +14,7 @@ previous call's::
       counts   [EL][W] int64: rows member s sent to local expert e (all of them, 0 too)
     combine[q], q = 0, 1                      (what this member's tokens get back)
       rows     [M][top_k] rows of `hidden` elements of the dispatcher's dtype
-    headers    [2][W] int64: the step each member last made, by parity (:mod:`.protocol`)
+    headers    [2][W][4] int64: each member's last step by parity, and its refusal (:mod:`.protocol`)
 
 ``EL`` = local experts (``num_experts // W``), ``W`` = members, ``M`` = ``max_tokens``.
 Every region starts on a line of 128 bytes.
@@ -51,7 +51,7 @@ class Workspace:
         dispatch_stride: bytes from parity 0's dispatch regions to parity 1's.
         combine: parity 0's combine rows.
         combine_stride: bytes from parity 0's combine rows to parity 1's.
-        headers: the step headers, ``[2][W]`` int64 (:func:`symmsync.moe.protocol.header`).
+        headers: the step headers, ``[2][W][4]`` int64 (:mod:`symmsync.moe.protocol`).
         row_bytes: bytes of one dispatched row (its scales apart).
         nbytes: bytes of the whole workspace.
     """
@@ -91,7 +91,7 @@ class Workspace:
         combine = rows + 2 * dispatch_stride
         combine_stride = round_up(max_tokens * top_k * hidden * dtype.itemsize, LINE)
         headers = combine + 2 * combine_stride
-        end = headers + round_up(2 * size * 8, LINE)
+        end = headers + round_up(2 * size * 4 * 8, LINE)
         regions = (rows, scales, src, counts, dispatch_stride, combine, combine_stride, headers)
         return cls(offset, *regions, row_bytes, end - offset)
 
@@ -112,8 +112,8 @@ def buffer_bytes(
     receive from every member (``E`` experts in all, ``M`` = ``max_tokens``, ``h`` = ``hidden``,
     ``b`` bytes a row element takes: the dtype's, or 1 + 4/128 with fp8) and of the rows this
     member's tokens get back (``k`` = ``top_k``, ``c`` the dtype's bytes), plus 8 bytes per
-    received row and per (expert, member) of bookkeeping, and a line of 128 bytes per 8 members
-    of step headers. The sizes are those of the
+    received row and per (expert, member) of bookkeeping, and 64 bytes per member of step
+    headers (rounded up to 128). The sizes are those of the
     arguments of :class:`~symmsync.moe.Dispatcher` (``size``: the view's members).
     """
     return Workspace.plan(0, num_experts, size, max_tokens, hidden, dtype, top_k, fp8).nbytes

@@ -1,53 +1,67 @@
 """How the members of a dispatcher hand rows to each other: the one place of its synchronization.
 
-A dispatch and a combine are each one *step*, three launches on the stream, every member
+A dispatch and a combine are each one *step* of two launches on the stream, every member
 running the same steps in the same order (``W`` members, ``n`` the step's number, counted on
 the device, one count for dispatches and combines together)::
 
-    q = n % 2                                   # parity():  which copy of the regions
-    1. send:    store this member's rows into every receiver's region [q] of the step's kind
-    2. notify:  (dispatch) counts into every receiver's region [q];
-                header(n, kind) into every receiver's headers[q][this member]; block barrier;
-                signal(m, 0, ADD 1) for every member m (itself too)        [release, system]
-                wait_count(m, 0, 1) for every member m, bounded             [acquire, system]
-                status = WAIT_FAILED if a wait failed, else MISMATCH if a member's header in
-                this member's headers[q] is not header(n, kind) (the member and its header
-                kept), else OK; n += 1
-    3. read:    q = (n - 1) % 2  (finished_parity());  when status == OK, read this member's
-                own region [q]: the rows and counts every member sent it
+    q = n % 2                                   # parity(): which copy of the regions
+    1. send (many programs):  store this member's rows into every receiver's region [q] of the
+                step's kind; arrive on this member's counter (acq_rel, GPU scope); the last
+                program to arrive notifies (notify()):
+                  (dispatch) every receiver's count of this member's rows for each of its experts;
+                  header(n, kind) and this member's refusal, if any, into every member's
+                  headers[q][this member]; block barrier;
+                  signal(m, 0, ADD 1) for every member m (itself too)         [release, system]
+    2. read (many programs):  each program waits until every member's signal count reached
+                n + 1 (wait_signal GE, bounded; acquire, system), then compares every member's
+                header with its own (check()): when every wait returned, every header is this
+                step's and no member refused its call, it reads this member's own region [q]
+                (the rows and counts every member sent it) into the outputs; else nothing.
+                The last program to arrive records the step's status and counts the step
+                (finish(): n += 1).
 
-Why a row is read only once it is whole: a member's step-2 signal to ``m`` is a release
-after its step-1 stores (a kernel earlier on the stream) and its step-2 count and header
-stores (the block barrier); ``m`` reads only after its counted wait for that signal
-(acquire), in a later launch. A wait that times out or sees an abort leaves ``status``
-nonzero and the read stores zeros (the host raises first on the host backend; a GPU traps):
-nothing half-sent is ever read as data.
+Why a row is read only once it is whole: each send program's stores precede its release on
+the arrival counter; the last program acquires every arrival before its signals, which
+release at system scope (causality is transitive across the two scopes, as the fence's
+``arrive`` argues); a member reads only after its wait observed that signal (acquire), in a
+later launch. A wait that times out or sees an abort fails the step (``WAIT_FAILED``): nothing
+half-sent is ever read as data (the host raises first on the host backend; a GPU traps).
 
-Why a step is read only when every member made the same step: the header a member stores
-before its signal says which step it made (its number and kind); a member whose wait passed
-compares every member's header with its own before reading. A dispatch on one member against
-a combine on another (or members whose counts of steps differ) is found there, on every
-member, instead of a wait that runs out its budget: the read stores zeros, and the host raises
-:class:`~symmsync.moe.StepMismatch` naming the member and the step it made.
+Why a step is read only when every member made the same one: the header a member stores
+before its signal says which step it made (its number and kind); a member compares every
+member's header with its own before reading. A dispatch on one member against a combine on
+another (or members whose counts of steps differ) is found there, on every member
+(``MISMATCH``), instead of a wait that runs out its budget: the host raises
+:class:`~symmsync.moe.StepMismatch`, and the dispatcher fails.
 
-Why a region is never overwritten while a member still reads it: member ``s`` writes
-member ``r``'s region [q] (of either kind, and its header [q]) in step ``n + 2`` only after its
-step ``n + 1`` waited for ``r``'s step ``n + 1`` signal, which ``r`` sends after its step ``n``
-read (stream order): the previous contents of [q] were step ``n``'s or earlier. A member one
-step ahead writes the other parity. The counted waits compare with ``>=`` from a
-device-resident base, so a captured graph replays the steps with no reset. ``verify/moe.pml``
+Why a bad input fails one step and nothing else: a member whose call is refused (its
+arguments failed the host's checks, or its send programs found an expert id out of range on
+the device) still makes the step: it sends no rows, and its header says why
+(``REFUSED_ARGUMENTS``, ``REFUSED_EXPERT_ID`` with the entry and its value). Every member sees
+it in its check (``REFUSED``) and reads nothing; the step is counted like any other, so the
+next step of every member is in step: the refusal fails that call only, on every member
+(the member itself :class:`~symmsync.InputError`, the others :class:`~symmsync.PeerRefused`).
+
+Why a region is never overwritten while a member still reads it: member ``s`` writes member
+``r``'s region [q] (of either kind, and its header [q]) in step ``n + 2`` only after its step
+``n + 1`` read launch, whose programs waited for ``r``'s step ``n + 1`` signal, which ``r``
+sends after its step ``n`` read launch (stream order): the previous contents of [q] were step
+``n``'s or earlier. A member one step ahead writes the other parity. The waits compare the
+signal count with ``n + 1`` read from the device-resident step counter, never a number the
+host computed, so a captured graph replays the steps with no reset. ``verify/moe.pml``
 model-checks this (and finds the overwrite once the parity is taken away, and a step read as
 another's once the header check is).
 
 Why signals and not a fence channel: the steps need what a fence gives (every member's
-arrival, counted from a device-resident base, one count for both kinds: an epoch), and a
-signal slot is that with the wait in the kernel that needs it and no cell of the view's
-channels taken: a dispatcher leaves every fence channel to the collectives beside it on the
-view, and its waits end on an abort, a closed buffer, or a dead member like a fence's.
+arrival, counted on the device, one count for both kinds: an epoch), and a signal slot is
+that with the wait in every program that needs it (a fence's wait is one program's) and no
+cell of the view's channels taken: a dispatcher leaves every fence channel to the
+collectives beside it on the view, and its waits end on an abort, a closed buffer, or a dead
+member like a fence's.
 
 These functions are the seam the tests reach: ``tests/moe/test_moe_bites.py`` replaces
 them (the interpreter resolves a kernel's module attributes when it runs) to show that each
-step bites.
+part bites.
 """
 
 from __future__ import annotations
@@ -61,13 +75,28 @@ import symmsync.language as ssl
 DISPATCH, COMBINE = 0, 1
 #: The signal slots a dispatcher's :class:`~symmsync.Signals` has: one, for every step.
 SLOTS = 1
-#: ``state`` words, on the device: the steps started, the last step's status, and for a
-#: mismatch the member (its index in the view) whose header differed and that header.
-STEPS, STATUS, WHO, WHAT = 0, 1, 2, 3
-STATE_WORDS = 4
-_STEPS, _STATUS, _WHO, _WHAT = (tl.constexpr(w) for w in (STEPS, STATUS, WHO, WHAT))
-#: A step's status: every wait returned and every header matched; a wait failed; a header differed.
-OK, WAIT_FAILED, MISMATCH = 0, 1, 2
+#: ``state`` words, on the device. ``STEPS``: steps made. The last step's outcome: ``STATUS``,
+#: and for a mismatch or a refusal the member (its index in the view) ``WHO``, and ``WHAT``
+#: (its header, or its refusal's code), ``WHERE`` and ``VALUE`` (a refused expert id's entry
+#: ``t * top_k + k`` and value). ``SENT``, ``DONE``: the send and read launches' arrival
+#: counters (0 between launches). ``FAILED``: a read program's wait failed (the others need
+#: not wait). ``BAD``, ``BAD_WHERE``, ``BAD_VALUE``: this member's first expert id out of range
+#: in the step being sent.
+STEPS, STATUS, WHO, WHAT, WHERE, VALUE, SENT, DONE, FAILED, BAD, BAD_WHERE, BAD_VALUE = range(12)
+STATE_WORDS = 12
+#: Words of a member's header: the step's header, its refusal code, where, value.
+HEADER_WORDS = 4
+#: A step's status: every wait returned, every header matched and nobody refused; a wait
+#: failed; a header differed; a member refused its call.
+OK, WAIT_FAILED, MISMATCH, REFUSED = 0, 1, 2, 3
+#: A refusal's code in a header: none, the member's arguments (its host checks), an expert id.
+REFUSED_NONE, REFUSED_ARGUMENTS, REFUSED_EXPERT_ID = 0, 1, 2
+
+_STEPS, _STATUS, _WHO, _WHAT, _WHERE, _VALUE = (tl.constexpr(w) for w in (STEPS, STATUS, WHO, WHAT, WHERE, VALUE))
+_SENT, _DONE, _FAILED, _BAD, _BAD_WHERE, _BAD_VALUE = (
+    tl.constexpr(w) for w in (SENT, DONE, FAILED, BAD, BAD_WHERE, BAD_VALUE)
+)
+_HW = tl.constexpr(HEADER_WORDS)
 
 
 def header(n: int, kind: int) -> int:
@@ -77,7 +106,7 @@ def header(n: int, kind: int) -> int:
 
 
 def describe(h: int) -> str:
-    """A header in words (``"dispatch 3"``: the step's kind and number), or what a member sent instead."""
+    """A header in words (``"dispatch (step 3)"``: the step's kind and number)."""
     if h <= 0:
         return "no step yet"
     n, kind = divmod(h - 1, 2)
@@ -86,63 +115,109 @@ def describe(h: int) -> str:
 
 @triton.jit
 def parity(state):
-    """The parity of the step in progress (read before its notify)."""
+    """The parity of the step in progress."""
     return tl.load(state + _STEPS) % 2
 
 
 @triton.jit
-def finished_parity(state):
-    """The parity of the step whose notify ran last (read after it, in the read launch)."""
-    return (tl.load(state + _STEPS) - 1) % 2
+def arrive_last(state, WORD: tl.constexpr, total):
+    """Count this program's arrival on ``state[WORD]`` (acq_rel, GPU scope, after a block barrier:
+    this program's stores first); True for the last of ``total``, which resets the counter."""
+    tl.debug_barrier()
+    n = tl.atomic_add(state + WORD, 1, sem="acq_rel", scope="gpu")
+    last = n == total - 1
+    if last:
+        tl.atomic_xchg(state + WORD, 0, sem="relaxed", scope="gpu")
+    return last
 
 
 @triton.jit
-def status(state):
-    """:data:`OK` when every wait of the last step's notify returned and every header matched."""
-    return tl.load(state + _STATUS)
+def refuse_id(state, where, value):
+    """A send program found an expert id out of range: keep the first one found in this step."""
+    if tl.atomic_cas(state + _BAD, 0, 1, sem="relaxed", scope="gpu") == 0:
+        tl.store(state + _BAD_WHERE, where.to(tl.int64))
+        tl.store(state + _BAD_VALUE, value.to(tl.int64))
 
 
 @triton.jit
-def notify_and_wait(
-    sig,
-    me,
-    timeout_ns,
-    record,
-    state,
-    headers_off,
-    KIND: tl.constexpr,
-    SIZE: tl.constexpr,
-    NSLOTS: tl.constexpr,
-    TRAP: tl.constexpr,
-):
-    """Step 2's synchronization, from one program: this step's header into every member's
-    headers, signal every member (release: after everything this member stored for the step),
-    a bounded counted wait for every member's signal, then every member's header compared
-    with this step's; record the status and count the step."""
+def notify(sig, me, state, headers_off, refused, KIND: tl.constexpr, SIZE: tl.constexpr, NSLOTS: tl.constexpr):
+    """The send launch's last program, after the step's stores: this step's header and this
+    member's refusal (``refused``: its arguments; else an expert id a send program kept) into
+    every member's headers, then signal every member (release: everything this member stored
+    for the step first)."""
     n = tl.load(state + _STEPS)
     q = n % 2
-    mine = 2 * n + KIND + 1  # header()
+    bad = tl.load(state + _BAD)
+    code = tl.where(refused != 0, 1, tl.where(bad != 0, 2, 0)).to(tl.int64)  # REFUSED_*
+    where = tl.where(code == 2, tl.load(state + _BAD_WHERE), 0)
+    value = tl.where(code == 2, tl.load(state + _BAD_VALUE), 0)
     for m in tl.static_range(SIZE):
-        tl.store(ssl.data_ptr(sig, m, headers_off + (q * SIZE + me) * 8, tl.int64), mine)
+        h = ssl.data_ptr(sig, m, headers_off + (q * SIZE + me) * _HW * 8, tl.int64)
+        tl.store(h, 2 * n + KIND + 1)
+        tl.store(h + 1, code)
+        tl.store(h + 2, where)
+        tl.store(h + 3, value)
     tl.debug_barrier()  # every thread's count and header stores before the releases
     for m in tl.static_range(SIZE):
         ssl.signal(sig, me, m, 0, 1, ssl.ADD, NSLOTS)
-    failed = me * 0
-    for m in tl.static_range(SIZE):
-        if failed == 0:  # after a failed wait, the others are not awaited (one record, one budget)
-            failed += ssl.wait_count(sig, me, m, 0, 1, timeout_ns, record, SIZE, NSLOTS, TRAP)
-    result = tl.where(failed != 0, 1, 0).to(tl.int64)  # WAIT_FAILED
+
+
+@triton.jit
+def check(
+    sig, me, timeout_ns, record, state, headers_off,
+    KIND: tl.constexpr, SIZE: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr,
+):  # fmt: skip
+    """A read program's synchronization: wait for every member's signal of this step, then
+    compare every member's header with this step's. Returns ``(status, who, what, where,
+    value)`` (:data:`OK` and zeros when the step may be read)."""
+    n = tl.load(state + _STEPS)
+    q = n % 2
+    mine = 2 * n + KIND + 1
+    failed = tl.load(state + _FAILED, volatile=True)  # a program before this one gave up: do not wait again
+    if failed == 0:
+        for m in tl.static_range(SIZE):
+            if failed == 0:  # after a failed wait, the others are not awaited (one record, one budget)
+                failed += ssl.wait_signal(sig, me, m, 0, n + 1, ssl.GE, timeout_ns, record, SIZE, NSLOTS, TRAP)
+        if failed != 0:
+            tl.store(state + _FAILED, 1)
+    status = tl.where(failed != 0, 1, 0).to(tl.int64)  # WAIT_FAILED
     who = (me * 0 - 1).to(tl.int64)
     what = (me * 0).to(tl.int64)
+    where = what
+    value = what
     if failed == 0:
-        own = ssl.data_ptr(sig, me, headers_off + q * SIZE * 8, tl.int64)
-        for m in tl.static_range(SIZE):
-            h = tl.load(own + m, volatile=True)
+        own = ssl.data_ptr(sig, me, headers_off + q * SIZE * _HW * 8, tl.int64)
+        for m in tl.static_range(SIZE):  # a step that differs first, then a refusal
+            h = tl.load(own + m * _HW, volatile=True)
             if (h != mine) & (who < 0):
                 who = m + who * 0
                 what = h
-        result = tl.where(who >= 0, 2, 0).to(tl.int64)  # MISMATCH
-    tl.store(state + _WHO, who)
+        if who >= 0:
+            status = (what * 0 + 2).to(tl.int64)  # MISMATCH
+        else:
+            for m in tl.static_range(SIZE):
+                code = tl.load(own + m * _HW + 1, volatile=True)
+                if (code != 0) & (who < 0):
+                    who = m + who * 0
+                    what = code
+                    where = tl.load(own + m * _HW + 2, volatile=True)
+                    value = tl.load(own + m * _HW + 3, volatile=True)
+            if who >= 0:
+                status = (what * 0 + 3).to(tl.int64)  # REFUSED
+    return status, who, what, where, value
+
+
+@triton.jit
+def finish(state, status, who, what, where, value):
+    """The read launch's last program: record the step's outcome (a failed wait of any program
+    first) and count the step; the next step starts clean."""
+    failed = tl.load(state + _FAILED, volatile=True)
+    status = tl.where(failed != 0, 1, status)
+    tl.store(state + _STATUS, status)
+    tl.store(state + _WHO, tl.where(failed != 0, -1, who))
     tl.store(state + _WHAT, what)
-    tl.store(state + _STATUS, result)
-    tl.store(state + _STEPS, n + 1)
+    tl.store(state + _WHERE, where)
+    tl.store(state + _VALUE, value)
+    tl.store(state + _FAILED, 0)
+    tl.store(state + _BAD, 0)
+    tl.store(state + _STEPS, tl.load(state + _STEPS) + 1)

@@ -5,9 +5,9 @@ Inside a function being compiled, ``disp.dispatch(x, topk_idx)`` and
 
     symmsync::moe_dispatch(Tensor x, Tensor topk_idx, int handle, int local_experts, int size,
                           int max_tokens, bool fp8)
-        -> (Tensor recv, Tensor scales, Tensor counts, Tensor src, Tensor per_source)
+        -> (Tensor recv, Tensor scales, Tensor counts, Tensor src, Tensor per_source, Tensor offsets)
     symmsync::moe_combine(Tensor expert_out, Tensor topk_weights, Tensor topk_idx, Tensor src,
-                          Tensor per_source, int handle) -> Tensor
+                          Tensor per_source, Tensor offsets, int handle) -> Tensor
 
 ``handle`` names the dispatcher (its ``op_handle`` attribute, :mod:`symmsync.ops.handles`); the
 dispatch op also takes the sizes its outputs' shapes depend on (local experts, members,
@@ -42,27 +42,30 @@ def _dispatch_fake(x, topk_idx, handle, local_experts, size, max_tokens, fp8):
         counts,
         x.new_empty((local_experts, rows), dtype=i64),
         x.new_empty((local_experts, size), dtype=i64),
+        x.new_empty((local_experts, size), dtype=i64),
     )
 
 
-def _combine(expert_out, topk_weights, topk_idx, src, per_source, handle):
-    return handles.lookup(handle, Dispatcher).eager_combine(expert_out, topk_weights, topk_idx, src, per_source)
+def _combine(expert_out, topk_weights, topk_idx, src, per_source, offsets, handle):
+    disp = handles.lookup(handle, Dispatcher)
+    return disp.eager_combine(expert_out, topk_weights, topk_idx, src, per_source, offsets)
 
 
-def _combine_fake(expert_out, topk_weights, topk_idx, src, per_source, handle):
+def _combine_fake(expert_out, topk_weights, topk_idx, src, per_source, offsets, handle):
     return expert_out.new_empty((topk_idx.shape[0], expert_out.shape[-1]))
 
 
 oplib.define(
     "moe_dispatch",
     "(Tensor x, Tensor topk_idx, int handle, int local_experts, int size, int max_tokens, bool fp8)"
-    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     _dispatch,
     _dispatch_fake,
 )
 oplib.define(
     "moe_combine",
-    "(Tensor expert_out, Tensor topk_weights, Tensor topk_idx, Tensor src, Tensor per_source, int handle) -> Tensor",
+    "(Tensor expert_out, Tensor topk_weights, Tensor topk_idx, Tensor src, Tensor per_source, Tensor offsets, "
+    "int handle) -> Tensor",
     _combine,
     _combine_fake,
 )

@@ -58,8 +58,10 @@ def _experts(disp, recv):
 def _check(disp, x, ids, w, recv, handle, y, me):
     xs, all_ids = _gathered(x), _gathered(ids)
     rows, src, fill = oracle.dispatch(xs, all_ids, E, M, me)
-    ok = oracle.same_bits(recv.cpu(), rows) and torch.equal(handle.src.cpu(), src)
-    ok = ok and torch.equal(handle.per_source.cpu(), fill)
+    n = fill.sum(1)
+    ok = oracle.same_bits(oracle.received(recv.cpu(), n), rows)
+    ok = ok and torch.equal(oracle.received(handle.src.cpu(), n, -1), src)
+    ok = ok and torch.equal(handle.per_source.cpu(), fill) and torch.equal(handle.offsets.cpu(), fill.cumsum(1) - fill)
     return ok and oracle.same_bits(y.cpu(), oracle.combine(x.cpu(), ids.cpu(), w.cpu()))
 
 
@@ -89,7 +91,9 @@ def _fp8():
     all_ids = _gathered(ids)
     rows, _, fill = oracle.dispatch([c for c, _ in q], all_ids, E, M, me)
     want_s, _, _ = oracle.dispatch([s for _, s in q], all_ids, E, M, me)
-    ok = torch.equal(codes.view(torch.uint8).cpu(), rows) and oracle.same_bits(scales.cpu(), want_s)
+    n = fill.sum(1)
+    ok = torch.equal(oracle.received(codes.view(torch.uint8).cpu(), n), rows)
+    ok = ok and oracle.same_bits(oracle.received(scales.cpu(), n), want_s)
     buf.close()
     return ok
 

@@ -4,8 +4,10 @@ docs/moe.md and nothing of symmsync's: loops over members, tokens and entries in
 * dispatch at member ``me``: for each member ``s`` in order, each token ``t`` of ``s`` in order,
   each entry ``k`` in order, expert ``e = topk[s][t, k]``: skipped when ``e`` is -1 or an earlier
   entry of the token named ``e``; else, when ``me`` owns ``e`` (``e // EL == me``), the token's row
-  is appended to local expert ``e % EL``'s block of member ``s`` (rows ``s * M ...``). Rows past a
-  block's fill are zero; the source index of a row is ``t * top_k + k``, -1 past the fill.
+  is appended to local expert ``e % EL``'s received rows (packed: in this loop's order, so
+  member ``s``'s rows follow those of the members before it). The source index of a row is
+  ``t * top_k + k``. Past an expert's count the contract says nothing: the oracle holds zeros
+  (and -1) there, and :func:`received` sets the outputs' rows there alike before comparing.
 * fp8: per token and 128 channels, ``s = max(amax, 1e-4) / 448`` in float32 and codes
   ``(x / s).to(torch.float8_e4m3fn)`` (torch's conversion: round to nearest even, saturating).
 * combine at member ``me``: ``acc = 0``; for ``k`` in order with ``e = topk[t, k] >= 0``:
@@ -17,7 +19,8 @@ import torch
 
 
 def dispatch(xs, topks, num_experts, max_tokens, me):
-    """``(rows [EL, W*M, H], src [EL, W*M], per_source [EL, W])`` that member ``me`` receives."""
+    """``(rows [EL, W*M, H], src [EL, W*M], per_source [EL, W])`` that member ``me`` receives
+    (zeros, and -1, past each expert's count)."""
     world = len(xs)
     el = num_experts // world
     hidden = xs[0].shape[1]
@@ -34,11 +37,20 @@ def dispatch(xs, topks, num_experts, max_tokens, me):
                 seen.add(e)
                 if e // el != me:
                     continue
-                j = int(fill[e % el, s])
-                rows[e % el, s * max_tokens + j] = xs[s][t]
-                src[e % el, s * max_tokens + j] = t * topks[s].shape[1] + k
+                j = int(fill[e % el].sum())  # the next row of the expert: packed
+                rows[e % el, j] = xs[s][t]
+                src[e % el, j] = t * topks[s].shape[1] + k
                 fill[e % el, s] += 1
     return rows, src, fill
+
+
+def received(t, counts, fill=0):
+    """``t`` (rows per local expert, ``[EL, R, ...]``) with its rows past ``counts[e]`` set to
+    ``fill``: the part of a dispatch's output the contract speaks of, comparable with the oracle's."""
+    out = t.clone()
+    for e, n in enumerate(counts.tolist()):
+        out[e, n:] = fill
+    return out
 
 
 def quantize(x):

@@ -55,13 +55,17 @@ def compare(disp, layer, got, inputs, me):
     (recv, counts, handle, y), (xs, ids, ws) = got, inputs
     rows, src, fill = oracle.dispatch(xs, ids, disp.num_experts, disp.max_tokens, me)
     wrong = []
+    recv = oracle.received(recv, fill.sum(1))
     if not oracle.same_bits(recv, rows):
         bad = (recv.view(torch.uint8) != rows.view(torch.uint8)).any(-1).nonzero().tolist()
         wrong.append(f"layer {layer}: recv rows differ at [expert, row] {bad[:6]}")
     if not torch.equal(handle.per_source, fill) or not torch.equal(counts, fill.sum(1)):
         wrong.append(f"layer {layer}: counts {handle.per_source.tolist()}, expected {fill.tolist()}")
-    if not torch.equal(handle.src, src):
-        wrong.append(f"layer {layer}: source indices {handle.src.tolist()}, expected {src.tolist()}")
+    got_src = oracle.received(handle.src, fill.sum(1), -1)
+    if not torch.equal(got_src, src):
+        wrong.append(f"layer {layer}: source indices {got_src.tolist()}, expected {src.tolist()}")
+    if not torch.equal(handle.offsets, fill.cumsum(1) - fill):
+        wrong.append(f"layer {layer}: offsets {handle.offsets.tolist()}, expected the counts' exclusive sums")
     want = oracle.combine(xs[me], ids[me], ws[me])
     if not oracle.same_bits(y, want):
         wrong.append(f"layer {layer}: combine differs in tokens {(y != want).any(-1).nonzero().flatten().tolist()}")
@@ -116,7 +120,8 @@ def back_to_back(layers, num_experts, max_tokens, hidden, top_k, slow, seed, com
                 wrong += compare(disp, i, got, (xs, ids, ws), me)
             else:
                 rows, src, fill = oracle.dispatch(xs, ids, num_experts, max_tokens, me)
-                if not (oracle.same_bits(got[0], rows) and torch.equal(got[2].per_source, fill)):
+                got_rows = oracle.received(got[0], fill.sum(1))
+                if not (oracle.same_bits(got_rows, rows) and torch.equal(got[2].per_source, fill)):
                     wrong.append(f"dispatch {i}: recv rows or counts differ from the oracle's")
     finally:
         buf.close()
@@ -139,9 +144,11 @@ def fp8_rows(seed):
             q = [oracle.quantize(v) for v in xs]
             rows, src, fill = oracle.dispatch([c for c, _ in q], all_ids, num_experts, 4, me)
             want_s, _, _ = oracle.dispatch([s for _, s in q], all_ids, num_experts, 4, me)
-            if codes.dtype != torch.float8_e4m3fn or not torch.equal(codes.view(torch.uint8), rows):
+            n = fill.sum(1)
+            got_codes = oracle.received(codes.view(torch.uint8), n)
+            if codes.dtype != torch.float8_e4m3fn or not torch.equal(got_codes, rows):
                 wrong.append(f"call {i}: fp8 codes differ")
-            if not oracle.same_bits(scales, want_s):
+            if not oracle.same_bits(oracle.received(scales, n), want_s):
                 wrong.append(f"call {i}: fp8 scales differ")
             if not torch.equal(handle.per_source, fill):
                 wrong.append(f"call {i}: counts differ")

@@ -8,13 +8,13 @@ call is what the kernels run; every rank puts the shipped functions back before 
 (the ranks are the ``host_ranks`` pool's). One rank is late (a host sleep before its call, or a
 spin inside its read launch), so that the race the step closes is real.
 
-* the dispatch's wait (``notify_and_wait`` without its counted waits on the dispatch slot): the
+* the dispatch's wait (``check`` neither waiting nor checking in a dispatch's read): the
   receiver reads its region before a late sender's rows land;
-* the combine's wait (the same, on the combine slot): a member sums before a late expert
+* the combine's wait (the same in a combine's reduce): a member sums before a late expert
   owner's outputs land;
-* the parity (``parity`` and ``finished_parity`` always 0): back-to-back dispatches with a slow
-  reader, whose region the next dispatch of the other member overwrites while it reads;
-* the header check (``notify_and_wait`` that never compares the members' step headers): one
+* the parity (``parity`` always 0): back-to-back dispatches with a slow reader, whose region
+  the next dispatch of the other member overwrites while it reads;
+* the header check (``check`` that waits but never compares the members' step headers): one
   member dispatches while the other combines, and a member reads a step the other never made
   instead of raising :class:`~symmsync.moe.StepMismatch` on both.
 """
@@ -39,62 +39,53 @@ LAG_NS = 400_000_000
 READ_LAG_NS = 0  # set per process: the read launch's spin (the slow reader's)
 
 
+SHIPPED_CHECK = protocol.check  # what the variants wrap (the module's attribute is replaced)
+_OK = tl.constexpr(protocol.OK)
+
+
 @triton.jit
-def _notify(sig, me, timeout_ns, record, state, headers_off, KIND: tl.constexpr, SIZE: tl.constexpr,
-            NSLOTS: tl.constexpr, TRAP: tl.constexpr, SKIP: tl.constexpr, CHECK: tl.constexpr):  # fmt: skip
-    """The shipped ``notify_and_wait`` with its waits taken out for steps of kind ``SKIP`` (and the
-    header check, which a wait must precede), or with only the header check taken out (not ``CHECK``)."""
-    n = tl.load(state)
-    q = n % 2
-    mine = 2 * n + KIND + 1
-    for m in tl.static_range(SIZE):
-        tl.store(ssl.data_ptr(sig, m, headers_off + (q * SIZE + me) * 8, tl.int64), mine)
-    tl.debug_barrier()
-    for m in tl.static_range(SIZE):
-        ssl.signal(sig, me, m, 0, 1, ssl.ADD, NSLOTS)
-    failed = me * 0
-    who = (me * 0 - 1).to(tl.int64)
-    if KIND != SKIP:
-        for m in tl.static_range(SIZE):
-            failed += ssl.wait_count(sig, me, m, 0, 1, timeout_ns, record, SIZE, NSLOTS, TRAP)
-        if CHECK:
-            own = ssl.data_ptr(sig, me, headers_off + q * SIZE * 8, tl.int64)
-            for m in tl.static_range(SIZE):
-                h = tl.load(own + m, volatile=True)
-                if (h != mine) & (who < 0):
-                    who = m + who * 0
-    result = tl.where(failed != 0, 1, tl.where(who >= 0, 2, 0)).to(tl.int64)
-    tl.store(state + 2, who)
-    tl.store(state + 1, result)
-    tl.store(state, n + 1)
+def _ok(me):
+    zero = (me * 0).to(tl.int64)
+    return zero + _OK, zero - 1, zero, zero, zero
 
 
 @triton.jit
 def no_dispatch_wait(sig, me, timeout_ns, record, state, headers_off, KIND: tl.constexpr, SIZE: tl.constexpr,
                      NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
-    """``notify_and_wait`` that signals but does not wait in a dispatch."""
-    _notify(sig, me, timeout_ns, record, state, headers_off, KIND, SIZE, NSLOTS, TRAP, 0, True)
+    """``check`` that neither waits nor checks in a dispatch's read."""
+    if KIND == 0:
+        return _ok(me)
+    else:
+        return SHIPPED_CHECK(sig, me, timeout_ns, record, state, headers_off, KIND, SIZE, NSLOTS, TRAP)
 
 
 @triton.jit
 def no_combine_wait(sig, me, timeout_ns, record, state, headers_off, KIND: tl.constexpr, SIZE: tl.constexpr,
                     NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
-    """``notify_and_wait`` that signals but does not wait in a combine."""
-    _notify(sig, me, timeout_ns, record, state, headers_off, KIND, SIZE, NSLOTS, TRAP, 1, True)
+    """``check`` that neither waits nor checks in a combine's reduce."""
+    if KIND == 1:
+        return _ok(me)
+    else:
+        return SHIPPED_CHECK(sig, me, timeout_ns, record, state, headers_off, KIND, SIZE, NSLOTS, TRAP)
 
 
 @triton.jit
 def no_header_check(sig, me, timeout_ns, record, state, headers_off, KIND: tl.constexpr, SIZE: tl.constexpr,
                     NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
-    """``notify_and_wait`` that waits but never compares the members' headers."""
-    _notify(sig, me, timeout_ns, record, state, headers_off, KIND, SIZE, NSLOTS, TRAP, -1, False)
+    """``check`` that waits but never compares the members' headers."""
+    n = tl.load(state)
+    for m in tl.static_range(SIZE):
+        ssl.wait_signal(sig, me, m, 0, n + 1, ssl.GE, timeout_ns, record, SIZE, NSLOTS, TRAP)
+    return _ok(me)
 
 
 @triton.jit
-def slow_finished_parity(state):
-    """The shipped ``finished_parity``, after a spin of ``READ_LAG_NS`` (a slow reader)."""
+def slow_check(sig, me, timeout_ns, record, state, headers_off, KIND: tl.constexpr, SIZE: tl.constexpr,
+               NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
+    """The shipped ``check``, then a spin of ``READ_LAG_NS`` before the program reads (a slow reader)."""
+    out = SHIPPED_CHECK(sig, me, timeout_ns, record, state, headers_off, KIND, SIZE, NSLOTS, TRAP)
     spin(READ_LAG_NS)
-    return (tl.load(state) - 1) % 2
+    return out
 
 
 @triton.jit
@@ -103,18 +94,12 @@ def no_parity(state):
     return tl.load(state) * 0
 
 
-@triton.jit
-def slow_no_finished_parity(state):
-    spin(READ_LAG_NS)
-    return tl.load(state) * 0
-
-
 VARIANTS = {
-    "dispatch_wait": {"notify_and_wait": no_dispatch_wait},
-    "combine_wait": {"notify_and_wait": no_combine_wait},
-    "header_check": {"notify_and_wait": no_header_check},
-    "slow_reader": {"finished_parity": slow_finished_parity},
-    "parity": {"parity": no_parity, "finished_parity": slow_no_finished_parity},
+    "dispatch_wait": {"check": no_dispatch_wait},
+    "combine_wait": {"check": no_combine_wait},
+    "header_check": {"check": no_header_check},
+    "slow_reader": {"check": slow_check},
+    "parity": {"parity": no_parity, "check": slow_check},
 }
 
 
@@ -158,7 +143,8 @@ def scenario(variant, late, layers, with_combine):
         for i, (recv, per_source, y) in enumerate(outs):
             xs, ids = [everyone[r][i][0] for r in range(world)], [everyone[r][i][1] for r in range(world)]
             rows, _, fill = oracle.dispatch(xs, ids, 4, 3, me)
-            if not (oracle.same_bits(recv, rows) and torch.equal(per_source, fill)):
+            got = oracle.received(recv, fill.sum(1))
+            if not (oracle.same_bits(got, rows) and torch.equal(per_source, fill)):
                 wrong.append(f"layer {i}: received rows or counts differ")
             if y is not None and not oracle.same_bits(y, oracle.combine(xs[me], ids[me], everyone[me][i][2])):
                 wrong.append(f"layer {i}: combined output differs")

@@ -1,5 +1,7 @@
-"""symmsync.moe fails closed: bad input is refused on its rank before anything is sent and
-reaches the members as PeerAborted naming it; a member that never comes is named by a bounded
+"""symmsync.moe fails closed: a bad argument (found on the host, or an expert id found on the
+device) fails that call on every member (InputError on its member, PeerRefused naming it on the
+others) and nothing else: the next layer is right and an all-reduce on the same view still sums,
+at worlds 2 and 3, with a bite (the check blind to refusals); a member that never comes is named by a bounded
 wait; construction is agreed (every rank raises, or none); a view over nodes is refused; a
 member that gave up on another's abort relays it, and every member names the origin; a member
 killed mid-sequence (between its dispatch and its combine) is named by every survivor within a
@@ -23,56 +25,137 @@ from symmsync.testing import Died, run
 E, M, H, K = 4, 3, 32, 2
 
 
-KINDS = ("expert", "tokens", "dtype")
+DISPATCH_CASES = {
+    # name: (what the bad member passes instead of (x, ids), words of its InputError)
+    "expert": (
+        lambda x, ids, ne: (x, ids.index_fill(1, torch.tensor([1]), ne)),
+        "topk_idx[0, 1] = {ne} is no expert id",
+    ),
+    "below": (lambda x, ids, ne: (x, ids.index_fill(0, torch.tensor([2]), -3)), "topk_idx[2, 0] = -3 is no expert id"),
+    "tokens": (
+        lambda x, ids, ne: (torch.zeros(M + 1, H, dtype=x.dtype), torch.zeros(M + 1, K, dtype=ids.dtype)),
+        "more than max_tokens=3",
+    ),
+    "dtype": (lambda x, ids, ne: (x.float(), ids), "x must be torch.bfloat16, got torch.float32"),
+    "hidden": (lambda x, ids, ne: (x[:, :16].contiguous(), ids), "x must be [tokens, hidden=32]"),
+    "ids_dtype": (lambda x, ids, ne: (x, ids.int()), "topk_idx must be torch.int64, got torch.int32"),
+    "ids_shape": (lambda x, ids, ne: (x, ids[:, :1].contiguous()), "topk_idx must have shape (3, 2)"),
+    "noncontiguous": (lambda x, ids, ne: (torch.zeros(H, M, dtype=x.dtype).t(), ids), "x must be contiguous"),
+    "meta": (lambda x, ids, ne: (x.to("meta"), ids), "x is on meta"),
+    "grad": (lambda x, ids, ne: (x.float().to(x.dtype).requires_grad_(), ids), "x requires grad and grad mode is on"),
+    "not_a_tensor": (lambda x, ids, ne: (x.tolist(), ids), "x must be a torch.Tensor, got list"),
+}
+COMBINE_CASES = {
+    "out_dtype": (lambda out, w, h: (out.float(), w, h), "expert_out must be torch.bfloat16, got torch.float32"),
+    "out_shape": (lambda out, w, h: (out[:, :1].contiguous(), w, h), "expert_out must have shape"),
+    "weights": (lambda out, w, h: (out, w.double(), h), "topk_weights must be torch.float32, got torch.float64"),
+    "handle": (lambda out, w, h: (out, w, tuple(h)), "handle must be the Handle"),
+    "foreign_handle": (lambda out, w, h: (out, w, h._replace(offsets=h.offsets[:1])), "from another dispatcher"),
+}
 
 
-def refused_on_rank_1():
-    """For each kind of bad input, on a fresh dispatcher: rank 1 makes a bad dispatch, rank 0 a good
-    one. Returns, per kind, what each raised, and what its next call raised."""
-    me = dist.get_rank()
-    seen = {}
-    for kind in KINDS:
-        buf, disp = make(E, M, H, torch.bfloat16, K, timeout_s=60)
-        x = torch.zeros(M, H, dtype=torch.bfloat16)
-        ids = torch.zeros(M, K, dtype=torch.int64)
-        if me == 1:
-            if kind == "expert":
-                ids[1, 1] = E  # one past the last expert
-            elif kind == "tokens":
-                x, ids = torch.zeros(M + 1, H, dtype=torch.bfloat16), torch.zeros(M + 1, K, dtype=torch.int64)
-            else:
-                x = x.float()
-            assert not disp.accepts(x, ids)
-        try:
-            disp.dispatch(x, ids)
-            out = ("returned", "")
-        except ss.SymmSyncError as e:
-            out = (type(e).__name__, str(e), getattr(e, "aborted", None))
-        try:  # the dispatcher stays failed: the next call raises again, launching nothing
-            disp.dispatch(torch.zeros(M, H, dtype=torch.bfloat16), torch.zeros(M, K, dtype=torch.int64))
-            again = "returned"
-        except ss.SymmSyncError as e:
-            again = type(e).__name__
-        dist.barrier()
+def one_layer(disp, me, world, seed):
+    """A good dispatch and combine on every member, checked against the oracle: the differences."""
+    import routings
+    from test_moe import compare, gathered, layer
+
+    x, ids, w = routings.routing("random", me, world, disp.num_experts, M, H, K, torch.bfloat16, seed)
+    got = layer(disp, x, ids, w)
+    return compare(disp, seed, got, (gathered(x), gathered(ids), gathered(w)), me)
+
+
+def refusals(variant=None):
+    """On one dispatcher and, on its view, one all-reduce: every kind of bad argument, made by the
+    last member while the others make the good call; what each member's call raised, whether the
+    next layer of every member was right, and whether the all-reduce still sums."""
+    import contextlib
+
+    from symmsync import collectives
+
+    me, world = dist.get_rank(), dist.get_world_size()
+    bad = world - 1
+    nbytes = moe.buffer_bytes(2 * world, M, H, torch.bfloat16, K, world)
+    buf = ss.SymmetricBuffer(nbytes + collectives.workspace_bytes(64, torch.float32, world))
+    view = buf.view(list(range(world)))
+    ne = 2 * world
+    disp = moe.Dispatcher(view, ne, M, H, torch.bfloat16, K, timeout_s=60)
+    ar = collectives.AllReduce(view, 64, torch.float32, offset=disp.workspace.nbytes)
+    seen, wrong = {}, []
+    swap = replaced_check(variant) if variant else contextlib.nullcontext()
+    try:
+        with swap:
+            for i, (name, (change, _)) in enumerate({**DISPATCH_CASES, **COMBINE_CASES}.items()):
+                x = torch.randn(M, H, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+                ids = torch.tensor([[(me + t) % ne, (me + t + 1) % ne] for t in range(M)])
+                try:
+                    if name in DISPATCH_CASES:
+                        disp.dispatch(*(change(x, ids, ne) if me == bad else (x, ids)))
+                    else:
+                        recv, _, handle = disp.dispatch(x, ids)
+                        out, w = recv.clone(), torch.full((M, K), 0.5)
+                        disp.combine(*(change(out, w, handle) if me == bad else (out, w, handle)))
+                    seen[name] = ("returned", "", None)
+                except ss.SymmSyncError as e:
+                    seen[name] = (type(e).__name__, str(e), getattr(e, "origin", None))
+                wrong += [f"after {name}: {d}" for d in one_layer(disp, me, world, 100 + i)]
+        total = ar(torch.full((64,), float(me + 1)))
+        summed = bool((total == world * (world + 1) / 2).all())
+    finally:
         buf.close()
-        seen[kind] = (out, again)
-    return seen
+    return seen, wrong, summed
 
 
-def test_a_bad_dispatch_is_refused_on_its_rank_and_reaches_the_other_as_peer_aborted():
-    rank0, rank1 = run(refused_on_rank_1, 2, timeout_s=180)
-    words = {
-        "expert": "topk_idx[1, 1] = 4 is no expert id",
-        "tokens": "more than max_tokens=3",
-        "dtype": "x must be torch.bfloat16, got torch.float32",
-    }
-    for kind in KINDS:
-        (r0, again0), (r1, again1) = rank0[kind], rank1[kind]
-        assert r1[0] == "InputError" and r1[1].startswith("rank 1: moe.Dispatcher.dispatch:"), (kind, r1)
-        assert words[kind] in r1[1], (kind, r1)
-        assert r0[0] == "SignalAborted" and 1 in r0[2], (kind, r0)  # a PeerAborted naming rank 1 and its reason
-        assert "rank 1" in r0[1] and "moe.Dispatcher.dispatch" in r0[1], (kind, r0)
-        assert again1 == "InputError" and again0 in ("SignalAborted", "PeerAborted"), (kind, again0, again1)
+def _check_refusals(results, world):
+    bad = world - 1
+    for name, (_, words) in {**DISPATCH_CASES, **COMBINE_CASES}.items():
+        kind = "dispatch" if name in DISPATCH_CASES else "combine"
+        words = words.format(ne=2 * world)
+        mine = results[bad][0][name]
+        assert mine[0] == "InputError" and mine[1].startswith(f"rank {bad}: moe.Dispatcher.{kind}:"), (name, mine)
+        assert words in mine[1], (name, mine)
+        for r in range(bad):
+            theirs = results[r][0][name]
+            assert theirs[0] == "PeerRefused" and theirs[2] == bad, (name, r, theirs)
+            assert f"rank {bad} refused its {kind}" in theirs[1], (name, r, theirs)
+            if name in ("expert", "below"):  # found on the device: every member knows the entry and its value
+                assert words in theirs[1], (name, r, theirs)
+    for r, (_, wrong, summed) in enumerate(results):
+        assert wrong == [], f"rank {r}: the next layer after a refused call: {wrong[:4]}"
+        assert summed, f"rank {r}: the all-reduce on the dispatcher's view no longer sums"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_bad_argument_fails_that_call_on_every_member_and_nothing_else(host_ranks, world):
+    _check_refusals(host_ranks(refusals, world, timeout_s=600), world)
+
+
+def test_the_refusal_check_bites(host_ranks):
+    """With the read's check blind to a member's refusal, calls that must raise return (the other
+    members', with nothing of the refusing member's rows; the refusing member's own when its
+    expert id was found on the device): the test above must fail."""
+    results = host_ranks(refusals, 2, "blind", timeout_s=600)
+    returned = [name for name, got in results[0][0].items() if got[0] == "returned"]
+    assert returned, f"with the check blind, some member's refused call must return: {results[0][0]}"
+    with pytest.raises(AssertionError, match="returned"):
+        _check_refusals(results, 2)
+
+
+def replaced_check(variant):
+    """``protocol.check`` replaced by a variant for the block (the interpreter resolves it at a launch)."""
+    import contextlib
+
+    from symmsync.moe import protocol
+
+    @contextlib.contextmanager
+    def swap():
+        shipped = protocol.check
+        protocol.check = {"blind": blind_check}[variant]
+        try:
+            yield
+        finally:
+            protocol.check = shipped
+
+    return swap()
 
 
 def a_member_never_comes():
@@ -147,20 +230,22 @@ def test_a_view_over_two_nodes_is_refused_clearly():
 
 
 def relayed_abort():
-    """World 3: rank 2 dispatches a bad expert id; rank 1 dispatches late, after rank 0 gave up
-    on rank 2's abort and aborted the view in turn. What each raised, and whom it names."""
+    """World 3: rank 2 aborts the dispatcher's view; rank 0 dispatches and gives up on rank 2's
+    abort, aborting the view in turn; rank 1 dispatches late, when both flags are set. What each
+    raised, and whom it names."""
     me = dist.get_rank()
     buf, disp = make(E + 2, M, H, torch.bfloat16, K, timeout_s=20)
     ids = torch.zeros(M, K, dtype=torch.int64)
+    out = ("returned",)
     if me == 2:
-        ids[0, 0] = E + 2  # one past the last expert
-    if me == 1:
-        time.sleep(1.0)  # rank 0's relay of rank 2's abort has landed by now
-    try:
-        disp.dispatch(torch.zeros(M, H, dtype=torch.bfloat16), ids)
-        out = ("returned",)
-    except ss.SymmSyncError as e:
-        out = (type(e).__name__, str(e), getattr(e, "aborted", None))
+        disp.view.abort("rank 2 gives up")
+    else:
+        if me == 1:
+            time.sleep(1.0)  # rank 0's relay of rank 2's abort has landed by now
+        try:
+            disp.dispatch(torch.zeros(M, H, dtype=torch.bfloat16), ids)
+        except ss.SymmSyncError as e:
+            out = (type(e).__name__, str(e), getattr(e, "aborted", None))
     dist.barrier()
     buf.close()
     return out
@@ -168,8 +253,7 @@ def relayed_abort():
 
 def test_a_relayed_abort_names_the_origin_and_its_reason_on_every_member():
     results = run(relayed_abort, 3, timeout_s=180)
-    assert results[2][0] == "InputError", results[2]
-    reason = "moe.Dispatcher.dispatch: topk_idx[0, 0] = 6 is no expert id"
+    reason = "rank 2 gives up"
     for rank in (0, 1):
         kind, msg, aborted = results[rank]
         assert kind == "SignalAborted", (rank, kind, msg)
@@ -229,3 +313,22 @@ def test_a_member_killed_mid_sequence_is_named_by_every_survivor_within_seconds(
         assert list(err["aborted"]) == [victim] and "died" in err["aborted"][victim], (rank, err)
         assert f"rank {victim}" in err["msg"] and "died" in err["msg"], (rank, err)
         assert again in ("SignalAborted", "PeerAborted"), (rank, again)  # fails closed from then on
+
+
+import triton  # noqa: E402 - the bite's variant of the check, below the tests it serves
+import triton.language as tl  # noqa: E402
+
+from symmsync.moe import protocol as _protocol  # noqa: E402
+
+_SHIPPED_CHECK = _protocol.check
+
+
+@triton.jit
+def blind_check(sig, me, timeout_ns, record, state, headers_off, KIND: tl.constexpr, SIZE: tl.constexpr,
+                NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
+    """The shipped check, blind to a member's refusal (its status read as OK)."""
+    status, who, what, where, value = _SHIPPED_CHECK(
+        sig, me, timeout_ns, record, state, headers_off, KIND, SIZE, NSLOTS, TRAP
+    )
+    refused = status == 3
+    return tl.where(refused, 0, status), tl.where(refused, -1, who), what, where, value

@@ -1,5 +1,6 @@
 """The model-checked protocols (verify/fence.pml, the fence; verify/signals.pml, the point-to-point
-signals and their pipelined transfer; verify/collectives.pml, the collectives' slot protocol):
+signals and their pipelined transfer; verify/collectives.pml, the collectives' slot protocol;
+verify/moe.pml, the MoE dispatcher's steps):
 every correct configuration verifies exhaustively with 0 errors, and every known-bug variant
 yields its counterexample.
 
@@ -87,6 +88,21 @@ def test_the_collectives_model_covers_both_sizes_mixed_calls_and_the_bugs_it_mus
     # no second fence: a two-shot reads a reduced chunk not yet written; a symmetric input is refilled under a reader
     assert bugs[("BUG_NOFENCE2", "KIND=TWO")] == "stale" and bugs[("BUG_NOFENCE2", "KIND=SYM")] == "overwrite"
     for n, c in coll.items():
+        if c.expect != "pass":  # the correct configuration it plants its bug in is checked too
+            assert tuple(f for f in c.flags if not f.startswith("BUG_")) in {k.flags for k in correct.values()}, n
+
+
+def test_the_moe_model_covers_mismatches_refusals_and_the_bugs_it_must_catch():
+    moe = {n: c for n, c in CONFIGS.items() if c.model == "moe.pml"}
+    correct = {n: c for n, c in moe.items() if c.expect == "pass"}
+    for kind in ("MISMATCH", "REFUSE"):  # at both sizes
+        assert {next(f for f in c.flags if f.startswith("N=")) for c in correct.values() if kind in c.flags} == {
+            "N=2",
+            "N=3",
+        }, kind
+    bugs = {next(f for f in c.flags if f.startswith("BUG_")): c.expect for c in moe.values() if c.expect != "pass"}
+    assert bugs["BUG_NOPARITY"] == "overwrite" and bugs["BUG_NOHEADER"] == "stale" and bugs["BUG_NOREFUSE"] == "stale"
+    for n, c in moe.items():
         if c.expect != "pass":  # the correct configuration it plants its bug in is checked too
             assert tuple(f for f in c.flags if not f.startswith("BUG_")) in {k.flags for k in correct.values()}, n
 
