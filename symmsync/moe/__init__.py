@@ -18,7 +18,7 @@ entries, so every run gives the same bits (docs/moe.md states the order).
 """
 
 from . import torch_ops as _torch_ops  # noqa: F401 - registers the symmsync:: ops of the dispatcher
-from .dispatcher import MAX_TOP_K, Dispatcher, Handle, StepMismatch
+from .dispatcher import MAX_TOP_K, Dispatcher, Handle, Pending, StepMismatch
 from .layout import FP8_RULE, Workspace, buffer_bytes
 
-__all__ = ["FP8_RULE", "MAX_TOP_K", "Dispatcher", "Handle", "StepMismatch", "Workspace", "buffer_bytes"]
+__all__ = ["FP8_RULE", "MAX_TOP_K", "Dispatcher", "Handle", "Pending", "StepMismatch", "Workspace", "buffer_bytes"]

@@ -19,7 +19,7 @@ from ..core.launch import BoundLaunch, Launcher
 from ..core.nodes import spanning_problem
 from ..core.signals import Signals
 from ..core.views import PeerView
-from ..errors import InputError, PeerRefused, SymmSyncError
+from ..errors import ConfigError, InputError, PeerRefused, SymmSyncError
 from . import kernels, protocol
 from . import layout as L
 
@@ -50,6 +50,36 @@ class StepMismatch(InputError):
 
 def _rebuild_mismatch(message: str, rank: int, other: int) -> StepMismatch:
     return StepMismatch(message, rank=rank, other=other)
+
+
+class Pending:
+    """A step whose send is launched and whose receive is not yet (``dispatch(..., wait=False)``,
+    ``combine(..., wait=False)``): launch other work, then call :meth:`wait` once, before any
+    other call of the dispatcher, to launch the receive and get the call's results.
+
+    Between the two the send's rows travel while the stream runs what was launched in between
+    (an expert's GEMM, attention): the step synchronizes only in its receive, so nothing waits
+    for the members until :meth:`wait` is launched. Both launches are ordinary kernel launches:
+    a CUDA graph captures the pair and what lies between them like any other launches.
+    """
+
+    def __init__(self, finish: Any, what: str):
+        self._finish = finish
+        self._what = what
+        self.done = False
+        """True once :meth:`wait` ran."""
+
+    def wait(self) -> Any:
+        """Launch the step's receive and return what the call returns with ``wait=True``
+        (raising what it raises).
+
+        Raises:
+            ConfigError: called a second time.
+        """
+        if self.done:
+            raise ConfigError(f"moe.Dispatcher: the pending {self._what}'s wait() was called already")
+        self.done = True
+        return self._finish()
 
 
 class Handle(NamedTuple):
@@ -199,6 +229,7 @@ class Dispatcher(Consumer):
             Handle(self._no_tokens[1], torch.zeros((self.local_experts, rows), dtype=i64, device=dev), per, per),
         )
         self._bound: dict[tuple, BoundLaunch] = {}  # (kernel, grid) -> its launch, packed once
+        self._pending: Pending | None = None  # a step launched with wait=False, until its wait()
 
     def _launchers(self, traps: bool) -> dict[str, tuple[Launcher, dict[str, Any], tuple[str, ...]]]:
         """Each kernel's launcher, its fixed arguments by name, and the names a call passes."""
@@ -258,6 +289,17 @@ class Dispatcher(Consumer):
             bound = launcher.bind(*[args[n] for n in launcher.names], grid=grid, per_call=per_call)
             self._bound[(name, grid)] = bound
         bound(*values)
+
+    def check_usable(self) -> None:
+        """:meth:`symmsync.core.consumer.Consumer.check_usable`, and no step pending: a call made
+        before a pending step's ``wait()`` raises :class:`~symmsync.ConfigError`, launching nothing."""
+        super().check_usable()
+        pending = self._pending
+        if pending is not None and not pending.done:
+            raise ConfigError(
+                f"rank {self.rank}: moe.Dispatcher: a {pending._what} launched with wait=False is pending: call its "
+                "wait() before the dispatcher's next call"
+            )
 
     def _settle_step(self, kind: str, refused: str | None) -> None:  # noqa: D417
         """Raise what the step found, read from the device state (the host backend after each
@@ -372,7 +414,7 @@ class Dispatcher(Consumer):
         return bad is None and (x.shape[0] == 0 or self._ids_problem(topk_idx) is None)
 
     # ------------------------------------------------------------------ calls
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor) -> tuple[Any, torch.Tensor, Handle]:
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, *, wait: bool = True) -> Any:
         """Send every token to the members that own its experts; receive this member's rows.
 
         Args:
@@ -380,6 +422,9 @@ class Dispatcher(Consumer):
                 most ``max_tokens`` (0 too).
             topk_idx: ``[tokens, top_k]`` int64 expert ids; -1 masks an entry. An entry naming
                 the expert of an earlier entry of its token is not sent again.
+            wait: ``False``: launch the send only and return a :class:`Pending`, whose ``wait()``
+                launches the receive and returns what this returns: work launched in between
+                overlaps the transfer (eager and in CUDA graphs; not under ``torch.compile``).
 
         Returns:
             ``(recv, counts, handle)``. ``recv`` is ``[local experts, members * max_tokens, hidden]``
@@ -410,19 +455,25 @@ class Dispatcher(Consumer):
         Under ``torch.compile``: ``symmsync::moe_dispatch``.
         """
         if torch.compiler.is_compiling():
+            if not wait:
+                raise ConfigError(f"rank {self.rank}: moe.Dispatcher.dispatch(wait=False) is eager only (and graphs)")
             outs = torch.ops.symmsync.moe_dispatch(
                 x, topk_idx, self.op_handle, self.local_experts, self.size, self.max_tokens, self.fp8
             )
             return self._outputs(outs, topk_idx)
+        if not wait:
+            inner = self.eager_dispatch(x, topk_idx, wait=False)
+            return Pending(lambda: self._outputs(inner.wait(), topk_idx), "dispatch")
         return self._outputs(self.eager_dispatch(x, topk_idx), topk_idx)
 
     def _outputs(self, outs: tuple, topk_idx: torch.Tensor) -> tuple[Any, torch.Tensor, Handle]:
         recv, scales, counts, src, per_source, offsets = outs
         return ((recv, scales) if self.fp8 else recv), counts, Handle(topk_idx, src, per_source, offsets)
 
-    def eager_dispatch(self, x: Any, topk_idx: Any) -> tuple[torch.Tensor, ...]:
+    def eager_dispatch(self, x: Any, topk_idx: Any, wait: bool = True) -> Any:
         """The checked dispatch: what :meth:`dispatch` and ``symmsync::moe_dispatch`` run. Returns
-        ``(recv, scales, counts, src, per_source, offsets)`` (``scales`` empty without fp8)."""
+        ``(recv, scales, counts, src, per_source, offsets)`` (``scales`` empty without fp8), or
+        with ``wait=False`` a :class:`Pending` whose ``wait()`` returns them."""
         self.check_usable()
         bad = self._dispatch_problem(x, topk_idx)
         el, size, dev = self.local_experts, self.size, self._device
@@ -443,18 +494,30 @@ class Dispatcher(Consumer):
         per_source = torch.empty((el, size), dtype=torch.int64, device=dev)
         offsets = torch.empty((el, size), dtype=torch.int64, device=dev)
         xk = x.view(torch.int16) if self._bits else x
+        self._launch_or_fail(
+            "dispatch_send", (max(tokens, 1), self.top_k, self._chunks), xk, topk_idx, tokens, int(bad is not None)
+        )
+
+        def receive() -> tuple[torch.Tensor, ...]:
+            self._pending = None
+            grid = (el * size, self._row_blocks, 1)
+            self._launch_or_fail("dispatch_read", grid, recv_k, scales, counts, per_source, offsets, src)
+            self._finish_step("dispatch", bad)
+            return recv, scales, counts, src, per_source, offsets
+
+        return receive() if wait else self._pend(receive, "dispatch")
+
+    def _pend(self, receive: Any, what: str) -> Pending:
+        self._pending = Pending(receive, what)
+        return self._pending
+
+    def _launch_or_fail(self, name: str, grid: tuple[int, int, int], *values: Any) -> None:
+        """:meth:`_launch`; a launch that raised fails the dispatcher with its error (it may have run in part)."""
         try:
-            self._launch(
-                "dispatch_send", (max(tokens, 1), self.top_k, self._chunks), xk, topk_idx, tokens, int(bad is not None)
-            )
-            self._launch(
-                "dispatch_read", (el * size, self._row_blocks, 1), recv_k, scales, counts, per_source, offsets, src
-            )
+            self._launch(name, grid, *values)
         except SymmSyncError as e:
             self.fail(e)
             raise
-        self._finish_step("dispatch", bad)
-        return recv, scales, counts, src, per_source, offsets
 
     def _finish_step(self, kind: str, bad: str | None) -> None:
         """After a step's launches: raise what it found where launches have finished (the host
@@ -471,7 +534,9 @@ class Dispatcher(Consumer):
         if bad is not None:  # this member's own refusal, whatever the step's record says
             raise InputError(f"rank {self.rank}: moe.Dispatcher.{kind}: {bad}; no member's {kind} did anything")
 
-    def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, handle: Handle) -> torch.Tensor:
+    def combine(
+        self, expert_out: torch.Tensor, topk_weights: torch.Tensor, handle: Handle, *, wait: bool = True
+    ) -> Any:
         """Bring every expert's outputs back to the tokens' members and sum them per token.
 
         Args:
@@ -480,6 +545,8 @@ class Dispatcher(Consumer):
                 (rows past the counts are not read).
             topk_weights: ``[tokens, top_k]`` float32, this member's tokens' weights.
             handle: what the dispatch returned.
+            wait: ``False``: launch the send only and return a :class:`Pending` (as
+                :meth:`dispatch`), whose ``wait()`` launches the sum and returns ``y``.
 
         Returns:
             ``y``, ``[tokens, hidden]`` of the dtype: ``y[t] = dtype(acc)`` with ``acc = 0`` then, for
@@ -492,10 +559,12 @@ class Dispatcher(Consumer):
         ``symmsync::moe_combine``.
         """
         if torch.compiler.is_compiling():
+            if not wait:
+                raise ConfigError(f"rank {self.rank}: moe.Dispatcher.combine(wait=False) is eager only (and graphs)")
             return torch.ops.symmsync.moe_combine(expert_out, topk_weights, *handle, self.op_handle)
         if not isinstance(handle, Handle):
-            return self.eager_combine(expert_out, topk_weights, handle, None, None, None)
-        return self.eager_combine(expert_out, topk_weights, *handle)
+            return self.eager_combine(expert_out, topk_weights, handle, None, None, None, wait=wait)
+        return self.eager_combine(expert_out, topk_weights, *handle, wait=wait)
 
     def accepts_combine(self, expert_out: Any, topk_weights: Any, handle: Any) -> bool:
         """Whether ``combine(expert_out, topk_weights, handle)`` passes this rank's input checks,
@@ -503,9 +572,17 @@ class Dispatcher(Consumer):
         return self._combine_problem(expert_out, topk_weights, handle) is None
 
     def eager_combine(
-        self, expert_out: Any, topk_weights: Any, topk_idx: Any, src: Any, per_source: Any, offsets: Any
-    ) -> torch.Tensor:
-        """The checked combine (a handle's parts): what :meth:`combine` and ``symmsync::moe_combine`` run."""
+        self,
+        expert_out: Any,
+        topk_weights: Any,
+        topk_idx: Any,
+        src: Any,
+        per_source: Any,
+        offsets: Any,
+        wait: bool = True,
+    ) -> Any:
+        """The checked combine (a handle's parts): what :meth:`combine` and ``symmsync::moe_combine`` run
+        (with ``wait=False`` a :class:`Pending` whose ``wait()`` returns ``y``)."""
         self.check_usable()
         handle = topk_idx if src is None else Handle(topk_idx, src, per_source, offsets)
         bad = self._combine_problem(expert_out, topk_weights, handle)
@@ -515,20 +592,19 @@ class Dispatcher(Consumer):
         tokens = handle.topk_idx.shape[0]
         y = torch.empty((tokens, self.hidden), dtype=self.dtype, device=self._device)
         out_k, y_k = (expert_out.view(torch.int16), y.view(torch.int16)) if self._bits else (expert_out, y)
-        try:
-            refused = int(bad is not None)
-            self._launch(
-                "combine_send", (el * size, self._row_blocks, 1), out_k, handle.per_source, handle.offsets, handle.src,
-                refused,
-            )  # fmt: skip
-            self._launch(
-                "combine_reduce", (max(tokens, 1), self._chunks, 1), y_k, handle.topk_idx, topk_weights, tokens
-            )
-        except SymmSyncError as e:
-            self.fail(e)
-            raise
-        self._finish_step("combine", bad)
-        return y
+        send = (el * size, self._row_blocks, 1)
+        self._launch_or_fail(
+            "combine_send", send, out_k, handle.per_source, handle.offsets, handle.src, int(bad is not None)
+        )
+
+        def receive() -> torch.Tensor:
+            self._pending = None
+            grid = (max(tokens, 1), self._chunks, 1)
+            self._launch_or_fail("combine_reduce", grid, y_k, handle.topk_idx, topk_weights, tokens)
+            self._finish_step("combine", bad)
+            return y
+
+        return receive() if wait else self._pend(receive, "combine")
 
     # ------------------------------------------------------------------ failures
     def synchronize(self) -> None:

@@ -144,6 +144,38 @@ def _graph(replays):
     return wrong
 
 
+def _overlapped_graph(replays):
+    """A layer whose sends are launched with wait=False, a GEMM launched before each wait(),
+    captured in a CUDA graph and replayed on fresh routings: the oracle's bits every time."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    buf, disp = _make()
+    dev = buf.device
+    x, ids, w = (t.to(dev) for t in routings.routing("random", me, world, E, M, H, K, torch.bfloat16, 0))
+    a = torch.randn(256, 256, device=dev)
+    outs = {}
+
+    def step():
+        pending = disp.dispatch(x, ids, wait=False)
+        outs["work"] = a @ a  # launched between the send and the receive
+        recv, counts, handle = pending.wait()
+        pending = disp.combine(_experts(disp, recv), w, handle, wait=False)
+        outs["work2"] = outs["work"] @ a
+        outs["r"] = (recv, handle, pending.wait())
+
+    g = helpers.capture(step)
+    wrong = []
+    for i in range(replays):
+        nx, nids, nw = routings.routing("random", me, world, E, M, H, K, torch.bfloat16, 2000 + i)
+        x.copy_(nx.to(dev)), ids.copy_(nids.to(dev)), w.copy_(nw.to(dev))
+        g.replay()
+        disp.synchronize()
+        recv, handle, y = outs["r"]
+        if not _check(disp, x, ids, w, recv, handle, y, me):
+            wrong.append(i)
+    buf.close()
+    return wrong
+
+
 def _compiled():
     me, world = dist.get_rank(), dist.get_world_size()
     buf, disp = _make()
@@ -191,3 +223,7 @@ def test_a_captured_layer_replays_exactly_on_fresh_routings(world):
 
 def test_a_compiled_layer_gives_the_eager_bits_on_gpus(world):
     assert run(_compiled, world, backend="cuda", timeout_s=900) == [[]] * world
+
+
+def test_a_layer_with_wait_false_and_work_between_replays_exactly(world):
+    assert run(_overlapped_graph, world, 20, backend="cuda", timeout_s=300) == [[]] * world

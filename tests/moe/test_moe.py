@@ -12,7 +12,9 @@ torch.distributed (gloo), apart from the dispatcher.
 * 200 back-to-back layers (dispatch, experts, combine) with fresh routings and a random delay
   on one member, checked after the loop, so the oracle is no barrier between the layers;
 * 30 back-to-back dispatches with no combine between them (the dispatch's parity alone keeps
-  the rows apart).
+  the rows apart);
+* steps launched with ``wait=False`` and work launched before their ``wait()``: the plain
+  calls' bits, and a call made while a step is pending refused.
 """
 
 import random
@@ -157,6 +159,52 @@ def fp8_rows(seed):
     return wrong
 
 
+def overlapped(seed):
+    """Layers made twice on one dispatcher, with the same inputs: plainly, then with each send
+    launched alone (``wait=False``), work in between and the receive at ``wait()``; the differences
+    between the two, bit for bit, and what a call made while a step is pending raised."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    buf, disp = make(2 * world, MAX_TOKENS, HIDDEN, torch.bfloat16, TOP_K)
+    g = torch.Generator().manual_seed(seed + me)
+    wrong, misuse = [], []
+    try:
+        for i, kind in enumerate(routings.KINDS):
+            x, ids, w = routings.routing(
+                kind, me, world, 2 * world, MAX_TOKENS, HIDDEN, TOP_K, torch.bfloat16, seed + i
+            )
+            recv, counts, handle = disp.dispatch(x, ids)
+            y = disp.combine(experts(disp, recv), w, handle)
+            pending = disp.dispatch(x, ids, wait=False)
+            work = torch.randn(64, 64, generator=g) @ torch.randn(64, 64, generator=g)  # launched in between
+            if i == 0:
+                for call, args in ((disp.dispatch, (x, ids)), (disp.synchronize, ())):
+                    try:
+                        call(*args)
+                        misuse.append("returned")
+                    except ss.ConfigError as e:
+                        misuse.append(str(e))
+            recv2, counts2, handle2 = pending.wait()
+            if i == 0:
+                try:
+                    pending.wait()
+                    misuse.append("returned")
+                except ss.ConfigError as e:
+                    misuse.append(str(e))
+            pending = disp.combine(experts(disp, recv2), w, handle2, wait=False)
+            work = work @ work
+            y2 = pending.wait()
+            n = counts
+            if not (torch.equal(counts2, counts) and torch.equal(handle2.offsets, handle.offsets)):
+                wrong.append(f"{kind}: counts or offsets differ")
+            elif not oracle.same_bits(oracle.received(recv2, n), oracle.received(recv, n)):
+                wrong.append(f"{kind}: received rows differ")
+            if not oracle.same_bits(y2, y):
+                wrong.append(f"{kind}: combined output differs")
+    finally:
+        buf.close()
+    return wrong, misuse
+
+
 # ---------------------------------------------------------------------- tests
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_every_routing_gives_the_oracles_rows_order_counts_and_combined_output(host_ranks, world):
@@ -188,3 +236,11 @@ def test_back_to_back_layers_at_world_4_are_exact(host_ranks):
 def test_back_to_back_dispatches_without_combines_are_exact(host_ranks):
     results = host_ranks(back_to_back, 2, 30, 4, 3, 32, 2, 0, 5, False, timeout_s=600)
     assert results == [[], []], [r[:5] for r in results]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_step_launched_with_wait_false_gives_the_plain_calls_bits(host_ranks, world):
+    for rank, (wrong, misuse) in enumerate(host_ranks(overlapped, world, 5, timeout_s=300)):
+        assert wrong == [], f"rank {rank}: {wrong}"
+        assert len(misuse) == 3 and all("wait" in m for m in misuse), f"rank {rank}: {misuse}"
+        assert "pending" in misuse[0] and "pending" in misuse[1] and "called already" in misuse[2], misuse
