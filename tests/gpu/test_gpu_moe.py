@@ -118,23 +118,20 @@ def _layers(n):
     return wrong
 
 
-def _graph(replays):
+def _replayed(replays, make_step, tokens=M - 1, seed=1000):
+    """A layer captured in a CUDA graph (``make_step(disp, x, ids, w, outs)`` returns its step, which
+    leaves ``(recv, handle, y)`` in ``outs["r"]``) and replayed on fresh routings of ``tokens`` tokens
+    (one token count, fixed for the graph): the replays whose results differ from the oracle's."""
     me, world = dist.get_rank(), dist.get_world_size()
     buf, disp = _make()
     dev = buf.device
-    x, ids, w = (t.to(dev) for t in routings.routing("random", me, world, E, M, H, K, torch.bfloat16, 0))
-    x, ids, w = x[: M - 1], ids[: M - 1], w[: M - 1]  # one token count, fixed for the graph
+    x, ids, w = (t.to(dev)[:tokens] for t in routings.routing("random", me, world, E, M, H, K, torch.bfloat16, 0))
     outs = {}
-
-    def step():
-        recv, counts, handle = disp.dispatch(x, ids)
-        outs["r"] = (recv, handle, disp.combine(_experts(disp, recv), w, handle))
-
-    g = helpers.capture(step)
+    g = helpers.capture(make_step(disp, x, ids, w, outs))
     wrong = []
     for i in range(replays):
-        nx, nids, nw = routings.routing("random", me, world, E, M, H, K, torch.bfloat16, 1000 + i)
-        x.copy_(nx[: M - 1].to(dev)), ids.copy_(nids[: M - 1].to(dev)), w.copy_(nw[: M - 1].to(dev))
+        nx, nids, nw = routings.routing("random", me, world, E, M, H, K, torch.bfloat16, seed + i)
+        x.copy_(nx[:tokens].to(dev)), ids.copy_(nids[:tokens].to(dev)), w.copy_(nw[:tokens].to(dev))
         g.replay()
         disp.synchronize()
         recv, handle, y = outs["r"]
@@ -144,15 +141,17 @@ def _graph(replays):
     return wrong
 
 
-def _overlapped_graph(replays):
-    """A layer whose sends are launched with wait=False, a GEMM launched before each wait(),
-    captured in a CUDA graph and replayed on fresh routings: the oracle's bits every time."""
-    me, world = dist.get_rank(), dist.get_world_size()
-    buf, disp = _make()
-    dev = buf.device
-    x, ids, w = (t.to(dev) for t in routings.routing("random", me, world, E, M, H, K, torch.bfloat16, 0))
-    a = torch.randn(256, 256, device=dev)
-    outs = {}
+def _plain_step(disp, x, ids, w, outs):
+    def step():
+        recv, counts, handle = disp.dispatch(x, ids)
+        outs["r"] = (recv, handle, disp.combine(_experts(disp, recv), w, handle))
+
+    return step
+
+
+def _overlapped_step(disp, x, ids, w, outs):
+    """Sends launched with wait=False, a GEMM launched before each wait()."""
+    a = torch.randn(256, 256, device=x.device)
 
     def step():
         pending = disp.dispatch(x, ids, wait=False)
@@ -162,18 +161,7 @@ def _overlapped_graph(replays):
         outs["work2"] = outs["work"] @ a
         outs["r"] = (recv, handle, pending.wait())
 
-    g = helpers.capture(step)
-    wrong = []
-    for i in range(replays):
-        nx, nids, nw = routings.routing("random", me, world, E, M, H, K, torch.bfloat16, 2000 + i)
-        x.copy_(nx.to(dev)), ids.copy_(nids.to(dev)), w.copy_(nw.to(dev))
-        g.replay()
-        disp.synchronize()
-        recv, handle, y = outs["r"]
-        if not _check(disp, x, ids, w, recv, handle, y, me):
-            wrong.append(i)
-    buf.close()
-    return wrong
+    return step
 
 
 def _compiled():
@@ -218,7 +206,7 @@ def test_200_back_to_back_layers_are_exact_on_gpus(world):
 def test_a_captured_layer_replays_exactly_on_fresh_routings(world):
     # A hang here fails in 5 minutes, naming the ranks that never finished: under MPS at world 4 one
     # device call's limit ran out inside this test once (benchmarks/results/raw/mps_gpu_suite_h200x1_part2.txt).
-    assert run(_graph, world, 100, backend="cuda", timeout_s=300) == [[]] * world
+    assert run(_replayed, world, 100, _plain_step, backend="cuda", timeout_s=300) == [[]] * world
 
 
 def test_a_compiled_layer_gives_the_eager_bits_on_gpus(world):
@@ -226,4 +214,4 @@ def test_a_compiled_layer_gives_the_eager_bits_on_gpus(world):
 
 
 def test_a_layer_with_wait_false_and_work_between_replays_exactly(world):
-    assert run(_overlapped_graph, world, 20, backend="cuda", timeout_s=300) == [[]] * world
+    assert run(_replayed, world, 20, _overlapped_step, M, 2000, backend="cuda", timeout_s=300) == [[]] * world
