@@ -241,12 +241,21 @@ def _verdict(
     PHASES: tl.constexpr,
 ):
     # After a wait that returned ``ok``: (go: every member's call is this one, run: read the
-    # members' inputs). The verdict on the headers is loads only: a one-phase call issues its
+    # members' inputs). A refused call (a member's header says so) is recorded without a trap
+    # and runs nothing: no reads, no second phase, the arrival counter reset for the next call.
+    # The verdict on the headers is loads only: a one-phase call issues its
     # first payload loads while the header loads are in flight (one round trip for both) and
     # stores nothing unless every member's call is its own (``go``). Two phases: the grid
     # barrier, or the mismatch record at once.
     go = protocol.headers_match(ptrs, header, me, words, SIZE)
-    if PHASES == 2:
+    if protocol.refused_seen(ptrs, header, me, words, SIZE):
+        records.write_mismatch_record(mism, ptrs, header, me, words, e, SIZE, False)
+        if PHASES == 2:
+            if tl.program_id(0) == 0:  # every program arrived (the publish came after the last)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        go = go & False
+        run = go
+    elif PHASES == 2:
         if go:
             go = protocol.grid_barrier(counter, G, e, timeout_ns, mism, me, SIZE, TRAP)
         else:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..errors import FenceTimeout, InputError, SymmSyncError
+from ..errors import FenceTimeout, InputError, PeerRefused, SymmSyncError
 from ..language.records import read_collective_record
 from . import layout as L
 
@@ -40,6 +40,29 @@ class CollectiveMismatch(InputError):
 
 def _rebuild_mismatch(message, rank, epoch, calls, differs):
     return CollectiveMismatch(message, rank=rank, epoch=epoch, calls=calls, differs=differs)
+
+
+def refused_by(words: list[int], ranks: Sequence[int]) -> tuple[int, int] | None:
+    """``(the refusing member's global rank, the call's epoch)`` when the record ``words`` holds a
+    refused call (a member's header with a negative ``numel``: :func:`symmsync.collectives.protocol.refused_seen`),
+    else ``None``."""
+    rec = read_collective_record(words)
+    if rec is None or rec.stalled:
+        return None
+    who = next((p for p, h in enumerate(rec.headers) if h[L.H_NUMEL] < 0), None)
+    return None if who is None else (ranks[who], rec.epoch)
+
+
+def peer_refused(rank: int, name: str, ranks: Sequence[int], origin: int, epoch: int) -> PeerRefused:
+    """The :class:`~symmsync.PeerRefused` of a member whose call ``origin`` refused."""
+    why = "its arguments failed its checks (its InputError says which)"
+    return PeerRefused(
+        f"rank {rank}: {name} on view {list(ranks)} (the call of epoch {epoch}): rank {origin} refused its call: "
+        f"{why}; no member's call did anything, and the next call goes on",
+        rank=rank,
+        origin=origin,
+        reason=why,
+    )
 
 
 def mismatch_error(

@@ -17,11 +17,11 @@ from ..core.consumer import Consumer
 from ..core.failure import Stall
 from ..core.launch import BoundLaunch, Launcher
 from ..core.views import PeerView
-from ..errors import ClosedError, ConfigError, SymmSyncError
+from ..errors import ClosedError, ConfigError, InputError, PeerRefused, SymmSyncError
 from ..language import records
 from . import kernels, making, tuning
 from . import layout as L
-from .mismatch import mismatch_error, shared_gpu_note, stalled_error
+from .mismatch import mismatch_error, peer_refused, refused_by, shared_gpu_note, stalled_error
 
 # Elements per block of a program (a power of two); warps per program.
 _BLOCK = 1024
@@ -106,6 +106,7 @@ class _Collective(Consumer):
         self._record = torch.zeros(
             records.collective_record_words(view.size), dtype=torch.int64, pin_memory=caps.pinned_record
         )
+        self._refusal: SymmSyncError | None = None  # a member's refused call, to raise once (refuse())
         self._sym_bytes = buf.tensor(ws.symmetric, (ws.capacity,), torch.uint8)
         self._sym_addr = self._sym_bytes.data_ptr()
         self._limits = {d: ws.capacity // d.itemsize for d in L.DTYPES}
@@ -143,6 +144,7 @@ class _Collective(Consumer):
         self._limits = form.limits
         self._bound = {}
         self._channel = -1
+        self._refusal = None
         self._streams = view.buffer.capabilities.streams
         where = f"{self._NAME} (over {view.nodes.num_nodes} nodes)"
         self._made(form.make, where, memory=self._memory_words(view.buffer), no_grad=_NO_GRAD)
@@ -217,6 +219,7 @@ class _Collective(Consumer):
                 after_s, lambda: stalled_error(self.rank, self._NAME, ranks, self._shares_gpu, after_s, channel)
             )
         self._failure.settle(self, self._recorded_error, stall=stall)
+        self._raise_refusal()
 
     def _release(self, together: bool) -> None:
         try:
@@ -284,6 +287,7 @@ class _Collective(Consumer):
             raise
         if self._host_checks:
             self._failure.settle(self, self._recorded_error, synchronize=False)
+            self._raise_refusal()
 
     def _launcher(self, key: tuple) -> Launcher:
         dtype, algorithm, sym, _grid, row = key
@@ -363,12 +367,50 @@ class _Collective(Consumer):
         if self.fence is not None:
             self.fence.check_usable()  # then a failed wait of the fence's own (used directly)
 
+    def refuse(self, problem: str, call: str = "", error: type = InputError) -> None:
+        """Refuse a bad call on this member: the call fails on every member, and nothing else.
+
+        This member still makes the call, with nothing to send (``count = -1``: the header says
+        the call is refused, :func:`symmsync.collectives.protocol.refused_seen`), so that every
+        member publishes once and reads nothing, and the members' epochs stay in step; then it
+        raises ``error`` here, and the others raise :class:`~symmsync.PeerRefused` naming this
+        member (on GPUs at their :meth:`synchronize`). The collective stays usable. Over a view
+        that spans nodes the call fails the collective instead, as any failure there
+        (:meth:`symmsync.core.consumer.Consumer.refuse`)."""
+        if self._over is not None:
+            super().refuse(problem, call, error)
+        self.check_usable()
+        err = error(f"rank {self.rank}: {self._NAME}: {problem}; no member's call did anything")
+        dummy = self._plain_tail[self.dtype][0]
+        algorithm = 0 if self._OP == L.ALL_REDUCE else -1
+        try:
+            self._launch(dummy, dummy, -1, algorithm, -1)  # count -1: nothing sent, the header says refused
+        except PeerRefused:
+            pass  # another member refused this call too: this member's own refusal is what it raises
+        raise err
+
+    def _raise_refusal(self) -> None:
+        """Raise the :class:`~symmsync.PeerRefused` a member's refused call left (once)."""
+        refusal, self._refusal = self._refusal, None
+        if refusal is not None:
+            raise refusal
+
     def _recorded_error(self) -> SymmSyncError | None:
         """The error a call recorded (its fence's wait, then the collective's record), or ``None``:
-        this collective's record reader (:meth:`symmsync.core.failure.ViewFailure.settle`)."""
+        this collective's record reader (:meth:`symmsync.core.failure.ViewFailure.settle`). A
+        refused call's record is no failure of the collective: it is cleared, and kept for
+        :meth:`_raise_refusal` when another member refused."""
         fence = self.fence
+        words = self._record.tolist()
+        refused = refused_by(words, self.view.ranks)
+        if refused is not None:
+            self._record.zero_()
+            origin, epoch = refused
+            if origin != self.rank:
+                self._refusal = peer_refused(self.rank, self._NAME, self.view.ranks, origin, epoch)
+            words = self._record.tolist()
         err = fence.timeout_error() or mismatch_error(
-            self._record.tolist(), self._NAME, self.view.ranks, fence.timeout_s, fence.channel
+            words, self._NAME, self.view.ranks, fence.timeout_s, fence.channel
         )
         if err is not None and self._shares_gpu:
             err.args = (f"{err.args[0]} ({shared_gpu_note(self.rank, self._shares_gpu)})", *err.args[1:])

@@ -17,9 +17,18 @@ Pseudocode of one call, as every member runs it (``G`` programs, the epoch on th
     program 0: header[q] = (op, numel, dtype, algorithm, symmetric, e, epilogue)
     arrive(): the last program of the launch publishes e      [release, system scope]
     wait(e): every member published e                         [acquire, system scope]
+    if a member's header[q] is refused (numel < 0: its input failed its checks, refused_seen()):
+        record it (no trap), reset the arrival counter; read nothing, publish nothing more
     read the members' input[q] (sum in member order in float32, or copy), storing only
         if every member's header[q] is this call's; else record, trap (GPU) / report (host)
     two-shot / symmetric input: grid_barrier(); arrive(): publish e + 1; wait(e + 1)
+
+A refused call: the member whose input failed its checks still makes the call, launching
+with ``count = -1`` (it copies nothing, and its header says so); every member publishes ``e``
+once, sees the refusal after its wait, and reads and stores nothing (a two-phase call skips
+its second phase on every member alike), so that every member's epoch stays in step and the
+next call goes on. The host raises :class:`~symmsync.InputError` on that member and
+:class:`~symmsync.PeerRefused` on the others.
 
 Why a slot is never overwritten while a member still reads it:
 
@@ -129,6 +138,19 @@ def header_words(op, numel, dtype_code, algorithm, symmetric, epoch, epilogue):
 def write_header(ptrs, header_off, me, words):
     """This member's header ``words`` at ``header_off`` in its own memory (one program, before it arrives)."""
     tl.store(ssl.peer_ptr(ptrs, me, header_off, tl.int64) + tl.arange(0, _HEADER_WORDS), words)
+
+
+@triton.jit
+def refused_seen(ptrs, header_off, me, mine, SIZE: tl.constexpr):
+    """True when this call is refused: a member's header (this member's own ``mine`` too) has a
+    negative ``numel``, which only a refused call writes (its member's input failed its checks:
+    it launches with ``count = -1``, copies nothing and publishes once, as every member then does).
+    Run after the wait, as :func:`headers_match`."""
+    refused = tl.sum(tl.where(tl.arange(0, _HEADER_WORDS) == _H_NUMEL, mine, 0), axis=0) < 0
+    for p in tl.static_range(SIZE):
+        if p != me:
+            refused = refused | (tl.load(ssl.peer_ptr(ptrs, p, header_off, tl.int64) + _H_NUMEL) < 0)
+    return refused
 
 
 @triton.jit

@@ -6,8 +6,10 @@
   first failure again;
 * an abort in the middle of a run of calls reaches every member at once; a member that
   never calls makes the others time out naming it;
-* bad arguments: at construction ``ConfigError`` / ``BoundsError`` on every rank; in a
-  call ``InputError`` on the caller and ``PeerAborted`` naming it on the others;
+* bad arguments: at construction ``ConfigError`` / ``BoundsError`` on every rank; in a call
+  (every input check of the three operations, worlds 2 and 3) ``InputError`` on the caller and
+  ``PeerRefused`` naming it on the others, and nothing else: the next call of every operation on
+  the view is right (with a bite: the kernel blind to a refusal);
 * an abort relayed by a member that gave up on it names its origin and reason on every member;
 * a timeout whose own launch did not publish says so, never that members did not come.
 """
@@ -216,78 +218,146 @@ def test_a_bad_construction_argument_raises_on_every_rank(case, kind, text, host
         assert r[0] == kind and text in r[1], r
 
 
-def bad_call(case):
-    buf, view, ar, ag = _setup()
-    rank = dist.get_rank()
-    x, out = torch.ones(N // 2), None
-    if rank == 1 and case == "out":
-        out = torch.empty(3)
-    elif rank == 1:
-        x = {
-            "dtype": torch.ones(8, dtype=torch.int32),
-            "too_many": torch.ones(N + 1),
-            "not_contiguous": torch.ones(16, 2)[:, 0],
-            "not_a_tensor": [1.0, 2.0],
-        }[case]
+BAD_CALLS = {
+    # name: (what the bad member calls, words of its InputError)
+    "dtype": (
+        lambda ar, ag, rs: ar(torch.ones(8, dtype=torch.int32)),
+        "x must be float32, bfloat16 or float16, got torch.int32",
+    ),
+    "too_many": (
+        lambda ar, ag, rs: ar(torch.ones(N + 1)),
+        "x has 1025 elements, more than the 1024 torch.float32 elements the workspace holds",
+    ),
+    "not_contiguous": (lambda ar, ag, rs: ar(torch.ones(16, 2)[:, 0]), "x must be contiguous"),
+    "not_a_tensor": (lambda ar, ag, rs: ar([1.0, 2.0]), "x must be a torch.Tensor, got list"),
+    "out": (
+        lambda ar, ag, rs: ar(torch.ones(N // 2), torch.empty(3)),
+        "out must have 512 elements, got 3 (shape (3,))",
+    ),
+    "grad": (lambda ar, ag, rs: ar(torch.ones(8, requires_grad=True)), "x requires grad and grad mode is on"),
+    "algorithm": (lambda ar, ag, rs: ar(torch.ones(8), algorithm="three_shot"), "algorithm must be one of"),
+    "fused_shape": (
+        lambda ar, ag, rs: ar(torch.ones(4, 8), residual=torch.ones(8), norm_weight=torch.ones(8)),
+        "residual must have shape (4, 8)",
+    ),
+    "two_shot_fused": (
+        lambda ar, ag, rs: ar(
+            torch.ones(4, 8), residual=torch.ones(4, 8), norm_weight=torch.ones(8), algorithm="two_shot"
+        ),
+        "the fused epilogue runs one-shot",
+    ),
+    "two_shot_dtype": (
+        lambda ar, ag, rs: ar(torch.ones(8).double(), algorithm="two_shot"),
+        "x must be float32, bfloat16 or float16",
+    ),
+    "gather_dtype": (lambda ar, ag, rs: ag(torch.ones(8).double()), "x must be float32, bfloat16 or float16"),
+    "scatter_split": (lambda ar, ag, rs: rs(torch.ones(7)), "x has 7 elements, not a multiple of the view's"),
+}
+GOOD_CALLS = {  # what the other members call meanwhile: the same operation and form
+    "fused_shape": lambda ar, ag, rs: ar(torch.ones(4, 8), residual=torch.ones(4, 8), norm_weight=torch.ones(8)),
+    "two_shot_fused": lambda ar, ag, rs: ar(torch.ones(4, 8), residual=torch.ones(4, 8), norm_weight=torch.ones(8)),
+    "two_shot_dtype": lambda ar, ag, rs: ar(torch.ones(N // 2), algorithm="two_shot"),  # two phases
+    "gather_dtype": lambda ar, ag, rs: ag(torch.ones(8)),
+    "scatter_split": lambda ar, ag, rs: rs(torch.ones(6 * dist.get_world_size())),
+}
+
+
+def bad_calls(variant=None, timeout_s=60):
+    """World 2 or 3, one all-reduce, all-gather and reduce-scatter on one view (channels 0, 1, 2):
+    for each bad call, the last member makes it while the others make the good one; what each
+    raised. After each, a good call of all three on every member, checked against the members'
+    sum (the next call is right, the other consumers untouched). ``variant``: the refusal check
+    taken out of the kernel (a bite)."""
+    import contextlib
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per = C.workspace_bytes(N, torch.float32, world)
+    buf = ss.SymmetricBuffer(3 * per, backend="host")
+    view = buf.view(list(range(world)))
+    ar = C.AllReduce(view, N, torch.float32, "auto", timeout_s=timeout_s)
+    ag = C.AllGather(view, N, torch.float32, offset=per, channel=1, timeout_s=timeout_s)
+    rs = C.ReduceScatter(view, N, torch.float32, offset=2 * per, channel=2, timeout_s=timeout_s)
+    seen, wrong = {}, []
+    swap = _blind_refusals() if variant else contextlib.nullcontext()
     try:
-        ar(x, out)
-        return "returned"
-    except ss.PeerAborted as e:
-        return {"type": "PeerAborted", "aborted": e.aborted}
-    except ss.InputError as e:
-        return {"type": type(e).__name__, "msg": str(e)}
+        with swap:
+            for i, (name, (bad, _)) in enumerate(BAD_CALLS.items()):
+                good = GOOD_CALLS.get(name, lambda ar, ag, rs: ar(torch.ones(N // 2)))
+                try:
+                    (bad if rank == world - 1 else good)(ar, ag, rs)
+                    seen[name] = ("returned", "", None)
+                except ss.SymmSyncError as e:
+                    seen[name] = (type(e).__name__, str(e), getattr(e, "origin", None))
+                x = torch.full((6 * world,), float(rank + 1 + i))
+                total = sum(float(r + 1 + i) for r in range(world))
+                try:
+                    if not bool((ar(x) == total).all()):
+                        wrong.append(f"after {name}: the all-reduce")
+                    if ag(x).tolist() != [float(r + 1 + i) for r in range(world) for _ in range(6 * world)]:
+                        wrong.append(f"after {name}: the all-gather")
+                    if not bool((rs(x) == total).all()):
+                        wrong.append(f"after {name}: the reduce-scatter")
+                except ss.SymmSyncError as e:
+                    wrong.append(f"after {name}: {type(e).__name__}: {str(e)[:160]}")
+                    break
     finally:
         buf.close()
+    return seen, wrong
 
 
-@pytest.mark.parametrize(
-    "case, text",
-    [
-        ("dtype", "x must be float32, bfloat16 or float16, got torch.int32"),
-        ("too_many", "x has 1025 elements, more than the 1024 torch.float32 elements the workspace holds"),
-        ("not_contiguous", "x must be contiguous"),
-        ("not_a_tensor", "x must be a torch.Tensor, got list"),
-        ("out", "out must have 512 elements, got 3 (shape (3,))"),
-    ],
-)
-def test_a_bad_call_raises_input_error_on_the_caller_and_peer_aborted_naming_it_on_the_others(case, text, host_ranks):
-    results = host_ranks(bad_call, 3, case)
-    assert results[1]["type"] == "InputError" and f"rank 1: AllReduce: {text}" in results[1]["msg"], results[1]
-    for rank in (0, 2):
-        assert results[rank]["type"] == "PeerAborted", results[rank]
-        # The reason the peers see is cut to the 96 bytes of an abort reason.
-        assert f"AllReduce: {text}"[:90] in results[rank]["aborted"][1], results[rank]
+def _check_bad_calls(results, world):
+    bad = world - 1
+    for r, (_, wrong) in enumerate(results):
+        assert wrong == [], f"rank {r}: the calls after a refused one: {wrong[:4]}"
+    for name, (_, text) in BAD_CALLS.items():
+        got = results[bad][0][name]
+        assert got[0] == "InputError" and text in got[1], (name, got)
+        for r in range(bad):
+            theirs = results[r][0][name]
+            assert theirs[0] == "PeerRefused" and theirs[2] == bad, (name, r, theirs)
+            assert f"rank {bad} refused its call" in theirs[1], (name, r, theirs)
 
 
-def test_a_reduce_scatter_input_must_split_into_one_chunk_per_member(host_ranks):
-    results = host_ranks(rs_not_divisible, 2, timeout_s=180)
-    assert results[1]["type"] == "InputError", results
-    assert "x has 7 elements, not a multiple of the view's 2 members" in results[1]["msg"], results
-    assert results[0]["type"] == "PeerAborted", results
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_bad_call_fails_that_call_on_every_member_and_nothing_else(world, host_ranks):
+    _check_bad_calls(host_ranks(bad_calls, world, timeout_s=300), world)
 
 
-def rs_not_divisible():
-    world = dist.get_world_size()
-    buf = ss.SymmetricBuffer(C.workspace_bytes(N, torch.float32, world), backend="host")
-    rs = C.ReduceScatter(buf.view(list(range(world))), N, torch.float32)
-    try:
-        rs(torch.ones(8 if dist.get_rank() == 0 else 7))
-        return "returned"
-    except ss.PeerAborted as e:
-        return {"type": "PeerAborted", "aborted": e.aborted}
-    except ss.InputError as e:
-        return {"type": "InputError", "msg": str(e)}
-    finally:
-        buf.close()
+def test_the_refusal_check_bites(host_ranks):
+    """With the kernel blind to a refused header, a refused call is a mismatch there: a two-shot
+    member stops after its first phase, its arrival counter left counted, and the next call of
+    that collective never publishes: the calls after it time out (a 5 s budget here)."""
+    results = host_ranks(bad_calls, 2, "blind", 5, timeout_s=300)
+    print([r[1] for r in results])  # shown with -s: what went wrong instead
+    with pytest.raises(AssertionError, match="the calls after a refused one"):
+        _check_bad_calls(results, 2)
+
+
+def _blind_refusals():
+    """``protocol.refused_seen`` that never sees a refusal, for the block."""
+    import contextlib
+
+    from symmsync.collectives import protocol
+
+    @contextlib.contextmanager
+    def swap():
+        shipped = protocol.refused_seen
+        protocol.refused_seen = never_refused
+        try:
+            yield
+        finally:
+            protocol.refused_seen = shipped
+
+    return swap()
 
 
 # ---------------------------------------------------------------------- a relayed abort
 def relayed_abort():
-    """World 3, an all-reduce (channel 0) and an all-gather (channel 1) on one view: rank 2 calls the
-    all-reduce with a bad input and aborts the view; rank 0 calls the all-gather, which raises naming
-    rank 2, and calls it again, which aborts the view in turn (a relay: rank 0 never published the
-    all-reduce's epoch); rank 1 calls the all-reduce late, when both flags are there. What each
-    first call raised, and whom it names."""
+    """World 3, an all-reduce (channel 0) and an all-gather (channel 1) on one view: rank 2 aborts
+    the view; rank 0 calls the all-gather, which raises naming rank 2, and calls it again, which
+    aborts the view in turn (a relay: rank 0 never published the all-reduce's epoch); rank 1
+    calls the all-reduce late, when both flags are there. What each first call raised, and whom
+    it names."""
     world, rank = dist.get_world_size(), dist.get_rank()
     per = C.workspace_bytes(N, torch.float32, world)
     buf = ss.SymmetricBuffer(2 * per, backend="host")
@@ -296,14 +366,17 @@ def relayed_abort():
     ag = C.AllGather(view, N, torch.float32, offset=per, channel=1, timeout_s=20)
     if rank == 1:
         time.sleep(1.0)  # rank 0's relay has landed by now
-    try:
-        if rank == 0:
-            ag(torch.ones(8))
-        else:
-            ar(torch.ones(8, dtype=torch.int32 if rank == 2 else torch.float32))
-        out = {"type": "returned"}
-    except ss.SymmSyncError as e:
-        out = {"type": type(e).__name__, "msg": str(e), "aborted": getattr(e, "aborted", None)}
+    out = {"type": "returned"}
+    if rank == 2:
+        view.abort("the model hit a NaN")
+    else:
+        try:
+            if rank == 0:
+                ag(torch.ones(8))
+            else:
+                ar(torch.ones(8))
+        except ss.SymmSyncError as e:
+            out = {"type": type(e).__name__, "msg": str(e), "aborted": getattr(e, "aborted", None)}
     if rank == 0:
         with pytest.raises(ss.PeerAborted):
             ag(torch.ones(8))  # raises its first failure again, and aborts the view: a relay
@@ -314,8 +387,7 @@ def relayed_abort():
 
 def test_a_relayed_abort_names_the_origin_and_its_reason_on_every_member(host_ranks):
     results = host_ranks(relayed_abort, 3, timeout_s=180)
-    assert results[2]["type"] == "InputError", results[2]
-    reason = "AllReduce: x must be float32, bfloat16 or float16, got torch.int32"
+    reason = "the model hit a NaN"
     for rank in (0, 1):
         r = results[rank]
         assert r["type"] == "PeerAborted", (rank, r)
@@ -348,3 +420,13 @@ def test_a_timeout_whose_own_launch_did_not_publish_says_so_and_not_that_members
         assert r["type"] == "FenceTimeout", (rank, r)
         assert "this rank did not publish epoch 1 itself (its epoch counter holds 0)" in r["msg"], (rank, r["msg"])
         assert "never reached" not in r["msg"] and "did not reach this fence" not in r["msg"], (rank, r["msg"])
+
+
+import triton  # noqa: E402 - the bite's variant of the refusal check
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def never_refused(ptrs, header_off, me, mine, SIZE: tl.constexpr):
+    """``refused_seen`` that never sees a refusal."""
+    return me < 0

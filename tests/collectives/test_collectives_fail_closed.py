@@ -1,11 +1,11 @@
 """A collective call is all-or-nothing, and a failed or closed collective fails closed (host backend).
 
 * a call on a closed collective raises ``ClosedError`` on that rank and launches nothing;
-* a bad input raises ``InputError`` on the rank that made it, before any launch, and every
-  peer's matching call raises ``PeerAborted`` naming that rank and its error, also when that
-  rank calls again at once (its second call raises its first failure, launching nothing);
-* after any failed call (an input error, a recorded mismatch or timeout) every later call of
-  every rank raises that rank's first failure, the same error object, and launches nothing;
+* a bad input raises ``InputError`` on the rank that made it, and every peer's matching call
+  raises ``PeerRefused`` naming that rank; the next calls of every rank sum, also when that
+  rank calls again at once;
+* after a failed call (a recorded mismatch or timeout) every later call of every rank raises
+  that rank's first failure, the same error object, and launches nothing;
 * a peer never returns a result for a call that a member refused, whatever the timing;
 * a launch kept past ``close()`` publishes nothing a peer could take for an arrival, writes
   nothing, and fails, also when a stray store left a passing count in its slot;
@@ -46,14 +46,14 @@ def _setup(timeout_s=60.0, algorithm="one_shot"):
 
 
 def _calls(ar, inputs):
-    """Call ``ar`` on each input; per call ``("returned", values)`` or ``(type, message, aborted)``,
-    and whether every error after the first is the first one (the same object)."""
+    """Call ``ar`` on each input; per call ``("returned", values)`` or ``(type, message, aborted or
+    origin)``, and whether every error after the first is the first one (the same object)."""
     seen, errors = [], []
     for x in inputs:
         try:
             seen.append(("returned", ar(x).tolist()))
         except ss.SymmSyncError as e:
-            seen.append((type(e).__name__, str(e), getattr(e, "aborted", None)))
+            seen.append((type(e).__name__, str(e), getattr(e, "aborted", getattr(e, "origin", None))))
             errors.append(e)
     return {"calls": seen, "same_error": all(e is errors[0] for e in errors)}
 
@@ -98,20 +98,16 @@ def bad_input_then_again(bad_ranks):
     return out
 
 
-def test_an_input_error_raises_on_its_rank_and_peer_aborted_naming_it_on_the_peer_even_when_it_calls_again(
-    host_ranks,
-):
-    """A failure once reported: rank 1 passes too many elements, then calls again at once. Its peer
-    must blame that first call (PeerAborted naming rank 1 and its error), never a
-    CollectiveMismatch against the second."""
+def test_an_input_error_fails_that_call_on_both_members_and_the_next_calls_sum(host_ranks):
+    """Rank 1 passes too many elements, then calls again at once: the first call raises on both
+    (InputError there, PeerRefused naming rank 1 on its peer), never a CollectiveMismatch
+    against the second; the next calls of both sum."""
     peer, bad = host_ranks(bad_input_then_again, 2, (1,))
-    for call in bad["calls"]:
-        assert call[0] == "InputError" and f"rank 1: AllReduce: {TOO_MANY}" in call[1], bad
-    assert bad["same_error"], bad
-    for call in peer["calls"]:
-        assert call[0] == "PeerAborted", peer
-        assert list(call[2]) == [1] and f"AllReduce: {TOO_MANY}"[:90] in call[2][1], peer  # the reason: 96 bytes
-    assert peer["same_error"], peer
+    assert bad["calls"][0][0] == "InputError" and f"rank 1: AllReduce: {TOO_MANY}" in bad["calls"][0][1], bad
+    assert peer["calls"][0][0] == "PeerRefused" and peer["calls"][0][2] == 1, peer
+    assert "rank 1 refused its call" in peer["calls"][0][1], peer
+    for r in (peer, bad):
+        assert r["calls"][1:] == [("returned", [2.0] * 8)] * 2, r
 
 
 def grad_then_no_grad(op):
@@ -142,15 +138,14 @@ def test_an_input_that_requires_grad_under_grad_mode_is_refused_and_its_peer_tol
         grad["grad"][0] == "InputError" and "rank 1: AllReduce: x requires grad and grad mode is on" in grad["grad"][1]
     )
     assert "torch.no_grad()" in grad["grad"][1], grad
-    assert peer["grad"][0] == "PeerAborted" and "rank 1" in peer["grad"][1], peer
+    assert peer["grad"][0] == "PeerRefused" and "rank 1 refused its call" in peer["grad"][1], peer
     assert peer["no_grad"] == grad["no_grad"] == [2.0] * 8
 
 
-def test_the_same_bad_input_on_every_rank_fails_every_rank_and_every_next_call_raises_that_first_failure(host_ranks):
+def test_the_same_bad_input_on_every_rank_fails_that_call_on_every_rank_with_its_own_error(host_ranks):
     for rank, r in enumerate(host_ranks(bad_input_then_again, 2, (0, 1))):
-        for call in r["calls"]:
-            assert call[0] == "InputError" and f"rank {rank}: AllReduce: {TOO_MANY}" in call[1], r
-        assert r["same_error"], r
+        assert r["calls"][0][0] == "InputError" and f"rank {rank}: AllReduce: {TOO_MANY}" in r["calls"][0][1], r
+        assert r["calls"][1:] == [("returned", [2.0] * 8)] * 2, r
 
 
 def refused_with_delay(bad_rank, delay_s, algorithm):
@@ -169,16 +164,17 @@ def refused_with_delay(bad_rank, delay_s, algorithm):
 
 @pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
 def test_a_peer_never_returns_a_result_for_a_call_a_member_refused_whatever_the_timing(algorithm, host_ranks):
-    """The peer's kernel cannot finish without the refusing member's publish: it raises
-    PeerAborted naming that member, whether the refusal comes before or after it launched."""
+    """The peer's kernel cannot finish without the refusing member's publish, which says the call
+    is refused: it raises PeerRefused naming that member, whether the refusal comes before or
+    after it launched."""
     rng = random.Random(31)
     for delay_s in (0.0, rng.uniform(0.01, 0.2), 0.5):
         bad = rng.randrange(2)
         results = host_ranks(refused_with_delay, 2, bad, delay_s, algorithm)
         assert results[bad]["calls"][0][0] == "InputError", (delay_s, results)
         peer = results[1 - bad]["calls"][0]
-        assert peer[0] == "PeerAborted" and list(peer[2]) == [bad], (delay_s, peer)
-        assert "AllReduce: x must be float32, bfloat16 or float16" in peer[2][bad], (delay_s, peer)  # not "closed"
+        assert peer[0] == "PeerRefused" and peer[2] == bad, (delay_s, peer)
+        assert f"rank {bad} refused its call" in peer[1], (delay_s, peer)
 
 
 # ---------------------------------------------------------------------- recorded failures
