@@ -236,6 +236,34 @@ CONFIGS: tuple[Config, ...] = (
         "symmetric input without the second fence: the caller's refill lands under a slow reader",
         model=COLLECTIVES,
     ),
+    C(
+        "coll-refuse-2r",
+        ("N=2", "C=4", "KIND=MIX", "REFUSE"),
+        "pass",
+        "2 members, mixed calls, call 2 refused",
+        model=COLLECTIVES,
+    ),
+    C(
+        "coll-refuse-one-2r",
+        ("N=2", "C=4", "KIND=ONE", "REFUSE"),
+        "pass",
+        "2 members, one-phase calls, call 2 refused",
+        model=COLLECTIVES,
+    ),
+    C(
+        "coll-refuse-3r",
+        ("N=3", "C=4", "KIND=MIX", "REFUSE"),
+        "pass",
+        "3 members, mixed calls, call 2 refused",
+        model=COLLECTIVES,
+    ),
+    C(
+        "coll-norefuse-2r",
+        ("N=2", "C=4", "KIND=ONE", "REFUSE", "BUG_NOREFUSE"),
+        "stale",
+        "a refused call, the kernel blind to it: the refusing member's input read, never copied",
+        model=COLLECTIVES,
+    ),
     # ---- the MoE dispatcher's buffer reuse (moe.pml): steps back to back, no host barrier ----
     C(
         "moe-2r",

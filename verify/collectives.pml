@@ -1,7 +1,7 @@
 /*
  * Models:
  *   symmsync/collectives/kernels.py: collective_kernel (its slots, fences and reads)
- *   symmsync/collectives/protocol.py: next_epoch, arrive, wait, headers_match
+ *   symmsync/collectives/protocol.py: next_epoch, arrive, wait, headers_match, refused_seen
  *     (on symmsync/language/core.py: arrive, _publish, bounded_poll, and
  *     symmsync/language/fence.py: wait_or_trap, as verify/fence.pml models them)
  *
@@ -24,12 +24,18 @@
  *                  the all-gather, the reduce-scatter), TWO (two-shot all-reduce, copied-in input),
  *                  SYM (one phase, symmetric input), SYM_TWO (two-shot, symmetric input), or MIX
  *                  (each call any of the four, the same on every member: the headers agree)
+ *   REFUSE         the last member refuses call 2 (its input failed its checks): it copies nothing,
+ *                  its header says refused, it publishes once; every member sees the refusal after
+ *                  its wait, reads nothing of that call and skips its second phase, so that every
+ *                  member's epochs stay in step and the later calls are read right
  * Bug variants (each must yield a counterexample):
  *   BUG_NBUF1      one input slot, no epoch parity (the kernel's NBUF=1): a fast member's next
  *                  copy-in overwrites a slot a slow member still reads
  *   BUG_NOFENCE2   no second fence (no publish e + 1, no wait e + 1): a two-shot call reads
  *                  reduced chunks not yet written; a symmetric call returns while the others still
  *                  read its input, and the caller's refill overwrites it
+ *   BUG_NOREFUSE   (with REFUSE) the kernel blind to a refused header: the members read the refusing
+ *                  member's input, which it never copied
  */
 
 #ifndef N
@@ -50,6 +56,13 @@
 #define SYMMETRIC(t) ((t) == SYM || (t) == SYM_TWO)
 #define TWO_SHOT(t) ((t) == TWO || (t) == SYM_TWO)
 #define PHASES(t) (1 + ((t) != ONE))      /* collective_kernel's PHASES: 2 if TWO_SHOT or SYMMETRIC */
+
+#ifdef REFUSE
+#define REFUSES(i, k) ((i) == N - 1 && (k) == 2)
+#else
+#define REFUSES(i, k) 0
+#endif
+#define REFUSED_MARK 100  /* a refused header: the call's stamp plus this (the code: numel < 0) */
 
 #ifdef BUG_NBUF1
 #define NBUF 1
@@ -113,6 +126,7 @@ proctype Member(byte i) {
     byte t = 0;   /* its kind */
     byte e = 0;   /* its first epoch: next_epoch() */
     byte q = 0;
+    bool refused = false;
     do
     :: k < C ->
         d_step {
@@ -122,20 +136,34 @@ proctype Member(byte i) {
             /* the caller fills its symmetric input (before the launch, in stream order), or the
              * kernel copies the input into input[e % NBUF]; program 0 writes header[e % 2] */
             if
-            :: SYMMETRIC(t) -> psym[i] = k
-            :: else -> PINP(i, e % NBUF) = k
-            fi;
-            PHDR(i, e % 2) = k
+            :: REFUSES(i, k) -> PHDR(i, e % 2) = k + REFUSED_MARK   /* nothing copied; the header says so */
+            :: else ->
+                if
+                :: SYMMETRIC(t) -> psym[i] = k
+                :: else -> PINP(i, e % NBUF) = k
+                fi;
+                PHDR(i, e % 2) = k
+            fi
         }
         PUBLISH;                            /* arrive(): the (last) program publishes e */
         (ALL_REACHED(e));                   /* wait(e) */
-        /* headers_match, then the reads of every other member's slot of this call */
+        /* refused_seen and headers_match, then the reads of every other member's slot of this call */
         d_step {
             assert(ep[i] == e);             /* the epoch publish returned is next_epoch's */
+            refused = REFUSES(i, k);
             for (q : 0 .. N - 1) {
                 if
                 :: q != i ->
-                    READ(HDR(q, e % 2));
+                    READ(HDR(q, e % 2) % REFUSED_MARK);
+#ifndef BUG_NOREFUSE
+                    if :: HDR(q, e % 2) >= REFUSED_MARK -> refused = true :: else -> skip fi
+#endif
+                :: else -> skip
+                fi
+            }
+            for (q : 0 .. N - 1) {
+                if
+                :: q != i && !refused ->
                     if
                     :: SYMMETRIC(t) -> READ(sym[q])
                     :: else -> READ(INP(q, e % NBUF))
@@ -147,7 +175,7 @@ proctype Member(byte i) {
         }
 #ifndef BUG_NOFENCE2
         if
-        :: PHASES(t) == 2 ->
+        :: PHASES(t) == 2 && !refused ->
             if
             :: TWO_SHOT(t) -> pred[i] = k   /* this member's chunk, reduced */
             :: else -> skip
@@ -158,14 +186,14 @@ proctype Member(byte i) {
         fi;
 #else
         if
-        :: TWO_SHOT(t) -> pred[i] = k
+        :: TWO_SHOT(t) && !refused -> pred[i] = k
         :: else -> skip
         fi;
 #endif
         /* two-shot: gather the other members' reduced chunks */
         d_step {
             if
-            :: TWO_SHOT(t) ->
+            :: TWO_SHOT(t) && !refused ->
                 for (q : 0 .. N - 1) {
                     if :: q != i -> READ(red[q]) :: else -> skip fi
                 }

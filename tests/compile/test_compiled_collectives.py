@@ -134,7 +134,7 @@ def bad_input_in_a_graph() -> str:
 
 
 def test_a_bad_input_inside_a_graph_fails_on_every_member():
-    assert run(bad_input_in_a_graph, 2, timeout_s=600) == ["PeerAborted", "InputError"]
+    assert run(bad_input_in_a_graph, 2, timeout_s=600) == ["PeerRefused", "InputError"]
 
 
 def out_under_compile() -> list[str]:

@@ -87,6 +87,12 @@ def test_the_collectives_model_covers_both_sizes_mixed_calls_and_the_bugs_it_mus
     assert bugs[("BUG_NBUF1", "KIND=ONE")] == "overwrite"
     # no second fence: a two-shot reads a reduced chunk not yet written; a symmetric input is refilled under a reader
     assert bugs[("BUG_NOFENCE2", "KIND=TWO")] == "stale" and bugs[("BUG_NOFENCE2", "KIND=SYM")] == "overwrite"
+    # a refused call at both sizes; the kernel blind to it reads an input never copied
+    assert {next(f for f in c.flags if f.startswith("N=")) for c in correct.values() if "REFUSE" in c.flags} == {
+        "N=2",
+        "N=3",
+    }
+    assert bugs[("BUG_NOREFUSE", "KIND=ONE")] == "stale"
     for n, c in coll.items():
         if c.expect != "pass":  # the correct configuration it plants its bug in is checked too
             assert tuple(f for f in c.flags if not f.startswith("BUG_")) in {k.flags for k in correct.values()}, n
