@@ -187,7 +187,7 @@ class _Collective(Consumer):
 
     def accepts(self, x: Any, out: Any = None) -> bool:
         """Whether a call with these arguments passes this rank's input checks: False exactly when
-        the call would raise :class:`~symmsync.InputError` (and fail the collective for good), by
+        the call would raise :class:`~symmsync.InputError` (failing that call on every member), by
         the same rule the call checks with. Ask it to fall back to another path for an input that
         does not fit (dtype, size, device, contiguity, grad). It says nothing of the other members'
         calls, nor of a collective that failed or was closed before."""
@@ -199,7 +199,9 @@ class _Collective(Consumer):
         On GPUs a failed call (a wait that timed out or saw an abort, members whose calls
         differ) records what it saw and traps; this raises that error
         (:class:`~symmsync.FenceTimeout`, :class:`~symmsync.PeerAborted`,
-        :class:`CollectiveMismatch`). On the host backend calls raise by themselves.
+        :class:`CollectiveMismatch`). A call another member refused does not trap: this raises
+        :class:`~symmsync.PeerRefused` for it (once; the collective goes on). On the host
+        backend calls raise by themselves.
 
         Members that share one GPU (two processes on one device): a trap in one member's
         CUDA context has left another's ``torch.cuda.synchronize()`` blocked for good. There
@@ -512,14 +514,17 @@ class AllReduce(_Collective):
 
         Raises:
             InputError: a bad argument on this member (an input that requires grad while grad
-                mode is on among them: no autograd formula), before anything is launched (its
-                members raise :class:`~symmsync.PeerAborted` naming it);
-                :class:`CollectiveMismatch` on every member when their calls differ.
+                mode is on among them: no autograd formula): the call is made refused, with
+                nothing sent, and fails on every member (its members raise
+                :class:`~symmsync.PeerRefused` naming it; on GPUs at their ``synchronize()``);
+                the next call goes on. :class:`CollectiveMismatch` on every member when their
+                calls differ.
+            PeerRefused: another member refused this call (its input failed its checks).
             FenceTimeout: a member did not arrive within the budget
                 (:class:`~symmsync.PeerAborted`: it aborted).
             ClosedError: the buffer is closed (nothing is launched).
 
-        A call that failed fails the collective for good: every later call raises the same
+        Any other failed call fails the collective for good: every later call raises the same
         error again without launching (docs/collectives.md, "When a call fails"). Under
         ``torch.compile``: ``symmsync::all_reduce`` (``all_reduce_residual_rms_norm``), no ``out=``.
         """
