@@ -44,13 +44,14 @@ _DONE = tl.constexpr(protocol.DONE)
 
 
 @triton.jit
-def _first(topk, t, k, E: tl.constexpr, TOPK: tl.constexpr):
-    """``(e, sent)``: entry ``k`` of token ``t``, and whether it is sent (an expert id that no
-    earlier entry of the token names)."""
+def _first(topk, t, k, E: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr):
+    """``(e, sent)``: entry ``k`` of token ``t`` (``k`` a program's index), and whether it is sent
+    (an expert id that no earlier entry of the token names)."""
     e = tl.load(topk + t * TOPK + k)
-    sent = (e >= 0) & (e < E)
-    for j in tl.static_range(k):
-        sent = sent & (tl.load(topk + t * TOPK + j) != e)
+    ks = tl.arange(0, KP)
+    row = tl.load(topk + t * TOPK + ks, mask=ks < TOPK, other=-1)
+    earlier = tl.sum(((ks < k) & (row == e)).to(tl.int32), axis=0)
+    sent = (e >= 0) & (e < E) & (earlier == 0)
     return e, sent
 
 
@@ -78,7 +79,7 @@ def dispatch_send(
     c = tl.program_id(2)
     if t < T:
         base = protocol.parity(state) * stride
-        e, sent = _first(topk, t, k, E, TOPK)
+        e, sent = _first(topk, t, k, E, TOPK, KP)
         if (c == 0) & ((e < -1) | (e >= E)):
             protocol.refuse_id(state, t * TOPK + k, e)
         if sent:

@@ -134,7 +134,8 @@ def arrive_last(state, WORD: tl.constexpr, total):
 @triton.jit
 def refuse_id(state, where, value):
     """A send program found an expert id out of range: keep the first one found in this step."""
-    if tl.atomic_cas(state + _BAD, 0, 1, sem="relaxed", scope="gpu") == 0:
+    zero = (where * 0).to(tl.int64)  # the word's type: an int64 compare and value
+    if tl.atomic_cas(state + _BAD, zero, zero + 1, sem="relaxed", scope="gpu") == 0:
         tl.store(state + _BAD_WHERE, where.to(tl.int64))
         tl.store(state + _BAD_VALUE, value.to(tl.int64))
 

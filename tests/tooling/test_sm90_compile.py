@@ -117,6 +117,41 @@ SCRIPT = textwrap.dedent(
     src = ASTSource(collective_kernel, {**csig, **{k: "constexpr" for k in cc}}, cc)
     out["collective"] = triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]
     out["collective_flags"] = [R.MISMATCH, R.GRID_STALL]
+    from symmsync.moe import kernels as MK
+    common = {"state": "*i64", "sig": "*i64", "me": "i32", "headers_off": "i64", "stride": "i64"}
+    regions = {"rows_off": "i64", "scales_off": "i64", "src_off": "i64", "counts_off": "i64"}
+    waits = {"timeout_ns": "i64", "record": "i64"}
+    moe = {
+        "moe_dispatch_send": (MK.dispatch_send,
+                              {"x": "*bf16", "topk": "*i64", "T": "i32", "refused": "i32", **common, **regions},
+                              dict(SIZE=4, NSLOTS=1, E=8, EL=2, M=16, H=512, HB=512, C=1, TOPK=4, BT=16, KP=4,
+                                   FP8=False, GB=4, BITS=False)),
+        "moe_dispatch_send_fp8": (MK.dispatch_send,
+                                  {"x": "*bf16", "topk": "*i64", "T": "i32", "refused": "i32", **common, **regions},
+                                  dict(SIZE=4, NSLOTS=1, E=8, EL=2, M=16, H=512, HB=512, C=1, TOPK=4, BT=16, KP=4,
+                                       FP8=True, GB=4, BITS=False)),
+        "moe_dispatch_read": (MK.dispatch_read,
+                              {"recv": "*bf16", "scales": "*fp32", "counts_out": "*i64", "per_source": "*i64",
+                               "offsets": "*i64", "src": "*i64", **common, **waits, **regions},
+                              dict(SIZE=4, SP=4, NSLOTS=1, TRAP=True, EL=2, M=16, H=512, HP=512, RB=4, FP8=False,
+                                   G=4, GP=4)),
+        "moe_combine_send": (MK.combine_send,
+                             {"out": "*bf16", "per_source": "*i64", "offsets": "*i64", "src": "*i64",
+                              "refused": "i32", "comb_off": "i64", **common},
+                             dict(SIZE=4, NSLOTS=1, M=16, H=512, HP=512, RB=4)),
+        "moe_combine_reduce": (MK.combine_reduce,
+                               {"y": "*bf16", "topk": "*i64", "weights": "*fp32", "T": "i32", "comb_off": "i64",
+                                **common, **waits},
+                               dict(SIZE=4, NSLOTS=1, TRAP=True, E=8, H=512, HB=512, TOPK=4, BITS=False)),
+    }
+    for name, (kernel, types, consts) in moe.items():
+        order = [n for n in kernel.arg_names if n not in consts]
+        sig = {n: types[n] for n in order}
+        try:
+            src = ASTSource(kernel, {**sig, **{k: "constexpr" for k in consts}}, consts)
+            out[name] = triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]
+        except Exception as e:
+            out[name] = "COMPILE ERROR: " + repr(e)
     print(json.dumps(out))
     """
 )
@@ -273,3 +308,19 @@ def test_a_collective_sets_its_record_flag_with_a_plain_store_between_system_fen
         after = next(j for j in range(store, len(lines)) if "fence.sc.sys" in lines[j])
         trap = next(j for j in range(store, len(lines)) if "trap;" in lines[j])
         assert before and before[-1] > i - 40 and store < after < trap, (flag, lines[i - 5 : trap + 1])
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["moe_dispatch_send", "moe_dispatch_send_fp8", "moe_dispatch_read", "moe_combine_send", "moe_combine_reduce"],
+)
+def test_the_moe_kernels_compile_and_count_their_programs_at_gpu_scope(ptx, name):
+    text = ptx[name]
+    assert not text.startswith("COMPILE ERROR"), text[:3000]
+    # the arrival counter: a GPU-scope acq_rel add (the last program notifies or finishes the step)
+    adds = [line for line in _lines(text, "atom.") if "add" in line]
+    assert adds and all("gpu" in line and "acq_rel" in line for line in adds), adds
+    if "send" in name:  # the last program's signals: release reductions at system scope
+        assert _lines(text, "red.release.sys"), name
+    else:  # every program's wait: acquire loads at system scope, a trap after the record
+        assert _lines(text, "ld.acquire.sys") and _lines(text, "trap;"), name
