@@ -383,7 +383,7 @@ class _Collective(Consumer):
             super().refuse(problem, call, error)
         self.check_usable()
         err = error(f"rank {self.rank}: {self._NAME}: {problem}; no member's call did anything")
-        dummy = self._plain_tail[self.dtype][0]
+        dummy = torch.empty(0, dtype=self.dtype, device=self._buffer.device)  # nothing is read or written
         algorithm = 0 if self._OP == L.ALL_REDUCE else -1
         try:
             self._launch(dummy, dummy, -1, algorithm, -1)  # count -1: nothing sent, the header says refused

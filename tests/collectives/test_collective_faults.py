@@ -430,3 +430,24 @@ import triton.language as tl  # noqa: E402
 def never_refused(ptrs, header_off, me, mine, SIZE: tl.constexpr):
     """``refused_seen`` that never sees a refusal."""
     return me < 0
+
+
+def refused_in_bfloat16():
+    """A bfloat16 all-reduce (its bits travel as int16 under the interpreter): rank 1 passes a
+    float64 input, then both call right. What each call raised or returned."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    buf = ss.SymmetricBuffer(C.workspace_bytes(N, torch.bfloat16, world), backend="host")
+    ar = C.AllReduce(buf.view(list(range(world))), N, torch.bfloat16, timeout_s=60)
+    out = []
+    for bad in (True, False):
+        x = torch.full((64,), float(rank + 1), dtype=torch.bfloat16)
+        try:
+            out.append(ar(x.double() if bad and rank == 1 else x).tolist())
+        except ss.SymmSyncError as e:
+            out.append(type(e).__name__)
+    buf.close()
+    return out
+
+
+def test_a_refused_call_of_a_bfloat16_collective_fails_once_and_the_next_sums(host_ranks):
+    assert host_ranks(refused_in_bfloat16, 2) == [["PeerRefused", [3.0] * 64], ["InputError", [3.0] * 64]]
