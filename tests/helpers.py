@@ -12,6 +12,7 @@
   :func:`pcp_graph_replay`).
 """
 
+import contextlib
 import pickle
 import time
 
@@ -138,6 +139,21 @@ def capture(step, warmup=3):
     with torch.cuda.graph(g):
         step()
     return g
+
+
+@contextlib.contextmanager
+def replaced(module, **attrs):
+    """``module``'s attributes replaced by ``attrs`` for the block, the shipped ones put back after
+    (a kernel's protocol step swapped for a variant: Triton's interpreter resolves a kernel's module
+    attributes when it runs, so the variant is what the kernels launched in the block run)."""
+    shipped = {k: getattr(module, k) for k in attrs}
+    for k, v in attrs.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in shipped.items():
+            setattr(module, k, v)
 
 
 @triton.jit

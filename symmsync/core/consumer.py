@@ -274,7 +274,12 @@ class Consumer:
         a call this rank never makes. ``err`` is recorded first: the abort then fails the view's
         other waiters, not this object, whose own error stays the first failure."""
         self._failure.fail(self, err)
-        self._failure.abort_quietly(reason or f"{self._NAME}: {type(err).__name__}: {err}"[:200], cause=err)
+        self._tell_members(reason or f"{self._NAME}: {type(err).__name__}: {err}"[:200], err)
+
+    def _tell_members(self, reason: str, err: Exception) -> None:
+        """How :meth:`fail` tells the members: abort the view (a consumer whose waits are on
+        another view, such as the writer's fence over nodes, aborts that one instead)."""
+        self._failure.abort_quietly(reason, cause=err)
 
     def abort_error(self, reason: str) -> Exception:
         """The :class:`~symmsync.PeerAborted` its calls raise once this rank aborted its view with

@@ -673,13 +673,12 @@ class DirectKVWriter(Consumer):
         pass to the view over nodes, which reaches the other nodes: :mod:`symmsync.spanning.parts`)."""
         self.fence.abort(reason)
 
-    def fail(self, err: Exception, reason: str | None = None) -> None:
-        """This rank's write failed with ``err`` (:meth:`symmsync.core.consumer.Consumer.fail`): the members
-        are told through the writer's fence's view (across nodes its node view: :meth:`abort`)."""
-        self._failure.fail(self, err)
+    def _tell_members(self, reason: str, err: Exception) -> None:
+        """A failed write tells the members through the writer's fence's view (across nodes its
+        node view: :meth:`abort`); a closed buffer's error says enough."""
         try:
-            self.abort(reason or f"DirectKVWriter: {type(err).__name__}: {err}"[:200])
-        except SymmSyncError:  # a closed buffer: the error being raised says enough
+            self.abort(reason)
+        except SymmSyncError:
             pass
 
     def _exchange(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@
 
 import time
 
+import helpers
 import pytest
 import torch
 import torch.distributed as dist
@@ -268,7 +269,7 @@ def bad_calls(variant=None, timeout_s=60):
     raised. After each, a good call of all three on every member, checked against the members'
     sum (the next call is right, the other consumers untouched). ``variant``: the refusal check
     taken out of the kernel (a bite)."""
-    import contextlib
+    from symmsync.collectives import protocol
 
     world, rank = dist.get_world_size(), dist.get_rank()
     per = C.workspace_bytes(N, torch.float32, world)
@@ -278,7 +279,7 @@ def bad_calls(variant=None, timeout_s=60):
     ag = C.AllGather(view, N, torch.float32, offset=per, channel=1, timeout_s=timeout_s)
     rs = C.ReduceScatter(view, N, torch.float32, offset=2 * per, channel=2, timeout_s=timeout_s)
     seen, wrong = {}, []
-    swap = _blind_refusals() if variant else contextlib.nullcontext()
+    swap = helpers.replaced(protocol, **({"refused_seen": never_refused} if variant == "blind" else {}))
     try:
         with swap:
             for i, (name, (bad, _)) in enumerate(BAD_CALLS.items()):
@@ -331,24 +332,6 @@ def test_the_refusal_check_bites(host_ranks):
     print([r[1] for r in results])  # shown with -s: what went wrong instead
     with pytest.raises(AssertionError, match="the calls after a refused one"):
         _check_bad_calls(results, 2)
-
-
-def _blind_refusals():
-    """``protocol.refused_seen`` that never sees a refusal, for the block."""
-    import contextlib
-
-    from symmsync.collectives import protocol
-
-    @contextlib.contextmanager
-    def swap():
-        shipped = protocol.refused_seen
-        protocol.refused_seen = never_refused
-        try:
-            yield
-        finally:
-            protocol.refused_seen = shipped
-
-    return swap()
 
 
 # ---------------------------------------------------------------------- a relayed abort

@@ -19,9 +19,9 @@ spin inside its read launch), so that the race the step closes is real.
   instead of raising :class:`~symmsync.moe.StepMismatch` on both.
 """
 
-import contextlib
 import time
 
+import helpers
 import moe_oracle as oracle
 import routings
 import torch
@@ -103,16 +103,9 @@ VARIANTS = {
 }
 
 
-@contextlib.contextmanager
 def replaced(name):
-    shipped = {k: getattr(protocol, k) for k in VARIANTS.get(name, {})}
-    for k, v in VARIANTS.get(name, {}).items():
-        setattr(protocol, k, v)
-    try:
-        yield
-    finally:
-        for k, v in shipped.items():
-            setattr(protocol, k, v)
+    """The protocol with variant ``name``'s steps in place for the block (none: the shipped one)."""
+    return helpers.replaced(protocol, **VARIANTS.get(name, {}))
 
 
 def scenario(variant, late, layers, with_combine):

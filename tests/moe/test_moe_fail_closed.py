@@ -11,6 +11,7 @@ import os
 import signal
 import time
 
+import helpers
 import moe_oracle as oracle  # noqa: F401 - the package's tests share the oracle's module path
 import pytest
 import torch
@@ -68,8 +69,6 @@ def refusals(variant=None):
     """On one dispatcher and, on its view, one all-reduce: every kind of bad argument, made by the
     last member while the others make the good call; what each member's call raised, whether the
     next layer of every member was right, and whether the all-reduce still sums."""
-    import contextlib
-
     from symmsync import collectives
 
     me, world = dist.get_rank(), dist.get_world_size()
@@ -81,7 +80,7 @@ def refusals(variant=None):
     disp = moe.Dispatcher(view, ne, M, H, torch.bfloat16, K, timeout_s=60)
     ar = collectives.AllReduce(view, 64, torch.float32, offset=disp.workspace.nbytes)
     seen, wrong = {}, []
-    swap = replaced_check(variant) if variant else contextlib.nullcontext()
+    swap = helpers.replaced(moe.protocol, **({"check": blind_check} if variant == "blind" else {}))
     try:
         with swap:
             for i, (name, (change, _)) in enumerate({**DISPATCH_CASES, **COMBINE_CASES}.items()):
@@ -138,24 +137,6 @@ def test_the_refusal_check_bites(host_ranks):
     assert returned, f"with the check blind, some member's refused call must return: {results[0][0]}"
     with pytest.raises(AssertionError, match="returned"):
         _check_refusals(results, 2)
-
-
-def replaced_check(variant):
-    """``protocol.check`` replaced by a variant for the block (the interpreter resolves it at a launch)."""
-    import contextlib
-
-    from symmsync.moe import protocol
-
-    @contextlib.contextmanager
-    def swap():
-        shipped = protocol.check
-        protocol.check = {"blind": blind_check}[variant]
-        try:
-            yield
-        finally:
-            protocol.check = shipped
-
-    return swap()
 
 
 def a_member_never_comes():
