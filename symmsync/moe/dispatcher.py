@@ -63,9 +63,11 @@ class Pending:
     a CUDA graph captures the pair and what lies between them like any other launches.
     """
 
-    def __init__(self, finish: Any, what: str):
+    def __init__(self, finish: Any, what: str, rank: int):
         self._finish = finish
-        self._what = what
+        self.what = what
+        """The pending step's kind (``"dispatch"``, ``"combine"``)."""
+        self.rank = rank
         self.done = False
         """True once :meth:`wait` ran."""
 
@@ -77,7 +79,10 @@ class Pending:
             ConfigError: called a second time.
         """
         if self.done:
-            raise ConfigError(f"moe.Dispatcher: the pending {self._what}'s wait() was called already")
+            raise ConfigError(
+                f"rank {self.rank}: moe.Dispatcher: the pending {self.what}'s wait() was called already: "
+                "its results are what that call returned"
+            )
         self.done = True
         return self._finish()
 
@@ -99,6 +104,11 @@ class Handle(NamedTuple):
     src: torch.Tensor
     per_source: torch.Tensor
     offsets: torch.Tensor
+
+
+def _wait_problem(wait: Any) -> str | None:
+    """What is wrong with a call's ``wait`` (a bool), or ``None``."""
+    return None if isinstance(wait, bool) else f"wait must be True or False, got {wait!r}"
 
 
 def _pow2(n: int) -> int:
@@ -214,6 +224,8 @@ class Dispatcher(Consumer):
         # [steps, the last step's status, a mismatch's member and header] (protocol.py), on the device
         self._state = torch.zeros(protocol.STATE_WORDS, dtype=torch.int64, device=buf.device)
         self._groups = hidden // L.FP8_GROUP if fp8 else 1
+        self._chunks = -(-hidden // min(_pow2(hidden), _CHUNK))  # a send's (or reduce's) programs per row
+        self._row_blocks = -(-max_tokens // _ROWS)  # a read's (or a combine's send's) programs per source
         self._launches = self._launchers(caps.traps)
         dev, i64 = buf.device, torch.int64
         # What a refused step launches with: no tokens, no rows (its header says why).
@@ -236,8 +248,6 @@ class Dispatcher(Consumer):
         ws, size, el, h = self.workspace, self.size, self.local_experts, self.hidden
         sig, me, timeout_ns, record = self.sigs.kernel_args
         hb = min(_pow2(h), _CHUNK)
-        self._chunks = -(-h // hb)
-        self._row_blocks = -(-self.max_tokens // _ROWS)
         steps = dict(state=self._state, sig=sig, me=me, headers_off=ws.headers)
         waits = dict(steps, timeout_ns=timeout_ns, record=record)
         regions = dict(
@@ -297,7 +307,7 @@ class Dispatcher(Consumer):
         pending = self._pending
         if pending is not None and not pending.done:
             raise ConfigError(
-                f"rank {self.rank}: moe.Dispatcher: a {pending._what} launched with wait=False is pending: call its "
+                f"rank {self.rank}: moe.Dispatcher: a {pending.what} launched with wait=False is pending: call its "
                 "wait() before the dispatcher's next call"
             )
 
@@ -455,16 +465,16 @@ class Dispatcher(Consumer):
         Under ``torch.compile``: ``symmsync::moe_dispatch``.
         """
         if torch.compiler.is_compiling():
-            if not wait:
+            if wait is not True:
                 raise ConfigError(f"rank {self.rank}: moe.Dispatcher.dispatch(wait=False) is eager only (and graphs)")
             outs = torch.ops.symmsync.moe_dispatch(
                 x, topk_idx, self.op_handle, self.local_experts, self.size, self.max_tokens, self.fp8
             )
             return self._outputs(outs, topk_idx)
-        if not wait:
+        if wait is False:
             inner = self.eager_dispatch(x, topk_idx, wait=False)
-            return Pending(lambda: self._outputs(inner.wait(), topk_idx), "dispatch")
-        return self._outputs(self.eager_dispatch(x, topk_idx), topk_idx)
+            return Pending(lambda: self._outputs(inner.wait(), topk_idx), "dispatch", self.rank)
+        return self._outputs(self.eager_dispatch(x, topk_idx, wait), topk_idx)
 
     def _outputs(self, outs: tuple, topk_idx: torch.Tensor) -> tuple[Any, torch.Tensor, Handle]:
         recv, scales, counts, src, per_source, offsets = outs
@@ -475,7 +485,7 @@ class Dispatcher(Consumer):
         ``(recv, scales, counts, src, per_source, offsets)`` (``scales`` empty without fp8), or
         with ``wait=False`` a :class:`Pending` whose ``wait()`` returns them."""
         self.check_usable()
-        bad = self._dispatch_problem(x, topk_idx)
+        bad = self._dispatch_problem(x, topk_idx) or _wait_problem(wait)
         el, size, dev = self.local_experts, self.size, self._device
         rows = size * self.max_tokens
         if bad is not None:  # the step is made all the same: nothing sent, the refusal in its header
@@ -505,10 +515,10 @@ class Dispatcher(Consumer):
             self._finish_step("dispatch", bad)
             return recv, scales, counts, src, per_source, offsets
 
-        return receive() if wait else self._pend(receive, "dispatch")
+        return receive() if wait is not False else self._pend(receive, "dispatch")
 
     def _pend(self, receive: Any, what: str) -> Pending:
-        self._pending = Pending(receive, what)
+        self._pending = Pending(receive, what, self.rank)
         return self._pending
 
     def _launch_or_fail(self, name: str, grid: tuple[int, int, int], *values: Any) -> None:
@@ -526,7 +536,11 @@ class Dispatcher(Consumer):
         if self._host_checks:
             try:
                 self._settle_step(kind, bad)
-            except (InputError, PeerRefused):
+            except PeerRefused:
+                if bad is None:
+                    raise  # the call only: the dispatcher goes on
+                # another member refused this step too: this member's own refusal is what it raises
+            except InputError:
                 raise  # the call only: the dispatcher goes on
             except SymmSyncError as e:
                 self.fail(e)
@@ -559,7 +573,7 @@ class Dispatcher(Consumer):
         ``symmsync::moe_combine``.
         """
         if torch.compiler.is_compiling():
-            if not wait:
+            if wait is not True:
                 raise ConfigError(f"rank {self.rank}: moe.Dispatcher.combine(wait=False) is eager only (and graphs)")
             return torch.ops.symmsync.moe_combine(expert_out, topk_weights, *handle, self.op_handle)
         if not isinstance(handle, Handle):
@@ -585,7 +599,7 @@ class Dispatcher(Consumer):
         (with ``wait=False`` a :class:`Pending` whose ``wait()`` returns ``y``)."""
         self.check_usable()
         handle = topk_idx if src is None else Handle(topk_idx, src, per_source, offsets)
-        bad = self._combine_problem(expert_out, topk_weights, handle)
+        bad = self._combine_problem(expert_out, topk_weights, handle) or _wait_problem(wait)
         if bad is not None:  # the step is made all the same: nothing sent, the refusal in its header
             expert_out, topk_weights, handle = self._no_outputs
         el, size = self.local_experts, self.size
@@ -604,7 +618,7 @@ class Dispatcher(Consumer):
             self._finish_step("combine", bad)
             return y
 
-        return receive() if wait else self._pend(receive, "combine")
+        return receive() if wait is not False else self._pend(receive, "combine")
 
     # ------------------------------------------------------------------ failures
     def synchronize(self) -> None:

@@ -244,3 +244,24 @@ def test_a_step_launched_with_wait_false_gives_the_plain_calls_bits(host_ranks, 
         assert wrong == [], f"rank {rank}: {wrong}"
         assert len(misuse) == 3 and all("wait" in m for m in misuse), f"rank {rank}: {misuse}"
         assert "pending" in misuse[0] and "pending" in misuse[1] and "called already" in misuse[2], misuse
+
+
+def wait_not_a_bool():
+    """Both members pass ``wait="no"`` to a dispatch, then make a good layer: what each raised."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    buf, disp = make(2 * world, MAX_TOKENS, HIDDEN, torch.bfloat16, TOP_K)
+    x, ids, w = routings.routing("random", me, world, 2 * world, MAX_TOKENS, HIDDEN, TOP_K, torch.bfloat16, 3)
+    try:
+        disp.dispatch(x, ids, wait="no")
+        raised = "returned"
+    except ss.SymmSyncError as e:
+        raised = f"{type(e).__name__}: {e}"
+    wrong = compare(disp, 0, layer(disp, x, ids, w), (gathered(x), gathered(ids), gathered(w)), me)
+    buf.close()
+    return raised, wrong
+
+
+def test_a_wait_that_is_no_bool_is_refused_on_every_member_and_the_next_layer_is_right(host_ranks):
+    for rank, (raised, wrong) in enumerate(host_ranks(wait_not_a_bool, 2, timeout_s=300)):
+        assert raised.startswith("InputError") and "wait must be True or False, got 'no'" in raised, (rank, raised)
+        assert wrong == [], (rank, wrong)
