@@ -32,7 +32,7 @@ figures: host cost only), but for the decode step, which runs on 2 ranks sharing
   CUDA graph (replay); and under ``reduce-overhead`` (which torch's graph trees skip:
   the caches are mutated inputs);
 * **the MoE dispatcher** (128 tokens, hidden 7168, top-8, 8 experts, bf16, its one member: host
-  cost only): ``dispatch`` and ``combine`` eager (three bound launches each), beside a torch op on
+  cost only): ``dispatch`` and ``combine`` eager (two bound launches each), beside a torch op on
   the tokens (``x.mul(2)``) and ``index_select`` of the same 1024 rows;
 * **a decode step** of 8 layers (a GEMM, then the fused all-reduce + residual + RMS
   norm), 16 tokens, eager, compiled, and compiled in a CUDA graph (replay), against the
@@ -40,7 +40,9 @@ figures: host cost only), but for the decode step, which runs on 2 ranks sharing
   rank's bits checked against its eager step, and the ranks' outputs against each other.
 
 Prints the table, the targets of docs/performance.md ("Host cost per call") with the
-ratios, and writes ``host_<machine>.json`` and ``.png`` into ``--out``.
+ratios, and writes ``host_<machine>.json`` and ``.png`` into ``--out``. ``--only moe`` (or
+``calls``, ``writer``; may repeat) times only those parts, without the decode step, and writes
+``host_<machine>_moe.json``.
 """
 
 from __future__ import annotations
@@ -559,6 +561,12 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--skip-decode", action="store_true", help="leave out the 2-rank decode step")
+    parser.add_argument(
+        "--only",
+        choices=("calls", "writer", "moe"),
+        action="append",
+        help="time only these parts (may repeat; no decode step); writes host_<machine>_<parts>.json",
+    )
     parser.add_argument("--plot", metavar="JSON", help="draw the plot of a written JSON again (no GPU) and exit")
     parser.add_argument("--decode-rank", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -579,9 +587,9 @@ def main() -> None:
     cases, failed, notes, keep = {}, {}, {}, []
     with torch.no_grad():
         print("preparing the calls (world 1): compiling, warming up", flush=True)
-        calls(cases, failed, notes, keep)
-        writer(cases, failed, notes, keep)
-        moe(cases, failed, notes, keep)
+        parts = {"calls": calls, "writer": writer, "moe": moe}
+        for part in args.only or parts:
+            parts[part](cases, failed, notes, keep)
         print(f"timing {len(cases)} calls in turns: {args.reps} rounds of {args.iters} calls each", flush=True)
         R, spread = interleaved(cases, args.iters, args.reps)
     R.update(failed)
@@ -590,11 +598,11 @@ def main() -> None:
     del cases, keep
     graphed.keep.clear()
     dist.destroy_process_group()
-    decode_result = "skipped" if args.skip_decode else decode()
+    decode_result = "skipped" if args.skip_decode or args.only else decode()
     print("decode step (2 ranks sharing the GPU):", decode_result, flush=True)
     met = targets(R, decode_result)
     text = table(R)
-    name = f"host_{common.slug(info)}"
+    name = f"host_{common.slug(info)}" + ("_" + "_".join(args.only) if args.only else "")
     common.write_json(
         os.path.join(args.out, name + ".json"),
         {

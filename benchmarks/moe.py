@@ -20,7 +20,7 @@ benchmark, never a timed test.
 sizes, no NCCL), checks that they run and writes ``moe_host_smoke.json`` into ``--out``: what
 CI runs (tests/moe/test_moe_benchmark.py). Its times are the interpreter's, no GPU figure.
 
-``--shared`` measures ranks sharing one GPU under MPS (128 tokens a rank, 8 experts a rank,
+``--shared`` measures ranks sharing one GPU under MPS (1, 32, 128 and 256 tokens a rank, 8 experts a rank,
 bf16 and fp8), each step beside a floor kernel that moves its bytes without synchronization
 (``benchmarks/shared.py``; writes ``moe_<machine>_mps.json``)::
 
@@ -179,119 +179,132 @@ def plot(res: dict, path: str, world: int) -> None:
 
 
 # ---------------------------------------------------------------------- ranks sharing one GPU (MPS)
-SHARED_TOKENS, SHARED_EXPERTS_PER_RANK = 128, 8
+SHARED_TOKENS, SHARED_MAX_TOKENS, SHARED_EXPERTS_PER_RANK = (1, 32, 128, 256), 256, 8
+SHARED_MODES = ("graph", "eager")
 
 
 def shared_rank(ctx) -> None:
     """Ranks sharing one GPU under MPS (``benchmarks/shared.py``): dispatch and combine beside their floors.
 
-    ``max_tokens`` is the tokens a rank dispatches (128). The floors run in a second buffer of the
-    same size at the dispatcher's workspace offsets (parity 0), with the placement the dispatcher's
-    rule gives (:func:`floors.moe_placement`) and the counts and source indices of a real dispatch
-    (its handle), so that they store the rows where the dispatcher does."""
+    For bf16 and fp8 rows, at 1, 32, 128 and 256 tokens a rank (``max_tokens`` 256), in CUDA-graph
+    replay and eagerly. The floors run in a second buffer of the same size at the dispatcher's
+    workspace offsets, with the placement the dispatcher's rule gives
+    (:func:`floors.moe_placement`) and the counts and source indices of a real dispatch (its
+    handle), so that they store the rows where the dispatcher does."""
     for fp8 in (False, True):
         _shared_kind(ctx, fp8)
 
 
 def _shared_kind(ctx, fp8: bool) -> None:
-    """:func:`shared_rank` for one kind of row (bf16, or fp8 codes and scales)."""
-    import floors
-    import triton
-
+    """:func:`shared_rank` for one kind of row (bf16, or fp8 codes and scales): one dispatcher, every
+    token count and mode."""
     import symmsync as ss
     from symmsync import moe
 
-    w, dev, bf16 = ctx.world, ctx.device, torch.bfloat16
-    T, H, K, EL = SHARED_TOKENS, HIDDEN, TOP_K, SHARED_EXPERTS_PER_RANK
-    E, M = EL * w, SHARED_TOKENS
-    HP, G = triton.next_power_of_2(H), H // 128
-    GP = triton.next_power_of_2(G)
-    me = ctx.rank
-    kind = "fp8" if fp8 else "bf16"
-    nbytes = moe.buffer_bytes(E, M, H, bf16, K, w, fp8=fp8)
+    w, bf16 = ctx.world, torch.bfloat16
+    E, M = SHARED_EXPERTS_PER_RANK * w, SHARED_MAX_TOKENS
+    nbytes = moe.buffer_bytes(E, M, HIDDEN, bf16, TOP_K, w, fp8=fp8)
     buf = ss.SymmetricBuffer(nbytes, backend="cuda")
     fbuf = ss.SymmetricBuffer(nbytes, backend="cuda")
     try:
         view, fview = buf.view(list(range(w))), fbuf.view(list(range(w)))
-        disp = moe.Dispatcher(view, E, M, H, bf16, K, fp8=fp8, timeout_s=ctx.wait_s)
-        ws, fptrs = disp.workspace, fview.ptrs
-        ids, weights, g = routing(T, E, 1000 + me, dev)
-        x = torch.randn(T, H, generator=g).to(bf16).to(dev)
-        with torch.no_grad():
-            recv, counts, handle = disp.dispatch(x, ids)
-        torch.cuda.synchronize()
-        member, row = floors.moe_placement(ids, EL, w, fview.local_index, M)
-        frecv = torch.empty((EL, w * M, H), dtype=torch.uint8 if fp8 else bf16, device=dev)
-        fscales = torch.empty((EL, w * M, G), dtype=torch.float32, device=dev)
-        fsrc = torch.empty((EL, w * M), dtype=torch.int64, device=dev)
-        per_source, offsets = handle.per_source, handle.offsets
-
-        def floor_dispatch() -> None:
-            floors.moe_send_floor[(T,)](x, member, row, fptrs, ws.rows, ws.scales, ws.src,
-                                        TOPK=K, H=H, HP=HP, FP8=fp8, G=G, GP=GP)  # fmt: skip
-            floors.moe_read_floor[(EL * w,)](frecv, fscales, fsrc, per_source, offsets, fptrs, fview.local_index,
-                                             ws.rows, ws.scales, ws.src, SIZE=w, M=M, H=H, HP=HP, FP8=fp8,
-                                             G=G, GP=GP)  # fmt: skip
-
-        def dispatch_check():
-            ctx.barrier()
-            for _ in range(2):  # every member's rows in place before the read of the second round
-                floor_dispatch()
-                ctx.barrier()
-            for e, n in enumerate(counts.tolist()):  # the received rows, packed: past the counts, nothing
-                if not torch.equal(fsrc[e, :n], handle.src[e, :n]):
-                    return "source indices differ from the dispatcher's"
-                if not fp8 and not torch.equal(frecv[e, :n].view(torch.int16), recv[e, :n].view(torch.int16)):
-                    return "received rows differ from the dispatcher's"
-            return True
-
-        sent = int((member >= 0).sum())
-        rows_idx = torch.randint(0, T, (T * K,), device=dev)
-        row_bytes = H + 4 * G if fp8 else 2 * H
-        ctx.figure(
-            f"MoE dispatch {kind} ({T} tok, {H}, top-{K}, {EL} exp/rank)",
-            lambda: disp.dispatch(x, ids),
-            floor_dispatch,
-            "moe_send_floor + moe_read_floor",
-            f"{sent} rows of {row_bytes} B stored into the owners' rows (+ 8 B source index each), then "
-            "the rows this rank received written out to their packed places (as the dispatcher's read)",
-            iters=max(20, ctx.iters // 4),
-            more={f"torch index_select of {T * K} rows (local)": lambda: x.index_select(0, rows_idx)},
-            check=dispatch_check,
-        )
-        expert_out = torch.randn((EL, w * M, H), device=dev).to(bf16)
-        fy = torch.empty(T, H, dtype=bf16, device=dev)
-
-        def floor_combine() -> None:
-            floors.moe_return_floor[(EL * w,)](expert_out, handle.src, per_source, offsets, fptrs, ws.combine,
-                                               SIZE=w, M=M, H=H, HP=HP)  # fmt: skip
-            floors.moe_sum_floor[(T,)](fy, weights, fptrs, fview.local_index, ws.combine, TOPK=K, H=H, HP=HP,
-                                       enable_fp_fusion=False)  # fmt: skip
-
-        def combine_check():
-            with torch.no_grad():
-                want = disp.combine(expert_out, weights, handle)
-            ctx.barrier()
-            for _ in range(2):
-                floor_combine()
-                ctx.barrier()
-            return True if torch.equal(fy.view(torch.int16), want.view(torch.int16)) else "sums differ"
-
-        received = int(per_source.sum())
-        ctx.figure(
-            f"MoE combine {kind} ({T} tok, {H}, top-{K}, {EL} exp/rank)",
-            lambda: disp.combine(expert_out, weights, handle),
-            floor_combine,
-            "moe_return_floor + moe_sum_floor",
-            f"the {received} rows this rank received ({2 * H} B each) stored back into their sources' "
-            f"combine rows, then {T} x {K} rows read and summed per token",
-            iters=max(20, ctx.iters // 4),
-            check=combine_check,
-        )
+        disp = moe.Dispatcher(view, E, M, HIDDEN, bf16, TOP_K, fp8=fp8, timeout_s=ctx.wait_s)
+        for tokens in SHARED_TOKENS:
+            for mode in SHARED_MODES:
+                _shared_figures(ctx, disp, fview, fp8, tokens, mode)
     finally:
         ctx.barrier()
         buf.close()
         fbuf.close()
+
+
+def _shared_figures(ctx, disp, fview, fp8: bool, T: int, mode: str) -> None:
+    """The dispatch and combine figures of ``T`` tokens a rank in ``mode``, each beside its floor."""
+    import floors
+    import triton
+
+    w, dev, bf16 = ctx.world, ctx.device, torch.bfloat16
+    H, K, EL, M = HIDDEN, TOP_K, SHARED_EXPERTS_PER_RANK, disp.max_tokens
+    HP, G = triton.next_power_of_2(H), H // 128
+    GP = triton.next_power_of_2(G)
+    kind = "fp8" if fp8 else "bf16"
+    ws, fptrs = disp.workspace, fview.ptrs
+    ids, weights, g = routing(T, disp.num_experts, 1000 + 7 * T + ctx.rank, dev)
+    x = torch.randn(T, H, generator=g).to(bf16).to(dev)
+    with torch.no_grad():
+        recv, counts, handle = disp.dispatch(x, ids)
+    torch.cuda.synchronize()
+    member, row = floors.moe_placement(ids, EL, w, fview.local_index, M)
+    frecv = torch.empty((EL, w * M, H), dtype=torch.uint8 if fp8 else bf16, device=dev)
+    fscales = torch.empty((EL, w * M, G), dtype=torch.float32, device=dev)
+    fsrc = torch.empty((EL, w * M), dtype=torch.int64, device=dev)
+    per_source, offsets = handle.per_source, handle.offsets
+
+    def floor_dispatch() -> None:
+        floors.moe_send_floor[(T,)](x, member, row, fptrs, ws.rows, ws.scales, ws.src,
+                                    TOPK=K, H=H, HP=HP, FP8=fp8, G=G, GP=GP)  # fmt: skip
+        floors.moe_read_floor[(EL * w,)](frecv, fscales, fsrc, per_source, offsets, fptrs, fview.local_index,
+                                         ws.rows, ws.scales, ws.src, SIZE=w, M=M, H=H, HP=HP, FP8=fp8,
+                                         G=G, GP=GP)  # fmt: skip
+
+    def dispatch_check():
+        ctx.barrier()
+        for _ in range(2):  # every member's rows in place before the read of the second round
+            floor_dispatch()
+            ctx.barrier()
+        for e, n in enumerate(counts.tolist()):  # the received rows, packed: past the counts, nothing
+            if not torch.equal(fsrc[e, :n], handle.src[e, :n]):
+                return "source indices differ from the dispatcher's"
+            if not fp8 and not torch.equal(frecv[e, :n].view(torch.int16), recv[e, :n].view(torch.int16)):
+                return "received rows differ from the dispatcher's"
+        return True
+
+    sent = int((member >= 0).sum())
+    rows_idx = torch.randint(0, T, (T * K,), device=dev)
+    row_bytes = H + 4 * G if fp8 else 2 * H
+    what = f"{T} tok, {H}, top-{K}, {EL} exp/rank, {mode}"
+    ctx.figure(
+        f"MoE dispatch {kind} ({what})",
+        lambda: disp.dispatch(x, ids),
+        floor_dispatch,
+        "moe_send_floor + moe_read_floor",
+        f"{sent} rows of {row_bytes} B stored into the owners' rows (+ 8 B source index each), then "
+        "the rows this rank received written out to their packed places (as the dispatcher's read)",
+        mode=mode,
+        iters=max(20, ctx.iters // 4),
+        more={f"torch index_select of {T * K} rows (local)": lambda: x.index_select(0, rows_idx)},
+        check=dispatch_check,
+    )
+    expert_out = torch.randn((EL, w * M, H), device=dev).to(bf16)
+    fy = torch.empty(T, H, dtype=bf16, device=dev)
+
+    def floor_combine() -> None:
+        floors.moe_return_floor[(EL * w,)](expert_out, handle.src, per_source, offsets, fptrs, ws.combine,
+                                           SIZE=w, M=M, H=H, HP=HP)  # fmt: skip
+        floors.moe_sum_floor[(T,)](fy, weights, fptrs, fview.local_index, ws.combine, TOPK=K, H=H, HP=HP,
+                                   enable_fp_fusion=False)  # fmt: skip
+
+    def combine_check():
+        with torch.no_grad():
+            want = disp.combine(expert_out, weights, handle)
+        ctx.barrier()
+        for _ in range(2):
+            floor_combine()
+            ctx.barrier()
+        return True if torch.equal(fy.view(torch.int16), want.view(torch.int16)) else "sums differ"
+
+    received = int(per_source.sum())
+    ctx.figure(
+        f"MoE combine {kind} ({what})",
+        lambda: disp.combine(expert_out, weights, handle),
+        floor_combine,
+        "moe_return_floor + moe_sum_floor",
+        f"the {received} rows this rank received ({2 * H} B each) stored back into their sources' "
+        f"combine rows, then {T} x {K} rows read and summed per token",
+        mode=mode,
+        iters=max(20, ctx.iters // 4),
+        check=combine_check,
+    )
 
 
 def main() -> None:

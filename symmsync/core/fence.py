@@ -77,6 +77,21 @@ def _fence_kernel(
         ssl.wait_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
 
 
+@triton.jit
+def _refuse_kernel(ptrs, cell, me, timeout_ns, record, refused, SIZE: tl.constexpr, TRAP: tl.constexpr):
+    # A fence whose publish carries a refusal: mark this rank's part of the epoch it is about to
+    # publish as refused in every member's cell (its own too), then publish and wait as
+    # _fence_kernel does. The marks are plain stores before the publish (its release covers
+    # them, after the block barrier): a member whose wait for the epoch passed reads them.
+    e = tl.load(ssl.epoch_ptr(ptrs, cell, me)) + 1
+    for p in tl.static_range(SIZE):
+        mark = ssl.peer_ptr(ptrs, p, cell + refused, tl.int64) + 2 * me + e % 2
+        tl.store(mark, e)
+    tl.debug_barrier()
+    e = ssl.publish(ptrs, cell, me, SIZE)
+    ssl.wait_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
+
+
 class Fence:
     """Channel ``channel`` of a peer view, as a fence.
 
@@ -158,6 +173,13 @@ class Fence:
             for _kind, (arrive, wait) in sorted(kinds.items())
         ]
         self._launch = [launcher.bind(*self._kernel_args) for launcher in self._launchers]
+        # The refusal marks (cells.refused_offset): a refused part of an epoch (refuse()), read by
+        # refusals(); this rank's cell from its epoch to its last mark, and the epoch the marks
+        # were last read up to (the epoch at construction: marks older than this fence are not its).
+        self._refused_at = cells.refused_offset(buf.world_size)
+        self._refuse: Any = None
+        self._cell_words = buf.cell_memory()[self.cell : self.cell + cells.cell_bytes(buf.world_size)].view(torch.int64)
+        self._refusals_seen = int(self._epoch_word.item())
         self.op_handle = handles.register(self)
         """The int that names this fence to the op ``symmsync::fence`` (:mod:`symmsync.ops.fence_op`)."""
         # Views, made here: aot_autograd refuses a base among mutated views of it as graph inputs.
@@ -202,6 +224,49 @@ class Fence:
         if torch.compiler.is_compiling():
             return fence_ops.fence_op(self.op_handle, fence_ops.WAIT, self.orders())
         self.launch_now(fence_ops.WAIT)
+
+    def refuse(self) -> None:
+        """Take part in the next epoch as :meth:`fence` does, with this rank's part marked refused.
+
+        For a consumer whose call failed its checks on this rank: the call still advances the
+        epoch, publishes and waits like a fence (the members' epochs stay in step, and nobody
+        waits for a call this rank never makes), and before its publish it stores the mark
+        that each member's :meth:`refusals` reads once its own wait for that epoch passed
+        (``cell + refused_offset``: docs/fences.md). One launch, eager only; a wait that fails
+        fails as :meth:`fence` does."""
+        if not self._failure.clean:
+            self._check_usable(operation=True)
+        if self._refuse is None:
+            self._refuse = Launcher(
+                _refuse_kernel, (1,), num_warps=1, SIZE=self.view.size, TRAP=self._buffer.capabilities.traps
+            ).bind(*self.kernel_args, self._refused_at)
+        self._refuse()
+        if self._host_checks:
+            self.check()
+
+    def refusals(self) -> list[tuple[int, int]]:
+        """The members' refused parts (:meth:`refuse`) of the epochs this rank has waited for since
+        the last call (since construction, at first), as ``(global rank, epoch)`` in epoch order.
+
+        An epoch this rank refused too is left out (its own error says enough). On GPUs this waits
+        for the device first (:meth:`synchronize`: a failed wait raises its error instead). Marks
+        of an epoch this rank has not reached yet are kept for a later call."""
+        self._check_usable()
+        if self._streams:
+            self.synchronize()
+        words = self._cell_words.tolist()
+        epoch = words[cells.EPOCH // 8]
+        seen, self._refusals_seen = self._refusals_seen, epoch
+        at, me = self._refused_at // 8, self.view.local_index
+        own = words[at + 2 * me : at + 2 * me + 2]
+        found = [
+            (v, self.view.ranks[j])
+            for j in range(self.view.size)
+            if j != me
+            for v in words[at + 2 * j : at + 2 * j + 2]
+            if seen < v <= epoch and v not in own
+        ]
+        return [(rank, v) for v, rank in sorted(found)]
 
     def orders(self) -> list[torch.Tensor]:
         """What the compiled op takes (:mod:`symmsync.ops.fence_op`): the members' user regions, whose
@@ -260,7 +325,9 @@ class Fence:
         the view's failure owner): its kernel arguments, bound launches and epoch word."""
         self._kernel_args = None
         self._launch = []
+        self._refuse = None
         self._epoch_word = None
+        self._cell_words = None
 
     def check_usable(self) -> None:
         """Raise if this fence cannot take part in another operation; cheap when it can.

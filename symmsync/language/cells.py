@@ -22,10 +22,19 @@ A cell (the same byte offset in every member's memory, one per view and channel;
     cell + SLOTS      (128)  int64 slot[n]    slot j: how many times member j published to
                                               this rank (its epoch, bits 0..62), bit 63
                                               (ABORT_FLAG) set once member j aborted
+    cell + refused_offset(n) int64 refused[n][2]
+                                              refused[j][e % 2] = e: member j refused its
+                                              part of epoch e (Fence.refuse: stored before
+                                              it publishes e, so a member whose wait for e
+                                              passed reads it)
     --8<-- [end:cell]
 
-The first line (``LINE`` bytes) is written by its own rank only; the slots follow on
-their own lines, so a peer's reduction never shares a cache line with the epoch.
+``n`` is the buffer's world size (a view's member ``j`` uses slot ``j``). The first line
+(``LINE`` bytes) is written by its own rank only; the slots, then the refusal marks, follow
+on their own lines, so a peer's reduction never shares a cache line with the epoch. Two
+refusal words per member suffice: a member is never more than one epoch ahead of a member
+that has not published (its fence waits for it), so the marks of the epoch a reader has
+waited for and of the next one never share a word.
 
 The point-to-point signals of :class:`~symmsync.Signals` (symmsync/core/signals.py and the
 signal primitives of :mod:`symmsync.language`) touch no fence cell: their slots live in a
@@ -98,9 +107,14 @@ def round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
+def refused_offset(members: int) -> int:
+    """Byte offset of the refusal marks in a cell of a group of ``members`` ranks (after the slots)."""
+    return SLOTS + round_up(members * 8, LINE)
+
+
 def cell_bytes(members: int) -> int:
-    """Bytes of one cell in a group of ``members`` ranks (the epoch line, then the slots)."""
-    return LINE + round_up(members * 8, LINE)
+    """Bytes of one cell in a group of ``members`` ranks (the epoch line, the slots, the refusal marks)."""
+    return refused_offset(members) + round_up(members * 16, LINE)
 
 
 class CellLayout:

@@ -134,7 +134,7 @@ def arrive_last(state, WORD: tl.constexpr, total):
 @triton.jit
 def refuse_id(state, where, value):
     """A send program found an expert id out of range: keep the first one found in this step."""
-    zero = (where * 0).to(tl.int64)  # the word's type: an int64 compare and value
+    zero = tl.full((), 0, tl.int64)  # the word's type: an int64 compare and value
     if tl.atomic_cas(state + _BAD, zero, zero + 1, sem="relaxed", scope="gpu") == 0:
         tl.store(state + _BAD_WHERE, where.to(tl.int64))
         tl.store(state + _BAD_VALUE, value.to(tl.int64))
@@ -182,8 +182,8 @@ def check(
         if failed != 0:
             tl.store(state + _FAILED, 1)
     status = tl.where(failed != 0, 1, 0).to(tl.int64)  # WAIT_FAILED
-    who = (me * 0 - 1).to(tl.int64)
-    what = (me * 0).to(tl.int64)
+    who = tl.full((), -1, tl.int64)  # not from ``me``: a launch may pass it as the constant 1
+    what = tl.full((), 0, tl.int64)
     where = what
     value = what
     if failed == 0:

@@ -47,7 +47,7 @@ from ..core import agreement
 from ..core.consumer import Consumer, Making
 from ..core.fence import Fence
 from ..core.launch import BoundLaunch, Launcher
-from ..errors import ClosedError, ConfigError, InputError, SymmSyncError
+from ..errors import ClosedError, ConfigError, InputError, PeerRefused, SymmSyncError
 from ..ops import oplib
 from ..spanning import exchange
 from ..spanning import parts as spanning
@@ -276,6 +276,8 @@ class DirectKVWriter(Consumer):
         # After a fused launch, the host reads the fence's record where the launch has
         # finished when it returns (the interpreter); on GPUs a failed wait traps.
         self._check_after_launch = caps.host_checks_status
+        # There, after each write, the members' refused writes (refuse()); a view of one member has none.
+        self._read_refusals = caps.host_checks_status and view.size > 1
         self._launcher = Launcher(
             _quantize_write_kernel,
             (1,),
@@ -464,13 +466,14 @@ class DirectKVWriter(Consumer):
         The launch is packed at a batch's first write; later layers change only what
         differs: the layer's offsets, and the input addresses for other tensors.
 
-        A bad input is refused before any byte is written, after aborting the writer's
-        view (:meth:`symmsync.Fence.abort`): the other members raise
-        :class:`~symmsync.PeerAborted` naming this rank at once, and this writer's
-        fences fail from then on. (On the all-gather route within one node the others
-        wait in torch.distributed's all-gather, which an abort does not reach:
-        torch.distributed's failure handling applies there. Across nodes every
-        exchange is the writer's :attr:`offnode`, which an abort does reach.)
+        A bad input fails that write on every member and nothing else (:meth:`refuse`): this
+        rank writes no byte and raises the error below; the members' writes of the layer
+        raise :class:`~symmsync.PeerRefused` naming it (at once on the host backend, at
+        :meth:`synchronize` on GPUs), and the next write of every member goes on. On the
+        all-gather route, and over nodes, a bad input fails the writer and aborts its view
+        instead (the members raise :class:`~symmsync.PeerAborted` naming this rank; on the
+        all-gather route within one node they wait in torch.distributed's all-gather, which
+        an abort does not reach: torch.distributed's failure handling applies there).
 
         Raises:
             BoundsError: ``layer`` is not one of the layout's layers, as
@@ -538,13 +541,13 @@ class DirectKVWriter(Consumer):
         bad = self._input_problem(layer, kv_c, k_pe, indexer_k, batch)
         if bad is not None:  # InputError, BoundsError: every bad input, each named, before anything is written
             error, problem = bad
-            err = error(f"rank {self.rank}: DirectKVWriter.write: {problem}")
-            self.fail(err, f"DirectKVWriter.write: {problem}")  # members may wait in this layer's fence: tell them
-            raise err
+            self.refuse(problem, "write", error)
         if not self._failure.clean:
             self.check_usable()
         try:
             self._write_checked(layer, kv_c, k_pe, indexer_k, batch)
+            if self._read_refusals:  # the host backend: the launch is over, the members' marks are readable
+                self._raise_refusals()
         except SymmSyncError as e:  # across nodes, the node fence's failure reaches the other nodes too
             if self.node_view is None:
                 raise
@@ -554,6 +557,55 @@ class DirectKVWriter(Consumer):
             if err is e:
                 raise
             raise err from e
+
+    def refuse(self, problem: str, call: str = "write", error: type = InputError) -> None:
+        """Refuse a write whose arguments failed this rank's checks: that write fails on every
+        member, and nothing else.
+
+        On the direct route within one node this rank still takes part in the layer's fence,
+        its part marked refused (:meth:`symmsync.Fence.refuse`), having written nothing; it
+        raises ``error`` here, and the members' writes of the layer, which ran, raise
+        :class:`~symmsync.PeerRefused` naming this rank (at once on the host backend, at
+        :meth:`synchronize` on GPUs). The epochs stay in step and the writer stays usable. The
+        all-gather route, and a view over nodes, cannot leave a member out of their exchange:
+        there the writer fails and aborts its view, as any failure
+        (:meth:`symmsync.core.consumer.Consumer.refuse`)."""
+        if self.route != "direct" or self._gather is not None:
+            super().refuse(problem, call, error)
+        self.check_usable()
+        err = error(
+            f"rank {self.rank}: DirectKVWriter.{call}: {problem}; this rank wrote nothing of the layer (the "
+            "members' writes of it ran, and raise PeerRefused naming this rank)"
+        )
+        self.fence.refuse()
+        raise err
+
+    def synchronize(self) -> None:
+        """Wait for the device; raise a failed wait's error (:meth:`symmsync.Fence.synchronize`),
+        then :class:`~symmsync.PeerRefused` for a layer another member refused (:meth:`refuse`)
+        since the last call: its rows of that layer are in no replica. The writer stays usable."""
+        self.check_usable()
+        self.fence.synchronize()
+        self._raise_refusals()
+
+    def _raise_refusals(self) -> None:
+        """Raise :class:`~symmsync.PeerRefused` for the members' refused writes this rank has
+        waited for since the last time it asked (:meth:`symmsync.Fence.refusals`), once."""
+        found = self.fence.refusals()
+        if not found:
+            return
+        origin, epoch = found[0]
+        more = f" (and {len(found) - 1} more refused writes since: {found[1:]})" if len(found) > 1 else ""
+        why = "its arguments failed its checks (its InputError says which)"
+        raise PeerRefused(
+            f"rank {self.rank}: DirectKVWriter.write on view {list(self.view.ranks)} (fence epoch {epoch}): rank "
+            f"{origin} refused its write: {why}; its rows of that layer are in no replica, the other members' rows "
+            f"are in every replica{more}. The writer goes on: write the layer again on every member, or drop the "
+            "batch",
+            rank=self.rank,
+            origin=origin,
+            reason=why,
+        )
 
     def _write_checked(self, layer: int, kv_c, k_pe, indexer_k, batch: Batch) -> None:
         if self.route == "allgather":
@@ -574,8 +626,8 @@ class DirectKVWriter(Consumer):
     def accepts(self, layer: Any, kv_c: Any, k_pe: Any, indexer_k: Any, batch: Any) -> bool:
         """Whether ``write(layer, kv_c, k_pe, indexer_k, batch)`` passes this rank's input checks:
         False exactly when it would raise :class:`~symmsync.InputError`, or the layout's
-        :class:`~symmsync.BoundsError` / :class:`~symmsync.ConfigError` for ``layer`` (and abort the
-        fence's view), by the rule the write checks with. It says nothing of the other members'
+        :class:`~symmsync.BoundsError` / :class:`~symmsync.ConfigError` for ``layer`` (and refuse the
+        write on every member: :meth:`refuse`), by the rule the write checks with. It says nothing of the other members'
         writes, nor of a writer whose view was aborted or whose buffer was closed."""
         return self._input_problem(layer, kv_c, k_pe, indexer_k, batch) is None
 

@@ -267,51 +267,8 @@ def test_ranks_that_pick_different_routes_all_raise(host_ranks):
         assert msg and "same route" in msg and "rank 0: 'direct fused'" in msg and "rank 1: 'allgather'" in msg
 
 
-# ---------------------------------------------------------------------- a bad write reaches the peers
-def bad_write_on_one_rank(fused, bad_rank):
-    import time
-
-    layout = pcp.CacheLayout(num_blocks=2, num_layers=2, base=0)
-    buf = ss.SymmetricBuffer(layout.end, backend="host")
-    view = buf.view([0, 1])
-    writer = pcp.DirectKVWriter(view, layout, fused=fused, timeout_s=60)  # a missed abort shows as a minute
-    T = 8
-    batch = writer.prepare(torch.arange(T) + T * buf.rank)
-    kv = torch.zeros(T, 512, dtype=torch.bfloat16)
-    pe = torch.zeros(T, 64, dtype=torch.bfloat16)
-    ix = torch.zeros(T, 128, dtype=torch.bfloat16)
-    writer.write(0, kv, pe, ix, batch)  # one good layer on both ranks
-    t0 = time.monotonic()
-    try:
-        if buf.rank == bad_rank:
-            writer.write(1, kv.float(), pe, ix, batch)  # wrong dtype: raises before writing
-        else:
-            writer.write(1, kv, pe, ix, batch)  # waits in the fence (or the fused tail)
-    except ss.SymmSyncError as e:
-        out = {"type": type(e).__name__, "msg": str(e), "elapsed": time.monotonic() - t0}
-        out["aborted"] = getattr(e, "aborted", None)
-        # The writer refuses to go on after it: the fence stays failed (fail closed).
-        try:
-            writer.write(1, kv, pe, ix, batch)
-            out["again"] = "wrote"
-        except ss.SymmSyncError as e2:
-            out["again"] = type(e2).__name__
-        buf.close()
-        return out
-    buf.close()
-    return "no error"
-
-
-@pytest.mark.parametrize("fused", [False, True], ids=["fence", "fused"])
-def test_a_bad_write_on_one_rank_makes_every_peer_raise_naming_it_at_once(fused, host_ranks):
-    res = host_ranks(bad_write_on_one_rank, 2, fused, 1, timeout_s=120)
-    bad, peer = res[1], res[0]
-    assert bad["type"] == "InputError" and "bfloat16" in bad["msg"], bad
-    assert peer["type"] == "PeerAborted", peer
-    assert 1 in peer["aborted"] and "DirectKVWriter.write" in peer["aborted"][1] and "bfloat16" in peer["aborted"][1]
-    assert "rank 1" in peer["msg"]
-    assert peer["elapsed"] < 1.0, peer  # the fence budget is 60 s
-    assert peer["again"] == "PeerAborted"
+# ---------------------------------------------------------------------- a bad write on one member
+# tests/pcp/test_pcp_refusals.py: it fails that write on every member, and nothing else.
 
 
 # ---------------------------------------------------------------------- agreement: every rank raises the same

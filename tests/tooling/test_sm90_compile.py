@@ -78,6 +78,9 @@ SCRIPT = textwrap.dedent(
                         {"SIZE": 8, "ARRIVE": arrive, "WAIT": wait, "TRAP": True})
         k = triton.compile(src, target=target, options={"num_warps": 1})
         out[name] = k.asm["ptx"]
+    src = ASTSource(F._refuse_kernel, {**sig, "refused": "i64", "SIZE": "constexpr", "TRAP": "constexpr"},
+                    {"SIZE": 8, "TRAP": True})
+    out["refuse"] = triton.compile(src, target=target, options={"num_warps": 1}).asm["ptx"]
     k = triton.compile(ASTSource(tail_kernel, {**sig, "SIZE": "constexpr"}, {"SIZE": 4}), target=target,
                        options={"num_warps": 4})
     out["tail"] = k.asm["ptx"]
@@ -144,7 +147,10 @@ SCRIPT = textwrap.dedent(
                                 **common, **waits},
                                dict(SIZE=4, NSLOTS=1, TRAP=True, E=8, H=512, HB=512, TOPK=4, BITS=False)),
     }
-    for name, (kernel, types, consts) in moe.items():
+    # Each also with ``me`` = 1, which a launch specializes into a constant (Triton does so for an
+    # int argument equal to 1): the member of rank 1 compiles that variant.
+    for name, (kernel, types, consts) in [*moe.items(), *((n + "_me1", (k, t, {**c, "me": 1}))
+                                                          for n, (k, t, c) in moe.items())]:
         order = [n for n in kernel.arg_names if n not in consts]
         sig = {n: types[n] for n in order}
         try:
@@ -189,6 +195,18 @@ def test_publish_issues_each_reduction_once_from_thread_0(ptx):
         assert len(reds) == size, reds
         for line in reds:  # the guard and the reduction are one asm statement
             assert "mov.u32 t, %tid.x; setp.eq.u32 q, t, 0;" in line and "@p red.release" in line, line
+
+
+def test_a_refused_fence_stores_its_marks_then_a_block_barrier_then_publishes_and_waits(ptx):
+    # Fence.refuse: the marks are plain stores, ordered before the release reductions of the
+    # publish by the block barrier (the publish's contract); then the wait of any fence.
+    body = [line.strip() for line in ptx["refuse"].splitlines() if not line.strip().startswith(".loc")]
+    stores = [i for i, line in enumerate(body) if line.startswith(("st.global.b64", "@%p")) and "st.global" in line]
+    barrier = next(i for i, line in enumerate(body) if line.startswith("bar.sync"))
+    reds = [i for i, line in enumerate(body) if "red.release.sys.global.add.u64" in line]
+    marks = [i for i in stores if i < barrier]  # the later stores: a failed wait's record
+    assert len(marks) == 8 and barrier < min(reds), (stores, barrier, reds)
+    assert len(reds) == 8 and _lines(ptx["refuse"], "ld.acquire.sys.global.b64") and _lines(ptx["refuse"], "trap;")
 
 
 def test_split_phase_kernels_contain_only_their_half(ptx):
@@ -310,10 +328,16 @@ def test_a_collective_sets_its_record_flag_with_a_plain_store_between_system_fen
         assert before and before[-1] > i - 40 and store < after < trap, (flag, lines[i - 5 : trap + 1])
 
 
-@pytest.mark.parametrize(
-    "name",
-    ["moe_dispatch_send", "moe_dispatch_send_fp8", "moe_dispatch_read", "moe_combine_send", "moe_combine_reduce"],
-)
+MOE_KERNELS = [
+    "moe_dispatch_send",
+    "moe_dispatch_send_fp8",
+    "moe_dispatch_read",
+    "moe_combine_send",
+    "moe_combine_reduce",
+]
+
+
+@pytest.mark.parametrize("name", MOE_KERNELS + [n + "_me1" for n in MOE_KERNELS])
 def test_the_moe_kernels_compile_and_count_their_programs_at_gpu_scope(ptx, name):
     text = ptx[name]
     assert not text.startswith("COMPILE ERROR"), text[:3000]
