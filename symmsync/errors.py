@@ -141,8 +141,10 @@ class InputError(ConfigError):
 
 class PeerRefused(SymmSyncError):
     """Another member of the view refused its part of this call: its input failed its checks
-    (it raised :class:`InputError`). The call did nothing on any member, and the object stays
-    usable: the members' next call goes on as if this one had not been made.
+    (it raised :class:`InputError`). The object stays usable: the members' next call goes on.
+    A collective's or a dispatcher's refused call did nothing on any member; a refused write of
+    the direct-KV writer wrote the other members' rows of the layer, and none of the refusing
+    member's.
 
     Attributes:
         rank: this member's global rank.
