@@ -52,8 +52,8 @@ MEMLIM_MB = 4096
 class Config:
     name: str
     flags: tuple[str, ...]
-    # "pass", or the kind of counterexample: deadlock, payload, arrival, abort, timeout, final, cycle,
-    # stale, overwrite (classify() tells them apart)
+    # "pass", or the kind of counterexample: deadlock, payload, arrival, abort, refusal, timeout, final,
+    # cycle, stale, overwrite (classify() tells them apart)
     expect: str
     what: str
     cycles: bool = False  # search for cycles (-DNP, pan -l) instead of safety violations
@@ -105,6 +105,9 @@ CONFIGS: tuple[Config, ...] = (
         "pass",
         "4 ranks in 2 disjoint views, 3 fences each; an abort marks only its own view",
     ),
+    C("refuse-2r", ("VS=2", "F=4", "REFUSE"), "pass", "2 ranks, 4 fences; any member may refuse its part of any"),
+    C("refuse-3r", ("VS=3", "F=3", "REFUSE"), "pass", "3 ranks, 3 fences; any member may refuse its part of any"),
+    C("refuse-split-2r", ("VS=2", "F=4", "SPLIT", "REFUSE"), "pass", "2 ranks, 4 split fences; refusals"),
     # ---- known bugs: each must produce its counterexample ----------------------------------
     C("eq-2r", ("VS=2", "F=6", "BUG_EQ"), "deadlock", "wait compares slot == e"),
     C("eq-3r", ("VS=3", "F=6", "BUG_EQ"), "deadlock", "wait compares slot == e"),
@@ -130,6 +133,18 @@ CONFIGS: tuple[Config, ...] = (
         "a flagged slot is an abort whatever its count (a completed fence fails)",
     ),
     C("nomark-2r", ("VS=2", "F=4", "ABORT", "BUG_NOMARK"), "deadlock", "an abort that sets no flags: peers hang"),
+    C(
+        "refuse-oneword-2r",
+        ("VS=2", "F=4", "REFUSE", "BUG_ONEWORD"),
+        "refusal",
+        "one refusal word per member, no epoch parity: a member a fence ahead overwrites an unread mark",
+    ),
+    C(
+        "refuse-late-2r",
+        ("VS=2", "F=4", "REFUSE", "BUG_LATEMARK"),
+        "refusal",
+        "the refusal marks stored after the publish: a reader misses them",
+    ),
     # ---- point-to-point signals (signals.pml): the pipelined transfer, replayed ----------------
     C(
         "sig-pipe",
@@ -349,6 +364,8 @@ def classify(output: str) -> tuple[str, str]:
             if "assertion violated" in line:
                 if "aflag[" in line:
                     return "abort", line
+                if "refw[" in line:
+                    return "refusal", line
                 if "pay[" in line or "tile[" in line:
                     return "payload", line
                 if any(f"{a}[" in line for a in ("inp", "hdr", "sym", "red", "rows")):

@@ -3,7 +3,8 @@
  *   symmsync/language/fence.py: publish, pending, wait, publish_and_wait, mark_abort
  *   symmsync/language/core.py: _publish (_release_slots, _advance_epoch), bounded_poll (KIND=MEMBERS),
  *     scan_members (BEHIND, BEHIND_SPLIT): the one publish, poll and member scan of every wait
- *   symmsync/core/fence.py: Fence.fence, Fence.arrive, Fence.wait (their kernel, _fence_kernel)
+ *   symmsync/core/fence.py: Fence.fence, Fence.arrive, Fence.wait (their kernel, _fence_kernel),
+ *     Fence.refuse (_refuse_kernel) and Fence.refusals
  *
  * symmsync's epoch fence, as those functions implement it (the cell layout of symmsync/language/cells.py),
  * together with its user's payload protocol (tests/core/test_fence.py: stamps double-buffered by
@@ -27,6 +28,11 @@
  *                  every member's slot of every channel of the view, one release-OR at a time);
  *                  its host launches nothing more, what it already launched runs on, and after
  *                  the marking it may stop for good at any point (its process ends)
+ *   REFUSE         any member may refuse its part of any fence (Fence.refuse): before its publish
+ *                  it stores the epoch into its refusal word of that epoch's parity in every
+ *                  member's cell (its own directly, the peers' through in-flight stores); after
+ *                  each wait that returned 0 a member reads its own cell's words (Fence.refusals)
+ *                  and must find exactly the members that refused that fence
  * Bug variants (each must yield a counterexample):
  *   BUG_EQ         wait compares slot == e instead of slot >= e
  *   BUG_EARLY      publish before the payload stores
@@ -39,6 +45,9 @@
  *   BUG_UNMASKED   a flagged slot is an abort whatever its count (no mask): a member that
  *                  published the epoch and then closed fails a fence that had completed
  *   BUG_NOMARK     an abort that only stops the rank, with no flags: its peers wait forever
+ *   BUG_ONEWORD    one refusal word per member instead of two (no epoch parity): a member one
+ *                  fence ahead overwrites the mark a reader has not read yet
+ *   BUG_LATEMARK   the refusal marks stored after the publish: a reader may miss them
  */
 
 #ifndef VS
@@ -113,6 +122,39 @@ byte pay[NV * VS * 2 * VS];
 byte pend[NV * VS * VS * 2];
 #define PEND(v, i, p, b) pend[(((v) * VS + (i)) * VS + (p)) * 2 + (b)]
 
+#ifdef REFUSE
+/* cell c in rank g's memory: refused[j][b], the last epoch of parity b that member j refused (0: none) */
+byte refw[NCELL * NG * VS * 2];
+#define REFW(c, g, j, b) refw[(((c) * NG + (g)) * VS + (j)) * 2 + (b)]
+/* weak memory: member i's last refusal mark to member p's word b that p cannot see yet (0: none) */
+byte rpend[NV * VS * VS * 2];
+#define RPEND(v, i, p, b) rpend[(((v) * VS + (i)) * VS + (p)) * 2 + (b)]
+/* ghost: member j of view v refused its part of fence k */
+bit refd[NV * VS * (F + 1)];
+#define REFD(v, j, k) refd[((v) * VS + (j)) * (F + 1) + (k)]
+#ifdef BUG_ONEWORD
+#define MB(k) 0
+#else
+#define MB(k) ((k) % 2)             /* the refusal word of fence k (epoch parity) */
+#endif
+/* Fence.refuse()'s marks (_refuse_kernel): epoch k into word MB(k) of this member, in every cell */
+#define MARKS \
+    d_step { \
+        REFD(v, i, k) = 1; \
+        for (q : 0 .. VS - 1) { \
+            if :: q == i -> REFW(c, g, i, MB(k)) = k \
+               :: else -> RPEND(v, i, q, MB(k)) = k fi \
+        } \
+        q = 0 \
+    }
+#define RPEND_TO(v, i, p, b) \
+    if :: RPEND(v, i, p, b) != 0 -> REFW(CELL(v), G(v, p), i, b) = RPEND(v, i, p, b); RPEND(v, i, p, b) = 0 \
+       :: else -> skip fi
+#define RELEASE_MARKS(v, i) for (q : 0 .. VS - 1) { RPEND_TO(v, i, q, 0); RPEND_TO(v, i, q, 1) }
+#else
+#define RELEASE_MARKS(v, i) skip
+#endif
+
 /* ---- ghost state: what the specification talks about, never read by the protocol ---- */
 /* how many of member j's publishes on view v have sent their lane to member p */
 byte sent[NV * VS * VS];
@@ -148,7 +190,7 @@ bit gaveup[NV * VS];          /* the member's wait timed out; it never goes on *
 #define RELEASE(v, i) skip
 #else
 #define RELEASE(v, i) \
-    for (q : 0 .. VS - 1) { PEND_TO_PAY(v, i, q, 0); PEND_TO_PAY(v, i, q, 1) }
+    for (q : 0 .. VS - 1) { PEND_TO_PAY(v, i, q, 0); PEND_TO_PAY(v, i, q, 1) }; RELEASE_MARKS(v, i)
 #endif
 #define PEND_TO_PAY(v, i, p, b) \
     if :: PEND(v, i, p, b) != 0 -> PAY(v, p, b, i) = PEND(v, i, p, b); PEND(v, i, p, b) = 0 \
@@ -185,6 +227,10 @@ proctype Member(byte v; byte i) {
             q = 0
         }
 #endif
+#if defined(REFUSE) && !defined(BUG_LATEMARK)
+        /* this member refuses its part of fence k, or does not */
+        if :: skip :: MARKS fi;
+#endif
         /* publish(): one reduction per other member (thread 0 issues them; they land in any order) */
 #if VS == 2
         LANE(1 - i);
@@ -193,6 +239,9 @@ proctype Member(byte v; byte i) {
         :: LANE((i + 1) % 3); LANE((i + 2) % 3)
         :: LANE((i + 2) % 3); LANE((i + 1) % 3)
         fi;
+#endif
+#if defined(REFUSE) && defined(BUG_LATEMARK)
+        if :: skip :: MARKS fi;
 #endif
         /* ... then _advance_epoch(): e = ++epoch */
         d_step { EPOCH(c, g) = EPOCH(c, g) + 1; e = EPOCH(c, g) }
@@ -246,6 +295,13 @@ proctype Member(byte v; byte i) {
             for (q : 0 .. VS - 1) { assert(PAY(v, i, BUF(k), q) == k) }
             q = 0
         }
+#ifdef REFUSE
+        /* Fence.refusals() after this wait: member q's word of fence k holds k exactly when q refused it */
+        d_step {
+            for (q : 0 .. VS - 1) { assert(REFD(v, q, k) == (refw[((c * NG + g) * VS + q) * 2 + MB(k)] == k)) }
+            q = 0
+        }
+#endif
     :: else -> break
     od;
     /* finished all F fences */
@@ -266,6 +322,10 @@ end:
     do
     :: d_step { PEND(v, i, p, 0) != 0 -> PAY(v, p, 0, i) = PEND(v, i, p, 0); PEND(v, i, p, 0) = 0 }
     :: d_step { PEND(v, i, p, 1) != 0 -> PAY(v, p, 1, i) = PEND(v, i, p, 1); PEND(v, i, p, 1) = 0 }
+#ifdef REFUSE
+    :: d_step { RPEND(v, i, p, 0) != 0 -> REFW(CELL(v), G(v, p), i, 0) = RPEND(v, i, p, 0); RPEND(v, i, p, 0) = 0 }
+    :: d_step { RPEND(v, i, p, 1) != 0 -> REFW(CELL(v), G(v, p), i, 1) = RPEND(v, i, p, 1); RPEND(v, i, p, 1) = 0 }
+#endif
     od
 }
 
