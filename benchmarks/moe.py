@@ -209,17 +209,27 @@ def _shared_kind(ctx, fp8: bool) -> None:
     try:
         view, fview = buf.view(list(range(w))), fbuf.view(list(range(w)))
         disp = moe.Dispatcher(view, E, M, HIDDEN, bf16, TOP_K, fp8=fp8, timeout_s=ctx.wait_s)
+        # What the floors write and the combine reads, the same size at every token count: made once.
+        EL, G, dev = SHARED_EXPERTS_PER_RANK, HIDDEN // 128, ctx.device
+        out = {
+            "frecv": torch.empty((EL, w * M, HIDDEN), dtype=torch.uint8 if fp8 else bf16, device=dev),
+            "fscales": torch.empty((EL, w * M, G), dtype=torch.float32, device=dev),
+            "fsrc": torch.empty((EL, w * M), dtype=torch.int64, device=dev),
+            "expert_out": torch.randn((EL, w * M, HIDDEN), device=dev).to(bf16),
+        }
         for tokens in SHARED_TOKENS:
             for mode in SHARED_MODES:
-                _shared_figures(ctx, disp, fview, fp8, tokens, mode)
+                _shared_figures(ctx, disp, fview, fp8, tokens, mode, **out)
     finally:
         ctx.barrier()
         buf.close()
         fbuf.close()
 
 
-def _shared_figures(ctx, disp, fview, fp8: bool, T: int, mode: str) -> None:
-    """The dispatch and combine figures of ``T`` tokens a rank in ``mode``, each beside its floor."""
+def _shared_figures(ctx, disp, fview, fp8: bool, T: int, mode: str, *, frecv, fscales, fsrc, expert_out) -> None:
+    """The dispatch and combine figures of ``T`` tokens a rank in ``mode``, each beside its floor
+    (``frecv``, ``fscales``, ``fsrc``: where the dispatch floor writes; ``expert_out``: what both
+    combines read)."""
     import floors
     import triton
 
@@ -235,9 +245,6 @@ def _shared_figures(ctx, disp, fview, fp8: bool, T: int, mode: str) -> None:
         recv, counts, handle = disp.dispatch(x, ids)
     torch.cuda.synchronize()
     member, row = floors.moe_placement(ids, EL, w, fview.local_index, M)
-    frecv = torch.empty((EL, w * M, H), dtype=torch.uint8 if fp8 else bf16, device=dev)
-    fscales = torch.empty((EL, w * M, G), dtype=torch.float32, device=dev)
-    fsrc = torch.empty((EL, w * M), dtype=torch.int64, device=dev)
     per_source, offsets = handle.per_source, handle.offsets
 
     def floor_dispatch() -> None:
@@ -275,7 +282,6 @@ def _shared_figures(ctx, disp, fview, fp8: bool, T: int, mode: str) -> None:
         more={f"torch index_select of {T * K} rows (local)": lambda: x.index_select(0, rows_idx)},
         check=dispatch_check,
     )
-    expert_out = torch.randn((EL, w * M, H), device=dev).to(bf16)
     fy = torch.empty(T, H, dtype=bf16, device=dev)
 
     def floor_combine() -> None:

@@ -156,6 +156,18 @@ def replaced(module, **attrs):
             setattr(module, k, v)
 
 
+def raised(call, *args):
+    """What ``call(*args)`` did: ``("returned", "", None)``, or the symmsync error's type name,
+    message and ``origin`` (the refusing member of a :class:`~symmsync.PeerRefused`)."""
+    import symmsync as ss
+
+    try:
+        call(*args)
+        return ("returned", "", None)
+    except ss.SymmSyncError as e:
+        return (type(e).__name__, str(e), getattr(e, "origin", None))
+
+
 @triton.jit
 def spin(ns):
     """Hold this program for ``ns`` nanoseconds of symmsync's clock (a late member, on either backend)."""

@@ -484,6 +484,8 @@ class DirectKVWriter(Consumer):
                 this writer's :meth:`prepare` did not return.
             ClosedError: the buffer was closed.
             CaptureError: across nodes, during CUDA graph capture (nothing aborted).
+            PeerRefused: another member refused its write of this layer (:meth:`refuse`; on the
+                host backend here, on GPUs at :meth:`synchronize`).
         """
         if torch.compiler.is_compiling():  # the op for the backend (symmsync.pcp.torch_ops)
             return self._traced_write(layer, kv_c, k_pe, indexer_k, batch)
@@ -585,8 +587,7 @@ class DirectKVWriter(Consumer):
         then :class:`~symmsync.PeerRefused` for a layer another member refused (:meth:`refuse`)
         since the last call: its rows of that layer are in no replica. The writer stays usable."""
         self.check_usable()
-        self.fence.synchronize()
-        self._raise_refusals()
+        self._raise_refusals()  # Fence.refusals() waits for the device first
 
     def _raise_refusals(self) -> None:
         """Raise :class:`~symmsync.PeerRefused` for the members' refused writes this rank has

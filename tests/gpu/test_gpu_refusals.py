@@ -37,14 +37,6 @@ WORLDS = helpers.gpu_worlds()
 N = 4096
 
 
-def _raised(call, *args):
-    try:
-        call(*args)
-        return ("returned", "", None)
-    except ss.SymmSyncError as e:
-        return (type(e).__name__, str(e), getattr(e, "origin", None))
-
-
 COLLECTIVE_CASES = {
     # name: (the bad member's call, the others' call, words of the bad member's InputError)
     "too_many": (lambda ar, ag, rs, d: ar(torch.ones(N + 1, device=d)),
@@ -77,7 +69,7 @@ def _collectives():
     rs = C.ReduceScatter(view, N, torch.float32, offset=2 * per, channel=2, timeout_s=60)
     seen, wrong = {}, []
     for i, (name, (bad, good, _)) in enumerate(COLLECTIVE_CASES.items()):
-        seen[name] = _raised(_then_synchronize, bad if rank == world - 1 else good, ar, ag, rs, d)
+        seen[name] = helpers.raised(_then_synchronize, bad if rank == world - 1 else good, ar, ag, rs, d)
         torch.cuda.synchronize()
         x = torch.full((6 * world,), float(rank + 1 + i), device=d)
         total = sum(float(r + 1 + i) for r in range(world))
@@ -123,7 +115,7 @@ def _moe():
         g = torch.Generator(device="cpu").manual_seed(100 * i + me)
         x = torch.randn(M, H, generator=g).to(torch.bfloat16).to(d)
         ids = torch.stack([torch.randperm(ne, generator=g)[:K] for _ in range(M)]).to(d)
-        seen[name] = _raised(lambda *a: (disp.dispatch(*a), disp.synchronize()),
+        seen[name] = helpers.raised(lambda *a: (disp.dispatch(*a), disp.synchronize()),
                              *(change(x, ids) if me == world - 1 else (x, ids)))  # fmt: skip
         torch.cuda.synchronize()
         w = torch.rand(M, K, generator=g).to(d)
@@ -165,7 +157,7 @@ def _writer():
         torch.cuda.synchronize()
         dist.barrier()  # every replica cleared before anyone writes into it
         good = (0, *rows, batch)
-        seen[name] = _raised(
+        seen[name] = helpers.raised(
             lambda *a: (writer.write(*a), writer.synchronize()), *(change(good) if rank == world - 1 else good)
         )
         try:

@@ -49,14 +49,6 @@ def unmarked_refusal(ptrs, cell, me, timeout_ns, record, refused, SIZE: tl.const
     ssl.wait_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
 
 
-def _raised(call, *args):
-    try:
-        call(*args)
-        return ("returned", "", None)
-    except ss.SymmSyncError as e:
-        return (type(e).__name__, str(e), getattr(e, "origin", None))
-
-
 def refusals(fused, variant=None):
     """Rank function: what each member's write of each case raised, the differences of its
     replica's layers 0 and 1 from the references after each case, and whether the all-reduce
@@ -82,7 +74,7 @@ def refusals(fused, variant=None):
                 buf.tensor(0, (cache.end,), torch.uint8).fill_(POISON)
                 dist.barrier()  # every replica poisoned before anyone writes into it
                 good = (0, *rows, batch)
-                seen[name] = _raised(writer.write, *(change(good) if rank == bad else good))
+                seen[name] = helpers.raised(writer.write, *(change(good) if rank == bad else good))
                 try:
                     writer.write(1, *rows, batch)
                 except ss.SymmSyncError as e:
