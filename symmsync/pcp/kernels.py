@@ -5,7 +5,10 @@
 table of base addresses: a token's main-KV bytes at ``main_off + block * main_bstride +
 offset * MainKVLayout.TOKEN_BYTES`` and its indexer-K values and scale field in its block
 of the indexer region (:mod:`symmsync.pcp.layout` states the bytes and the scale rules).
-With ``FUSED`` its tail is a whole fence (:func:`symmsync.language.grid_fence`).
+With ``FUSED`` its tail is a whole fence (:func:`symmsync.language.grid_fence`). With
+``GATHERED`` the rows arrived by all-gather, one block of ``per_member`` rows per member, each
+block opening with a header row (slot -1) whose first int64 word is nonzero where that member
+refused its write (:meth:`symmsync.pcp.DirectKVWriter.refuse`): its rows are skipped.
 
 How the stores are shaped (the measurements: docs/performance.md, "The PCP writer on one
 GPU"):
@@ -102,6 +105,7 @@ def _quantize_write_kernel(
     me,
     timeout_ns,
     record,  # the fence's arguments (Fence.kernel_args; FUSED only)
+    per_member,  # GATHERED: rows of each member's block (its header row, then its rows)
     NDST: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -111,6 +115,7 @@ def _quantize_write_kernel(
     IDX_SCALE: tl.constexpr,
     SPREAD: tl.constexpr,
     PREFETCH: tl.constexpr,
+    GATHERED: tl.constexpr,
 ):
     # Each program takes work items of BLOCK_T rows until none are left: one item each on a
     # grid of one program per item, several on a smaller (persistent) grid. With PREFETCH
@@ -165,6 +170,9 @@ def _quantize_write_kernel(
 
         # ---- where each row goes in every replica
         live = in_range & (slot >= 0)
+        if GATHERED:  # a member's block opens with its header row: nonzero word 0, it refused the write
+            header = (kv_c + (rows // per_member) * per_member * kv_stride).to(tl.pointer_type(tl.int64))
+            live = live & (tl.load(header, mask=in_range, other=0) == 0)
         slot = tl.where(live, slot, 0)
         block = slot // BLOCK_SIZE
         off = slot % BLOCK_SIZE

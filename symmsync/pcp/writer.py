@@ -51,6 +51,7 @@ from ..errors import ClosedError, ConfigError, InputError, PeerRefused, SymmSync
 from ..ops import oplib
 from ..spanning import exchange
 from ..spanning import parts as spanning
+from ..spanning.refusals import Refusals
 from .kernels import IDX as _IDX
 from .kernels import NOPE as _NOPE
 from .kernels import ROPE as _ROPE
@@ -90,6 +91,8 @@ class Batch:
     _grid: tuple[int, int, int] = field(default=(1, 1, 1), repr=False, compare=False)
     _packed: tuple[torch.Tensor, ...] | None = field(default=None, repr=False, compare=False)
     _gathered: tuple[torch.Tensor, ...] | None = field(default=None, repr=False, compare=False)
+    _header: torch.Tensor | None = field(default=None, repr=False, compare=False)  # packed's header word
+    _flagged: bool = field(default=False, repr=False, compare=False)  # the header says refused
 
 
 #: The refusal of a write on cloned caches (what to do instead).
@@ -291,7 +294,14 @@ class DirectKVWriter(Consumer):
             IDX_SCALE=INDEXER_SCALES.index(layout.indexer_scale),
             SPREAD=spread,
             PREFETCH=tuning.programs_per_sm > 0,  # a program with several items loads the next one early
+            GATHERED=self._gather is not None,
         )
+        #: Gathered routes: how a refused write is told (:meth:`refuse`), and the members' refusals read.
+        self._refusals = Refusals(view, buf.rank, "writer") if self._gather is not None else None
+        self._writes = 0  # gathered routes: the writes so far (refused ones too), numbered alike on every member
+        self._staged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # _stage()
+        self._flagged: torch.Tensor | None = None  # a header a refused write set
+        self._fences_node = route == "direct" and self._gather is not None  # across nodes: a node fence per write
         self._num_layers = layout.num_layers
         # Per-layer region offsets and the block strides, computed once.
         self._offsets = list(placement.offsets)
@@ -369,20 +379,32 @@ class DirectKVWriter(Consumer):
         batch = Batch(slots=slots, rows=rows, writer=self)  # write() takes only batches this writer validated
         launched_rows = rows
         if self._gather is not None:  # the rows this rank inserts arrive by all-gather
-            gathered_slots = slots.new_empty((self._gather.count * rows,))
-            batch.gathered_slots = self._exchange(gathered_slots, slots)
-            launched_rows = gathered_slots.numel()
-            width = _NOPE + _ROPE + _IDX
-            packed = torch.empty((rows, width), dtype=torch.int16, device=buf.device)
-            gathered = torch.empty((launched_rows, width), dtype=torch.int16, device=buf.device)
-            fields = (slice(0, _NOPE), slice(_NOPE, _NOPE + _ROPE), slice(_NOPE + _ROPE, width))
-            batch._packed = (packed, *[packed[:, f] for f in fields])
-            batch._gathered = (gathered, *[gathered[:, f] for f in fields])
+            launched_rows = self._stage(batch)
         batch._grid = self._grid_for(launched_rows)
         self._last_batch = weakref.ref(batch)  # what a compiled write() names by its slots
         if self._spans is None and self._usable_blocks() == self.layout.num_blocks:
             self._spans, self._caches = layer_spans(buf, self.layout)  # what a compiled write() declares it mutates
         return batch
+
+    def _stage(self, batch: Batch) -> int:
+        """A gathered route's per-batch tensors; returns the rows the kernel takes. Each member sends
+        a block of ``rows + 1`` rows: a header row (slot -1; its first int64 word nonzero when the
+        member refused the write: :meth:`refuse`), then its rows; the kernel skips a refused block."""
+        rows, device = batch.rows, self.buffer.device
+        slots = torch.cat([batch.slots.new_full((1,), -1), batch.slots])
+        gathered_slots = slots.new_empty((self._gather.count * (rows + 1),))
+        batch.gathered_slots = self._exchange(gathered_slots, slots)
+        width = _NOPE + _ROPE + _IDX
+        packed = torch.zeros((rows + 1, width), dtype=torch.int16, device=device)
+        gathered = torch.empty((gathered_slots.numel(), width), dtype=torch.int16, device=device)
+        fields = (slice(0, _NOPE), slice(_NOPE, _NOPE + _ROPE), slice(_NOPE + _ROPE, width))
+        batch._packed = (packed, *[packed[1:, f] for f in fields])
+        batch._gathered = (gathered, *[gathered[:, f] for f in fields])
+        batch._header = packed[0, :4].view(torch.int64)
+        # What a refused write whose batch is bad sends: the last batch's blocks (the one the
+        # members write with, prepare() being collective). Not the batch: it refers to the writer.
+        self._staged = (packed, gathered, batch._header)
+        return gathered_slots.numel()
 
     def caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``(main_kv, indexer_k)`` of ``layer`` (the layout's), views of the span a compiled
@@ -466,14 +488,11 @@ class DirectKVWriter(Consumer):
         The launch is packed at a batch's first write; later layers change only what
         differs: the layer's offsets, and the input addresses for other tensors.
 
-        A bad input fails that write on every member and nothing else (:meth:`refuse`): this
-        rank writes no byte and raises the error below; the members' writes of the layer
-        raise :class:`~symmsync.PeerRefused` naming it (at once on the host backend, at
-        :meth:`synchronize` on GPUs), and the next write of every member goes on. On the
-        all-gather route, and over nodes, a bad input fails the writer and aborts its view
-        instead (the members raise :class:`~symmsync.PeerAborted` naming this rank; on the
-        all-gather route within one node they wait in torch.distributed's all-gather, which
-        an abort does not reach: torch.distributed's failure handling applies there).
+        A bad input fails that write on every member and nothing else (:meth:`refuse`), on
+        every route, within one node and over nodes: this rank sends none of its rows and
+        raises the error below; the members' writes of the layer raise
+        :class:`~symmsync.PeerRefused` naming it and its problem (at once on the host backend,
+        at :meth:`synchronize` on GPUs), and the next write of every member goes on.
 
         Raises:
             BoundsError: ``layer`` is not one of the layout's layers, as
@@ -543,65 +562,105 @@ class DirectKVWriter(Consumer):
         bad = self._input_problem(layer, kv_c, k_pe, indexer_k, batch)
         if bad is not None:  # InputError, BoundsError: every bad input, each named, before anything is written
             error, problem = bad
-            self.refuse(problem, "write", error)
+            self.refuse(problem, "write", error, layer, batch)
         if not self._failure.clean:
             self.check_usable()
         try:
             self._write_checked(layer, kv_c, k_pe, indexer_k, batch)
-            if self._read_refusals:  # the host backend: the launch is over, the members' marks are readable
-                self._raise_refusals()
         except SymmSyncError as e:  # across nodes, the node fence's failure reaches the other nodes too
-            if self.node_view is None:
-                raise
-            # A node fence names the node peer whose flag it saw: name the view's origin instead.
-            err = exchange.as_origin(self.view, self.buffer.rank, "DirectKVWriter.write", e)
-            self.fail(err, str(err))
+            err = self._spanning_error(e)
             if err is e:
                 raise
             raise err from e
+        if self._read_refusals:  # the host backend: the launch is over, the members' marks are readable
+            self._raise_refusals()
 
-    def refuse(self, problem: str, call: str = "write", error: type = InputError) -> None:
+    def _spanning_error(self, e: SymmSyncError) -> Exception:
+        """A write's failed step as the write's error: across nodes it fails the writer, naming the
+        view's origin (a node fence names the node peer whose flag it saw); else ``e``."""
+        if self.node_view is None:
+            return e
+        err = exchange.as_origin(self.view, self.buffer.rank, "DirectKVWriter.write", e)
+        self.fail(err, str(err))
+        return err
+
+    def refuse(self, problem: str, call: str = "write", error: type = InputError, layer: Any = None,
+               batch: Any = None) -> None:  # fmt: skip
         """Refuse a write whose arguments failed this rank's checks: that write fails on every
         member, and nothing else.
 
-        On the direct route within one node this rank still takes part in the layer's fence,
-        its part marked refused (:meth:`symmsync.Fence.refuse`), having written nothing; it
+        This rank still takes its part of the write's synchronization, marked refused, having
+        sent none of its rows: on the direct route within one node its part of the layer's fence
+        (:meth:`symmsync.Fence.refuse`); on the gathered routes (the all-gather route, and any
+        view over nodes) its part of the exchange, a block whose header says refused, so that no
+        member inserts its rows, after telling the members through torch.distributed's store. It
         raises ``error`` here, and the members' writes of the layer, which ran, raise
-        :class:`~symmsync.PeerRefused` naming this rank (at once on the host backend, at
-        :meth:`synchronize` on GPUs). The epochs stay in step and the writer stays usable. The
-        all-gather route, and a view over nodes, cannot leave a member out of their exchange:
-        there the writer fails and aborts its view, as any failure
-        (:meth:`symmsync.core.consumer.Consumer.refuse`)."""
-        if self.route != "direct" or self._gather is not None:
-            super().refuse(problem, call, error)
+        :class:`~symmsync.PeerRefused` naming this rank and ``problem`` (at once on the host
+        backend, at :meth:`synchronize` on GPUs). The epochs stay in step and the writer stays
+        usable. ``layer`` and ``batch``: the refused call's (a gathered route still inserts the
+        members' rows into this rank's replica where they are good)."""
         self.check_usable()
         err = error(
             f"rank {self.rank}: DirectKVWriter.{call}: {problem}; this rank wrote nothing of the layer (the "
             "members' writes of it ran, and raise PeerRefused naming this rank)"
         )
-        self.fence.refuse()
+        if self._gather is None:
+            self.fence.refuse()
+            raise err
+        if self._staged is None:  # nothing prepared yet: no member can be in a write (prepare() is collective)
+            raise err
+        takes = self._takes(layer, batch)  # its layer and batch are good: it inserts the members' rows
+        self._refusals.post(self._writes + 1, problem, "" if takes else "inserted nothing")
+        try:
+            self._insert_gathered(layer, None, None, None, batch if takes else None)
+            if self._fences_node and not (self.fused and takes):
+                self.fence.fence()  # the node's fence, which no fused launch ran
+            elif self._fences_node and self._check_after_launch:
+                self.fence.check()
+        except SymmSyncError as e:  # the exchange or the node fence failed: that is this write's error
+            raise self._spanning_error(e) from err
         raise err
+
+    def _takes(self, layer: Any, batch: Any) -> bool:
+        """Whether a refused write's ``layer`` and ``batch`` are good enough to insert the members' rows."""
+        return type(layer) is int and 0 <= layer < self._num_layers and type(batch) is Batch and batch.writer is self
 
     def synchronize(self) -> None:
         """Wait for the device; raise a failed wait's error (:meth:`symmsync.Fence.synchronize`),
         then :class:`~symmsync.PeerRefused` for a layer another member refused (:meth:`refuse`)
         since the last call: its rows of that layer are in no replica. The writer stays usable."""
         self.check_usable()
+        if self._refusals is not None and self.buffer.capabilities.streams:
+            self.fence.synchronize()  # every write this rank made has run (and so every exchange)
         self._raise_refusals()  # Fence.refusals() waits for the device first
 
     def _raise_refusals(self) -> None:
         """Raise :class:`~symmsync.PeerRefused` for the members' refused writes this rank has
-        waited for since the last time it asked (:meth:`symmsync.Fence.refusals`), once."""
-        found = self.fence.refusals()
+        waited for since the last time it asked, once: the fence's marks on the direct route
+        within one node (:meth:`symmsync.Fence.refusals`), the store's records on gathered routes."""
+        if self._refusals is None:
+            why = "its arguments failed its checks (its InputError says which)"
+            found = [(origin, f"fence epoch {epoch}", why, True) for origin, epoch in self.fence.refusals()]
+        else:
+            found = [
+                (origin, f"write {number}", problem, not note)
+                for origin, number, problem, note in self._refusals.read(self._writes)
+            ]
         if not found:
             return
-        origin, epoch = found[0]
-        more = f" (and {len(found) - 1} more refused writes since: {found[1:]})" if len(found) > 1 else ""
-        why = "its arguments failed its checks (its InputError says which)"
+        origin, when, why, inserted = found[0]
+        more = f" (and {len(found) - 1} more refused writes since)" if len(found) > 1 else ""
+        where = "every replica"
+        if not inserted:  # its layer or batch was bad: it inserted nothing, so its replicas lack rows
+            if self._route.among == "position":
+                where += f" but those of rank {origin}'s node, which lack the rows of the members at its node position"
+            else:
+                where += f" but rank {origin}'s"
+            where += " (its layer or batch was bad)"
         raise PeerRefused(
-            f"rank {self.rank}: DirectKVWriter.write on view {list(self.view.ranks)} (fence epoch {epoch}): rank "
+            f"rank {self.rank}: DirectKVWriter.write on view {list(self.view.ranks)} ({when}): rank "
             f"{origin} refused its write: {why}; its rows of that layer are in no replica, the other members' rows "
-            f"are in every replica{more}. The writer goes on: write the layer again on every member, or drop the "
+            f"are in {where}{more}. The writer goes on: write the layer again on every member, or drop the "
             "batch",
             rank=self.rank,
             origin=origin,
@@ -712,6 +771,7 @@ class DirectKVWriter(Consumer):
                 idx_off=idx_off,
                 main_bstride=self._strides[0],
                 idx_bstride=self._strides[1],
+                per_member=batch.rows + 1,  # GATHERED: a member's header row, then its rows
             )
             bound = batch._bound = self._launcher.bind(
                 *[args[name] for name in self._launcher.names], grid=batch._grid, per_call=self._PER_LAYER
@@ -741,13 +801,30 @@ class DirectKVWriter(Consumer):
         return self._gather(out, t)
 
     def _insert_gathered(self, layer, kv_c, k_pe, indexer_k, batch) -> None:
-        packed, p_kv, p_pe, p_ix = batch._packed
-        gathered, g_kv, g_pe, g_ix = batch._gathered
-        p_kv.copy_(kv_c.view(torch.int16))
-        p_pe.copy_(k_pe.view(torch.int16))
-        p_ix.copy_(indexer_k.view(torch.int16))
+        """The exchange of this rank's block and the insert of every member's rows. ``kv_c`` ``None``:
+        a refused write (:meth:`refuse`) sends its block with the header set and none of its rows
+        (the last prepared batch's block where ``batch`` is ``None``), and inserts only with a batch."""
+        self._writes += 1
+        if batch is None:
+            packed, gathered, header = self._staged
+        else:
+            packed, gathered, header = batch._packed[0], batch._gathered[0], batch._header
+        if kv_c is None:
+            header.fill_(1)  # the members' kernels skip this block
+            self._flagged = header
+        else:
+            if self._flagged is not None:  # a refused write set a header: good writes send it clear
+                self._flagged.zero_()
+                self._flagged = None
+            _, p_kv, p_pe, p_ix = batch._packed
+            p_kv.copy_(kv_c.view(torch.int16))
+            p_pe.copy_(k_pe.view(torch.int16))
+            p_ix.copy_(indexer_k.view(torch.int16))
         # Bytes travel on every backend (gloo has no int16 all-gather).
         self._exchange(gathered.view(torch.uint8), packed.view(torch.uint8))
+        if batch is None:
+            return
+        _, g_kv, g_pe, g_ix = batch._gathered
         width = _NOPE + _ROPE + _IDX
         self._launch(layer, g_kv, g_pe, g_ix, width, width, width, batch.gathered_slots, gathered.shape[0], batch)
 

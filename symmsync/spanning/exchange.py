@@ -125,7 +125,9 @@ def _key(view: PeerView, rank: int) -> str:
     return f"{STORE_PREFIX}/{view.name}/{rank}"
 
 
-def _store() -> Any:
+def default_store() -> Any:
+    """torch.distributed's default store: where aborts over nodes, and refused writes of the PCP
+    writer's gathered routes, are posted."""
     return dist.distributed_c10d._get_default_store()
 
 
@@ -146,14 +148,14 @@ def post_abort(view: PeerView, reason: str) -> None:
             claim_origin(view, global_ranks(view)[view.ranks.index(relayed[0])], relayed[1])
         elif BROKE not in reason:
             claim_origin(view, me, reason)
-        _store().set(_key(view, me), reason)
+        default_store().set(_key(view, me), reason)
     except Exception as e:  # noqa: BLE001 - an abort must not raise for it
         log.warning("could not post the abort of view %s in the torch.distributed store: %s", list(view.ranks), e)
 
 
 def posted_aborts(view: PeerView, ranks: list[int]) -> dict[int, str]:
     """``{global rank: reason}`` of the ``ranks`` that posted an abort of ``view``."""
-    store = _store()
+    store = default_store()
     found = {}
     for r in ranks:
         key = _key(view, r)
@@ -170,7 +172,7 @@ def claim_origin(view: PeerView, rank: int, reason: str) -> tuple[int, str]:
     runs before the abort marks the node view's flags or shuts an exchange), and a rank
     that found members dead (:data:`SILENT`) claims it for the first of them: so whoever
     hears of a failure, from whomever, finds its origin here (:func:`origin`)."""
-    got = _store().compare_set(_key(view, ORIGIN), "", f"{rank}\n{reason}")
+    got = default_store().compare_set(_key(view, ORIGIN), "", f"{rank}\n{reason}")
     return _parse_origin(got)
 
 
@@ -178,7 +180,7 @@ def origin(view: PeerView) -> tuple[int, str] | None:
     """``(global rank, reason)`` of the member that gave up on ``view`` first, or ``None``
     (none did, or the store cannot be read)."""
     try:
-        store, key = _store(), _key(view, ORIGIN)
+        store, key = default_store(), _key(view, ORIGIN)
         return _parse_origin(store.get(key)) if store.check([key]) else None
     except Exception:  # noqa: BLE001 - the store is torch.distributed's: no origin known
         return None
@@ -327,14 +329,14 @@ class OffNode:
     def post_done(self, rank: int) -> None:
         """Post how many exchanges of each group this rank (global ``rank``) finished (its abort:
         :func:`post_abort`), so that a member waiting in one of them still takes its part."""
-        _store().set(f"{self._name}/done/{rank}", f"{self._done['view']} {self._done['position']}")
+        default_store().set(f"{self._name}/done/{rank}", f"{self._done['view']} {self._done['position']}")
 
     def _finished(self, rank: int, among: str, n: int) -> bool:
         """Whether member ``rank``, which posted an abort, had finished exchange ``n`` of ``among``
         before (then its part was sent: this rank's exchange may still complete)."""
         key = f"{self._name}/done/{rank}"
         try:
-            store = _store()
+            store = default_store()
             if not store.check([key]):
                 return False
             done = dict(zip(("view", "position"), map(int, store.get(key).decode().split())))
@@ -507,7 +509,7 @@ class OffNode:
                 if first:
                     return self._aborted(call, first)
                 if not told:  # tell the others this rank lives
-                    _store().set(
+                    default_store().set(
                         _key(view, me), f"{call}: {BROKE} ({detail or 'told by ' + ranks_text(sorted(posted))})"
                     )
                     told = True

@@ -1,4 +1,4 @@
-"""A bad write fails that write on every member, and nothing else (the direct route, one node).
+"""A bad write fails that write on every member, and nothing else (one node; both routes).
 
 The last member makes each kind of bad write of layer 0 while the others write their rows of
 it: the bad member raises its error (``InputError``; a layer out of range ``BoundsError``, a
@@ -7,9 +7,13 @@ of every replica are read (the references: tests/oracles.py, plain torch from th
 on a replica poisoned before the case): layer 0 holds the good members' rows and poison where
 the bad member's rows would be (nothing of it was written, nothing else corrupted), and layer 1,
 written next by every member, holds every member's rows. An all-reduce on the same view (another
-channel) still sums at the end. Worlds 2 and 3, the fused tail and the separate fence; with the
-refusal marks taken out of the fence's refusing launch (a plain fence instead), the members'
-writes return as if nothing happened, and the test fails.
+channel) still sums at the end. Worlds 2 and 3: the direct route with the fused tail and the
+separate fence, and the all-gather route (where a bad layer or batch leaves the bad member's own
+replica without the layer: it cannot say where the members' rows go). The bites: with the
+refusal marks taken out of the fence's refusing launch (a plain fence instead), or the
+all-gather route's record left unposted, the members' writes return as if nothing happened;
+with the refused block's header left clear, the members insert its stale rows; each time the
+test fails.
 """
 
 import helpers
@@ -24,6 +28,7 @@ import symmsync as ss
 import symmsync.language as ssl
 from symmsync import collectives, pcp
 from symmsync.core import fence as fence_module
+from symmsync.spanning.refusals import Refusals
 
 T = 12  # tokens of the prompt
 BLOCK = 64
@@ -49,7 +54,24 @@ def unmarked_refusal(ptrs, cell, me, timeout_ns, record, refused, SIZE: tl.const
     ssl.wait_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
 
 
-def refusals(fused, variant=None):
+#: The cases whose bad argument is the layer or the batch: on the all-gather route the bad member
+#: then inserts nothing into its own replica (it cannot say where the members' rows go).
+NO_INSERT = ("layer", "bool_layer", "batch")
+
+
+_stage = pcp.DirectKVWriter._stage
+
+
+def unflagged_stage(writer, batch):
+    """A gathered route's staging whose header is a copy, not the word sent: a refused block goes
+    out unmarked (the bite of the all-gather route's header)."""
+    rows = _stage(writer, batch)
+    batch._header = batch._header.clone()
+    writer._staged = (*writer._staged[:2], batch._header)
+    return rows
+
+
+def refusals(fused, variant=None, route="direct"):
     """Rank function: what each member's write of each case raised, the differences of its
     replica's layers 0 and 1 from the references after each case, and whether the all-reduce
     on the same view still sums."""
@@ -60,11 +82,16 @@ def refusals(fused, variant=None):
     per = collectives.workspace_bytes(64, torch.float32, world)
     buf = ss.SymmetricBuffer(cache.end + per, backend="host", channels=2)
     view = buf.view(list(range(world)))
-    writer = pcp.DirectKVWriter(view, cache.layout, fused=fused, timeout_s=60)
+    writer = pcp.DirectKVWriter(view, cache.layout, route=route, fused=fused, timeout_s=60)
     ar = collectives.AllReduce(view, 64, torch.float32, offset=cache.end, channel=1, timeout_s=60)
     split = pcp.pcp_split(T, world)
     seen, wrong = {}, []
-    swap = helpers.replaced(fence_module, **({"_refuse_kernel": unmarked_refusal} if variant == "unmarked" else {}))
+    swap = {
+        None: helpers.replaced(fence_module),
+        "unmarked": helpers.replaced(fence_module, _refuse_kernel=unmarked_refusal),
+        "unposted": helpers.replaced(Refusals, post=lambda self, number, problem, note="": None),
+        "unflagged": helpers.replaced(pcp.DirectKVWriter, _stage=unflagged_stage),
+    }[variant]
     try:
         with swap:
             for i, (name, (change, _, _)) in enumerate(CASES.items()):
@@ -85,6 +112,8 @@ def refusals(fused, variant=None):
                 members = [r for r in range(world) if r != bad]
                 theirs = [torch.cat([split.local_rows(t, r) for r in members]) for t in (kv, pe, ix)]
                 want0 = cache.expected_layer(*theirs, torch.cat([split.local_slots(slots, r) for r in members]))
+                if route == "allgather" and rank == bad and name in NO_INSERT:
+                    want0 = cache.expected_layer(*theirs, torch.full_like(want0[:0], -1, dtype=torch.int64))
                 want1 = cache.expected_layer(kv, pe, ix, slots)
                 for layer, want in ((0, want0), (1, want1)):
                     diff = first_difference(cache.raw_layer(buf, layer), want)
@@ -114,15 +143,32 @@ def _check(results):
 
 
 @pytest.mark.parametrize(
-    "world, fused", [(2, True), (2, False), (3, True)], ids=["world2-fused", "world2-fence", "world3-fused"]
+    "world, fused, route",
+    [(2, True, "direct"), (2, False, "direct"), (3, True, "direct"), (2, False, "allgather"), (3, False, "allgather")],
+    ids=["world2-fused", "world2-fence", "world3-fused", "world2-allgather", "world3-allgather"],
 )
-def test_a_bad_write_fails_that_write_on_every_member_and_nothing_else(world, fused, host_ranks):
-    _check(host_ranks(refusals, world, fused, timeout_s=600))
+def test_a_bad_write_fails_that_write_on_every_member_and_nothing_else(world, fused, route, host_ranks):
+    _check(host_ranks(refusals, world, fused, None, route, timeout_s=600))
 
 
-def test_the_refusal_marks_bite(host_ranks):
-    """Without the marks, the members' writes of a refused layer return: the test above fails."""
-    results = host_ranks(refusals, 2, True, "unmarked", timeout_s=600)
+@pytest.mark.parametrize(
+    "fused, variant, route",
+    [(True, "unmarked", "direct"), (False, "unposted", "allgather")],
+    ids=["direct-fence-marks", "allgather-store-record"],
+)
+def test_the_refusal_marks_bite(fused, variant, route, host_ranks):
+    """Without the marks (the direct route's fence marks, the all-gather route's record), the
+    members' writes of a refused layer return: the test above fails."""
+    results = host_ranks(refusals, 2, fused, variant, route, timeout_s=600)
     assert {got[0] for got in results[0][0].values()} == {"returned"}, results[0][0]
     with pytest.raises(AssertionError, match="returned"):
+        _check(results)
+
+
+def test_the_all_gather_routes_header_bites(host_ranks):
+    """With the refused block sent unmarked, the members insert the bad member's stale rows: the
+    byte oracle of the test above fails."""
+    results = host_ranks(refusals, 2, False, "unflagged", "allgather", timeout_s=600)
+    assert any("layer 0 of this replica differs" in w for w in results[0][1]), results[0][1]
+    with pytest.raises(AssertionError, match="layer 0 of this replica differs"):
         _check(results)

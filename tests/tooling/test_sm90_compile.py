@@ -98,11 +98,13 @@ SCRIPT = textwrap.dedent(
     wsig = {"kv_c": "*i16", "k_pe": "*i16", "idx_k": "*i16", "kv_stride": "i32", "pe_stride": "i32",
             "ix_stride": "i32", "slots": "*i64", "n_rows": "i32", "dst": "*i64", "main_off": "i32", "idx_off": "i32",
             "main_bstride": "i32", "idx_bstride": "i32", "ptrs": "*i64", "cell": "i32", "me": "i32",
-            "timeout_ns": "i64", "record": "i64"}
-    for split in (False, True):  # the second variant: the other formats, one destination per program, prefetch
+            "timeout_ns": "i64", "record": "i64", "per_member": "i32"}
+    # The second variant: the other formats, one destination per program, prefetch, gathered rows.
+    for split in (False, True):
         for fused in (False, True):
             consts = {"NDST": 2, "BLOCK_T": 32, "BLOCK_SIZE": 64, "FUSED": fused, "TRAP": True,
-                      "MAIN_POW2": not split, "IDX_SCALE": 1 if split else 2, "SPREAD": split, "PREFETCH": split}
+                      "MAIN_POW2": not split, "IDX_SCALE": 1 if split else 2, "SPREAD": split, "PREFETCH": split,
+                      "GATHERED": split}
             src = ASTSource(W._quantize_write_kernel, {**wsig, **{k: "constexpr" for k in consts}}, consts)
             try:  # one kernel that does not compile fails its own test, not every test here
                 k = triton.compile(src, target=target, options={"num_warps": 4})
