@@ -377,19 +377,25 @@ class _Collective(Consumer):
         member publishes once and reads nothing, and the members' epochs stay in step; then it
         raises ``error`` here, and the others raise :class:`~symmsync.PeerRefused` naming this
         member (on GPUs at their :meth:`synchronize`). The collective stays usable. Over a view
-        that spans nodes the call fails the collective instead, as any failure there
-        (:meth:`symmsync.core.consumer.Consumer.refuse`)."""
-        if self._over is not None:
-            super().refuse(problem, call, error)
+        that spans nodes it runs every step of the call refused
+        (:meth:`symmsync.collectives.spanning._NodeSteps.refuse`), with the same outcome."""
         self.check_usable()
         err = error(f"rank {self.rank}: {self._NAME}: {problem}; no member's call did anything")
+        if self._over is not None:
+            self._over.refuse(problem)
+        else:
+            self._launch_refused()
+        raise err
+
+    def _launch_refused(self) -> None:
+        """Take part in the next call with nothing to send (``count = -1``: the header says the call
+        is refused), raising nothing: :meth:`refuse`'s launch, and a refused node step's over nodes."""
         dummy = torch.empty(0, dtype=self.dtype, device=self._buffer.device)  # nothing is read or written
         algorithm = 0 if self._OP == L.ALL_REDUCE else -1
         try:
-            self._launch(dummy, dummy, -1, algorithm, -1)  # count -1: nothing sent, the header says refused
+            self._launch(dummy, dummy, -1, algorithm, -1)
         except PeerRefused:
             pass  # another member refused this call too: this member's own refusal is what it raises
-        raise err
 
     def _raise_refusal(self) -> None:
         """Raise the :class:`~symmsync.PeerRefused` a member's refused call left (once)."""

@@ -38,6 +38,11 @@ The fused residual + RMS norm runs its epilogue in torch after step 4, with the 
 of :meth:`AllReduce.__call__ <symmsync.collectives.AllReduce.__call__>`. The elements a member
 receives go through the off-node step as bytes (any dtype, any backend).
 
+A bad input fails that call only (:meth:`_NodeSteps.refuse`): the refusing member posts a
+record (:mod:`symmsync.spanning.refusals`) and runs every step refused, each member that meets
+the refusal runs the rest of its steps refused, and every member raises
+:class:`~symmsync.PeerRefused` naming the refusing member by the end of its call.
+
 Failure: a step that raises fails the collective for good (as one kernel's failure does)
 and aborts the view, which the exchange posts where the other nodes' members read it; the
 view's parts pass the abort to the node view (:mod:`symmsync.spanning.parts`), so that this
@@ -53,9 +58,10 @@ import torch
 from ..checks import index_problem, timeout_problem
 from ..core.nodes import NodeLayout
 from ..core.views import PeerView
-from ..errors import SymmSyncError
+from ..errors import PeerRefused, SymmSyncError
 from ..spanning import exchange
 from ..spanning import parts as spanning
+from ..spanning.refusals import Refusals
 from . import layout as L
 from . import making
 from .mismatch import differing_calls
@@ -138,6 +144,10 @@ class _NodeSteps:
         self._owner, self._name, self._op = owner, name, op
         self._budget = steps[0].fence.timeout_s
         self._nodes = nodes.num_nodes
+        #: Where a member's refused call is told (:meth:`refuse`), and whether this call is refused.
+        self._refusals = Refusals(view, buf.rank, name)
+        self._refused = False
+        self._streams = buf.capabilities.streams  # a GPU: a node step's refusal is read before the exchange
         self._members = len(self.node_view.ranks)  # m: the members of each node
         self._node = nodes.node_of(view.local_index)
         self._position_ranks = [view.ranks[i] for i in nodes.peers_at(nodes.position(view.local_index))]
@@ -165,19 +175,77 @@ class _NodeSteps:
         owner = self._owner
         if not owner._failure.clean or owner._buffer.closed:
             owner.check_usable()
-        self.exchange.refuse_capture(x.device, f"{self._name} over a view that spans {self._nodes} nodes")
+        symmetric = int(x.data_ptr() == owner._sym_addr)
+        row = 0 if epilogue is None else epilogue[3]
+        words = L.header(self._op, numel, L.DTYPES[x.dtype], algorithm, symmetric, 0, row)  # the call's number: _call
+        self._call(x.device, None, words, x, out, numel, count, epilogue)
+        if self._refused:  # a member refused this call: every step ran refused from where it was seen
+            self._raise_refused()
+
+    def refuse(self, problem: str) -> None:
+        """This rank's call failed its checks: post the refusal (:class:`~symmsync.spanning.refusals.Refusals`),
+        then take part in every step of the call refused: each node step as a refused call (its
+        members' node steps do nothing and raise :class:`~symmsync.PeerRefused`, which makes their
+        call refused from there on), the exchange with the header's ``numel`` -1 (the members at
+        this position learn it there). So every member of the view meets the refusal by the end
+        of its call (on a GPU some at :meth:`synchronize`), every step's epochs stay in step, and
+        no member's output is written. The caller raises this rank's own error."""
+        words = L.header(self._op, -1, 0, 0, 0, 0, 0)
+        self._call(self._owner._buffer.device, problem, words, None, None, 0, 0, None)
+
+    def _call(self, device: torch.device, problem: str | None, words: list[int], *args: Any) -> None:
+        """One call's steps (:meth:`_run` of ``args`` and the header ``words``, given the call's number), refused
+        from the start where ``problem`` is this rank's; a failure of any step fails the collective
+        and aborts the view."""
+        owner = self._owner
+        self.exchange.refuse_capture(device, f"{self._name} over a view that spans {self._nodes} nodes")
         try:
             self._calls += 1
-            symmetric = int(x.data_ptr() == owner._sym_addr)
-            row = 0 if epilogue is None else epilogue[3]
-            words = L.header(self._op, numel, L.DTYPES[x.dtype], algorithm, symmetric, self._calls, row)
-            self._run(x, out, numel, count, epilogue, words)
+            self._refused = problem is not None
+            if problem is not None:
+                self._refusals.post(self._calls, problem)
+            words[L.H_EPOCH] = self._calls
+            self._run(*args, words)
         except Exception as e:
             err = self._named(e)
             owner.fail(err)
             if err is e:
                 raise
             raise err from e
+
+    def _raise_refused(self) -> None:
+        """Raise :class:`~symmsync.PeerRefused` for the members' refused calls of this rank's calls so
+        far (:class:`~symmsync.spanning.refusals.Refusals`), naming the refusing member and its problem."""
+        found = self._refusals.read(self._calls)
+        if not found:  # this rank refused the call too: its own error says enough
+            return
+        origin, number, problem, _ = found[0]
+        owner = self._owner
+        raise PeerRefused(
+            f"rank {owner.rank}: {self._name} on view {list(owner.view.ranks)} (call {number}, across {self._nodes} "
+            f"nodes): rank {origin} refused its call: {problem}; no member's output was written, and the next call "
+            "goes on",
+            rank=owner.rank,
+            origin=origin,
+            reason=problem,
+        )
+
+    def _step(self, step: Any, *args: Any, before_exchange: bool = False, **kwargs: Any) -> torch.Tensor | None:
+        """A node step of this call: ``step(*args, **kwargs)``, or, once the call is known refused, the
+        step as a refused call (``None``). A member's refusal of the step makes the call refused
+        (``None``); on a GPU a step ``before_exchange`` is waited for, so that its refusal is known
+        before this rank's header goes out."""
+        if self._refused:
+            step._launch_refused()
+            return None
+        try:
+            result = step(*args, **kwargs)
+            if before_exchange and self._streams:
+                step.synchronize()
+        except PeerRefused:
+            self._refused = True
+            return None
+        return result
 
     def _named(self, e: Exception) -> Exception:
         """A step's error as naming the view's origin (:func:`symmsync.spanning.exchange.as_origin`)."""
@@ -187,17 +255,24 @@ class _NodeSteps:
         """The form's steps of a checked call, ``words`` its header (each form defines its own)."""
         raise NotImplementedError
 
-    def _between_nodes(self, t: torch.Tensor, words: list[int]) -> list[torch.Tensor]:
+    def _between_nodes(self, t: torch.Tensor | None, words: list[int]) -> list[torch.Tensor] | None:
         """``t`` of the member at this rank's position on every node, in node order: the one
         exchange of a call, ``[header | t]`` in a frame of fixed size. The members' headers are
         compared here, before any received byte is used: calls that differ raise
-        :class:`~symmsync.collectives.CollectiveMismatch` on every member of the exchange."""
-        nbytes = t.numel() * t.element_size()
+        :class:`~symmsync.collectives.CollectiveMismatch` on every member of the exchange. ``None``
+        where the call is refused (this rank's, or a member's header at this position says so)."""
         frame = self._frame
+        if self._refused:  # the header says so (numel -1); no data
+            t, words = None, [-1 if i == L.H_NUMEL else w for i, w in enumerate(words)]
         frame[:_HEADER_BYTES].copy_(torch.tensor(words, dtype=torch.int64).view(torch.uint8))
-        frame[_HEADER_BYTES : _HEADER_BYTES + nbytes].copy_(t.reshape(-1).view(torch.uint8))
+        if t is not None:
+            nbytes = t.numel() * t.element_size()
+            frame[_HEADER_BYTES : _HEADER_BYTES + nbytes].copy_(t.reshape(-1).view(torch.uint8))
         got = self.exchange.all_gather(frame, among="position", timeout_s=self._budget)
         headers = torch.stack([g[:_HEADER_BYTES] for g in got]).view(torch.int64).tolist()  # one copy to the host
+        if t is None or any(h[L.H_NUMEL] < 0 for h in headers):  # refused here, or by a member at this position
+            self._refused = True
+            return None
         if any(h != words for h in headers):
             owner = self._owner
             where = f"rank {owner.rank}: {self._name} on view {list(owner.view.ranks)} (call {self._calls})"
@@ -216,15 +291,21 @@ class _NodeSteps:
     def synchronize(self) -> None:
         """Wait for the device and raise a node step's recorded error (GPUs), which fails the
         collective too; the step between nodes raises in the call itself."""
+        refused = False
         try:
             for step in self.steps:
-                step.synchronize()
+                try:
+                    step.synchronize()
+                except PeerRefused:  # a member's refused call reached this node step: named from the record
+                    refused = True
         except SymmSyncError as e:
             err = self._named(e)
             self._owner.fail(err)
             if err is e:
                 raise
             raise err from e
+        if refused:
+            self._raise_refused()
 
 
 class _AllReduceSteps(_NodeSteps):
@@ -239,14 +320,21 @@ class _AllReduceSteps(_NodeSteps):
             return
         residual, weight, res_out, _hidden, eps = epilogue
         s = self._sum(x, numel, None, words)
+        if s is None:
+            return
         new = s.view(x.shape).to(torch.float32) + residual.to(torch.float32)
         res_out.copy_(new)  # rounds to the dtype: what torch's s + residual gives
         h = res_out.to(torch.float32)
         out.copy_(h / torch.sqrt(h.square().mean(-1, keepdim=True) + eps) * weight.to(torch.float32))
 
-    def _sum(self, x: torch.Tensor, numel: int, out: torch.Tensor | None, words: list[int]) -> torch.Tensor:
-        """The sum over the members (steps 1 to 4), into ``out`` (a new 1-D tensor when ``None``)."""
+    def _sum(self, x: torch.Tensor | None, numel: int, out: torch.Tensor | None, words: list[int]) -> Any:
+        """The sum over the members (steps 1 to 4), into ``out`` (a new 1-D tensor when ``None``);
+        ``None`` for a refused call (known to every member after step 2: each position's exchange
+        holds a member of the refusing member's node, so step 4 is left out on every member)."""
         rs, ag = self.steps
+        if self._refused:  # this rank refused the call: no data
+            self._between_nodes(self._step(rs), words)
+            return None
         m = self._members
         c = -(-numel // m)
         src = x.reshape(-1)
@@ -257,7 +345,9 @@ class _AllReduceSteps(_NodeSteps):
             src = rs.input(m * c, x.dtype)
             if x.data_ptr() != src.data_ptr():
                 src[:numel].copy_(x.reshape(-1))
-        parts = self._between_nodes(rs(src), words)
+        parts = self._between_nodes(self._step(rs, src, before_exchange=True), words)
+        if parts is None:
+            return None
         chunk = self._node_order_sum(parts).to(x.dtype)
         if out is not None and numel == m * c:
             return ag(chunk, out=out.view(-1))
@@ -270,19 +360,31 @@ class _AllReduceSteps(_NodeSteps):
 class _AllGatherSteps(_NodeSteps):
     def _run(self, x, out, numel, count, epilogue, words) -> None:
         (ag,) = self.steps
+        parts = self._between_nodes(x, words)
+        if parts is None:  # refused: the members at this position know; the node all-gather tells the rest
+            self._step(ag)
+            return
         block = ag.input(self._nodes * numel, x.dtype)
-        torch.cat(self._between_nodes(x, words), out=block)
-        gathered = ag(block).view(self._owner.size, numel)  # row p * N + j: the member at position p of node j
+        torch.cat(parts, out=block)
+        gathered = self._step(ag, block)
+        if gathered is None:
+            return
+        gathered = gathered.view(self._owner.size, numel)  # row p * N + j: the member at position p of node j
         torch.index_select(gathered, 0, self._by_member, out=out.view(self._owner.size, numel))
 
 
 class _ReduceScatterSteps(_NodeSteps):
     def _run(self, x, out, numel, count, epilogue, words) -> None:
         (rs,) = self.steps
+        if self._refused:  # this rank refused the call: no data
+            self._between_nodes(self._step(rs), words)
+            return
         size = self._owner.size
         src = rs.input(numel, x.dtype)
         torch.index_select(x.reshape(size, count), 0, self._by_position, out=src.view(size, count))
-        parts = self._between_nodes(rs(src), words)  # node i's partials of the chunks at this position, node order
+        parts = self._between_nodes(self._step(rs, src, before_exchange=True), words)  # node i's partials, node order
+        if parts is None:
+            return
         mine = [q[self._node * count : (self._node + 1) * count] for q in parts]
         out.copy_(self._node_order_sum(mine))
 
