@@ -225,7 +225,11 @@ class Dispatcher(Consumer):
         self._state = torch.zeros(protocol.STATE_WORDS, dtype=torch.int64, device=buf.device)
         self._groups = hidden // L.FP8_GROUP if fp8 else 1
         self._chunks = -(-hidden // min(_pow2(hidden), _CHUNK))  # a send's (or reduce's) programs per row
-        self._row_blocks = -(-max_tokens // _ROWS)  # a read's (or a combine's send's) programs per source
+        self._row_blocks = -(-max_tokens // _ROWS)  # a combine's send's programs per source
+        # A read's programs per (local expert, source): each waits once, then loops over its blocks
+        # of rows; about two programs a multiprocessor in all (a few under the interpreter).
+        programs = 2 * torch.cuda.get_device_properties(buf.device).multi_processor_count if caps.streams else 4
+        self._read_blocks = max(1, min(self._row_blocks, -(-programs // (self.local_experts * view.size))))
         self._launches = self._launchers(caps.traps)
         dev, i64 = buf.device, torch.int64
         # What a refused step launches with: no tokens, no rows (its header says why).
@@ -510,7 +514,7 @@ class Dispatcher(Consumer):
 
         def receive() -> tuple[torch.Tensor, ...]:
             self._pending = None
-            grid = (el * size, self._row_blocks, 1)
+            grid = (el * size, self._read_blocks, 1)
             self._launch_or_fail("dispatch_read", grid, recv_k, scales, counts, per_source, offsets, src)
             self._finish_step("dispatch", bad)
             return recv, scales, counts, src, per_source, offsets

@@ -135,10 +135,12 @@ def dispatch_read(
     G: tl.constexpr, GP: tl.constexpr,
 ):  # fmt: skip
     """Step 2 of a dispatch: program ``(e * SIZE + s, b)`` waits and checks the step
-    (:func:`.protocol.check`), then copies rows ``b * RB ..`` of what member ``s`` sent local
-    expert ``e`` to their packed places, ``recv[e][offsets[e][s] + j]`` (and their scales and
-    source indices); program ``(e * SIZE, 0)`` stores ``e``'s counts, per source and in all, and
-    the offsets (zeros when the step failed). The last program to arrive counts the step."""
+    (:func:`.protocol.check`) once, then copies blocks ``b, b + B, b + 2B ..`` (``B`` the grid's
+    second axis) of ``RB`` rows of what member ``s`` sent local expert ``e`` to their packed
+    places, ``recv[e][offsets[e][s] + j]`` (and their scales and source indices), as far as the
+    rows ``s`` sent: the grid is sized by the device, not by ``max_tokens``, so that few programs
+    wait. Program ``(e * SIZE, 0)`` stores ``e``'s counts, per source and in all, and the offsets
+    (zeros when the step failed). The last program to arrive counts the step."""
     pid = tl.program_id(0)
     el = pid // SIZE
     s = pid % SIZE
@@ -164,15 +166,18 @@ def dispatch_read(
     rows = ssl.data_ptr(sig, me, rows_off + base + first * H * ELEM, recv.dtype.element_ty)
     srcs = ssl.data_ptr(sig, me, src_off + base + first * 8, tl.int64)
     scl = ssl.data_ptr(sig, me, scales_off + base + first * G * 4, tl.float32)
-    for i in tl.static_range(RB):
-        j = b * RB + i
-        if j < n:
-            to = el * (SIZE * M) + start + j
-            tl.store(recv + to * H + cols, tl.load(rows + j * H + cols, mask=cols < H), mask=cols < H)
-            if FP8:
-                tl.store(scales + to * G + gs, tl.load(scl + j * G + gs, mask=gs < G), mask=gs < G)
-            tl.store(src + to, tl.load(srcs + j))
-    if protocol.arrive_last(state, _DONE, EL * SIZE * tl.num_programs(1)):
+    blocks = tl.num_programs(1)
+    while b * RB < n:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
+        for i in tl.static_range(RB):
+            j = b * RB + i
+            if j < n:
+                to = el * (SIZE * M) + start + j
+                tl.store(recv + to * H + cols, tl.load(rows + j * H + cols, mask=cols < H), mask=cols < H)
+                if FP8:
+                    tl.store(scales + to * G + gs, tl.load(scl + j * G + gs, mask=gs < G), mask=gs < G)
+                tl.store(src + to, tl.load(srcs + j))
+        b += blocks
+    if protocol.arrive_last(state, _DONE, EL * SIZE * blocks):
         protocol.finish(state, status, who, what, where, value)
 
 
