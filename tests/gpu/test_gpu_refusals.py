@@ -14,7 +14,8 @@ neither trap nor leave a counter counted:
 * MoE: the last member passes an expert id out of range (found on the device, not on the host),
   or more tokens than ``max_tokens``; the same errors; after each, a layer whose combine equals
   ``sum_k w[t, k] * 2 * x[t]`` for an expert that doubles its rows (plain torch);
-* the direct-KV writer (fused tail): the last member writes a layer with a float32 ``kv_c``, or
+* the direct-KV writer (the direct route's fused tail, and the all-gather route, whose refused
+  block's header the kernel reads): the last member writes a layer with a float32 ``kv_c``, or
   a layer out of range; it raises at once, the others' writes return and their
   ``synchronize()`` raises ``PeerRefused`` naming it; then every member writes the next layer,
   and every replica holds every member's rows (tests/oracles.py: plain torch from the format
@@ -141,12 +142,12 @@ WRITER_CASES = {
 }
 
 
-def _writer():
+def _writer(route):
     world, rank = dist.get_world_size(), dist.get_rank()
     cache = Cache(1, 2, 64)
     buf = ss.SymmetricBuffer(cache.end, backend="cuda")
     d = buf.device
-    writer = pcp.DirectKVWriter(buf.view(list(range(world))), cache.layout, timeout_s=60)
+    writer = pcp.DirectKVWriter(buf.view(list(range(world))), cache.layout, route=route, timeout_s=60)
     split = pcp.pcp_split(12, world)
     seen, wrong = {}, []
     for i, (name, (change, _)) in enumerate(WRITER_CASES.items()):
@@ -203,5 +204,7 @@ def test_a_refused_dispatch_fails_once_on_every_member_and_the_next_layer_is_rig
     _check(run(_moe, world, backend="cuda", timeout_s=300), _moe_cases(world), "dispatch")
 
 
-def test_a_refused_write_fails_once_on_every_member_and_the_next_layer_is_right(world):
-    _check(run(_writer, world, backend="cuda", timeout_s=300), WRITER_CASES, "write", {"layer": "BoundsError"})
+@pytest.mark.parametrize("route", ["direct", "allgather"])
+def test_a_refused_write_fails_once_on_every_member_and_the_next_layer_is_right(world, route):
+    results = run(_writer, world, route, backend="cuda", timeout_s=300)
+    _check(results, WRITER_CASES, "write", {"layer": "BoundsError"})
