@@ -26,7 +26,8 @@ only the first of two mutated views of one storage, and ran the op on a clone of
 second. A backend that neither reinplaces nor splits would run it on a clone and copy
 the clone back at the end of the graph, over the bytes the kernel and the peers wrote
 meanwhile: the op refuses clones (:meth:`DirectKVWriter.compiled_write`), raising
-:class:`~symmsync.ConfigError` before writing anything, after aborting the view so that the members raise too.
+:class:`~symmsync.ConfigError` before writing anything, failing that write on every member
+(:meth:`DirectKVWriter.refuse`).
 
 ``symmsync::kv_write_in_order`` (``aot_eager``) declares nothing mutated, so
 functionalization leaves it alone (no clone, no copy back), and is registered as

@@ -533,7 +533,7 @@ class DirectKVWriter(Consumer):
         """What the ops of a compiled :meth:`write` run (:mod:`symmsync.pcp.torch_ops`): check that
         ``cache`` is this writer's span of ``layer`` (not a clone functionalization made: :data:`CLONED`)
         and ``slots`` the last batch's (what the graph cannot have checked), then :meth:`eager_write`.
-        A refusal aborts the view first, so that the members raise too."""
+        A refusal fails that write on every member (:meth:`refuse`), as a bad input does."""
         problem = None
         if is_int(layer) and 0 <= layer < self.layout.num_layers:  # else the write raises the layout's error
             if cache.data_ptr() != self.span(layer).data_ptr():
@@ -542,12 +542,8 @@ class DirectKVWriter(Consumer):
         stale = batch is None or batch.slots.data_ptr() != slots.data_ptr() or batch.rows != slots.shape[0]
         if problem is None and stale:
             problem = "a compiled write() takes the Batch that this writer's prepare() returned last (once per batch)"
-        if problem is not None:
-            try:
-                require(problem, rank=self.buffer.rank, call="DirectKVWriter.write (compiled)")
-            except ConfigError as e:
-                self.abort(str(e))  # the members may already wait in this layer's fence (across nodes too)
-                raise
+        if problem is not None:  # the members may already wait in this layer's synchronization
+            self.refuse(problem, "write (compiled)", ConfigError, layer, batch if not stale else None)
         self.eager_write(layer, kv_c, k_pe, indexer_k, batch)
 
     def eager_write(

@@ -191,7 +191,7 @@ def first_error(fn, *args) -> str | None:
     return None
 
 
-def refusals() -> tuple[str | None, str | None]:
+def refusals() -> tuple[str | None, str | None, str | None]:
     """Rank function: the errors of a write compiled two ways it cannot be ordered: under
     ``aot_eager`` after a plain torch write into the cache in the same graph, then (which
     aborts the view) under ``aot_eager_decomp_partition``."""
@@ -215,14 +215,16 @@ def refusals() -> tuple[str | None, str | None]:
     partitioned = torch.compile(step, backend="aot_eager_decomp_partition", fullgraph=True)
     cloned = first_error(partitioned, kv, pe, ix, batch, False)
     dist.barrier()
+    after = first_error(writer.write, 0, kv, pe, ix, batch)  # the refusal failed that write only
     buf.close()
-    return traced, cloned
+    return traced, cloned, after
 
 
 def test_compiled_writes_that_cannot_be_ordered_are_refused_on_every_rank():
-    for traced, cloned in run(refusals, 2, timeout_s=600):
+    for traced, cloned, after in run(refusals, 2, timeout_s=600):
         # aot_eager: plain writes into symmetric memory before a write, refused while Dynamo traces.
         assert traced is not None and traced.startswith("ConfigError: a compiled DirectKVWriter.write"), traced
         # aot_eager_decomp_partition runs aot_autograd without reinplacing: symmsync::kv_write
         # gets a clone of the span and refuses it at its first call, before writing.
         assert cloned is not None and "passed copies of the caches" in cloned, cloned
+        assert after is None, after  # the writer and its view go on: the eager write of the layer ran
