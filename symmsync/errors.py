@@ -19,6 +19,8 @@ One class per kind of mistake (:mod:`symmsync.checks` words them):
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class SymmSyncError(RuntimeError):
     """Base class of every error symmsync raises on purpose."""
@@ -142,9 +144,9 @@ class InputError(ConfigError):
 class PeerRefused(SymmSyncError):
     """Another member of the view refused its part of this call: its input failed its checks
     (it raised :class:`InputError`). The object stays usable: the members' next call goes on.
-    A collective's or a dispatcher's refused call did nothing on any member; a refused write of
+    A collective's or a dispatcher's refused call wrote no member's output; a refused write of
     the direct-KV writer wrote the other members' rows of the layer, and none of the refusing
-    member's.
+    member's. Every refusal is worded by :func:`peer_refused`.
 
     Attributes:
         rank: this member's global rank.
@@ -164,6 +166,20 @@ class PeerRefused(SymmSyncError):
 
 def _rebuild_peer_refused(message, rank, origin, reason):
     return PeerRefused(message, rank=rank, origin=origin, reason=reason)
+
+
+def peer_refused(
+    rank: int, what: str, ranks: Any, when: str, origin: int, part: str, reason: str, outcome: str
+) -> PeerRefused:
+    """The one wording of a :class:`PeerRefused`: ``rank <rank>: <what> on view <ranks> (<when>): rank
+    <origin> refused its <part>: <reason>; <outcome>`` (``what`` the call, ``part`` what the origin
+    refused: ``call``, ``write``, ``dispatch``; ``outcome`` what the members' calls did and what to do)."""
+    return PeerRefused(
+        f"rank {rank}: {what} on view {list(ranks)} ({when}): rank {origin} refused its {part}: {reason}; {outcome}",
+        rank=rank,
+        origin=origin,
+        reason=reason,
+    )
 
 
 class RankFailure(SymmSyncError):

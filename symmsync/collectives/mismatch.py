@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .. import errors
 from ..errors import FenceTimeout, InputError, PeerRefused, SymmSyncError
 from ..language.records import read_collective_record
 from . import layout as L
@@ -56,13 +57,8 @@ def refused_by(words: list[int], ranks: Sequence[int]) -> tuple[int, int] | None
 def peer_refused(rank: int, name: str, ranks: Sequence[int], origin: int, epoch: int) -> PeerRefused:
     """The :class:`~symmsync.PeerRefused` of a member whose call ``origin`` refused."""
     why = "its arguments failed its checks (its InputError says which)"
-    return PeerRefused(
-        f"rank {rank}: {name} on view {list(ranks)} (the call of epoch {epoch}): rank {origin} refused its call: "
-        f"{why}; no member's call did anything, and the next call goes on",
-        rank=rank,
-        origin=origin,
-        reason=why,
-    )
+    outcome = "no member's call did anything, and the next call goes on"
+    return errors.peer_refused(rank, name, ranks, f"the call of epoch {epoch}", origin, "call", why, outcome)
 
 
 def mismatch_error(

@@ -58,7 +58,7 @@ import torch
 from ..checks import index_problem, timeout_problem
 from ..core.nodes import NodeLayout
 from ..core.views import PeerView
-from ..errors import PeerRefused, SymmSyncError
+from ..errors import PeerRefused, SymmSyncError, peer_refused
 from ..spanning import exchange
 from ..spanning import parts as spanning
 from ..spanning.refusals import Refusals
@@ -221,14 +221,9 @@ class _NodeSteps:
             return
         origin, number, problem, _ = found[0]
         owner = self._owner
-        raise PeerRefused(
-            f"rank {owner.rank}: {self._name} on view {list(owner.view.ranks)} (call {number}, across {self._nodes} "
-            f"nodes): rank {origin} refused its call: {problem}; no member's output was written, and the next call "
-            "goes on",
-            rank=owner.rank,
-            origin=origin,
-            reason=problem,
-        )
+        when = f"call {number}, across {self._nodes} nodes"
+        outcome = "no member's output was written, and the next call goes on"
+        raise peer_refused(owner.rank, self._name, owner.view.ranks, when, origin, "call", problem, outcome)
 
     def _step(self, step: Any, *args: Any, before_exchange: bool = False, **kwargs: Any) -> torch.Tensor | None:
         """A node step of this call: ``step(*args, **kwargs)``, or, once the call is known refused, the

@@ -19,7 +19,7 @@ from ..core.launch import BoundLaunch, Launcher
 from ..core.nodes import spanning_problem
 from ..core.signals import Signals
 from ..core.views import PeerView
-from ..errors import ConfigError, InputError, PeerRefused, SymmSyncError
+from ..errors import ConfigError, InputError, PeerRefused, SymmSyncError, peer_refused
 from . import kernels, protocol
 from . import layout as L
 
@@ -363,13 +363,9 @@ class Dispatcher(Consumer):
             )
         if origin == self.rank:
             return InputError(f"rank {self.rank}: moe.Dispatcher.{kind}: {why}; no member's {kind} did anything")
-        return PeerRefused(
-            f"rank {self.rank}: moe.Dispatcher.{kind} (view {list(self.view.ranks)}): rank {origin} refused its "
-            f"{kind}: {why}; no member's {kind} did anything, and the next call goes on",
-            rank=self.rank,
-            origin=origin,
-            reason=why,
-        )
+        outcome = f"no member's {kind} did anything, and the next call goes on"
+        return peer_refused(self.rank, f"moe.Dispatcher.{kind}", self.view.ranks, f"step {state[protocol.STEPS]}",
+                            origin, kind, why, outcome)  # fmt: skip
 
     # ------------------------------------------------------------------ checks
     def _ids_problem(self, topk_idx: torch.Tensor) -> str | None:

@@ -47,7 +47,7 @@ from ..core import agreement
 from ..core.consumer import Consumer, Making
 from ..core.fence import Fence
 from ..core.launch import BoundLaunch, Launcher
-from ..errors import ClosedError, ConfigError, InputError, PeerRefused, SymmSyncError
+from ..errors import ClosedError, ConfigError, InputError, SymmSyncError, peer_refused
 from ..ops import oplib
 from ..spanning import exchange
 from ..spanning import parts as spanning
@@ -653,15 +653,11 @@ class DirectKVWriter(Consumer):
             else:
                 where += f" but rank {origin}'s"
             where += " (its layer or batch was bad)"
-        raise PeerRefused(
-            f"rank {self.rank}: DirectKVWriter.write on view {list(self.view.ranks)} ({when}): rank "
-            f"{origin} refused its write: {why}; its rows of that layer are in no replica, the other members' rows "
-            f"are in {where}{more}. The writer goes on: write the layer again on every member, or drop the "
-            "batch",
-            rank=self.rank,
-            origin=origin,
-            reason=why,
+        outcome = (
+            f"its rows of that layer are in no replica, the other members' rows are in {where}{more}. The writer "
+            "goes on: write the layer again on every member, or drop the batch"
         )
+        raise peer_refused(self.rank, "DirectKVWriter.write", self.view.ranks, when, origin, "write", why, outcome)
 
     def _write_checked(self, layer: int, kv_c, k_pe, indexer_k, batch: Batch) -> None:
         if self.route == "allgather":
