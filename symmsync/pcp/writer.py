@@ -92,7 +92,6 @@ class Batch:
     _packed: tuple[torch.Tensor, ...] | None = field(default=None, repr=False, compare=False)
     _gathered: tuple[torch.Tensor, ...] | None = field(default=None, repr=False, compare=False)
     _header: torch.Tensor | None = field(default=None, repr=False, compare=False)  # packed's header word
-    _flagged: bool = field(default=False, repr=False, compare=False)  # the header says refused
 
 
 #: The refusal of a write on cloned caches (what to do instead).
