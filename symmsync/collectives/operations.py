@@ -384,10 +384,10 @@ class _Collective(Consumer):
         if self._over is not None:
             self._over.refuse(problem)
         else:
-            self._launch_refused()
+            self.launch_refused()
         raise err
 
-    def _launch_refused(self) -> None:
+    def launch_refused(self) -> None:
         """Take part in the next call with nothing to send (``count = -1``: the header says the call
         is refused), raising nothing: :meth:`refuse`'s launch, and a refused node step's over nodes."""
         dummy = torch.empty(0, dtype=self.dtype, device=self._buffer.device)  # nothing is read or written

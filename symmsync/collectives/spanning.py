@@ -231,7 +231,7 @@ class _NodeSteps:
         (``None``); on a GPU a step ``before_exchange`` is waited for, so that its refusal is known
         before this rank's header goes out."""
         if self._refused:
-            step._launch_refused()
+            step.launch_refused()
             return None
         try:
             result = step(*args, **kwargs)
