@@ -438,56 +438,29 @@ def ratio(R: dict, a: str, b: str) -> float | None:
     return round(x / y, 3) if isinstance(x, float) and isinstance(y, float) and y else None
 
 
+def _target(name: str, q: float | None, limit: float) -> dict:
+    """One target's row: its ratio (``None``: not measured) against its limit."""
+    return {"target": name, "ratio": q, "limit": limit, "met": q is not None and q <= limit}
+
+
 def targets(R: dict, decode_result) -> list[dict]:
-    out = []
-    for name, (a, am), (b, bm), limit in TARGETS:
-        q = ratio(R, f"{a}.{am}", f"{b}.{bm}")
-        out.append({"target": name, "ratio": q, "limit": limit, "met": q is not None and q <= limit})
+    out = [_target(name, ratio(R, f"{a}.{am}", f"{b}.{bm}"), limit) for name, (a, am), (b, bm), limit in TARGETS]
     for T in WRITER_TOKENS:
         for what, limit in (("eager", 1.3), ("between_pieces", 1.5)):
             q = ratio(R, f"writer.{T}.{what}", f"writer.{T}.torch_op")
-            out.append(
-                {
-                    "target": f"write() {what} at {T} tokens <= {limit}x a torch op",
-                    "ratio": q,
-                    "limit": limit,
-                    "met": q is not None and q <= limit,
-                }
-            )
+            out.append(_target(f"write() {what} at {T} tokens <= {limit}x a torch op", q, limit))
     for name in ("ar", "fused"):
         q = ratio(R, f"{name}.reduce_overhead", "torch_op.reduce_overhead")
-        out.append(
-            {
-                "target": f"{name} under reduce-overhead <= 1.2x a torch op's",
-                "ratio": q,
-                "limit": 1.2,
-                "met": q is not None and q <= 1.2,
-            }
-        )
+        out.append(_target(f"{name} under reduce-overhead <= 1.2x a torch op's", q, 1.2))
     for name in ("dispatch", "combine"):  # the MoE issue's: host µs per eager call <= 2x a torch op's
-        q = ratio(R, f"moe.{name}", "moe.torch_op")
-        out.append(
-            {
-                "target": f"MoE {name} eager <= 2.0x a torch op",
-                "ratio": q,
-                "limit": 2.0,
-                "met": q is not None and q <= 2.0,
-            }
-        )
+        out.append(_target(f"MoE {name} eager <= 2.0x a torch op", ratio(R, f"moe.{name}", "moe.torch_op"), 2.0))
     if isinstance(decode_result, list):
         worst = max(
             decode_result, key=lambda rep: rep["host_us_step"]["compiled"] / rep["host_us_step"]["local_compiled"]
         )
         u = worst["host_us_step"]
         q = round(u["compiled"] / u["local_compiled"], 3)
-        out.append(
-            {
-                "target": "compiled 8-layer decode step <= 1.3x without communication",
-                "ratio": q,
-                "limit": 1.3,
-                "met": q <= 1.3,
-            }
-        )
+        out.append(_target("compiled 8-layer decode step <= 1.3x without communication", q, 1.3))
     return out
 
 

@@ -220,6 +220,19 @@ GUARD_BYTES = 16 << 10
 DELAY_S = 0.5
 
 
+def poisoned_case(writer, buf, cache, split, rank, seed, tokens):
+    """One case of a refused-write test: a seeded prompt of ``tokens`` tokens into ``cache``'s slots,
+    this rank's rows and the writer's prepared batch, and every replica poisoned before anyone
+    writes (a barrier). Returns ``(kv, pe, ix, slots, good)``, ``good`` the good arguments of a
+    write of layer 0."""
+    kv, pe, ix, slots = prompt(seed, tokens, cache.num_slots)
+    rows = [split.local_rows(t, rank).contiguous() for t in (kv, pe, ix)]
+    batch = writer.prepare(split.local_slots(slots, rank))
+    buf.tensor(0, (cache.end,), torch.uint8).fill_(POISON)
+    dist.barrier()  # every replica poisoned before anyone writes into it
+    return kv, pe, ix, slots, (0, *rows, batch)
+
+
 def delayed_writer(layer: int, route_index: int, size: int) -> int:
     """The PCP index of the member that sleeps before writing ``layer`` of a route: each
     member in turn, so that every member checks some layer while a peer is late."""

@@ -19,7 +19,7 @@ import helpers
 import pytest
 import torch
 import torch.distributed as dist
-from oracles import POISON, Cache, first_difference, prompt
+from oracles import Cache, first_difference, poisoned_case
 
 import symmsync as ss
 from symmsync import pcp
@@ -51,12 +51,8 @@ def refusals(route, variant=None):
     try:
         with swap:
             for i, (name, (change, _, inserts)) in enumerate(CASES.items()):
-                kv, pe, ix, slots = prompt(200 + i, T, cache.num_slots)
-                rows = [split.local_rows(t, rank).contiguous() for t in (kv, pe, ix)]
-                batch = writer.prepare(split.local_slots(slots, rank))
-                buf.tensor(0, (cache.end,), torch.uint8).fill_(POISON)
-                dist.barrier()  # every replica poisoned before anyone writes into it
-                good = (0, *rows, batch)
+                kv, pe, ix, slots, good = poisoned_case(writer, buf, cache, split, rank, 200 + i, T)
+                _, *rows, batch = good
                 seen[name] = helpers.raised(writer.write, *(change(good) if rank == BAD else good))
                 writer.write(1, *rows, batch)
                 dist.barrier()  # every member's writes of both layers are over before the check

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
-from oracles import POISON, Cache, first_difference, prompt
+from oracles import Cache, first_difference, poisoned_case
 
 import symmsync as ss
 import symmsync.language as ssl
@@ -95,12 +95,8 @@ def refusals(fused, variant=None, route="direct"):
     try:
         with swap:
             for i, (name, (change, _, _)) in enumerate(CASES.items()):
-                kv, pe, ix, slots = prompt(100 + i, T, nb * BLOCK)
-                rows = [split.local_rows(t, rank).contiguous() for t in (kv, pe, ix)]
-                batch = writer.prepare(split.local_slots(slots, rank))
-                buf.tensor(0, (cache.end,), torch.uint8).fill_(POISON)
-                dist.barrier()  # every replica poisoned before anyone writes into it
-                good = (0, *rows, batch)
+                kv, pe, ix, slots, good = poisoned_case(writer, buf, cache, split, rank, 100 + i, T)
+                _, *rows, batch = good
                 seen[name] = helpers.raised(writer.write, *(change(good) if rank == bad else good))
                 try:
                     writer.write(1, *rows, batch)
