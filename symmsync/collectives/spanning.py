@@ -180,7 +180,7 @@ class _NodeSteps:
         words = L.header(self._op, numel, L.DTYPES[x.dtype], algorithm, symmetric, 0, row)  # the call's number: _call
         self._call(x.device, None, words, x, out, numel, count, epilogue)
         if self._refused:  # a member refused this call: every step ran refused from where it was seen
-            self._raise_refused()
+            self._raise_refused(seen_in_call=True)
 
     def refuse(self, problem: str) -> None:
         """This rank's call failed its checks: post the refusal (:class:`~symmsync.spanning.refusals.Refusals`),
@@ -213,14 +213,18 @@ class _NodeSteps:
                 raise
             raise err from e
 
-    def _raise_refused(self) -> None:
+    def _raise_refused(self, seen_in_call: bool = False) -> None:
         """Raise :class:`~symmsync.PeerRefused` for the members' refused calls of this rank's calls so
-        far (:class:`~symmsync.spanning.refusals.Refusals`), naming the refusing member and its problem."""
+        far (:class:`~symmsync.spanning.refusals.Refusals`), naming the refusing member and its problem.
+        ``seen_in_call``: this rank's own call (not refused by it) met the refusal, so a record must
+        be there; none found (the store lost it) still fails the call, naming no member."""
         found = self._refusals.read(self._calls)
+        owner = self._owner
+        if not found and seen_in_call:  # fail closed: the call did not run, whatever the store says
+            found = [(-1, self._calls, "unknown: its record is not in torch.distributed's store", "")]
         if not found:  # this rank refused the call too: its own error says enough
             return
         origin, number, problem, _ = found[0]
-        owner = self._owner
         when = f"call {number}, across {self._nodes} nodes"
         outcome = "no member's output was written, and the next call goes on"
         raise peer_refused(owner.rank, self._name, owner.view.ranks, when, origin, "call", problem, outcome)

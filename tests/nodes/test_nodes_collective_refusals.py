@@ -10,7 +10,8 @@ told it (its node step, the exchange between nodes, or a node step of a member t
 there); no member's ``out`` is written (the sentinel is still there). Then every member makes
 the same call right, and its result is the sum (or the gathered blocks) written here in plain
 torch; no member aborted the view. With the refusing member's record left unposted, the
-members' calls return as if nothing happened, and the test fails.
+members' calls still fail (closed, naming no member), and the test, which asks for the origin,
+fails.
 """
 
 import helpers
@@ -111,8 +112,10 @@ def test_a_bad_call_over_nodes_fails_that_call_on_every_member_and_nothing_else(
 
 
 def test_the_refusal_record_over_nodes_bites():
-    """Without the refusing member's record, the members' calls return: the test above fails."""
+    """Without the refusing member's record, the members' calls still fail closed (``PeerRefused``
+    naming no member, origin -1), but cannot name the origin: the test above fails."""
     results = run(refusals, 4, "unposted", env=NODES, timeout_s=300)
-    assert results[0][0][("all_reduce", 1)][0] == "returned", results[0][0]
-    with pytest.raises(AssertionError, match="returned"):
+    got = results[0][0][("all_reduce", 1)]
+    assert got[0] == "PeerRefused" and got[2] == -1 and "its record is not in" in got[1], got
+    with pytest.raises(AssertionError, match="PeerRefused"):
         _check(results)
