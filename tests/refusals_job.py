@@ -1,8 +1,10 @@
 """A plain torchrun job (tests/core/test_refusals_torchrun.py runs it): a bad call on the last rank
 fails that call on every rank, and the next calls go on. An all-reduce given float64, a MoE
 dispatch given an expert id out of range (found on the device), and a PCP write given float32
-rows: the last rank raises its own error, the others ``PeerRefused`` naming it; then every rank
-makes the good call, checked against plain torch. Each rank prints one line per consumer.
+rows, on the direct route and on the all-gather route (whose refusal travels in its exchange and
+torch.distributed's store): the last rank raises its own error, the others ``PeerRefused`` naming
+it; then every rank makes the good call, checked against plain torch. Each rank prints one line
+per consumer.
 
     torchrun --nproc-per-node 2 tests/refusals_job.py
 """
@@ -35,11 +37,15 @@ def rank_main() -> list[str]:
     nbytes = moe.buffer_bytes(E * world, M, H, torch.bfloat16, K, world)
     per = collectives.workspace_bytes(64, torch.float32, world)
     layout = pcp.CacheLayout(num_blocks=1, num_layers=2, base=nbytes + per)
-    with ss.SymmetricBuffer(layout.end) as buf:
+    gathered = pcp.CacheLayout(num_blocks=1, num_layers=2, base=layout.end)
+    with ss.SymmetricBuffer(gathered.end) as buf:
         view = buf.view(list(range(world)))
         disp = moe.Dispatcher(view, E * world, M, H, torch.bfloat16, K)
         ar = collectives.AllReduce(view, 64, torch.float32, offset=nbytes, channel=1)
-        writer = pcp.DirectKVWriter(view, layout, channel=2)
+        writers = {
+            "write": pcp.DirectKVWriter(view, layout, channel=2),
+            "write (allgather)": pcp.DirectKVWriter(view, gathered, route="allgather", channel=3),
+        }
         lines = []
         # the all-reduce
         x = torch.full((64,), float(rank + 1))
@@ -58,19 +64,20 @@ def rank_main() -> list[str]:
         y = disp.combine(recv, w, handle)  # every expert the identity: y = sum_k w[t, k] x[t]
         ok = torch.allclose(y.float(), (w.sum(1, keepdim=True) * x.float()).to(torch.bfloat16).float(), atol=2e-2)
         lines.append(f"rank {rank}: dispatch: {got}; the next layer right: {ok}")
-        # the PCP write
+        # the PCP write, on both routes
         rows = [torch.randn(2, d, generator=g).to(torch.bfloat16) for d in (512, 64, 128)]
-        batch = writer.prepare(torch.arange(2) + 2 * rank)
-        got = _raised(writer.write, 0, rows[0].float() if bad else rows[0], *rows[1:], batch)
-        writer.write(1, *rows, batch)
-        writer.synchronize()
-        dist.barrier()  # every member's write of layer 1 is over: every replica holds every row
-        replicas = [None] * world
-        dist.all_gather_object(replicas, writer.span(1).clone())
-        ok = all(torch.equal(r, replicas[0]) for r in replicas) and all(
-            bool(replicas[0][: 64 * 656].view(64, 656)[s].any()) for s in range(2 * world)
-        )  # the main-KV region first (64 slots of 656 bytes): each row's bytes at its slot, in every replica
-        lines.append(f"rank {rank}: write: {got}; the next layer in every replica alike: {ok}")
+        for name, writer in writers.items():
+            batch = writer.prepare(torch.arange(2) + 2 * rank)
+            got = _raised(writer.write, 0, rows[0].float() if bad else rows[0], *rows[1:], batch)
+            writer.write(1, *rows, batch)
+            writer.synchronize()
+            dist.barrier()  # every member's write of layer 1 is over: every replica holds every row
+            replicas = [None] * world
+            dist.all_gather_object(replicas, writer.span(1).clone())
+            ok = all(torch.equal(r, replicas[0]) for r in replicas) and all(
+                bool(replicas[0][: 64 * 656].view(64, 656)[s].any()) for s in range(2 * world)
+            )  # the main-KV region first (64 slots of 656 bytes): each row's bytes at its slot, in every replica
+            lines.append(f"rank {rank}: {name}: {got}; the next layer in every replica alike: {ok}")
         return lines
 
 
