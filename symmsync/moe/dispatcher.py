@@ -226,10 +226,11 @@ class Dispatcher(Consumer):
         self._groups = hidden // L.FP8_GROUP if fp8 else 1
         self._chunks = -(-hidden // min(_pow2(hidden), _CHUNK))  # a send's (or reduce's) programs per row
         self._row_blocks = -(-max_tokens // _ROWS)  # a combine's send's programs per source
-        # A read's programs per (local expert, source): each waits once, then loops over its blocks
-        # of rows; about two programs a multiprocessor in all (a few under the interpreter).
-        programs = 2 * torch.cuda.get_device_properties(buf.device).multi_processor_count if caps.streams else 4
-        self._read_blocks = max(1, min(self._row_blocks, -(-programs // (self.local_experts * view.size))))
+        # The programs that wait in a step's second launch (a read, a combine's sum), about two a
+        # multiprocessor (a few under the interpreter): each waits once, then loops over its share
+        # (a read's, per local expert and source, over that source's blocks of rows).
+        self._waiters = 2 * torch.cuda.get_device_properties(buf.device).multi_processor_count if caps.streams else 4
+        self._read_blocks = max(1, min(self._row_blocks, -(-self._waiters // (self.local_experts * view.size))))
         self._launches = self._launchers(caps.traps)
         dev, i64 = buf.device, torch.int64
         # What a refused step launches with: no tokens, no rows (its header says why).
@@ -286,7 +287,7 @@ class Dispatcher(Consumer):
             "combine_reduce": (
                 Launcher(
                     kernels.combine_reduce, (1,), 4, **sync, TRAP=traps, E=self.num_experts, H=h, HB=hb,
-                    TOPK=self.top_k, BITS=self._bits, **exact,
+                    C=self._chunks, TOPK=self.top_k, BITS=self._bits, **exact,
                 ),
                 dict(waits, **combine),
                 ("y", "topk", "weights", "T"),
@@ -613,7 +614,7 @@ class Dispatcher(Consumer):
 
         def receive() -> torch.Tensor:
             self._pending = None
-            grid = (max(tokens, 1), self._chunks, 1)
+            grid = (min(max(tokens, 1) * self._chunks, self._waiters), 1, 1)
             self._launch_or_fail("combine_reduce", grid, y_k, handle.topk_idx, topk_weights, tokens)
             self._finish_step("combine", bad)
             return y

@@ -11,10 +11,11 @@ when an earlier entry of the same token names the same expert (a (token, expert)
 once); one below -1 or not below the number of experts refuses the step on every member
 (:func:`.protocol.refuse_id`).
 
-Programs: a dispatch's send runs one program per (token, entry, chunk of ``HB`` channels), a
-read one per (local expert and source, ``RB`` rows); a combine's send one per (local expert
-and source, ``RB`` rows), its reduce one per (token, chunk). Each moves whole chunks of a row
-with one masked access per chunk.
+Programs: a dispatch's send runs one program per (token, entry, chunk of ``HB`` channels); a
+combine's send one per (local expert and source, ``RB`` rows). The launches that wait are
+sized by the device, not by the tokens, so that few programs wait: a read's programs, a few
+per (local expert and source), loop over blocks of ``RB`` rows; a combine's reduce's loop over
+(token, chunk) pairs. Each moves whole chunks of a row with one masked access per chunk.
 
 Element types under Triton's interpreter: numpy has no bfloat16, so bfloat16 tensors
 travel as their int16 bits (``BITS``) and are widened and rounded by integer arithmetic
@@ -72,8 +73,10 @@ def dispatch_send(
     """Step 1 of a dispatch: program ``(t, k, c)`` stores chunk ``c`` of token ``t``'s row (its fp8
     codes and scales) and, from chunk 0, its source index into the region of the expert of
     entry ``k``, unless an earlier entry of the token named it; an id out of range is kept
-    (:func:`.protocol.refuse_id`). The last program to arrive stores every receiver's counts
-    and notifies (:func:`.protocol.notify`)."""
+    (:func:`.protocol.refuse_id`). The ``P`` programs share the counts: the ``p``-th (in
+    ``(t, k, c)`` order) stores this member's count of experts ``p, p + P, ..`` into their
+    receivers' regions, before its arrival as its rows. The last program to arrive notifies
+    (:func:`.protocol.notify`)."""
     t = tl.program_id(0)
     k = tl.program_id(1)
     c = tl.program_id(2)
@@ -85,8 +88,8 @@ def dispatch_send(
         if sent:
             tt = tl.arange(0, BT)[:, None]
             kk = tl.arange(0, KP)[None, :]
-            routes = tl.load(topk + tt * TOPK + kk, mask=(tt < T) & (kk < TOPK), other=-1)
-            pos = tl.sum(tl.max(((routes == e) & (tt < t)).to(tl.int32), axis=1), axis=0)
+            routes = tl.load(topk + tt * TOPK + kk, mask=(tt < t) & (kk < TOPK), other=-1)  # earlier tokens only
+            pos = tl.sum(tl.max((routes == e).to(tl.int32), axis=1), axis=0)
             m = e // EL
             row = ((e % EL) * SIZE + me) * M + pos
             if FP8:
@@ -112,17 +115,18 @@ def dispatch_send(
             if c == 0:
                 tl.store(ssl.data_ptr(sig, m, src_off + base + row * 8, tl.int64), t * TOPK + k)
     programs = tl.maximum(T, 1) * TOPK * C
+    ex = (t * TOPK + k) * C + c  # this program's first expert to count
+    tt = tl.arange(0, BT)
+    cbase = protocol.parity(state) * stride
+    while ex < E:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
+        hit = tl.zeros([BT], dtype=tl.int32)
+        for j in tl.static_range(TOPK):  # a token counts once, however many entries name the expert
+            hit = hit | (tl.load(topk + tt * TOPK + j, mask=tt < T, other=-1) == ex).to(tl.int32)
+        n = tl.sum(hit, axis=0).to(tl.int64)
+        dst = ssl.data_ptr(sig, ex // EL, counts_off + cbase + ((ex % EL) * SIZE + me) * 8, tl.int64)
+        tl.store(dst, n)
+        ex += programs
     if protocol.arrive_last(state, _SENT, programs):
-        base = protocol.parity(state) * stride
-        tt = tl.arange(0, BT)
-        for m in tl.static_range(SIZE):
-            for el in tl.static_range(EL):
-                e = m * EL + el
-                hit = tl.zeros([BT], dtype=tl.int32)
-                for j in tl.static_range(TOPK):
-                    hit = hit | (tl.load(topk + tt * TOPK + j, mask=tt < T, other=-1) == e).to(tl.int32)
-                n = tl.sum(hit, axis=0).to(tl.int64)
-                tl.store(ssl.data_ptr(sig, m, counts_off + base + (el * SIZE + me) * 8, tl.int64), n)
         protocol.notify(sig, me, state, headers_off, refused, _DISPATCH, SIZE, NSLOTS)
 
 
@@ -214,24 +218,25 @@ def combine_send(
 def combine_reduce(
     y, topk, weights, T, state, sig, me, timeout_ns, record, comb_off, headers_off, stride,
     SIZE: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr, E: tl.constexpr, H: tl.constexpr,
-    HB: tl.constexpr, TOPK: tl.constexpr, BITS: tl.constexpr,
+    HB: tl.constexpr, C: tl.constexpr, TOPK: tl.constexpr, BITS: tl.constexpr,
 ):  # fmt: skip
-    """Step 2 of a combine: program ``(t, c)`` waits and checks the step (:func:`.protocol.check`),
-    then sums chunk ``c`` of token ``t``'s contributions in float32, in the order ``k = 0 .. top_k - 1``:
-    ``acc = acc + w[t, k] * out_k`` (``out_k`` the row its expert sent back; an entry naming the
-    expert of an earlier entry reads that entry's row), then rounds once (zeros when the step
-    failed). The last program to arrive counts the step."""
-    t = tl.program_id(0)
-    c = tl.program_id(1)
+    """Step 2 of a combine: each program waits and checks the step (:func:`.protocol.check`) once,
+    then sums the (token ``t``, chunk ``c``) items ``i = t * C + c`` it is given (``i = p, p + P, ..``,
+    ``P`` the grid, sized by the device as a read's: few programs wait) in float32, in the order
+    ``k = 0 .. top_k - 1``: ``acc = acc + w[t, k] * out_k`` (``out_k`` the row its expert sent back;
+    an entry naming the expert of an earlier entry reads that entry's row), then rounds once
+    (zeros when the step failed). The last program to arrive counts the step."""
     status, who, what, where, value = protocol.check(
         sig, me, timeout_ns, record, state, headers_off, _COMBINE, SIZE, NSLOTS, TRAP
     )
-    if t < T:
-        ok = status == _OK
-        base = protocol.parity(state) * stride
-        cols = c * HB + tl.arange(0, HB)
+    ok = status == _OK
+    base = protocol.parity(state) * stride
+    own = ssl.data_ptr(sig, me, comb_off + base, y.dtype.element_ty)
+    i = tl.program_id(0)
+    while i < T * C:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
+        t = i // C
+        cols = (i % C) * HB + tl.arange(0, HB)
         acc = tl.zeros([HB], dtype=tl.float32)
-        own = ssl.data_ptr(sig, me, comb_off + base, y.dtype.element_ty)
         for k in tl.static_range(TOPK):
             e = tl.load(topk + t * TOPK + k)
             valid = (e >= 0) & (e < E) & ok
@@ -244,5 +249,6 @@ def combine_reduce(
                 v = to_f32(tl.load(own + (t * TOPK + k0) * H + cols, mask=cols < H, other=0), BITS)
                 acc = acc + w * v
         tl.store(y + t * H + cols, from_f32(acc, y.dtype.element_ty, BITS), mask=cols < H)
-    if protocol.arrive_last(state, _DONE, tl.num_programs(0) * tl.num_programs(1)):
+        i += tl.num_programs(0)
+    if protocol.arrive_last(state, _DONE, tl.num_programs(0)):
         protocol.finish(state, status, who, what, where, value)

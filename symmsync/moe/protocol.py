@@ -6,9 +6,9 @@ the device, one count for dispatches and combines together)::
 
     q = n % 2                                   # parity(): which copy of the regions
     1. send (many programs):  store this member's rows into every receiver's region [q] of the
-                step's kind; arrive on this member's counter (acq_rel, GPU scope); the last
-                program to arrive notifies (notify()):
-                  (dispatch) every receiver's count of this member's rows for each of its experts;
+                step's kind (a dispatch also: its count of those rows for each of the
+                receiver's experts, the programs sharing the experts); arrive on this member's
+                counter (acq_rel, GPU scope); the last program to arrive notifies (notify()):
                   header(n, kind) and this member's refusal, if any, into every member's
                   headers[q][this member]; block barrier;
                   signal(m, 0, ADD 1) for every member m (itself too)         [release, system]
@@ -20,7 +20,7 @@ the device, one count for dispatches and combines together)::
                 The last program to arrive records the step's status and counts the step
                 (finish(): n += 1).
 
-Why a row is read only once it is whole: each send program's stores precede its release on
+Why a row (or a count) is read only once it is whole: each send program's stores precede its release on
 the arrival counter; the last program acquires every arrival before its signals, which
 release at system scope (causality is transitive across the two scopes, as the fence's
 ``arrive`` argues); a member reads only after its wait observed that signal (acquire), in a

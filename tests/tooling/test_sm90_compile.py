@@ -147,7 +147,7 @@ SCRIPT = textwrap.dedent(
         "moe_combine_reduce": (MK.combine_reduce,
                                {"y": "*bf16", "topk": "*i64", "weights": "*fp32", "T": "i32", "comb_off": "i64",
                                 **common, **waits},
-                               dict(SIZE=4, NSLOTS=1, TRAP=True, E=8, H=512, HB=512, TOPK=4, BITS=False)),
+                               dict(SIZE=4, NSLOTS=1, TRAP=True, E=8, H=512, HB=512, C=1, TOPK=4, BITS=False)),
     }
     # Each also with ``me`` = 1, which a launch specializes into a constant (Triton does so for an
     # int argument equal to 1): the member of rank 1 compiles that variant.
