@@ -150,9 +150,11 @@ SCRIPT = textwrap.dedent(
                                dict(SIZE=4, NSLOTS=1, TRAP=True, E=8, H=512, HB=512, C=1, TOPK=4, BITS=False)),
     }
     # Each also with ``me`` = 1, which a launch specializes into a constant (Triton does so for an
-    # int argument equal to 1): the member of rank 1 compiles that variant.
+    # int argument equal to 1): the member of rank 1 compiles that variant; the kernels whose loops
+    # run to the token count ``T`` also with ``T`` = 1 (a call of one token).
+    one_token = [(n + "_t1", (k, t, {**c, "T": 1})) for n, (k, t, c) in moe.items() if "T" in t]
     for name, (kernel, types, consts) in [*moe.items(), *((n + "_me1", (k, t, {**c, "me": 1}))
-                                                          for n, (k, t, c) in moe.items())]:
+                                                          for n, (k, t, c) in moe.items()), *one_token]:
         order = [n for n in kernel.arg_names if n not in consts]
         sig = {n: types[n] for n in order}
         try:
@@ -339,7 +341,12 @@ MOE_KERNELS = [
 ]
 
 
-@pytest.mark.parametrize("name", MOE_KERNELS + [n + "_me1" for n in MOE_KERNELS])
+@pytest.mark.parametrize(
+    "name",
+    MOE_KERNELS
+    + [n + "_me1" for n in MOE_KERNELS]
+    + [n + "_t1" for n in ("moe_dispatch_send", "moe_dispatch_send_fp8", "moe_combine_reduce")],
+)
 def test_the_moe_kernels_compile_and_count_their_programs_at_gpu_scope(ptx, name):
     text = ptx[name]
     assert not text.startswith("COMPILE ERROR"), text[:3000]
