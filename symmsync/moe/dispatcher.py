@@ -506,7 +506,7 @@ class Dispatcher(Consumer):
         offsets = torch.empty((el, size), dtype=torch.int64, device=dev)
         xk = x.view(torch.int16) if self._bits else x
         self._launch_or_fail(
-            "dispatch_send", (max(tokens, 1), self.top_k, self._chunks), xk, topk_idx, tokens, int(bad is not None)
+            "dispatch_send", (max(tokens, 1), self._chunks, 1), xk, topk_idx, tokens, int(bad is not None)
         )
 
         def receive() -> tuple[torch.Tensor, ...]:

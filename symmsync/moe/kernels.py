@@ -11,7 +11,8 @@ when an earlier entry of the same token names the same expert (a (token, expert)
 once); one below -1 or not below the number of experts refuses the step on every member
 (:func:`.protocol.refuse_id`).
 
-Programs: a dispatch's send runs one program per (token, entry, chunk of ``HB`` channels); a
+Programs: a dispatch's send runs one program per (token, chunk of ``HB`` channels), which
+loads (and quantizes) its chunk once and stores it for each of the token's experts; a
 combine's send one per (local expert and source, ``RB`` rows). The launches that wait are
 sized by the device, not by the tokens, so that few programs wait: a read's programs, a few
 per (local expert and source), loop over blocks of ``RB`` rows; a combine's reduce's loop over
@@ -45,18 +46,6 @@ _DONE = tl.constexpr(protocol.DONE)
 
 
 @triton.jit
-def _first(topk, t, k, E: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr):
-    """``(e, sent)``: entry ``k`` of token ``t`` (``k`` a program's index), and whether it is sent
-    (an expert id that no earlier entry of the token names)."""
-    e = tl.load(topk + t * TOPK + k)
-    ks = tl.arange(0, KP)
-    row = tl.load(topk + t * TOPK + ks, mask=ks < TOPK, other=-1)
-    earlier = tl.sum(((ks < k) & (row == e)).to(tl.int32), axis=0)
-    sent = (e >= 0) & (e < E) & (earlier == 0)
-    return e, sent
-
-
-@triton.jit
 def _sources(counts, el, SIZE: tl.constexpr, SP: tl.constexpr):
     """Member-indexed counts of local expert ``el`` (``[SP]``, zeros past ``SIZE``) from a counts array."""
     m = tl.arange(0, SP)
@@ -70,60 +59,65 @@ def dispatch_send(
     H: tl.constexpr, HB: tl.constexpr, C: tl.constexpr, TOPK: tl.constexpr, BT: tl.constexpr,
     KP: tl.constexpr, FP8: tl.constexpr, GB: tl.constexpr, BITS: tl.constexpr,
 ):  # fmt: skip
-    """Step 1 of a dispatch: program ``(t, k, c)`` stores chunk ``c`` of token ``t``'s row (its fp8
-    codes and scales) and, from chunk 0, its source index into the region of the expert of
-    entry ``k``, unless an earlier entry of the token named it; an id out of range is kept
-    (:func:`.protocol.refuse_id`). The ``P`` programs share the counts: the ``p``-th (in
-    ``(t, k, c)`` order) stores this member's count of experts ``p, p + P, ..`` into their
-    receivers' regions, before its arrival as its rows. The last program to arrive notifies
-    (:func:`.protocol.notify`)."""
+    """Step 1 of a dispatch: program ``(t, c)`` loads chunk ``c`` of token ``t``'s row once (with
+    ``FP8``, quantizes it once: its codes and scales), then stores it, and from chunk 0 the source
+    index, into the region of the expert of each entry ``k`` of the token that no earlier entry
+    named; an id out of range is kept (:func:`.protocol.refuse_id`). The ``P`` programs share the
+    counts: the ``p``-th (in ``(t, c)`` order) stores this member's count of experts
+    ``p, p + P, ..`` into their receivers' regions, before its arrival as its rows. The last
+    program to arrive notifies (:func:`.protocol.notify`)."""
     t = tl.program_id(0)
-    k = tl.program_id(1)
-    c = tl.program_id(2)
+    c = tl.program_id(1)
+    base = protocol.parity(state) * stride
     if t < T:
-        base = protocol.parity(state) * stride
-        e, sent = _first(topk, t, k, E, TOPK, KP)
-        if (c == 0) & ((e < -1) | (e >= E)):
-            protocol.refuse_id(state, t * TOPK + k, e)
-        if sent:
-            tt = tl.arange(0, BT)[:, None]
-            kk = tl.arange(0, KP)[None, :]
-            routes = tl.load(topk + tt * TOPK + kk, mask=(tt < t) & (kk < TOPK), other=-1)  # earlier tokens only
-            pos = tl.sum(tl.max((routes == e).to(tl.int32), axis=1), axis=0)
-            m = e // EL
-            row = ((e % EL) * SIZE + me) * M + pos
-            if FP8:
-                g = tl.arange(0, GB)[:, None]
-                ch = tl.arange(0, _GROUP)[None, :]
-                col = c * HB + g * _GROUP + ch
-                live = col < H
-                v = to_f32(tl.load(x + t * H + col, mask=live, other=0), BITS)
-                amax = tl.max(tl.abs(v), axis=1)
-                s = tl.math.div_rn(tl.maximum(amax, _FLOOR), _FP8_MAX)
-                codes = to_e4m3(tl.math.div_rn(v, s[:, None]))
-                dst = ssl.data_ptr(sig, m, rows_off + base + row * H, tl.uint8)
-                tl.store(dst + col, codes, mask=live)
-                gs = tl.arange(0, GB)
-                sdst = ssl.data_ptr(sig, m, scales_off + base + row * (H // _GROUP) * 4, tl.float32)
-                tl.store(sdst + c * (HB // _GROUP) + gs, s, mask=c * HB + gs * _GROUP < H)
-            else:
-                col = c * HB + tl.arange(0, HB)
-                ELEM: tl.constexpr = x.dtype.element_ty.primitive_bitwidth // 8
-                v = tl.load(x + t * H + col, mask=col < H)
-                dst = ssl.data_ptr(sig, m, rows_off + base + row * H * ELEM, x.dtype.element_ty)
-                tl.store(dst + col, v, mask=col < H)
-            if c == 0:
-                tl.store(ssl.data_ptr(sig, m, src_off + base + row * 8, tl.int64), t * TOPK + k)
-    programs = tl.maximum(T, 1) * TOPK * C
-    ex = (t * TOPK + k) * C + c  # this program's first expert to count
-    tt = tl.arange(0, BT)
-    cbase = protocol.parity(state) * stride
+        ks = tl.arange(0, KP)
+        mine = tl.load(topk + t * TOPK + ks, mask=ks < TOPK, other=-1)  # this token's entries
+        tt = tl.arange(0, BT)[:, None]
+        kk = tl.arange(0, KP)[None, :]
+        earlier = tl.load(topk + tt * TOPK + kk, mask=(tt < t) & (kk < TOPK), other=-1)  # earlier tokens' ids
+        if FP8:
+            g = tl.arange(0, GB)[:, None]
+            ch = tl.arange(0, _GROUP)[None, :]
+            col = c * HB + g * _GROUP + ch
+            live = col < H
+            v = to_f32(tl.load(x + t * H + col, mask=live, other=0), BITS)
+            amax = tl.max(tl.abs(v), axis=1)
+            sc = tl.math.div_rn(tl.maximum(amax, _FLOOR), _FP8_MAX)
+            vals = to_e4m3(tl.math.div_rn(v, sc[:, None]))
+            gs = tl.arange(0, GB)
+        else:
+            col = c * HB + tl.arange(0, HB)
+            live = col < H
+            vals = tl.load(x + t * H + col, mask=live)
+        for k in tl.static_range(TOPK):
+            e = tl.load(topk + t * TOPK + k)
+            again = tl.sum(((ks < k) & (mine == e)).to(tl.int32), axis=0)  # an earlier entry named it
+            if (c == 0) & ((e < -1) | (e >= E)):
+                protocol.refuse_id(state, t * TOPK + k, e)
+            if (e >= 0) & (e < E) & (again == 0):
+                pos = tl.sum(tl.max((earlier == e).to(tl.int32), axis=1), axis=0)  # earlier tokens sent to e
+                m = e // EL
+                row = ((e % EL) * SIZE + me) * M + pos
+                if FP8:
+                    dst = ssl.data_ptr(sig, m, rows_off + base + row * H, tl.uint8)
+                    tl.store(dst + col, vals, mask=live)
+                    sdst = ssl.data_ptr(sig, m, scales_off + base + row * (H // _GROUP) * 4, tl.float32)
+                    tl.store(sdst + c * (HB // _GROUP) + gs, sc, mask=c * HB + gs * _GROUP < H)
+                else:
+                    ELEM: tl.constexpr = x.dtype.element_ty.primitive_bitwidth // 8
+                    dst = ssl.data_ptr(sig, m, rows_off + base + row * H * ELEM, x.dtype.element_ty)
+                    tl.store(dst + col, vals, mask=live)
+                if c == 0:
+                    tl.store(ssl.data_ptr(sig, m, src_off + base + row * 8, tl.int64), t * TOPK + k)
+    programs = tl.maximum(T, 1) * C
+    ex = t * C + c  # this program's first expert to count
+    tn = tl.arange(0, BT)
     while ex < E:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
         hit = tl.zeros([BT], dtype=tl.int32)
         for j in tl.static_range(TOPK):  # a token counts once, however many entries name the expert
-            hit = hit | (tl.load(topk + tt * TOPK + j, mask=tt < T, other=-1) == ex).to(tl.int32)
+            hit = hit | (tl.load(topk + tn * TOPK + j, mask=tn < T, other=-1) == ex).to(tl.int32)
         n = tl.sum(hit, axis=0).to(tl.int64)
-        dst = ssl.data_ptr(sig, ex // EL, counts_off + cbase + ((ex % EL) * SIZE + me) * 8, tl.int64)
+        dst = ssl.data_ptr(sig, ex // EL, counts_off + base + ((ex % EL) * SIZE + me) * 8, tl.int64)
         tl.store(dst, n)
         ex += programs
     if protocol.arrive_last(state, _SENT, programs):
