@@ -225,12 +225,13 @@ class Dispatcher(Consumer):
         self._state = torch.zeros(protocol.STATE_WORDS, dtype=torch.int64, device=buf.device)
         self._groups = hidden // L.FP8_GROUP if fp8 else 1
         self._chunks = -(-hidden // min(_pow2(hidden), _CHUNK))  # a send's (or reduce's) programs per row
-        self._row_blocks = -(-max_tokens // _ROWS)  # a combine's send's programs per source
-        # The programs that wait in a step's second launch (a read, a combine's sum), about two a
-        # multiprocessor (a few under the interpreter): each waits once, then loops over its share
-        # (a read's, per local expert and source, over that source's blocks of rows).
+        row_blocks = -(-max_tokens // _ROWS)  # blocks of rows a source may send an expert
+        # The programs of a launch sized by the device: about two a multiprocessor (a few under the
+        # interpreter), so that few programs wait (a read, a combine's sum: each waits once) or find
+        # nothing to do; each loops over its share (a read's and a combine's send's, a few per local
+        # expert and source, over that source's blocks of rows).
         self._waiters = 2 * torch.cuda.get_device_properties(buf.device).multi_processor_count if caps.streams else 4
-        self._read_blocks = max(1, min(self._row_blocks, -(-self._waiters // (self.local_experts * view.size))))
+        self._blocks = max(1, min(row_blocks, -(-self._waiters // (self.local_experts * view.size))))
         self._launches = self._launchers(caps.traps)
         dev, i64 = buf.device, torch.int64
         # What a refused step launches with: no tokens, no rows (its header says why).
@@ -511,7 +512,7 @@ class Dispatcher(Consumer):
 
         def receive() -> tuple[torch.Tensor, ...]:
             self._pending = None
-            grid = (el * size, self._read_blocks, 1)
+            grid = (el * size, self._blocks, 1)
             self._launch_or_fail("dispatch_read", grid, recv_k, scales, counts, per_source, offsets, src)
             self._finish_step("dispatch", bad)
             return recv, scales, counts, src, per_source, offsets
@@ -607,7 +608,7 @@ class Dispatcher(Consumer):
         tokens = handle.topk_idx.shape[0]
         y = torch.empty((tokens, self.hidden), dtype=self.dtype, device=self._device)
         out_k, y_k = (expert_out.view(torch.int16), y.view(torch.int16)) if self._bits else (expert_out, y)
-        send = (el * size, self._row_blocks, 1)
+        send = (el * size, self._blocks, 1)
         self._launch_or_fail(
             "combine_send", send, out_k, handle.per_source, handle.offsets, handle.src, int(bad is not None)
         )

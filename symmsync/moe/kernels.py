@@ -12,11 +12,12 @@ once); one below -1 or not below the number of experts refuses the step on every
 (:func:`.protocol.refuse_id`).
 
 Programs: a dispatch's send runs one program per (token, chunk of ``HB`` channels), which
-loads (and quantizes) its chunk once and stores it for each of the token's experts; a
-combine's send one per (local expert and source, ``RB`` rows). The launches that wait are
-sized by the device, not by the tokens, so that few programs wait: a read's programs, a few
-per (local expert and source), loop over blocks of ``RB`` rows; a combine's reduce's loop over
-(token, chunk) pairs. Each moves whole chunks of a row with one masked access per chunk.
+loads (and quantizes) its chunk once and stores it for each of the token's experts. The
+other launches are sized by the device, not by ``max_tokens`` (about two programs a
+multiprocessor), so that few programs wait or find nothing to do: a read's and a combine's
+send's, a few per (local expert and source), loop over blocks of ``RB`` rows as far as that
+source's count; a combine's reduce's loop over (token, chunk) pairs. Each moves whole chunks
+of a row with one masked access per chunk.
 
 Element types under Triton's interpreter: numpy has no bfloat16, so bfloat16 tensors
 travel as their int16 bits (``BITS``) and are widened and rounded by integer arithmetic
@@ -185,10 +186,11 @@ def combine_send(
     SIZE: tl.constexpr, NSLOTS: tl.constexpr, M: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
     RB: tl.constexpr,
 ):  # fmt: skip
-    """Step 1 of a combine: program ``(e * SIZE + s, b)`` stores the expert's outputs for rows
-    ``b * RB ..`` of member ``s``'s (packed from ``offsets[e][s]``) into ``s``'s combine region, at
-    the row their source index names (token ``t``, entry ``k``). The last program to arrive
-    notifies (:func:`.protocol.notify`)."""
+    """Step 1 of a combine: program ``(e * SIZE + s, b)`` stores the expert's outputs for the blocks
+    ``b, b + B, ..`` (``B`` the grid's second axis, sized by the device as a read's) of ``RB`` rows
+    of member ``s``'s (packed from ``offsets[e][s]``), as far as the rows ``s`` sent, into ``s``'s
+    combine region, at the row their source index names (token ``t``, entry ``k``). The last
+    program to arrive notifies (:func:`.protocol.notify`)."""
     pid = tl.program_id(0)
     el = pid // SIZE
     s = pid % SIZE
@@ -198,12 +200,14 @@ def combine_send(
     start = tl.load(offsets + el * SIZE + s)
     cols = tl.arange(0, HP)
     dst = ssl.data_ptr(sig, s, comb_off + base, out.dtype.element_ty)  # member s's region, looked up once
-    for i in tl.static_range(RB):
-        j = b * RB + i
-        if j < n:
-            row = el * (SIZE * M) + start + j
-            slot = tl.load(src + row)
-            tl.store(dst + slot * H + cols, tl.load(out + row * H + cols, mask=cols < H), mask=cols < H)
+    while b * RB < n:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
+        for i in tl.static_range(RB):
+            j = b * RB + i
+            if j < n:
+                row = el * (SIZE * M) + start + j
+                slot = tl.load(src + row)
+                tl.store(dst + slot * H + cols, tl.load(out + row * H + cols, mask=cols < H), mask=cols < H)
+        b += tl.num_programs(1)
     if protocol.arrive_last(state, _SENT, tl.num_programs(0) * tl.num_programs(1)):
         protocol.notify(sig, me, state, headers_off, refused, _COMBINE, SIZE, NSLOTS)
 
