@@ -6,10 +6,10 @@ the combined output, bit for bit. Each member's inputs reach the oracle through
 torch.distributed (gloo), apart from the dispatcher.
 
 * every routing kind (random, a hot expert, unused experts, every entry masked, a member
-  with no tokens, an expert named twice by one token) at worlds 2, 3 and 4 in bfloat16, and
+  with no tokens, an expert named twice by one token, one token a member) at worlds 2, 3 and 4 in bfloat16, and
   at world 2 in float32 and float16;
 * the fp8 option's codes and scales against torch's conversion of the rule;
-* 200 back-to-back layers (dispatch, experts, combine) with fresh routings and a random delay
+* 80 back-to-back layers (dispatch, experts, combine) with fresh routings and a random delay
   on one member, checked after the loop, so the oracle is no barrier between the layers;
 * 30 back-to-back dispatches with no combine between them (the dispatch's parity alone keeps
   the rows apart);
@@ -222,8 +222,8 @@ def test_fp8_dispatch_sends_the_rules_codes_and_scales(host_ranks):
     assert host_ranks(fp8_rows, 2, 3, timeout_s=300) == [[], []]
 
 
-def test_200_back_to_back_layers_with_a_slow_member_are_exact(host_ranks):
-    results = host_ranks(back_to_back, 2, 200, 4, 3, 32, 2, 1, 7, timeout_s=600)
+def test_80_back_to_back_layers_with_a_slow_member_are_exact(host_ranks):
+    results = host_ranks(back_to_back, 2, 80, 4, 3, 32, 2, 1, 7, timeout_s=600)
     assert results == [[], []], [r[:5] for r in results]
 
 
