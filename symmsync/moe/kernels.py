@@ -161,7 +161,7 @@ def dispatch_read(
     cols = tl.arange(0, HP)
     gs = tl.arange(0, GP)
     ELEM: tl.constexpr = recv.dtype.element_ty.primitive_bitwidth // 8
-    first = (el * SIZE + s) * M
+    first = ((el * SIZE + s) * M).to(tl.int64)  # int64: a member's region may pass 2 GiB
     rows = ssl.data_ptr(sig, me, rows_off + base + first * H * ELEM, recv.dtype.element_ty)
     srcs = ssl.data_ptr(sig, me, src_off + base + first * 8, tl.int64)
     scl = ssl.data_ptr(sig, me, scales_off + base + first * G * 4, tl.float32)

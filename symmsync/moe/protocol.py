@@ -158,7 +158,7 @@ def notify(sig, me, state, headers_off, refused, KIND: tl.constexpr, SIZE: tl.co
         tl.store(h + 1, code)
         tl.store(h + 2, where)
         tl.store(h + 3, value)
-    tl.debug_barrier()  # every thread's count and header stores before the releases
+    tl.debug_barrier()  # every thread's header stores before the releases
     for m in tl.static_range(SIZE):
         ssl.signal(sig, me, m, 0, 1, ssl.ADD, NSLOTS)
 

@@ -8,6 +8,7 @@ torch.distributed (gloo), apart from the dispatcher.
 * every routing kind (random, a hot expert, unused experts, every entry masked, a member
   with no tokens, an expert named twice by one token, one token a member) at worlds 2, 3 and 4 in bfloat16, and
   at world 2 in float32 and float16;
+* rows of several chunks (hidden 4100: the last one partial), every routing kind;
 * the fp8 option's codes and scales against torch's conversion of the rule;
 * 80 back-to-back layers (dispatch, experts, combine) with fresh routings and a random delay
   on one member, checked after the loop, so the oracle is no barrier between the layers;
@@ -81,14 +82,14 @@ def layer(disp, x, ids, w):
 
 
 # ---------------------------------------------------------------------- rank functions
-def every_routing(num_experts, dtype_name, seed):
+def every_routing(num_experts, dtype_name, seed, hidden=HIDDEN):
     dtype = getattr(torch, dtype_name)
     world, me = dist.get_world_size(), dist.get_rank()
-    buf, disp = make(num_experts, MAX_TOKENS, HIDDEN, dtype, TOP_K)
+    buf, disp = make(num_experts, MAX_TOKENS, hidden, dtype, TOP_K)
     wrong = []
     try:
         for i, kind in enumerate(routings.KINDS):
-            x, ids, w = routings.routing(kind, me, world, num_experts, MAX_TOKENS, HIDDEN, TOP_K, dtype, seed + i)
+            x, ids, w = routings.routing(kind, me, world, num_experts, MAX_TOKENS, hidden, TOP_K, dtype, seed + i)
             got = layer(disp, x, ids, w)
             wrong += [f"{kind}: {s}" for s in compare(disp, i, got, (gathered(x), gathered(ids), gathered(w)), me)]
     finally:
@@ -210,6 +211,13 @@ def overlapped(seed):
 def test_every_routing_gives_the_oracles_rows_order_counts_and_combined_output(host_ranks, world):
     results = host_ranks(every_routing, world, 2 * world, "bfloat16", 11 * world, timeout_s=300)
     assert results == [[]] * world, results
+
+
+def test_rows_of_several_chunks_are_exact_to_their_last_partial_chunk(host_ranks):
+    # hidden 4100: three chunks of a row (2048, 2048, 4) for every send and sum program, and more
+    # experts than a one-token call has programs (each counts several)
+    results = host_ranks(every_routing, 2, 4, "bfloat16", 23, 4100, timeout_s=300)
+    assert results == [[]] * 2, results
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
