@@ -451,6 +451,9 @@ class RankPool:
             try:
                 rank, status, payload = self._results.get(timeout=max(0.01, min(0.5, remaining)))
             except queue.Empty:
+                if not self._thread.is_alive() and self._error is not None:
+                    # the ranks' run failed: its message to the queue may not have been delivered yet
+                    self._raise_failure()
                 if remaining <= 0 or not self._thread.is_alive():
                     missing = [r for r in range(self.world_size) if r not in out]
                     self.close(kill=True)
@@ -463,12 +466,16 @@ class RankPool:
             if status == "ok":
                 out[rank] = pickle.loads(payload)
                 continue
-            self.close(kill=True)
-            self._thread.join(timeout=30)
-            if isinstance(self._error, RankFailure):
-                raise self._error
-            raise RankFailure("testing.RankPool: a rank failed") from self._error
+            self._raise_failure()
         return [out[r] for r in range(self.world_size)]
+
+    def _raise_failure(self) -> None:
+        """The ranks' run failed (a rank raised or died): stop the pool, raise what the run raised."""
+        self.close(kill=True)
+        self._thread.join(timeout=30)
+        if isinstance(self._error, RankFailure):
+            raise self._error
+        raise RankFailure("testing.RankPool: a rank failed") from self._error
 
     def close(self, kill: bool = False) -> None:
         """Stop the ranks (idempotent)."""

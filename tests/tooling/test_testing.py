@@ -95,6 +95,33 @@ def test_a_rank_pool_runs_many_calls_and_stops_at_the_first_failure():
         pool.close()
 
 
+def test_a_rank_pools_failure_names_the_ranks_error_even_before_the_pools_message_arrives():
+    # The pool learns of a failed run from a message its thread puts on a multiprocessing queue,
+    # whose feeder may deliver it after the thread has ended: here it never arrives at all.
+    from symmsync.testing import RankPool
+
+    pool = RankPool(2, timeout_s=120)
+    try:
+        assert pool.call(square, 2) == [0, 4]
+        results = pool._results
+
+        class Undelivered:
+            def put(self, item):
+                if item[1] != "pool":
+                    results.put(item)
+
+            def get(self, timeout):
+                return results.get(timeout=timeout)
+
+        pool._results = Undelivered()
+        t0 = time.monotonic()
+        with pytest.raises(ss.RankFailure, match="planted failure on rank 1"):
+            pool.call(fail_on_rank, 1)
+        assert time.monotonic() - t0 < 60  # at once, not at the call's 120 s deadline
+    finally:
+        pool.close()
+
+
 def test_a_function_defined_inside_another_is_refused_up_front_with_what_to_do():
     def local_fn():
         return 1
