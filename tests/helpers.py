@@ -156,6 +156,14 @@ def replaced(module, **attrs):
             setattr(module, k, v)
 
 
+def refusals_posted(posted=True):
+    """The refusal records of the forms that span nodes (:class:`symmsync.spanning.refusals.Refusals`)
+    as shipped, or with ``posted=False`` never posted (the bite: the members learn of no refusal)."""
+    from symmsync.spanning.refusals import Refusals
+
+    return replaced(Refusals) if posted else replaced(Refusals, post=lambda self, number, problem, note="": None)
+
+
 def raised(call, *args):
     """What ``call(*args)`` did: ``("returned", "", None)``, or the symmsync error's type name,
     message and ``origin`` (the refusing member of a :class:`~symmsync.PeerRefused`)."""

@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 import symmsync as ss
 from symmsync import collectives as C
-from symmsync.spanning.refusals import Refusals
 from symmsync.testing import run
 
 NODES = {"SYMMSYNC_NODE_SIZE": "2"}  # the simulated nodes: ranks [0, 1] and [2, 3]
@@ -70,7 +69,7 @@ def refusals(variant=None):
         "all_gather": C.AllGather(view, N, torch.float32, offset=sizes[0], channel=1, timeout_s=30),
         "reduce_scatter": C.ReduceScatter(view, N, torch.float32, offset=sizes[0] + sizes[1], channel=2, timeout_s=30),
     }
-    swap = helpers.replaced(Refusals, **({"post": lambda self, number, problem, note="": None} if variant else {}))
+    swap = helpers.refusals_posted(not variant)
     seen, wrong = {}, []
     try:
         with swap:

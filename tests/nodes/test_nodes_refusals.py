@@ -23,7 +23,6 @@ from oracles import Cache, first_difference, poisoned_case
 
 import symmsync as ss
 from symmsync import pcp
-from symmsync.spanning.refusals import Refusals
 from symmsync.testing import run
 
 NODES = {"SYMMSYNC_NODE_SIZE": "2"}  # the simulated nodes: ranks [0, 1] and [2, 3]
@@ -43,11 +42,7 @@ def refusals(route, variant=None):
     writer = pcp.DirectKVWriter(view, cache.layout, route=route, timeout_s=30)
     split = pcp.pcp_split(T, 4)
     seen, wrong = {}, []
-    swap = (
-        helpers.replaced(Refusals, post=lambda self, number, problem, note="": None)
-        if variant == "unposted"
-        else helpers.replaced(Refusals)
-    )
+    swap = helpers.refusals_posted(variant != "unposted")
     try:
         with swap:
             for i, (name, (change, _, inserts)) in enumerate(CASES.items()):

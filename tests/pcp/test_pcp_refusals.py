@@ -28,7 +28,6 @@ import symmsync as ss
 import symmsync.language as ssl
 from symmsync import collectives, pcp
 from symmsync.core import fence as fence_module
-from symmsync.spanning.refusals import Refusals
 
 T = 12  # tokens of the prompt
 BLOCK = 64
@@ -89,7 +88,7 @@ def refusals(fused, variant=None, route="direct"):
     swap = {
         None: helpers.replaced(fence_module),
         "unmarked": helpers.replaced(fence_module, _refuse_kernel=unmarked_refusal),
-        "unposted": helpers.replaced(Refusals, post=lambda self, number, problem, note="": None),
+        "unposted": helpers.refusals_posted(False),
         "unflagged": helpers.replaced(pcp.DirectKVWriter, _stage=unflagged_stage),
     }[variant]
     try:
