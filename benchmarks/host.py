@@ -33,7 +33,9 @@ figures: host cost only), but for the decode step, which runs on 2 ranks sharing
   the caches are mutated inputs);
 * **the MoE dispatcher** (128 tokens, hidden 7168, top-8, 8 experts, bf16, its one member: host
   cost only): ``dispatch`` and ``combine`` eager (two bound launches each), beside a torch op on
-  the tokens (``x.mul(2)``) and ``index_select`` of the same 1024 rows;
+  the tokens (``x.mul(2)``) and ``index_select`` of the same 1024 rows; and their parts: the
+  same calls without their launches (``*_no_launch``), a dispatch's six output allocations
+  (``dispatch_outputs``; ``_merged``: its four int64 tensors cut from one), one ``torch.empty``;
 * **a decode step** of 8 layers (a GEMM, then the fused all-reduce + residual + RMS
   norm), 16 tokens, eager, compiled, and compiled in a CUDA graph (replay), against the
   same model with local torch ops in place of the all-reduce (no communication); each
@@ -64,6 +66,10 @@ TOKENS, HIDDEN = 8, 1024  # a decode batch: 16 KB of bf16
 LAYERS, DECODE_TOKENS, DECODE_STEPS = 8, 16, 40
 WRITER_TOKENS = (64, 4096)
 PORT = 29571
+MOE_ROWS = (  # the MoE rows of the table: the calls, then their parts
+    "torch_op", "index_select", "dispatch", "combine", "dispatch_no_launch", "combine_no_launch",
+    "dispatch_outputs", "dispatch_outputs_merged", "empty",
+)  # fmt: skip
 
 TARGETS = [  # (name, what is compared, limit): the issue's targets, as ratios of this run's figures
     ("compiled all-reduce <= 1.0x torch's compiled one_shot", ("ar", "compiled"), ("torch_one_shot", "compiled"), 1.0),
@@ -274,24 +280,50 @@ def writer_at(T: int, cases: dict, failed: dict, notes: dict, keep: list) -> Non
 
 
 def moe(cases: dict, failed: dict, notes: dict, keep: list) -> None:
-    """The dispatcher's eager calls at its one member (host cost: no peer), beside torch ops."""
+    """The dispatcher's eager calls at its one member (host cost: no peer), beside torch ops, and
+    their parts: the same calls of a second dispatcher whose launches are left out (the Python of
+    the call and its output allocations), and the allocations alone, as a dispatch makes them."""
     import symmsync as ss
     from symmsync import moe as ssmoe
 
     E, M, H, K = 8, 128, 7168, 8
-    buf = ss.SymmetricBuffer(ssmoe.buffer_bytes(E, M, H, torch.bfloat16, K, 1), backend="cuda")
+    nbytes = -(-ssmoe.buffer_bytes(E, M, H, torch.bfloat16, K, 1) // 4096) * 4096
+    buf = ss.SymmetricBuffer(2 * nbytes, backend="cuda")
     disp = ssmoe.Dispatcher(buf.view([0]), E, M, H, torch.bfloat16, K, timeout_s=60)
+    bare = ssmoe.Dispatcher(buf.view([0]), E, M, H, torch.bfloat16, K, offset=nbytes, timeout_s=60)
+    bare._launch = lambda *a: None  # noqa: SLF001 - its calls without their two launches
     g = torch.Generator("cuda").manual_seed(0)
     x = torch.randn(M, H, device="cuda", generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(M)])
     w = torch.rand(M, K, device="cuda", generator=g)
     recv, counts, handle = disp.dispatch(x, ids)
     rows = torch.arange(M, device="cuda").repeat_interleave(K)
-    keep.extend((buf, disp, recv, handle))
+    keep.extend((buf, disp, bare, recv, handle))
+    i64, R = torch.int64, M  # one member: members * max_tokens received rows an expert
+
+    def outputs():  # what a dispatch allocates: recv, scales (empty without fp8), counts, src, per_source, offsets
+        return (
+            torch.empty((E, R, H), dtype=torch.bfloat16, device="cuda"),
+            torch.empty(0, dtype=torch.float32, device="cuda"),
+            torch.empty(E, dtype=i64, device="cuda"),
+            torch.empty((E, R), dtype=i64, device="cuda"),
+            torch.empty((E, 1), dtype=i64, device="cuda"),
+            torch.empty((E, 1), dtype=i64, device="cuda"),
+        )
+
+    def merged():  # the same, the four int64 tensors cut from one allocation
+        c, s, p, o = torch.empty(E + E * R + 2 * E, dtype=i64, device="cuda").split((E, E * R, E, E))
+        return torch.empty((E, R, H), dtype=torch.bfloat16, device="cuda"), c, s.view(E, R), p.view(E, 1), o.view(E, 1)
+
     prepare(cases, failed, "moe.torch_op", lambda: lambda: x.mul(2))
     prepare(cases, failed, "moe.index_select", lambda: lambda: x.index_select(0, rows))
     prepare(cases, failed, "moe.dispatch", lambda: lambda: disp.dispatch(x, ids))
     prepare(cases, failed, "moe.combine", lambda: lambda: disp.combine(recv, w, handle))
+    prepare(cases, failed, "moe.dispatch_no_launch", lambda: lambda: bare.dispatch(x, ids))
+    prepare(cases, failed, "moe.combine_no_launch", lambda: lambda: bare.combine(recv, w, handle))
+    prepare(cases, failed, "moe.dispatch_outputs", lambda: outputs)
+    prepare(cases, failed, "moe.dispatch_outputs_merged", lambda: merged)
+    prepare(cases, failed, "moe.empty", lambda: lambda: torch.empty((M, H), dtype=torch.bfloat16, device="cuda"))
     notes["moe"] = {"tokens": M, "hidden": H, "top_k": K, "experts": E, "members": 1}
 
 
@@ -492,7 +524,7 @@ def table(R: dict) -> str:
             v = R.get(f"writer.{T}.{what}")
             lines.append(f"  {what:32s} {v:>9.2f}" if isinstance(v, float) else f"  {what:32s} {v}")
     lines.append("MoE dispatcher, eager (128 tokens, 7168, top-8, one member):")
-    for what in ("torch_op", "index_select", "dispatch", "combine"):
+    for what in MOE_ROWS:
         v = R.get(f"moe.{what}")
         lines.append(f"  {what:32s} {v:>9.2f}" if isinstance(v, float) else f"  {what:32s} {v}")
     return "\n".join(lines)
