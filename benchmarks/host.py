@@ -35,7 +35,8 @@ figures: host cost only), but for the decode step, which runs on 2 ranks sharing
   cost only): ``dispatch`` and ``combine`` eager (two bound launches each), beside a torch op on
   the tokens (``x.mul(2)``) and ``index_select`` of the same 1024 rows; and their parts: the
   same calls without their launches (``*_no_launch``), a dispatch's six output allocations
-  (``dispatch_outputs``; ``_merged``: its four int64 tensors cut from one), one ``torch.empty``;
+  (``dispatch_outputs``; ``_merged``: its four int64 tensors cut from one), one ``torch.empty``
+  (``empty``; ``empty_0``: of no element);
 * **a decode step** of 8 layers (a GEMM, then the fused all-reduce + residual + RMS
   norm), 16 tokens, eager, compiled, and compiled in a CUDA graph (replay), against the
   same model with local torch ops in place of the all-reduce (no communication); each
@@ -68,7 +69,7 @@ WRITER_TOKENS = (64, 4096)
 PORT = 29571
 MOE_ROWS = (  # the MoE rows of the table: the calls, then their parts
     "torch_op", "index_select", "dispatch", "combine", "dispatch_no_launch", "combine_no_launch",
-    "dispatch_outputs", "dispatch_outputs_merged", "empty",
+    "dispatch_outputs", "dispatch_outputs_merged", "empty", "empty_0",
 )  # fmt: skip
 
 TARGETS = [  # (name, what is compared, limit): the targets, as ratios of this run's figures
@@ -324,6 +325,7 @@ def moe(cases: dict, failed: dict, notes: dict, keep: list) -> None:
     prepare(cases, failed, "moe.dispatch_outputs", lambda: outputs)
     prepare(cases, failed, "moe.dispatch_outputs_merged", lambda: merged)
     prepare(cases, failed, "moe.empty", lambda: lambda: torch.empty((M, H), dtype=torch.bfloat16, device="cuda"))
+    prepare(cases, failed, "moe.empty_0", lambda: lambda: torch.empty(0, dtype=torch.float32, device="cuda"))
     notes["moe"] = {"tokens": M, "hidden": H, "top_k": K, "experts": E, "members": 1}
 
 
