@@ -322,6 +322,7 @@ class World:
     world: int
     status: str = "not run"
     sm_share_percent: int | None = None
+    sms: int | None = None  # the multiprocessors rank 0's device reports (under its MPS share)
     rows: list[dict] = dataclasses.field(default_factory=list)
 
 
@@ -343,6 +344,7 @@ class Results:
                 self.machine = self.machine or ev["machine"]
                 for b in self.benches:
                     self.by[b][world].sm_share_percent = ev["sm_share_percent"]
+                    self.by[b][world].sms = ev.get("sms")
                 from common import slug
 
                 self.machine_name = slug(ev["machine"]) if ev["machine"].get("gpus") else self.machine_name
@@ -367,7 +369,8 @@ class Results:
         for w in self.worlds:
             wr = self.by[bench][w]
             share = f"{wr.sm_share_percent}%" if wr.sm_share_percent is not None else "?"
-            lines.append(f"world {w} (SM share {share} a rank): {wr.status}")
+            sms = f", {wr.sms} SMs reported" if wr.sms is not None else ""
+            lines.append(f"world {w} (SM share {share} a rank{sms}): {wr.status}")
             if wr.rows:
                 lines.append(f"  {'figure':46s} {'µs':>9s} {'floor µs':>9s} {'ratio':>7s}  floor kernel; also")
             for r in wr.rows:
