@@ -63,7 +63,7 @@ def dispatch_send(
     """Step 1 of a dispatch: program ``(t, c)`` loads chunk ``c`` of token ``t``'s row once (with
     ``FP8``, quantizes it once: its codes and scales), then stores it, and from chunk 0 the source
     index, into the region of the expert of each entry ``k`` of the token that no earlier entry
-    named; an id out of range is kept (:func:`.protocol.refuse_id`). The ``P`` programs share the
+    named; the earliest id out of range is kept (:func:`.protocol.refuse_id`). The ``P`` programs share the
     counts: the ``p``-th (in ``(t, c)`` order) stores this member's count of experts
     ``p, p + P, ..`` into their receivers' regions, before its arrival as its rows. The last
     program to arrive notifies (:func:`.protocol.notify`)."""
@@ -94,7 +94,7 @@ def dispatch_send(
             e = tl.load(topk + t * TOPK + k)
             again = tl.sum(((ks < k) & (mine == e)).to(tl.int32), axis=0)  # an earlier entry named it
             if (c == 0) & ((e < -1) | (e >= E)):
-                protocol.refuse_id(state, t * TOPK + k, e)
+                protocol.refuse_id(state, t * TOPK + k)
             if (e >= 0) & (e < E) & (again == 0):
                 pos = tl.sum(tl.max((earlier == e).to(tl.int32), axis=1), axis=0)  # earlier tokens sent to e
                 m = e // EL
@@ -122,6 +122,7 @@ def dispatch_send(
         tl.store(dst, n)
         ex += programs
     if protocol.arrive_last(state, _SENT, programs):
+        protocol.keep_id(state, topk)
         protocol.notify(sig, me, state, headers_off, refused, _DISPATCH, SIZE, NSLOTS)
 
 

@@ -80,8 +80,8 @@ SLOTS = 1
 #: (its header, or its refusal's code), ``WHERE`` and ``VALUE`` (a refused expert id's entry
 #: ``t * top_k + k`` and value). ``SENT``, ``DONE``: the send and read launches' arrival
 #: counters (0 between launches). ``FAILED``: a read program's wait failed (the others need
-#: not wait). ``BAD``, ``BAD_WHERE``, ``BAD_VALUE``: this member's first expert id out of range
-#: in the step being sent.
+#: not wait). ``BAD``, ``BAD_WHERE``, ``BAD_VALUE``: this member's earliest expert id out of
+#: range in the step being sent, in (token, entry) order (:func:`refuse_id`, :func:`keep_id`).
 STEPS, STATUS, WHO, WHAT, WHERE, VALUE, SENT, DONE, FAILED, BAD, BAD_WHERE, BAD_VALUE = range(12)
 STATE_WORDS = 12
 #: Words of a member's header: the step's header, its refusal code, where, value.
@@ -97,6 +97,7 @@ _SENT, _DONE, _FAILED, _BAD, _BAD_WHERE, _BAD_VALUE = (
     tl.constexpr(w) for w in (SENT, DONE, FAILED, BAD, BAD_WHERE, BAD_VALUE)
 )
 _HW = tl.constexpr(HEADER_WORDS)
+_FIRST = tl.constexpr(1 << 62)  # more than any entry's index: refuse_id's mark of the earliest one
 
 
 def header(n: int, kind: int) -> int:
@@ -132,12 +133,25 @@ def arrive_last(state, WORD: tl.constexpr, total):
 
 
 @triton.jit
-def refuse_id(state, where, value):
-    """A send program found an expert id out of range: keep the first one found in this step."""
-    zero = tl.full((), 0, tl.int64)  # the word's type: an int64 compare and value
-    if tl.atomic_cas(state + _BAD, zero, zero + 1, sem="relaxed", scope="gpu") == 0:
-        tl.store(state + _BAD_WHERE, where.to(tl.int64))
-        tl.store(state + _BAD_VALUE, value.to(tl.int64))
+def refuse_id(state, where):
+    """A send program found an expert id out of range at entry ``where`` (``t * top_k + k``):
+    keep the earliest such entry of the step, in (token, entry) order, whichever program finds
+    its own first (``BAD_WHERE`` holds ``_FIRST - where``, raised by an atomic max from 0)."""
+    first = tl.full((), _FIRST, tl.int64)  # an int64 tensor: the interpreter's atomic takes no constexpr sum
+    tl.atomic_max(state + _BAD_WHERE, first - where.to(tl.int64), sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def keep_id(state, topk):
+    """The dispatch send's last program, before :func:`notify`: the earliest refused entry
+    (every program's :func:`refuse_id` came before its arrival) and its value, read from the
+    ids, into ``BAD``, ``BAD_WHERE``, ``BAD_VALUE``."""
+    mark = tl.load(state + _BAD_WHERE, volatile=True)
+    if mark != 0:
+        where = _FIRST - mark
+        tl.store(state + _BAD, 1)
+        tl.store(state + _BAD_WHERE, where)
+        tl.store(state + _BAD_VALUE, tl.load(topk + where))
 
 
 @triton.jit
@@ -221,4 +235,5 @@ def finish(state, status, who, what, where, value):
     tl.store(state + _VALUE, value)
     tl.store(state + _FAILED, 0)
     tl.store(state + _BAD, 0)
+    tl.store(state + _BAD_WHERE, 0)
     tl.store(state + _STEPS, tl.load(state + _STEPS) + 1)
