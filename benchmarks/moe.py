@@ -22,7 +22,9 @@ CI runs (tests/moe/test_moe_benchmark.py). Its times are the interpreter's, no G
 
 ``--shared`` measures ranks sharing one GPU under MPS (1, 32, 128 and 256 tokens a rank, 8 experts a rank,
 bf16 and fp8), each step beside a floor kernel that moves its bytes without synchronization
-(``benchmarks/shared.py``; writes ``moe_<machine>_mps.json``)::
+(``benchmarks/shared.py``; writes ``moe_<machine>_mps.json``); then, bf16 at 128 tokens in graph
+replay, the same calls with the dispatcher's ``programs`` at 4, 8 and 16 a multiprocessor (the
+default is 2)::
 
     python benchmarks/moe.py --shared --worlds 2,4,8
 """
@@ -181,6 +183,9 @@ def plot(res: dict, path: str, world: int) -> None:
 # ---------------------------------------------------------------------- ranks sharing one GPU (MPS)
 SHARED_TOKENS, SHARED_MAX_TOKENS, SHARED_EXPERTS_PER_RANK = (1, 32, 128, 256), 256, 8
 SHARED_MODES = ("graph", "eager")
+# The dispatcher's programs a launch sized by the device (its ``programs`` argument), per multiprocessor
+# the device reports: the default (2) runs every row; these run too, bf16 at 128 tokens in graph replay.
+SHARED_PROGRAMS_PER_SM = (4, 8, 16)
 
 
 def shared_rank(ctx) -> None:
@@ -220,16 +225,22 @@ def _shared_kind(ctx, fp8: bool) -> None:
         for tokens in SHARED_TOKENS:
             for mode in SHARED_MODES:
                 _shared_figures(ctx, disp, fview, fp8, tokens, mode, **out)
+        for per_sm in () if fp8 else SHARED_PROGRAMS_PER_SM:  # the same calls, their launches sized otherwise
+            disp.close()
+            disp = moe.Dispatcher(view, E, M, HIDDEN, bf16, TOP_K, timeout_s=ctx.wait_s, programs=per_sm * ctx.sms)
+            _shared_figures(ctx, disp, fview, fp8, 128, "graph", label=f", {per_sm} programs/SM", **out)
     finally:
         ctx.barrier()
         buf.close()
         fbuf.close()
 
 
-def _shared_figures(ctx, disp, fview, fp8: bool, T: int, mode: str, *, frecv, fscales, fsrc, expert_out) -> None:
+def _shared_figures(
+    ctx, disp, fview, fp8: bool, T: int, mode: str, *, frecv, fscales, fsrc, expert_out, label: str = ""
+) -> None:
     """The dispatch and combine figures of ``T`` tokens a rank in ``mode``, each beside its floor
     (``frecv``, ``fscales``, ``fsrc``: where the dispatch floor writes; ``expert_out``: what both
-    combines read)."""
+    combines read; ``label``: after the figure's mode in its name)."""
     import floors
     import triton
 
@@ -269,7 +280,7 @@ def _shared_figures(ctx, disp, fview, fp8: bool, T: int, mode: str, *, frecv, fs
     sent = int((member >= 0).sum())
     rows_idx = torch.randint(0, T, (T * K,), device=dev)
     row_bytes = H + 4 * G if fp8 else 2 * H
-    what = f"{T} tok, {H}, top-{K}, {EL} exp/rank, {mode}"
+    what = f"{T} tok, {H}, top-{K}, {EL} exp/rank, {mode}{label}"
     ctx.figure(
         f"MoE dispatch {kind} ({what})",
         lambda: disp.dispatch(x, ids),

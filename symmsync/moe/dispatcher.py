@@ -132,6 +132,10 @@ class Dispatcher(Consumer):
         offset: where the workspace starts in the view's buffer (a multiple of 128;
             :func:`~symmsync.moe.buffer_bytes` says how much it takes).
         timeout_s: wait budget of every wait (default: the buffer's).
+        programs: the programs of the launches sized by the device (a read, a combine's send,
+            a combine's sum; each program waits once, then loops over its share). Default: two
+            for each multiprocessor the device reports (under MPS, its share's); four on the
+            host backend. A tuning knob: every value gives the same bytes.
 
     Made collectively, before compile and capture: every rank of the buffer's group constructs
     its object at the same time, the members of the view with the same arguments, or every
@@ -160,6 +164,7 @@ class Dispatcher(Consumer):
         fp8: bool = False,
         offset: int = 0,
         timeout_s: float | None = None,
+        programs: int | None = None,
     ):
         make = Making(self._NAME, view)
         buf = make.buffer
@@ -170,6 +175,8 @@ class Dispatcher(Consumer):
             hidden=(hidden, 1, None),
             top_k=(top_k, 1, MAX_TOP_K),
         )
+        if programs is not None:
+            make.ints(programs=(programs, 1, None))
         if make.ok and num_experts % view.size:
             make.check(
                 f"num_experts={num_experts} is not a multiple of the view's {view.size} members "
@@ -230,7 +237,11 @@ class Dispatcher(Consumer):
         # interpreter), so that few programs wait (a read, a combine's sum: each waits once) or find
         # nothing to do; each loops over its share (a read's and a combine's send's, a few per local
         # expert and source, over that source's blocks of rows).
-        self._waiters = 2 * torch.cuda.get_device_properties(buf.device).multi_processor_count if caps.streams else 4
+        if programs is None:
+            programs = 2 * torch.cuda.get_device_properties(buf.device).multi_processor_count if caps.streams else 4
+        self.programs = programs
+        """The programs of each launch sized by the device (the ``programs`` argument, or its default)."""
+        self._waiters = programs
         self._blocks = max(1, min(row_blocks, -(-self._waiters // (self.local_experts * view.size))))
         self._launches = self._launchers(caps.traps)
         dev, i64 = buf.device, torch.int64
@@ -455,7 +466,8 @@ class Dispatcher(Consumer):
 
         Raises:
             InputError: a bad argument on this member (found on the host, or an expert id out of
-                range found on the device): the step is made all the same, with nothing sent, so
+                range found on the device: the message names the earliest such entry, in token
+                then entry order): the step is made all the same, with nothing sent, so
                 every member's call fails and the next call of every member goes on; the others
                 raise :class:`~symmsync.PeerRefused` naming this member and why. (On GPUs an id
                 found on the device raises at :meth:`synchronize`.)

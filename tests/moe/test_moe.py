@@ -39,11 +39,11 @@ def gathered(x):
     return out
 
 
-def make(num_experts, max_tokens, hidden, dtype, top_k, fp8=False, timeout_s=60):
+def make(num_experts, max_tokens, hidden, dtype, top_k, fp8=False, timeout_s=60, programs=None):
     world = dist.get_world_size()
     buf = ss.SymmetricBuffer(moe.buffer_bytes(num_experts, max_tokens, hidden, dtype, top_k, world, fp8=fp8))
     disp = moe.Dispatcher(buf.view(list(range(world))), num_experts, max_tokens, hidden, dtype, top_k, fp8=fp8,
-                          timeout_s=timeout_s)  # fmt: skip
+                          timeout_s=timeout_s, programs=programs)  # fmt: skip
     return buf, disp
 
 
@@ -82,10 +82,13 @@ def layer(disp, x, ids, w):
 
 
 # ---------------------------------------------------------------------- rank functions
-def every_routing(num_experts, dtype_name, seed, hidden=HIDDEN):
+def every_routing(num_experts, dtype_name, seed, hidden=HIDDEN, programs=None):
     dtype = getattr(torch, dtype_name)
     world, me = dist.get_world_size(), dist.get_rank()
-    buf, disp = make(num_experts, MAX_TOKENS, hidden, dtype, TOP_K)
+    buf, disp = make(num_experts, MAX_TOKENS, hidden, dtype, TOP_K, programs=programs)
+    if programs is not None and disp.programs != programs:
+        buf.close()
+        return [f"programs={programs} gave a dispatcher of {disp.programs}"]
     wrong = []
     try:
         for i, kind in enumerate(routings.KINDS):
@@ -217,6 +220,14 @@ def test_rows_of_several_chunks_are_exact_to_their_last_partial_chunk(host_ranks
     # hidden 4100: three chunks of a row (2048, 2048, 4) for every send and sum program, and more
     # experts than a one-token call has programs (each counts several)
     results = host_ranks(every_routing, 2, 4, "bfloat16", 23, 4100, timeout_s=300)
+    assert results == [[]] * 2, results
+
+
+@pytest.mark.parametrize("programs", [1, 64])
+def test_every_routing_is_exact_with_one_program_a_launch_or_more_than_the_work(host_ranks, programs):
+    # programs=1: one program of each launch sized by the device loops over every block and
+    # (token, chunk); 64: more than a call's work, most programs find nothing after their wait
+    results = host_ranks(every_routing, 2, 4, "bfloat16", 31, HIDDEN, programs, timeout_s=300)
     assert results == [[]] * 2, results
 
 

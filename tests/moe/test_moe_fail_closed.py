@@ -171,6 +171,8 @@ def disagreeing(kind):
         args["max_tokens"] = M - me % 2
     elif kind == "fit":
         args["max_tokens"] = 64
+    elif kind == "programs":
+        args["programs"] = 0
     try:
         moe.Dispatcher(view, **args)
         return "made"
@@ -186,6 +188,7 @@ def disagreeing(kind):
         ("experts", "ConfigError", "num_experts=3 is not a multiple of the view's 2 members"),
         ("differ", "ConfigError", "max_tokens differs across ranks"),
         ("fit", "BoundsError", "allocate symmsync.moe.buffer_bytes"),
+        ("programs", "ConfigError", "programs must be"),
     ],
 )
 def test_construction_is_refused_on_every_rank_alike(host_ranks, kind, error, words):
