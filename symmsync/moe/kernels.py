@@ -65,7 +65,8 @@ def dispatch_send(
     index, into the region of the expert of each entry ``k`` of the token that no earlier entry
     named; the earliest id out of range is kept (:func:`.protocol.refuse_id`). The ``P`` programs share the
     counts: the ``p``-th (in ``(t, c)`` order) stores this member's count of experts
-    ``p, p + P, ..`` into their receivers' regions, before its arrival as its rows. The last
+    ``p, p + P, ..`` into their receivers' regions, before its arrival as its rows, from the ids
+    of every token loaded once. The last
     program to arrive notifies (:func:`.protocol.notify`)."""
     t = tl.program_id(0)
     c = tl.program_id(1)
@@ -112,15 +113,16 @@ def dispatch_send(
                     tl.store(ssl.data_ptr(sig, m, src_off + base + row * 8, tl.int64), t * TOPK + k)
     programs = tl.maximum(T, 1) * C
     ex = t * C + c  # this program's first expert to count
-    tn = tl.arange(0, BT)
-    while ex < E:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
-        hit = tl.zeros([BT], dtype=tl.int32)
-        for j in tl.static_range(TOPK):  # a token counts once, however many entries name the expert
-            hit = hit | (tl.load(topk + tn * TOPK + j, mask=tn < T, other=-1) == ex).to(tl.int32)
-        n = tl.sum(hit, axis=0).to(tl.int64)
-        dst = ssl.data_ptr(sig, ex // EL, counts_off + base + ((ex % EL) * SIZE + me) * 8, tl.int64)
-        tl.store(dst, n)
-        ex += programs
+    if ex < E:
+        tn = tl.arange(0, BT)[:, None]
+        kn = tl.arange(0, KP)[None, :]
+        ids = tl.load(topk + tn * TOPK + kn, mask=(tn < T) & (kn < TOPK), other=-1)  # every token's, loaded once
+        while ex < E:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
+            # a token counts once, however many of its entries name the expert
+            n = tl.sum(tl.max((ids == ex).to(tl.int32), axis=1), axis=0).to(tl.int64)
+            dst = ssl.data_ptr(sig, ex // EL, counts_off + base + ((ex % EL) * SIZE + me) * 8, tl.int64)
+            tl.store(dst, n)
+            ex += programs
     if protocol.arrive_last(state, _SENT, programs):
         protocol.keep_id(state, topk)
         protocol.notify(sig, me, state, headers_off, refused, _DISPATCH, SIZE, NSLOTS)
