@@ -205,6 +205,7 @@ class Dispatcher(Consumer):
                 "fp8": fp8,
                 "the offset": offset,
                 "timeout_s": timeout_s,
+                "programs": programs,
             }
         )
         memory = f"the dispatcher's memory on {buf.device}"
@@ -241,8 +242,7 @@ class Dispatcher(Consumer):
             programs = 2 * torch.cuda.get_device_properties(buf.device).multi_processor_count if caps.streams else 4
         self.programs = programs
         """The programs of each launch sized by the device (the ``programs`` argument, or its default)."""
-        self._waiters = programs
-        self._blocks = max(1, min(row_blocks, -(-self._waiters // (self.local_experts * view.size))))
+        self._blocks = max(1, min(row_blocks, -(-programs // (self.local_experts * view.size))))
         self._launches = self._launchers(caps.traps)
         dev, i64 = buf.device, torch.int64
         # What a refused step launches with: no tokens, no rows (its header says why).
@@ -627,7 +627,7 @@ class Dispatcher(Consumer):
 
         def receive() -> torch.Tensor:
             self._pending = None
-            grid = (min(max(tokens, 1) * self._chunks, self._waiters), 1, 1)
+            grid = (min(max(tokens, 1) * self._chunks, self.programs), 1, 1)
             self._launch_or_fail("combine_reduce", grid, y_k, handle.topk_idx, topk_weights, tokens)
             self._finish_step("combine", bad)
             return y
