@@ -229,7 +229,7 @@ class Dispatcher(Consumer):
         self._host_checks = caps.host_checks_status
         self._interp = mode.kernels_interpreted()
         self._bits = self._interp and dtype is torch.bfloat16
-        # [steps, the last step's status, a mismatch's member and header] (protocol.py), on the device
+        # [steps, the earliest failed step not raised yet, its member and header, ..] (protocol.py), on the device
         self._state = torch.zeros(protocol.STATE_WORDS, dtype=torch.int64, device=buf.device)
         self._groups = hidden // L.FP8_GROUP if fp8 else 1
         self._chunks = -(-hidden // min(_pow2(hidden), _CHUNK))  # a send's (or reduce's) programs per row
@@ -328,36 +328,53 @@ class Dispatcher(Consumer):
                 "wait() before the dispatcher's next call"
             )
 
-    def _settle_step(self, kind: str, refused: str | None) -> None:  # noqa: D417
-        """Raise what the step found, read from the device state (the host backend after each
-        step, where launches have finished; :meth:`synchronize` on GPUs): a failed wait
-        (its :class:`~symmsync.SignalTimeout`, the dispatcher fails), a mismatch
+    def _settle_step(self, refused: str | None) -> None:  # noqa: D417
+        """Raise what the earliest failed step not raised yet found, read from the device state
+        (the host backend after each step, where launches have finished; :meth:`synchronize` on
+        GPUs, however many steps came after it): a failed wait (its
+        :class:`~symmsync.SignalTimeout`, the dispatcher fails), a mismatch
         (:class:`StepMismatch`, the dispatcher fails), a refusal (this member's
-        :class:`~symmsync.InputError`, or :class:`~symmsync.PeerRefused`: the call only).
+        :class:`~symmsync.InputError`, or :class:`~symmsync.PeerRefused`: the call only). The
+        record is cleared before it raises: a failed step raises once.
         ``refused``: this member's own refusal of the call on the host, in words."""
         self.sigs.check()  # a wait that failed raises here
         state = self._state.tolist()
         status = state[protocol.STATUS]
-        if status == protocol.MISMATCH:
-            err = self._mismatch(kind, state)
-            self.fail(err)
-            raise err
+        if status == protocol.OK:
+            return
+        self._state[protocol.STATUS] = protocol.OK
+        self._state[protocol.LATER] = 0
+        if self._state.is_cuda:
+            torch.cuda.synchronize(self._device)  # cleared before the next step's launches, whichever stream
+        n, kind = divmod(state[protocol.STEP] - 1, 2)
+        step = ("dispatch", "combine")[kind]
+        later = state[protocol.LATER]
+        after = f" ({later} later step{'s' if later > 1 else ''} failed too: nothing of it was read)" if later else ""
         if status == protocol.REFUSED:
-            raise self._refusal(kind, state, refused)
+            raise self._refusal(step, n, state, refused, after)
+        err = (
+            self._mismatch(step, n, state, after)
+            if status == protocol.MISMATCH
+            else SymmSyncError(  # a GPU traps first, the host backend raises in the wait
+                f"rank {self.rank}: moe.Dispatcher: a wait of {step} (step {n}) failed{after}; nothing of it was "
+                "read (the dispatcher fails: make a new one)"
+            )
+        )
+        self.fail(err)
+        raise err
 
-    def _mismatch(self, kind: str, state: list[int]) -> StepMismatch:
+    def _mismatch(self, kind: str, n: int, state: list[int], after: str) -> StepMismatch:
         member, header = state[protocol.WHO], state[protocol.WHAT]
-        n = state[protocol.STEPS] - 1
         other = self.view.ranks[member]
         return StepMismatch(
             f"rank {self.rank}: moe.Dispatcher (view {list(self.view.ranks)}): this member made {kind} (step {n}) "
-            f"while rank {other} made {protocol.describe(header)}: every member must make the same dispatches and "
-            "combines in the same order; nothing was read (the dispatcher fails: make a new one)",
+            f"while rank {other} made {protocol.describe(header)}{after}: every member must make the same "
+            "dispatches and combines in the same order; nothing was read (the dispatcher fails: make a new one)",
             rank=self.rank,
             other=other,
         )
 
-    def _refusal(self, kind: str, state: list[int], refused: str | None) -> SymmSyncError:
+    def _refusal(self, kind: str, n: int, state: list[int], refused: str | None, after: str) -> SymmSyncError:
         """The error a refused step raises here: this member's own :class:`~symmsync.InputError`, or
         :class:`~symmsync.PeerRefused` naming the member that refused and why."""
         member, code = state[protocol.WHO], state[protocol.WHAT]
@@ -375,9 +392,11 @@ class Dispatcher(Consumer):
                 else "its arguments failed its checks (its InputError says which)"
             )
         if origin == self.rank:
-            return InputError(f"rank {self.rank}: moe.Dispatcher.{kind}: {why}; no member's {kind} did anything")
-        outcome = f"no member's {kind} did anything, and the next call goes on"
-        return peer_refused(self.rank, f"moe.Dispatcher.{kind}", self.view.ranks, f"step {state[protocol.STEPS]}",
+            return InputError(
+                f"rank {self.rank}: moe.Dispatcher.{kind}: {why}; no member's {kind} (step {n}) did anything{after}"
+            )
+        outcome = f"no member's {kind} did anything{after}, and the next call goes on"
+        return peer_refused(self.rank, f"moe.Dispatcher.{kind}", self.view.ranks, f"step {n}",
                             origin, kind, why, outcome)  # fmt: skip
 
     # ------------------------------------------------------------------ checks
@@ -549,7 +568,7 @@ class Dispatcher(Consumer):
         :meth:`synchronize`)."""
         if self._host_checks:
             try:
-                self._settle_step(kind, bad)
+                self._settle_step(bad)
             except PeerRefused:
                 if bad is None:
                     raise  # the call only: the dispatcher goes on
@@ -637,15 +656,17 @@ class Dispatcher(Consumer):
     # ------------------------------------------------------------------ failures
     def synchronize(self) -> None:
         """Wait for the device; turn a trapped wait into the error it recorded
-        (:class:`~symmsync.SignalTimeout`, :class:`~symmsync.SignalAborted`). On the host backend
-        calls raise by themselves."""
+        (:class:`~symmsync.SignalTimeout`, :class:`~symmsync.SignalAborted`), then raise what the
+        earliest failed step since the last error raised found (:class:`StepMismatch`, a
+        device-found expert id's :class:`~symmsync.InputError` or :class:`~symmsync.PeerRefused`),
+        once, however many steps came after it. On the host backend calls raise by themselves."""
         self.check_usable()
         try:
             self.sigs.synchronize()
         except SymmSyncError as e:
             self.fail(e)
             raise
-        self._settle_step("the last step", None)  # a mismatch fails the dispatcher; a refusal the call
+        self._settle_step(None)  # a mismatch fails the dispatcher; a refusal the call
 
     def _release(self, together: bool) -> None:
         try:

@@ -180,7 +180,7 @@ def dispatch_read(
                 tl.store(src + to, tl.load(srcs + j))
         b += blocks
     if protocol.arrive_last(state, _DONE, EL * SIZE * blocks):
-        protocol.finish(state, status, who, what, where, value)
+        protocol.finish(state, status, who, what, where, value, _DISPATCH)
 
 
 @triton.jit
@@ -252,4 +252,4 @@ def combine_reduce(
         tl.store(y + t * H + cols, from_f32(acc, y.dtype.element_ty, BITS), mask=cols < H)
         i += tl.num_programs(0)
     if protocol.arrive_last(state, _DONE, tl.num_programs(0)):
-        protocol.finish(state, status, who, what, where, value)
+        protocol.finish(state, status, who, what, where, value, _COMBINE)

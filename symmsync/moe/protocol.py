@@ -18,7 +18,7 @@ the device, one count for dispatches and combines together)::
                 step's and no member refused its call, it reads this member's own region [q]
                 (the rows and counts every member sent it) into the outputs; else nothing.
                 The last program to arrive records the step's status and counts the step
-                (finish(): n += 1).
+                (finish(): n += 1); a failed step's record stays until the host reads it.
 
 Why a row (or a count) is read only once it is whole: each send program's stores precede its release on
 the arrival counter; the last program acquires every arrival before its signals, which
@@ -75,15 +75,18 @@ import symmsync.language as ssl
 DISPATCH, COMBINE = 0, 1
 #: The signal slots a dispatcher's :class:`~symmsync.Signals` has: one, for every step.
 SLOTS = 1
-#: ``state`` words, on the device. ``STEPS``: steps made. The last step's outcome: ``STATUS``,
-#: and for a mismatch or a refusal the member (its index in the view) ``WHO``, and ``WHAT``
-#: (its header, or its refusal's code), ``WHERE`` and ``VALUE`` (a refused expert id's entry
-#: ``t * top_k + k`` and value). ``SENT``, ``DONE``: the send and read launches' arrival
-#: counters (0 between launches). ``FAILED``: a read program's wait failed (the others need
-#: not wait). ``BAD``, ``BAD_WHERE``, ``BAD_VALUE``: this member's earliest expert id out of
-#: range in the step being sent, in (token, entry) order (:func:`refuse_id`, :func:`keep_id`).
-STEPS, STATUS, WHO, WHAT, WHERE, VALUE, SENT, DONE, FAILED, BAD, BAD_WHERE, BAD_VALUE = range(12)
-STATE_WORDS = 12
+#: ``state`` words, on the device. ``STEPS``: steps made. The earliest failed step the host has
+#: not settled (:func:`finish`; ``STATUS`` :data:`OK` when there is none): ``STEP`` (its
+#: header: its number and kind), ``STATUS``, and for a mismatch or a refusal the member (its
+#: index in the view) ``WHO``, and ``WHAT`` (its header, or its refusal's code), ``WHERE`` and
+#: ``VALUE`` (a refused expert id's entry ``t * top_k + k`` and value); ``LATER``: the failed
+#: steps after it. ``SENT``, ``DONE``: the send and read launches' arrival counters (0 between
+#: launches). ``FAILED``: a read program's wait failed (the others need not wait). ``BAD``,
+#: ``BAD_WHERE``, ``BAD_VALUE``: this member's earliest expert id out of range in the step
+#: being sent, in (token, entry) order (:func:`refuse_id`, :func:`keep_id`). ``MINE``: this
+#: member refused the step being made on the host (its call raised at once, :func:`notify`).
+STEPS, STATUS, WHO, WHAT, WHERE, VALUE, SENT, DONE, FAILED, BAD, BAD_WHERE, BAD_VALUE, STEP, LATER, MINE = range(15)
+STATE_WORDS = 15
 #: Words of a member's header: the step's header, its refusal code, where, value.
 HEADER_WORDS = 4
 #: A step's status: every wait returned, every header matched and nobody refused; a wait
@@ -93,10 +96,11 @@ OK, WAIT_FAILED, MISMATCH, REFUSED = 0, 1, 2, 3
 REFUSED_NONE, REFUSED_ARGUMENTS, REFUSED_EXPERT_ID = 0, 1, 2
 
 _STEPS, _STATUS, _WHO, _WHAT, _WHERE, _VALUE = (tl.constexpr(w) for w in (STEPS, STATUS, WHO, WHAT, WHERE, VALUE))
-_SENT, _DONE, _FAILED, _BAD, _BAD_WHERE, _BAD_VALUE = (
-    tl.constexpr(w) for w in (SENT, DONE, FAILED, BAD, BAD_WHERE, BAD_VALUE)
+_SENT, _DONE, _FAILED, _BAD, _BAD_WHERE, _BAD_VALUE, _STEP, _LATER, _MINE = (
+    tl.constexpr(w) for w in (SENT, DONE, FAILED, BAD, BAD_WHERE, BAD_VALUE, STEP, LATER, MINE)
 )
 _HW = tl.constexpr(HEADER_WORDS)
+_REFUSED = tl.constexpr(REFUSED)
 _FIRST = tl.constexpr(1 << 62)  # more than any entry's index: refuse_id's mark of the earliest one
 
 
@@ -157,12 +161,13 @@ def keep_id(state, topk):
 @triton.jit
 def notify(sig, me, state, headers_off, refused, KIND: tl.constexpr, SIZE: tl.constexpr, NSLOTS: tl.constexpr):
     """The send launch's last program, after the step's stores: this step's header and this
-    member's refusal (``refused``: its arguments; else an expert id a send program kept) into
-    every member's headers, then signal every member (release: everything this member stored
-    for the step first)."""
+    member's refusal (``refused``: its arguments, found on the host, kept in ``MINE`` for
+    :func:`finish`; else an expert id a send program kept) into every member's headers, then
+    signal every member (release: everything this member stored for the step first)."""
     n = tl.load(state + _STEPS)
     q = n % 2
     bad = tl.load(state + _BAD)
+    tl.store(state + _MINE, refused)
     code = tl.where(refused != 0, 1, tl.where(bad != 0, 2, 0)).to(tl.int64)  # REFUSED_*
     where = tl.where(code == 2, tl.load(state + _BAD_WHERE), 0)
     value = tl.where(code == 2, tl.load(state + _BAD_VALUE), 0)
@@ -223,17 +228,30 @@ def check(
 
 
 @triton.jit
-def finish(state, status, who, what, where, value):
+def finish(state, status, who, what, where, value, KIND: tl.constexpr):
     """The read launch's last program: record the step's outcome (a failed wait of any program
-    first) and count the step; the next step starts clean."""
+    first) and count the step; the next step starts clean. A failed step is kept until the host
+    settles it (resets ``STATUS``), whatever steps come after it (they count in ``LATER``): on
+    GPUs the host reads the outcome at its next synchronization, not after each step, and a
+    refused step's zeros are never taken for data because a later step went well. A refusal of
+    this member's own arguments is not kept: its call raised on the host at once."""
     failed = tl.load(state + _FAILED, volatile=True)
     status = tl.where(failed != 0, 1, status)
-    tl.store(state + _STATUS, status)
-    tl.store(state + _WHO, tl.where(failed != 0, -1, who))
-    tl.store(state + _WHAT, what)
-    tl.store(state + _WHERE, where)
-    tl.store(state + _VALUE, value)
+    who = tl.where(failed != 0, -1, who)
+    mine = tl.load(state + _MINE)
+    n = tl.load(state + _STEPS)
+    if (status != 0) & ((status != _REFUSED) | (mine == 0)):  # a failure the host has not raised yet
+        if tl.load(state + _STATUS) == 0:  # the earliest one
+            tl.store(state + _STATUS, status)
+            tl.store(state + _WHO, who)
+            tl.store(state + _WHAT, what)
+            tl.store(state + _WHERE, where)
+            tl.store(state + _VALUE, value)
+            tl.store(state + _STEP, 2 * n + KIND + 1)
+        else:
+            tl.store(state + _LATER, tl.load(state + _LATER) + 1)
     tl.store(state + _FAILED, 0)
     tl.store(state + _BAD, 0)
     tl.store(state + _BAD_WHERE, 0)
-    tl.store(state + _STEPS, tl.load(state + _STEPS) + 1)
+    tl.store(state + _MINE, 0)
+    tl.store(state + _STEPS, n + 1)

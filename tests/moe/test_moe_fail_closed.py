@@ -16,6 +16,8 @@ import moe_oracle as oracle  # noqa: F401 - the package's tests share the oracle
 import pytest
 import torch
 import torch.distributed as dist
+import triton
+import triton.language as tl
 from test_moe import make
 
 import symmsync as ss
@@ -137,6 +139,97 @@ def test_the_refusal_check_bites(host_ranks):
     assert returned, f"with the check blind, some member's refused call must return: {results[0][0]}"
     with pytest.raises(AssertionError, match="returned"):
         _check_refusals(results, 2)
+
+
+_STATE = {w: tl.constexpr(getattr(moe.protocol, w)) for w in ("STEPS", "STATUS", "WHO", "WHAT", "WHERE", "VALUE")}
+_S_STEPS, _S_STATUS, _S_WHO, _S_WHAT, _S_WHERE, _S_VALUE = _STATE.values()
+_S_FAILED, _S_BAD, _S_BAD_WHERE = (tl.constexpr(moe.protocol.FAILED), tl.constexpr(moe.protocol.BAD),
+                                   tl.constexpr(moe.protocol.BAD_WHERE))  # fmt: skip
+
+
+@triton.jit
+def last_outcome_only(state, status, who, what, where, value, KIND: tl.constexpr):
+    """``finish`` that records every step's outcome over the one before, raised or not."""
+    failed = tl.load(state + _S_FAILED, volatile=True)
+    tl.store(state + _S_STATUS, tl.where(failed != 0, 1, status))
+    tl.store(state + _S_WHO, tl.where(failed != 0, -1, who))
+    tl.store(state + _S_WHAT, what)
+    tl.store(state + _S_WHERE, where)
+    tl.store(state + _S_VALUE, value)
+    tl.store(state + _S_FAILED, 0)
+    tl.store(state + _S_BAD, 0)
+    tl.store(state + _S_BAD_WHERE, 0)
+    tl.store(state + _S_STEPS, tl.load(state + _S_STEPS) + 1)
+
+
+def settled_at_synchronize(variant=None):
+    """As on GPUs, where a step's outcome is read at ``synchronize()``, not after each step (the
+    host backend reads it after each; the dispatcher is told not to): the last member's two
+    dispatches with an expert id out of range, then a combine, then one ``synchronize()``; then a
+    refusal found on the host, then ``synchronize()``; each ``synchronize()`` twice, and a good
+    layer at the end. What each call raised, and the good layer's differences from the oracle."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    bad = world - 1
+    buf, disp = make(2 * world, M, H, torch.bfloat16, K)
+    disp._host_checks = False  # what a GPU's dispatcher does: the outcome read at synchronize()
+    ne = disp.num_experts
+    x = torch.randn(M, H, generator=torch.Generator().manual_seed(me)).to(torch.bfloat16)
+    ids = torch.tensor([[(me + t) % ne, (me + t + 1) % ne] for t in range(M)])
+    w = torch.full((M, K), 0.5)
+    seen = {}
+    try:
+        with helpers.replaced(moe.protocol, **({"finish": last_outcome_only} if variant == "last_only" else {})):
+            first = ids.index_fill(1, torch.tensor([1]), ne) if me == bad else ids
+            second = ids.index_fill(0, torch.tensor([2]), -3) if me == bad else ids
+            seen["first dispatch"] = helpers.raised(disp.dispatch, x, first)
+            seen["second dispatch"] = helpers.raised(disp.dispatch, x, second)
+            recv, _, handle = disp.dispatch(x, ids)
+            seen["combine"] = helpers.raised(disp.combine, recv.clone(), w, handle)
+            seen["synchronize"] = helpers.raised(disp.synchronize)
+            seen["synchronize again"] = helpers.raised(disp.synchronize)
+            seen["host refusal"] = helpers.raised(disp.dispatch, x.float() if me == bad else x, ids)
+            seen["its synchronize"] = helpers.raised(disp.synchronize)
+            seen["its synchronize again"] = helpers.raised(disp.synchronize)
+            wrong = one_layer(disp, me, world, 7)
+            seen["last synchronize"] = helpers.raised(disp.synchronize)
+    finally:
+        buf.close()
+    return seen, wrong
+
+
+def _check_settled(results, world):
+    bad = world - 1
+    entry = f"topk_idx[0, 1] = {2 * world} is no expert id"
+    for r, (seen, wrong) in enumerate(results):
+        quiet = ["first dispatch", "second dispatch", "combine", "synchronize again", "its synchronize again"]
+        quiet += ["last synchronize", "its synchronize" if r == bad else "host refusal"]
+        for name in quiet:
+            assert seen[name][0] == "returned", (r, name, seen[name])
+        assert wrong == [], f"rank {r}: the layer after the refusals: {wrong[:4]}"
+        got = seen["synchronize"]
+        if r == bad:
+            assert got[0] == "InputError" and got[1].startswith(f"rank {bad}: moe.Dispatcher.dispatch:"), got
+            assert seen["host refusal"][0] == "InputError", seen["host refusal"]
+        else:
+            assert got[0] == "PeerRefused" and got[2] == bad and f"rank {bad} refused its dispatch" in got[1], got
+            later = seen["its synchronize"]
+            assert later[0] == "PeerRefused" and f"rank {bad} refused its dispatch" in later[1], later
+            assert "its arguments failed its checks" in later[1], later
+        # the earliest refused step is named, with the one after it, whatever steps came between
+        assert entry in got[1] and "1 later step failed too" in got[1], (r, got)
+
+
+def test_a_refusal_read_at_synchronize_is_the_earliest_and_raises_once(host_ranks):
+    _check_settled(host_ranks(settled_at_synchronize, 2, timeout_s=600), 2)
+
+
+def test_the_kept_refusal_bites(host_ranks):
+    """With ``finish`` recording each step's outcome over the one before, the good combine after
+    the refused dispatches hides them: ``synchronize()`` returns, and the test above must fail."""
+    results = host_ranks(settled_at_synchronize, 2, "last_only", timeout_s=600)
+    assert results[0][0]["synchronize"][0] == "returned", results[0][0]["synchronize"]
+    with pytest.raises(AssertionError, match="returned"):
+        _check_settled(results, 2)
 
 
 def a_member_never_comes():
