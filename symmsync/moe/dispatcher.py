@@ -346,8 +346,7 @@ class Dispatcher(Consumer):
         self._state[protocol.LATER] = 0
         if self._state.is_cuda:
             torch.cuda.synchronize(self._device)  # cleared before the next step's launches, whichever stream
-        n, kind = divmod(state[protocol.STEP] - 1, 2)
-        step = ("dispatch", "combine")[kind]
+        step, n = protocol.step_of(state[protocol.STEP])
         later = state[protocol.LATER]
         after = f" ({later} later step{'s' if later > 1 else ''} failed too: nothing of it was read)" if later else ""
         if status == protocol.REFUSED:

@@ -110,12 +110,24 @@ def header(n: int, kind: int) -> int:
     return 2 * n + kind + 1
 
 
+def step_of(h: int) -> tuple[str, int]:
+    """A step's kind in words (``"dispatch"``, ``"combine"``) and its number, from its header."""
+    n, kind = divmod(h - 1, 2)
+    return ("dispatch" if kind == DISPATCH else "combine"), n
+
+
 def describe(h: int) -> str:
     """A header in words (``"dispatch (step 3)"``: the step's kind and number)."""
     if h <= 0:
         return "no step yet"
-    n, kind = divmod(h - 1, 2)
-    return f"{'dispatch' if kind == DISPATCH else 'combine'} (step {n})"
+    kind, n = step_of(h)
+    return f"{kind} (step {n})"
+
+
+@triton.jit
+def _header(n, KIND: tl.constexpr):
+    """:func:`header` on the device."""
+    return 2 * n + KIND + 1
 
 
 @triton.jit
@@ -173,7 +185,7 @@ def notify(sig, me, state, headers_off, refused, KIND: tl.constexpr, SIZE: tl.co
     value = tl.where(code == 2, tl.load(state + _BAD_VALUE), 0)
     for m in tl.static_range(SIZE):
         h = ssl.data_ptr(sig, m, headers_off + (q * SIZE + me) * _HW * 8, tl.int64)
-        tl.store(h, 2 * n + KIND + 1)
+        tl.store(h, _header(n, KIND))
         tl.store(h + 1, code)
         tl.store(h + 2, where)
         tl.store(h + 3, value)
@@ -192,7 +204,7 @@ def check(
     value)`` (:data:`OK` and zeros when the step may be read)."""
     n = tl.load(state + _STEPS)
     q = n % 2
-    mine = 2 * n + KIND + 1
+    mine = _header(n, KIND)
     failed = tl.load(state + _FAILED, volatile=True)  # a program before this one gave up: do not wait again
     if failed == 0:
         for m in tl.static_range(SIZE):
@@ -247,7 +259,7 @@ def finish(state, status, who, what, where, value, KIND: tl.constexpr):
             tl.store(state + _WHAT, what)
             tl.store(state + _WHERE, where)
             tl.store(state + _VALUE, value)
-            tl.store(state + _STEP, 2 * n + KIND + 1)
+            tl.store(state + _STEP, _header(n, KIND))
         else:
             tl.store(state + _LATER, tl.load(state + _LATER) + 1)
     tl.store(state + _FAILED, 0)
