@@ -232,6 +232,28 @@ def test_the_kept_refusal_bites(host_ranks):
         _check_settled(results, 2)
 
 
+def an_unraised_failed_wait():
+    """A failed wait on the device record that no wait raised (on GPUs the wait's trap raises
+    first): ``synchronize()`` fails the dispatcher instead of passing over it. One member: the
+    record is written here, as the read's last program would."""
+    buf, disp = make(2, M, H, torch.bfloat16, K)
+    disp._host_checks = False  # the outcome read at synchronize(), as on GPUs
+    x, ids = torch.zeros(M, H, dtype=torch.bfloat16), torch.zeros(M, K, dtype=torch.int64)
+    try:
+        disp.dispatch(x, ids)
+        disp._state[moe.protocol.STATUS] = moe.protocol.WAIT_FAILED
+        disp._state[moe.protocol.STEP] = 1  # the header of step 0, a dispatch: 2 n + kind + 1
+        return helpers.raised(disp.synchronize), helpers.raised(disp.dispatch, x, ids)
+    finally:
+        buf.close()
+
+
+def test_a_failed_wait_no_wait_raised_fails_the_dispatcher_at_synchronize(host_ranks):
+    ((first, then),) = host_ranks(an_unraised_failed_wait, 1, timeout_s=300)
+    assert first[0] == "SymmSyncError" and "a wait of dispatch (step 0) failed" in first[1], first
+    assert then[0] != "returned" and "a wait of dispatch (step 0) failed" in then[1], then
+
+
 def a_member_never_comes():
     me = dist.get_rank()
     buf, disp = make(E, M, H, torch.bfloat16, K, timeout_s=3)
