@@ -328,15 +328,16 @@ class Dispatcher(Consumer):
                 "wait() before the dispatcher's next call"
             )
 
-    def _settle_step(self, refused: str | None) -> None:  # noqa: D417
+    def _settle_step(self) -> None:
         """Raise what the earliest failed step not raised yet found, read from the device state
         (the host backend after each step, where launches have finished; :meth:`synchronize` on
         GPUs, however many steps came after it): a failed wait (its
         :class:`~symmsync.SignalTimeout`, the dispatcher fails), a mismatch
         (:class:`StepMismatch`, the dispatcher fails), a refusal (this member's
-        :class:`~symmsync.InputError`, or :class:`~symmsync.PeerRefused`: the call only). The
-        record is cleared before it raises: a failed step raises once.
-        ``refused``: this member's own refusal of the call on the host, in words."""
+        :class:`~symmsync.InputError` for an expert id its device found, or
+        :class:`~symmsync.PeerRefused`: the call only). The record is cleared before it raises: a
+        failed step raises once. A refusal this member's host found is never recorded (its call
+        raised it, :func:`.protocol.finish`)."""
         self.sigs.check()  # a wait that failed raises here
         state = self._state.tolist()
         status = state[protocol.STATUS]
@@ -350,7 +351,7 @@ class Dispatcher(Consumer):
         later = state[protocol.LATER]
         after = f" ({later} later step{'s' if later > 1 else ''} failed too: nothing of it was read)" if later else ""
         if status == protocol.REFUSED:
-            raise self._refusal(step, n, state, refused, after)
+            raise self._refusal(step, n, state, after)
         err = (
             self._mismatch(step, n, state, after)
             if status == protocol.MISMATCH
@@ -373,7 +374,7 @@ class Dispatcher(Consumer):
             other=other,
         )
 
-    def _refusal(self, kind: str, n: int, state: list[int], refused: str | None, after: str) -> SymmSyncError:
+    def _refusal(self, kind: str, n: int, state: list[int], after: str) -> SymmSyncError:
         """The error a refused step raises here: this member's own :class:`~symmsync.InputError`, or
         :class:`~symmsync.PeerRefused` naming the member that refused and why."""
         member, code = state[protocol.WHO], state[protocol.WHAT]
@@ -384,12 +385,8 @@ class Dispatcher(Consumer):
                 f"topk_idx[{t}, {k}] = {state[protocol.VALUE]} is no expert id: ids run from 0 to "
                 f"{self.num_experts - 1} (num_experts={self.num_experts}), -1 masks an entry"
             )
-        else:
-            why = (
-                refused
-                if origin == self.rank and refused
-                else "its arguments failed its checks (its InputError says which)"
-            )
+        else:  # another member's host refused its arguments (this member's own is never recorded)
+            why = "its arguments failed its checks (its InputError says which)"
         if origin == self.rank:
             return InputError(
                 f"rank {self.rank}: moe.Dispatcher.{kind}: {why}; no member's {kind} (step {n}) did anything{after}"
@@ -567,12 +564,8 @@ class Dispatcher(Consumer):
         :meth:`synchronize`)."""
         if self._host_checks:
             try:
-                self._settle_step(bad)
-            except PeerRefused:
-                if bad is None:
-                    raise  # the call only: the dispatcher goes on
-                # another member refused this step too: this member's own refusal is what it raises
-            except InputError:
+                self._settle_step()
+            except (PeerRefused, InputError):
                 raise  # the call only: the dispatcher goes on
             except SymmSyncError as e:
                 self.fail(e)
@@ -665,7 +658,7 @@ class Dispatcher(Consumer):
         except SymmSyncError as e:
             self.fail(e)
             raise
-        self._settle_step(None)  # a mismatch fails the dispatcher; a refusal the call
+        self._settle_step()  # a mismatch fails the dispatcher; a refusal the call
 
     def _release(self, together: bool) -> None:
         try:

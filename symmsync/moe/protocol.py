@@ -100,7 +100,7 @@ _SENT, _DONE, _FAILED, _BAD, _BAD_WHERE, _BAD_VALUE, _STEP, _LATER, _MINE = (
     tl.constexpr(w) for w in (SENT, DONE, FAILED, BAD, BAD_WHERE, BAD_VALUE, STEP, LATER, MINE)
 )
 _HW = tl.constexpr(HEADER_WORDS)
-_REFUSED = tl.constexpr(REFUSED)
+_OK, _WAIT_FAILED, _REFUSED = (tl.constexpr(s) for s in (OK, WAIT_FAILED, REFUSED))
 _FIRST = tl.constexpr(1 << 62)  # more than any entry's index: refuse_id's mark of the earliest one
 
 
@@ -248,12 +248,12 @@ def finish(state, status, who, what, where, value, KIND: tl.constexpr):
     refused step's zeros are never taken for data because a later step went well. A refusal of
     this member's own arguments is not kept: its call raised on the host at once."""
     failed = tl.load(state + _FAILED, volatile=True)
-    status = tl.where(failed != 0, 1, status)
+    status = tl.where(failed != 0, _WAIT_FAILED, status)
     who = tl.where(failed != 0, -1, who)
     mine = tl.load(state + _MINE)
     n = tl.load(state + _STEPS)
-    if (status != 0) & ((status != _REFUSED) | (mine == 0)):  # a failure the host has not raised yet
-        if tl.load(state + _STATUS) == 0:  # the earliest one
+    if (status != _OK) & ((status != _REFUSED) | (mine == 0)):  # a failure the host has not raised yet
+        if tl.load(state + _STATUS) == _OK:  # the earliest one
             tl.store(state + _STATUS, status)
             tl.store(state + _WHO, who)
             tl.store(state + _WHAT, what)
