@@ -23,6 +23,8 @@ from .backends.mode import enable_interpreter_without_gpu as _enable_interpreter
 _enable_interpreter()  # before any symmsync kernel is defined (buffer -> views -> failure -> language)
 
 from .core.buffer import SymmetricBuffer  # noqa: E402
+from .core.consumer import Consumer  # noqa: E402
+from .core.making import Making  # noqa: E402
 from .core.fence import Fence, launch_grid_sync  # noqa: E402
 from .core.regions import carve  # noqa: E402
 from .core.signals import Signals  # noqa: E402
@@ -30,6 +32,7 @@ from .core.views import TP_PCP_ORDER, PeerView, pcp_view, tp_pcp_ranks, tp_view 
 from .errors import (  # noqa: E402
     BackendError,
     BoundsError,
+    CallMismatch,
     CaptureError,
     ClosedError,
     ConfigError,
@@ -46,6 +49,7 @@ from .errors import (  # noqa: E402
     SymmSyncError,
     ViewError,
 )
+from .ops.oplib import define_op  # noqa: E402
 from .spanning import exchange as _offnode  # noqa: E402, F401 - registers the post of spanning views' aborts (symmsync.core.failure)
 
 __version__ = "0.1.0"
@@ -53,14 +57,17 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendError",
     "BoundsError",
+    "CallMismatch",
     "CaptureError",
     "ClosedError",
     "ConfigError",
+    "Consumer",
     "DebugCheckError",
     "Fence",
     "FenceTimeout",
     "IndexCheckError",
     "InputError",
+    "Making",
     "PeerAborted",
     "PeerRefused",
     "PeerView",
@@ -74,6 +81,7 @@ __all__ = [
     "TP_PCP_ORDER",
     "ViewError",
     "carve",
+    "define_op",
     "launch_grid_sync",
     "pcp_view",
     "tp_pcp_ranks",

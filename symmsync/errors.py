@@ -141,6 +141,38 @@ class InputError(ConfigError):
     """
 
 
+class CallMismatch(InputError):
+    """The members of a consumer's view made different calls (another kind of call, other size
+    words, or a different count of calls): found in the call's kernel on every member from the
+    members' call headers, before anything of the call was read; its outputs hold the consumer's
+    poison. The consumer fails: every later call raises this again (make a new one).
+
+    Attributes:
+        rank: this member's global rank.
+        number: the call's number on this member (the calls it made before it).
+        calls: ``{global rank: {field: value}}``: what each member called with.
+        differs: the fields that differ.
+        other: the global rank of the first member whose call differed from this member's.
+    """
+
+    def __init__(
+        self, message: str, *, rank: int, number: int, calls: dict[int, dict[str, Any]], differs: list[str], other: int
+    ):
+        super().__init__(message)
+        self.rank = rank
+        self.number = number
+        self.calls = calls
+        self.differs = differs
+        self.other = other
+
+    def __reduce__(self):
+        return (_rebuild_mismatch, (type(self), str(self), self.rank, self.number, self.calls, self.differs, self.other))
+
+
+def _rebuild_mismatch(cls, message, rank, number, calls, differs, other):
+    return cls(message, rank=rank, number=number, calls=calls, differs=differs, other=other)
+
+
 class PeerRefused(SymmSyncError):
     """Another member of the view refused its part of this call: its input failed its checks
     (it raised :class:`InputError`). The object stays usable: the members' next call goes on.

@@ -239,6 +239,11 @@ class ViewFailure:
         self._waiters[waiter].error = error
         self.clean = False
 
+    def error_of(self, waiter: Waiter) -> Exception | None:
+        """The error ``waiter`` failed with (its own, or the view's abort), or ``None`` while it is usable."""
+        entry = self._waiters.get(waiter)
+        return None if entry is None else entry.error
+
     def check(self, waiter: Waiter, operation: bool = True) -> None:
         """Return if ``waiter`` may run; raise its error if it failed.
 

@@ -206,6 +206,13 @@ class Fence:
             self._check_usable()
         return self._kernel_args
 
+    @property
+    def kernel_kwargs(self) -> dict[str, Any]:
+        """:attr:`kernel_args` by the names :mod:`symmsync.language`'s examples give them: ``cells``,
+        ``cell``, ``me``, ``timeout_ns``, ``record`` (for a launch bound by name,
+        :meth:`symmsync.Consumer.bind`)."""
+        return dict(zip(("cells", "cell", "me", "timeout_ns", "record"), self.kernel_args))
+
     # ------------------------------------------------------------------ operations
     def fence(self) -> None:
         """Advance the epoch, publish it, wait for every member: one launch."""

@@ -80,6 +80,32 @@ def _runtime_params(kernel: Any) -> tuple[list[str], list[str]]:
     return runtime, consts
 
 
+def runtime_params(kernel: Any) -> tuple[list[str], list[str]]:
+    """(runtime parameter names, constexpr parameter names) of a jitted kernel, in order."""
+    return _runtime_params(kernel)
+
+
+_INTERPRETED = kernels_interpreted()
+
+
+def kernel_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a kernel takes it: under Triton's interpreter (numpy has no bfloat16) a bfloat16
+    tensor travels as its int16 bits (the kernels convert with :mod:`symmsync.language.bf16`);
+    elsewhere ``t`` itself."""
+    if _INTERPRETED and t.dtype is torch.bfloat16:
+        return t.view(torch.int16)
+    return t
+
+
+def device_programs(device: torch.device, per_sm: int, interpreted: int) -> int:
+    """The programs of a launch sized by the device: ``per_sm`` for each multiprocessor the
+    device reports (under MPS, its share's), or ``interpreted`` under Triton's interpreter (which
+    runs programs one after another)."""
+    if _INTERPRETED or device.type != "cuda":
+        return interpreted
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+
+
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
@@ -174,6 +200,25 @@ class Launcher:
             )
         positions = tuple(self.names.index(name) for name in per_call)
         return BoundLaunch(self, args, self._grid if grid is None else _grid3(grid), positions)
+
+    def bind_named(self, *, grid: Sequence[int] | None = None, per_call: Sequence[str] = (), **args: Any) -> BoundLaunch:
+        """:meth:`bind` with the arguments by the kernel's parameter names, so that no call site
+        writes their positions (a kernel's signature may change). The ``per_call`` parameters need
+        no value here (each call passes its own).
+
+        Raises:
+            BackendError: a runtime parameter has no value, or a name is not one.
+        """
+        unknown = sorted(set(args) - set(self.names))
+        missing = [n for n in self.names if n not in args and n not in per_call]
+        if unknown or missing:
+            raise BackendError(
+                f"{getattr(self.kernel, '__name__', 'kernel')}: "
+                + (f"no runtime parameters named {unknown}; " if unknown else "")
+                + (f"no values for {missing}; " if missing else "")
+                + f"its runtime parameters are {', '.join(self.names)}"
+            )
+        return self.bind(*[args.get(n) for n in self.names], grid=grid, per_call=per_call)
 
     # ------------------------------------------------------------------ internals
     def _triton_launch(self, args: Sequence[Any], grid: tuple[int, int, int]) -> Any:
@@ -296,6 +341,13 @@ class BoundLaunch:
         """True once calls go straight to ``cuLaunchKernel`` (compiled and packed)."""
         return self._packed is not None
 
+    def release(self) -> None:
+        """Drop the fixed arguments (pointer tables, records) and the packed parameters: the
+        launch holds no mapping from now on, and a call raises :class:`~symmsync.BackendError`
+        (an owner that closed checks first and raises its own :class:`~symmsync.ClosedError`)."""
+        self._args = None
+        self._packed = None
+
     @property
     def grid(self) -> tuple[int, int, int]:
         """The grid this launch uses."""
@@ -324,6 +376,8 @@ class BoundLaunch:
             )
         packed = self._packed
         if packed is None:
+            if self._args is None:
+                raise BackendError(f"{getattr(self.launcher.kernel, '__name__', 'kernel')}: launched after release()")
             self._through_triton(values)
             return
         raw, classes = self._raw, self._classes

@@ -198,10 +198,23 @@ from .fence import (
     wait,
     wait_or_trap,
 )
+from . import calls as _calls
+from .calls import call_number, check_call, end_call, post_call
 from .records import write_timeout_record
 from .signals import ADD, SET, data_ptr, put_signal, read_signal, signal, wait_count, wait_signal
 
 __all__ = [
+    "CALL_OK",
+    "MISMATCH",
+    "REFUSED",
+    "REFUSED_DEVICE",
+    "REFUSED_HOST",
+    "REFUSED_NONE",
+    "WAIT_FAILED",
+    "call_number",
+    "check_call",
+    "end_call",
+    "post_call",
     "ABORTED",
     "ABORTED_STATUS",
     "ABORT_FLAG",
@@ -258,6 +271,19 @@ REASON_TEXT_BYTES: int = cells.REASON_TEXT_BYTES
 #: Reason codes (word 0 of a reason): the member closed its buffer; it failed (any other cause).
 REASON_CLOSED: int = cells.REASON_CLOSED
 REASON_ERROR: int = cells.REASON_ERROR
+
+#: A call's status (:func:`check_call`, :func:`end_call`; the status word of a consumer): it went
+#: well; a member refused it; the members' calls differed; a wait of it failed.
+CALL_OK = tl.constexpr(_calls.OK)
+REFUSED = tl.constexpr(_calls.REFUSED)
+MISMATCH = tl.constexpr(_calls.MISMATCH)
+WAIT_FAILED = tl.constexpr(_calls.WAIT_FAILED)
+#: A refusal's code (the ``refused`` of :func:`post_call`): none; this member's host refused its
+#: arguments (the reason it staged goes with the header); a consumer's own codes from
+#: REFUSED_DEVICE up (found in a kernel).
+REFUSED_NONE = tl.constexpr(_calls.REFUSED_NONE)
+REFUSED_HOST = tl.constexpr(_calls.REFUSED_HOST)
+REFUSED_DEVICE = tl.constexpr(_calls.REFUSED_DEVICE)
 
 #: The flag value that marks a record as a timeout ("SYMMTIME").
 TIMED_OUT = tl.constexpr(records.TIMED_OUT)

@@ -29,20 +29,61 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import ConfigError
+
 #: The ``symmsync`` namespace's library (its ops live as long as the process).
 LIBRARY = torch.library.Library("symmsync", "DEF")
 
 _KEYS = ("CPU", "CUDA")  # where symmsync's memory lives: the host backend's and the GPUs'
 
 
+#: The libraries of the users' namespaces (:func:`define_op`), by namespace.
+_LIBRARIES: dict[str, torch.library.Library] = {"symmsync": LIBRARY}
+
+
 def define(name: str, schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload:
-    """Register ``symmsync::<name><schema>`` with ``impl`` for CPU and CUDA tensors and ``fake`` for
-    tracing, marked side-effecting; return its overload (what a call site calls)."""
-    LIBRARY.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+    """Register ``symmsync::<name><schema>`` (:func:`define_op` in symmsync's own namespace)."""
+    return define_op(f"symmsync::{name}", schema, impl, fake)
+
+
+def define_op(qualname: str, schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload:
+    """Register a consumer's torch op, ``namespace::name``, the way symmsync registers its own.
+
+    ``Library.define`` with ``schema``, ``Library.impl`` of ``impl`` for CPU and CUDA tensors, and
+    ``fake`` for tracing; the op is marked side-effecting (``torch.fx.node.has_side_effect``), so
+    that no compiler drops a call whose outputs go unused: the members of a consumer wait for
+    each other's calls, and a call dropped on one member would leave the others waiting out their
+    budget. One pass through the dispatcher per call (no ``custom_op`` wrapper).
+
+    Args:
+        qualname: ``"namespace::name"`` (a namespace of your own, such as ``"mylib::all_to_all"``).
+        schema: the op's arguments and results, ``"(Tensor x, int handle) -> Tensor"``. Name the
+            consumer by its ``op_handle`` (an int: a graph holds no Python object).
+        impl: the op's body (the consumer's eager call, looked up with ``Consumer.from_handle``).
+        fake: what the op returns while tracing (new tensors of the right shapes).
+
+    Returns:
+        The op's overload (``torch.ops.namespace.name.default``), what a call site calls.
+
+    Example::
+
+        all_to_all_op = ss.define_op(
+            "mylib::all_to_all", "(Tensor x, int handle) -> Tensor",
+            lambda x, handle: AllToAll.from_handle(handle).eager(x),
+            lambda x, handle: torch.empty_like(x),
+        )
+    """
+    namespace, sep, name = qualname.partition("::")
+    if not sep or not namespace.isidentifier() or not name.isidentifier():
+        raise ConfigError(f"define_op: qualname must be 'namespace::name', got {qualname!r}")
+    lib = _LIBRARIES.get(namespace)
+    if lib is None:
+        lib = _LIBRARIES[namespace] = torch.library.Library(namespace, "FRAGMENT")
+    lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
     for key in _KEYS:
-        LIBRARY.impl(name, impl, key)
-    torch.library.register_fake(f"symmsync::{name}", fake, lib=LIBRARY)
-    op = getattr(torch.ops.symmsync, name).default
+        lib.impl(name, impl, key)
+    torch.library.register_fake(qualname, fake, lib=lib)
+    op = getattr(getattr(torch.ops, namespace), name).default
     torch.fx.node.has_side_effect(op)
     return op
 
