@@ -20,16 +20,13 @@ import triton
 import triton.language as tl
 
 import symmsync.language as ssl
-from symmsync.language import records
 from symmsync.language.bf16 import from_f32, to_f32
 
 from . import layout as L
 from . import protocol
 
-_HEADER_BYTES = tl.constexpr(L.HEADER_WORDS * 8)
 _ALL_REDUCE = tl.constexpr(L.ALL_REDUCE)
 _ALL_GATHER = tl.constexpr(L.ALL_GATHER)
-_TAG = tl.constexpr(L.TAG)
 _CHUNK_ALIGN = tl.constexpr(L.CHUNK_ALIGN)
 _REDUCE_SCATTER = tl.constexpr(L.REDUCE_SCATTER)
 
@@ -175,9 +172,39 @@ def _rmsnorm_rows(
 
 
 @triton.jit
+def _fill_nan(dst, n, pid, G, BF16_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """``dst[i] = NaN`` for ``i < n``: this program's blocks (a failed call's poison)."""
+    ELEM: tl.constexpr = dst.dtype.element_ty
+    lanes = tl.arange(0, BLOCK)
+    nan = from_f32(tl.full([BLOCK], float("nan"), tl.float32), ELEM, BF16_BITS)
+    b = pid
+    while b * BLOCK < n:
+        idx = b * BLOCK + lanes
+        tl.store(dst + idx, nan, mask=idx < n)
+        b += G
+
+
+@triton.jit
+def _sizes(count, SIZE: tl.constexpr, OP: tl.constexpr):
+    # (numel, chunk) of a call of ``count`` (the reduce-scatter passes its chunk, so that Triton
+    # specializes the chunk's alignment, 16-byte accesses, as it does any argument's).
+    if OP == _REDUCE_SCATTER:
+        numel = count * SIZE
+        chunk = count
+    else:
+        numel = count
+        # two-shot: a member's chunk, cdiv(numel, SIZE) rounded up to whole 16-byte groups
+        chunk = ((count + SIZE - 1) // SIZE + _CHUNK_ALIGN - 1) // _CHUNK_ALIGN * _CHUNK_ALIGN
+    return numel, chunk
+
+
+@triton.jit
 def _hand_over(
     x,
     count,
+    refused,
+    calls,
+    n,
     ptrs,
     sptrs,
     cell,
@@ -185,7 +212,6 @@ def _hand_over(
     timeout_ns,
     record,
     e,
-    header,
     src,
     counter,
     ep,
@@ -201,69 +227,55 @@ def _hand_over(
     ALGORITHM: tl.constexpr,
     PHASES: tl.constexpr,
 ):
-    # The first half of a call (.protocol's pseudocode): copy in, the header, arrive, wait.
-    # Returns (numel, chunk, the header's words, ok: every member published this call's epoch).
+    # The first half of a call (.protocol's pseudocode): copy in, the call header, arrive, wait.
+    # Returns (numel, chunk, ok: every member published this call's epoch).
     ELEM: tl.constexpr = x.dtype.element_ty
-    # The reduce-scatter passes its chunk, so that Triton specializes the chunk's alignment
-    # (16-byte accesses) as it does any argument's.
-    if OP == _REDUCE_SCATTER:
-        numel = count * SIZE
-        chunk = count
-    else:
-        numel = count
-        # two-shot: a member's chunk, cdiv(numel, SIZE) rounded up to whole 16-byte groups
-        chunk = ((count + SIZE - 1) // SIZE + _CHUNK_ALIGN - 1) // _CHUNK_ALIGN * _CHUNK_ALIGN
-
+    numel, chunk = _sizes(count, SIZE, OP)
     if not SYMMETRIC:  # copy in: this member's input into its own slot
         _copy(tl.multiple_of(ssl.peer_ptr(ptrs, me, src, ELEM), 16), x, numel, pid, G, pid >= 0, BLOCK)
-    words = protocol.header_words(_TAG + OP, numel, DTYPE_CODE, ALGORITHM, SYMMETRIC, e, hidden)
-    if pid == 0:
-        protocol.write_header(ptrs, header, me, words)
+    if pid == 0:  # the call's header, to every member (released by the publish of the last to arrive)
+        ssl.post_call(calls, me, n, OP, numel, DTYPE_CODE + 256 * SYMMETRIC, ALGORITHM, hidden, refused, 0, 0, SIZE)
     protocol.arrive(counter, ep, G - 1, sptrs, cell, me, SIZE, PHASES == 1)  # (n, e): neither needed
     ok = protocol.wait(sptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
-    return numel, chunk, words, ok
+    return numel, chunk, ok
 
 
 @triton.jit
 def _verdict(
-    ok,
-    ptrs,
-    header,
+    calls,
+    n,
+    numel,
+    refused,
+    hidden,
     me,
-    words,
     counter,
     G,
     e,
     timeout_ns,
     mism,
     SIZE: tl.constexpr,
+    OP: tl.constexpr,
+    SYMMETRIC: tl.constexpr,
     TRAP: tl.constexpr,
+    DTYPE_CODE: tl.constexpr,
+    ALGORITHM: tl.constexpr,
     PHASES: tl.constexpr,
 ):
-    # After a wait that returned ``ok``: (go: every member's call is this one, run: read the
-    # members' inputs). A refused call (a member's header says so) is recorded without a trap
-    # and runs nothing: no reads, no second phase, the arrival counter reset for the next call.
-    # The verdict on the headers is loads only: a one-phase call issues its
-    # first payload loads while the header loads are in flight (one round trip for both) and
-    # stores nothing unless every member's call is its own (``go``). Two phases: the grid
-    # barrier, or the mismatch record at once.
-    go = protocol.headers_match(ptrs, header, me, words, SIZE)
-    if protocol.refused_seen(ptrs, header, me, words, SIZE):
-        records.write_mismatch_record(mism, ptrs, header, me, words, e, SIZE, False)
-        if PHASES == 2:
-            if tl.program_id(0) == 0:  # every program arrived (the publish came after the last)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-        go = go & False
-        run = go
-    elif PHASES == 2:
+    # After a wait that returned: (go: every member's call is this one and nobody refused it;
+    # status and who: the call's, for end_call). A refused or differing call is the same on every
+    # member (each compares every member's header), so each reads nothing and makes no second
+    # phase, and the arrival counter is reset for the next call. The verdict is loads only: a
+    # one-phase call issues its first payload loads while the header loads are in flight and
+    # stores nothing unless ``go``. Two phases: then the grid barrier.
+    status, who = ssl.check_call(calls, me, n, OP, numel, DTYPE_CODE + 256 * SYMMETRIC, ALGORITHM, hidden, refused, SIZE)
+    go = status == ssl.CALL_OK
+    if PHASES == 2:
         if go:
             go = protocol.grid_barrier(counter, G, e, timeout_ns, mism, me, SIZE, TRAP)
-        else:
-            records.write_mismatch_record(mism, ptrs, header, me, words, e, SIZE, TRAP)
-        run = go
-    else:
-        run = ok
-    return go, run
+            status = tl.where(go, status, ssl.WAIT_FAILED)
+        elif tl.program_id(0) == 0:  # every program arrived (the publish came after the last)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    return go, status, who
 
 
 @triton.jit
@@ -275,9 +287,7 @@ def _read_members(
     me,
     timeout_ns,
     record,
-    mism,
     e,
-    header,
     src,
     counter,
     ep,
@@ -289,7 +299,6 @@ def _read_members(
     eps,
     numel,
     chunk,
-    words,
     go,
     pid,
     G,
@@ -303,8 +312,8 @@ def _read_members(
     ROW: tl.constexpr,
     PHASES: tl.constexpr,
 ):
-    # The second half of a call that may run: read (sum or copy) the members' inputs, refuse a
-    # one-phase call whose headers differ, and (two phases) the second publish and wait.
+    # The second half of a call that may run: read (sum or copy) the members' inputs, storing only
+    # if ``go``, and (two phases) the second publish and wait. Returns whether that wait returned.
     ELEM: tl.constexpr = out.dtype.element_ty
     if OP == _ALL_REDUCE:
         if EPILOGUE:  # one-shot with the residual add and the RMS norm: whole rows per program
@@ -339,13 +348,12 @@ def _read_members(
             _copy(out + p * numel, theirs, numel, pid, G, go, BLOCK)
     else:  # reduce-scatter: this member's chunk of every member's input
         _reduce(ptrs, src, me * chunk, chunk, out, out, pid, G, go, ELEM, SIZE, BF16_BITS, BLOCK, False)
-    if PHASES == 1:
-        if not go:
-            records.write_mismatch_record(mism, ptrs, header, me, words, e, SIZE, TRAP)
-    else:
+    waited = pid >= 0
+    if PHASES == 2:
         n_in, _e = protocol.arrive(counter, ep, 2 * G - 1, sptrs, cell, me, SIZE, True)
         if TWO_SHOT:  # every program: gather the other members' reduced chunks
-            if protocol.wait(sptrs, cell, me, e + 1, timeout_ns, record, SIZE, TRAP):
+            waited = protocol.wait(sptrs, cell, me, e + 1, timeout_ns, record, SIZE, TRAP)
+            if waited:
                 for p in tl.static_range(SIZE):
                     if p != me:
                         lo = p * chunk
@@ -354,7 +362,22 @@ def _read_members(
                         _copy(out + lo, theirs, n, pid, G, go, BLOCK)
         else:  # symmetric input: the kernel ends once every member finished reading it
             if n_in == 2 * G - 1:
-                protocol.wait(sptrs, cell, me, e + 1, timeout_ns, record, SIZE, TRAP)
+                waited = protocol.wait(sptrs, cell, me, e + 1, timeout_ns, record, SIZE, TRAP)
+    return waited
+
+
+@triton.jit
+def _poison(out, res_out, numel, chunk, pid, G, SIZE: tl.constexpr, OP: tl.constexpr, BF16_BITS: tl.constexpr,
+            BLOCK: tl.constexpr, EPILOGUE: tl.constexpr):  # fmt: skip
+    # A failed call's outputs read NaN on every member (this program's blocks of them).
+    if OP == _ALL_REDUCE:
+        _fill_nan(out, numel, pid, G, BF16_BITS, BLOCK)
+        if EPILOGUE:
+            _fill_nan(res_out, numel, pid, G, BF16_BITS, BLOCK)
+    elif OP == _ALL_GATHER:
+        _fill_nan(out, SIZE * numel, pid, G, BF16_BITS, BLOCK)
+    else:
+        _fill_nan(out, chunk, pid, G, BF16_BITS, BLOCK)
 
 
 @triton.jit
@@ -362,14 +385,15 @@ def collective_kernel(
     x,
     out,
     count,  # elements of the call's input (reduce-scatter: of each member's chunk)
+    refused,  # the call's refusal code (symmsync.language.calls): 0, or this member's refusal
+    calls,  # the collective's call headers (Consumer.calls)
     ptrs,  # the view's pointer table (payload)
     sptrs,
     cell,
     me,
     timeout_ns,
     record,  # the fence's arguments (Fence.kernel_args)
-    mism,  # the collective's own record (header mismatch, grid stall)
-    headers,
+    mism,  # the collective's own record (a grid barrier that stalled)
     counter_off,
     inputs,
     input_stride,
@@ -394,34 +418,44 @@ def collective_kernel(
 ):
     """One call of a collective on this member (the pseudocode of :mod:`.protocol`).
 
-    Its parts are :func:`_hand_over` (copy in, header, arrive, wait), :func:`_verdict` (the
-    headers, the grid barrier) and :func:`_read_members`, so that a test can build a variant
-    of this kernel from them (a stall before the reads, or input slots without the parity)
-    and launch it through the seam :data:`symmsync.collectives.operations.KERNEL`.
+    Its parts are :func:`_hand_over` (copy in, call header, arrive, wait), :func:`_verdict` (the
+    headers, the grid barrier), :func:`_read_members` and :func:`_poison`, so that a test can build
+    a variant of this kernel from them (a stall before the reads, or input slots without the
+    parity) and launch it through the seam :data:`symmsync.collectives.operations.KERNEL`.
     """
     PHASES: tl.constexpr = 2 if (TWO_SHOT or SYMMETRIC) else 1
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     e = protocol.next_epoch(sptrs, cell, me)
+    n = ssl.call_number(calls)
     if protocol.closed(e):  # launched through arguments kept past close(): it fails, and does nothing else
         protocol.fail_closed(sptrs, cell, me, e, record, SIZE, TRAP)
     else:
-        header = headers + (e % 2) * _HEADER_BYTES
         if SYMMETRIC:
             src = symmetric + e * 0
         else:
             src = inputs + (e % 2) * input_stride  # the input slot of this call's parity
         counter = ssl.peer_ptr(ptrs, me, counter_off, tl.int64)
         ep = ssl.epoch_ptr(sptrs, cell, me)
-        numel, chunk, words, ok = _hand_over(
-            x, count, ptrs, sptrs, cell, me, timeout_ns, record, e, header, src, counter, ep, hidden, pid, G,
-            SIZE, OP, SYMMETRIC, BLOCK, TRAP, DTYPE_CODE, ALGORITHM, PHASES,
+        numel, chunk, ok = _hand_over(
+            x, count, refused, calls, n, ptrs, sptrs, cell, me, timeout_ns, record, e, src, counter, ep, hidden, pid,
+            G, SIZE, OP, SYMMETRIC, BLOCK, TRAP, DTYPE_CODE, ALGORITHM, PHASES,
         )  # fmt: skip
+        status = tl.full((), ssl.WAIT_FAILED, tl.int64)
+        who = tl.full((), -1, tl.int64)
+        go = ok & False
         if ok:
-            go, run = _verdict(ok, ptrs, header, me, words, counter, G, e, timeout_ns, mism, SIZE, TRAP, PHASES)
-            if run:
-                _read_members(
-                    out, ptrs, sptrs, cell, me, timeout_ns, record, mism, e, header, src, counter, ep, reduced,
-                    residual, weight, res_out, hidden, eps, numel, chunk, words, go, pid, G,
+            go, status, who = _verdict(
+                calls, n, numel, refused, hidden, me, counter, G, e, timeout_ns, mism,
+                SIZE, OP, SYMMETRIC, TRAP, DTYPE_CODE, ALGORITHM, PHASES,
+            )  # fmt: skip
+            if go | (PHASES == 1):  # one phase: its loads go out before the verdict arrives (stores held)
+                waited = _read_members(
+                    out, ptrs, sptrs, cell, me, timeout_ns, record, e, src, counter, ep, reduced,
+                    residual, weight, res_out, hidden, eps, numel, chunk, go, pid, G,
                     SIZE, OP, TWO_SHOT, BLOCK, TRAP, BF16_BITS, EPILOGUE, ROW, PHASES,
                 )  # fmt: skip
+                status = tl.where(waited, status, ssl.WAIT_FAILED)
+        if not go:
+            _poison(out, res_out, numel, chunk, pid, G, SIZE, OP, BF16_BITS, BLOCK, EPILOGUE)
+        ssl.end_call(calls, me, n, OP, status, who, SIZE, True)

@@ -1,25 +1,27 @@
-"""Where a collective keeps its bytes in every member's memory, and what its headers say.
+"""Where a collective keeps its bytes in every member's memory.
 
 A collective owns one workspace in the view's buffer, at the same byte offset in every
 member (``offset``, a multiple of 128). Pull model: each member leaves its input in its
 own workspace and reads the others' inputs through the view's pointer table::
 
-    offset + HEADERS   int64 header[2][HEADER_WORDS]   what this member's call is, by parity
     offset + COUNTER   int64 arrivals                  programs of this member's launch that arrived
     offset + INPUT     input[2][capacity bytes]        copied-in inputs, by epoch parity
     + SYMMETRIC        input[capacity bytes]           the caller's own input (``input()``), no copy-in
     + REDUCED          reduced[...]                    two-shot only: this member's reduced chunk
 
-A header is written next to each member's payload before its publish and checked by
-every member after its wait, so a call of another size, dtype, algorithm or operation
-is refused on every member before a byte is summed::
+A call's header is the consumer kit's (:mod:`symmsync.language.calls`, in memory of the
+collective's own): its kind is the operation, its size words ``(numel, dtype code + 256 *
+symmetric, algorithm code, epilogue)`` (``epilogue``: the row length of a fused residual + RMS
+norm, 0 for none), so a call of another size, dtype, algorithm, input kind or operation is
+refused on every member before a byte is summed.
 
-    header = [tag | op, numel, dtype code, algorithm, symmetric, epoch, epilogue, 0]
+Over a view that spans nodes a call's header crosses nodes with its data, as the host writes
+it (:func:`header`)::
 
-(``epilogue``: the row length of a fused residual + RMS norm, 0 for none.)
+    header = [tag | op, numel, dtype code, algorithm, symmetric, number, epilogue, 0]
 
-A refused call's kernel (or one whose grid barrier stalled) writes the collective record
-of :mod:`symmsync.language.records` (pinned host memory on GPUs, then it traps).
+A launch whose grid barrier stalled writes the collective record of
+:mod:`symmsync.language.records` (pinned host memory on GPUs, then it traps).
 """
 
 from __future__ import annotations
@@ -31,19 +33,16 @@ import torch
 from ..checks import is_int
 from ..errors import ConfigError
 from ..language.cells import LINE, round_up
-from ..language.records import HEADER_WORDS
 
-#: The fields of a header (``HEADER_WORDS`` int64 words; regions start on lines of ``LINE`` bytes).
+#: Words of a call's header across nodes, and its fields.
+HEADER_WORDS = 8
 H_TAG, H_NUMEL, H_DTYPE, H_ALGORITHM, H_SYMMETRIC, H_EPOCH, H_EPILOGUE = range(7)
-#: Fields compared across members (the first seven words).
-HEADER_CHECKED = 7
 
 
 def header(
     op: int, numel: int, dtype_code: int, algorithm: int, symmetric: int, epoch: int, epilogue: int
 ) -> list[int]:
-    """A call's header as ``HEADER_WORDS`` ints, on the host (the kernels build theirs from the
-    same ``H_*`` fields: :func:`symmsync.collectives.protocol.header_words`)."""
+    """A call's header across nodes as ``HEADER_WORDS`` ints (``epoch``: the call's number)."""
     words = [0] * HEADER_WORDS
     words[H_TAG], words[H_NUMEL], words[H_DTYPE], words[H_ALGORITHM] = TAG + op, numel, dtype_code, algorithm
     words[H_SYMMETRIC], words[H_EPOCH], words[H_EPILOGUE] = symmetric, epoch, epilogue
@@ -51,8 +50,7 @@ def header(
 
 
 #: Byte offsets from the workspace's start.
-HEADERS = 0
-COUNTER = 2 * HEADER_WORDS * 8
+COUNTER = 0
 INPUT = COUNTER + LINE
 
 #: word 0 of a header: ``TAG + op``, so that a header never written (zeros) matches nothing.
@@ -109,11 +107,6 @@ class Workspace:
         # up to CHUNK_ALIGN, for the smallest and the largest itemsize.
         red_bytes = round_up(-(-capacity // size) + CHUNK_ALIGN * 4, LINE) if reduced else 0
         return cls(offset, capacity, stride, symmetric, red, red + red_bytes - offset)
-
-    @property
-    def headers(self) -> int:
-        """Offset of the two headers."""
-        return self.offset + HEADERS
 
     @property
     def counter(self) -> int:

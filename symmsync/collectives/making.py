@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from ..core import agreement
-from ..core.consumer import Making
+from ..core.making import Making
+from ..language.cells import LINE
 from . import layout as L
-from .mismatch import gpu_identity
 
 _NODE_STEPS_HINT = (
     "collectives made together over views that span nodes must be one operation on every rank of the buffer's "
@@ -59,32 +59,23 @@ def claim_workspace(make: Making, channel: int, ws: L.Workspace | None) -> None:
         )
 
 
-def agree(make: Making, arguments: dict[str, Any], steps: str = "") -> tuple[int, ...]:
+def agree(make: Making, arguments: dict[str, Any], steps: str = "") -> None:
     """The construction's one exchange over the buffer's group (collective).
 
     Every rank raises the first rank's problem, or a difference in ``arguments`` among a
     view's members, or a difference in ``steps`` among all ranks, or none does.
 
     Args:
-        make: this rank's construction.
+        make: this rank's construction (its ``shares_gpu`` is set by the exchange).
         arguments: the values a view's members must pass alike, by name.
         steps: the operation whose node steps this rank makes over a view that spans nodes
             (``""``: none). Alike on every rank of the group: the node view and each node step
             are made collectively over the group, so every rank must make the same ones.
-
-    Returns:
-        The other members of the view on this rank's GPU (several processes on one device).
     """
-    buf = make.buffer
-    gpu = gpu_identity(buf.device) if buf.capabilities.streams else None
-    agreed = make.agree(
+    make.agree(
         arguments,
-        group_wide={
-            "the node steps": (steps or "none (one node)", agreement.Same(hint=_NODE_STEPS_HINT)),
-            "the GPU": (gpu, None),  # exchanged, not compared
-        },
+        group_wide={"the node steps": (steps or "none (one node)", agreement.Same(hint=_NODE_STEPS_HINT))},
     )
-    return tuple(r for r in make.view.ranks if r != buf.rank and gpu and agreed[r]["the GPU"] == gpu)
 
 
 def set_protocol_words(buf: Any, ws: L.Workspace) -> None:
@@ -93,7 +84,7 @@ def set_protocol_words(buf: Any, ws: L.Workspace) -> None:
 
     The workspace's bytes may hold what another owner left there (a dropped collective's inputs,
     a user's region): the arrival counter, which a launch's programs count up from 0 (the one
-    whose count reaches the target publishes), and the headers are zeroed here. After the
+    whose count reaches the target publishes), is zeroed here. After the
     agreement, so that every member has finished the calls it made on these bytes before (a
     slow member still reading a dropped collective's slot in this member's memory); before the
     barrier, so that no member's first call runs before every member set its words. (A member
@@ -101,7 +92,7 @@ def set_protocol_words(buf: Any, ws: L.Workspace) -> None:
     earlier kernels may still run when it enters the agreement: an earlier owner given back with
     ``close()`` waited for the device first; one only dropped did not.
     """
-    buf.tensor(ws.headers, (L.INPUT - L.HEADERS,), torch.uint8).zero_()
+    buf.tensor(ws.counter, (LINE,), torch.uint8).zero_()
     agreement.barrier(buf.group)
 
 

@@ -11,25 +11,25 @@ from typing import Any
 
 import torch
 
-from ..backends import mode
+from ..backends.mode import kernels_interpreted
 from ..checks import int_problem, number_problem, require
 from ..core.consumer import Consumer
-from ..core.failure import Stall
-from ..core.launch import BoundLaunch, Launcher
+from ..core.launch import BoundLaunch, Launcher, kernel_view
 from ..core.views import PeerView
-from ..errors import ClosedError, ConfigError, InputError, PeerRefused, SymmSyncError
+from ..errors import ClosedError, ConfigError, InputError
+from ..language import calls as ssl_calls
 from ..language import records
 from . import kernels, making, tuning
 from . import layout as L
-from .mismatch import mismatch_error, peer_refused, refused_by, shared_gpu_note, stalled_error
+from .mismatch import CollectiveMismatch, StallRecord, describe_kit
 
 # Elements per block of a program (a power of two); warps per program.
 _BLOCK = 1024
 _NUM_WARPS = 4
 # What a call passes its bound launch (BoundLaunch: the rest is bound once), by the kernel's
 # parameter names, so no position is written here and the kernel's signature can change.
-_PER_CALL = ("x", "out", "count")
-_FUSED_CALL = (*_PER_CALL, "residual", "weight", "res_out", "hidden", "eps")
+_PER_CALL = ("x", "out", "count", "refused")
+_FUSED_CALL = ("x", "out", "count", "residual", "weight", "res_out", "hidden", "eps", "refused")
 KERNEL = kernels.collective_kernel
 """The kernel every operation launches, read when an operation first launches a variant (a seam:
 a test may set it, before it constructs an operation, to a variant of the kernel built in the
@@ -38,6 +38,7 @@ FORMS: dict[int, Any] = {}
 """Each operation's form over a view that spans nodes, by operation code: what its constructor
 makes there and its checked call runs (registered by :mod:`.spanning`, which builds its node
 steps from the classes of this module, so this module names it not)."""
+_INTERPRETED = kernels_interpreted()  # bfloat16 travels as its int16 bits (numpy has none)
 MAX_HIDDEN = 16384
 """The longest row (``x.shape[-1]``) the fused epilogue takes: one program holds a row."""
 _NO_GRAD = "the collectives have"  # no autograd formula (symmsync.checks.tensor_problem words it)
@@ -54,7 +55,9 @@ class _Collective(Consumer):
     """What the three operations share: construction, the workspace, launches, failures."""
 
     _OP = 0
-    _NAME = ""
+    KINDS = ("-", "call", "call", "call")  # by operation code (the kind a call's header carries)
+    MISMATCH = CollectiveMismatch
+    REFUSED_OUTCOME = "no member's call did anything (its outputs hold NaN), and the next call goes on"
 
     def __init__(
         self,
@@ -68,22 +71,20 @@ class _Collective(Consumer):
         timeout_s: float | None = None,
     ):
         self._over = None
-        self._closed = False
-        self._claims: tuple[int, ...] = ()  # its claims on the buffer's bytes (core/regions.py)
         self._channel = channel
         if isinstance(view, PeerView) and not view.nodes.single:  # a layout every member sees alike
             self._init_over_nodes(view, max_numel, dtype, algorithm, offset, channel, timeout_s)
             return
-        make = making.start(self._NAME, view, max_numel, dtype, algorithm, offset)
+        make = making.start(self.NAME, view, max_numel, dtype, algorithm, offset)
         buf, ws = make.buffer, None
         if make.ok:
             ws = L.Workspace.plan(offset, max_numel, dtype, view.size, reduced=self._OP == L.ALL_REDUCE)
             making.fits(make, offset, ws.nbytes)
         fence = make.fence(channel, timeout_s)  # a bad channel or timeout is agreed like the rest
         making.claim_workspace(make, channel, ws)  # shared only by collectives of this layout on this channel
-        mine = making.arguments(max_numel, dtype, algorithm, offset, channel)
-        self._keep(view, max_numel, dtype, making.agree(make, mine))
-        self._made(make, f"{self._NAME} (channel {channel})", memory=self._memory_words(buf), no_grad=_NO_GRAD)
+        making.agree(make, making.arguments(max_numel, dtype, algorithm, offset, channel))
+        self._keep(view, max_numel, dtype)
+        self.made(make, where=f"{self.NAME} (channel {channel})", memory=self._memory_words(buf), no_grad=_NO_GRAD)
         making.set_protocol_words(buf, ws)
         self.fence = fence
         """The :class:`~symmsync.Fence` whose channel the collective synchronizes on (``None`` over a view
@@ -96,17 +97,9 @@ class _Collective(Consumer):
         in call order) and the view's exchange (:mod:`symmsync.spanning.parts`); ``None`` here."""
         caps = buf.capabilities
         self._traps = caps.traps
-        self._streams = caps.streams
-        self._host_checks = caps.host_checks_status
-        self._interp = mode.kernels_interpreted()
-        if caps.streams:  # one program per multiprocessor at most: every program resident at once
-            self._max_programs = torch.cuda.get_device_properties(buf.device).multi_processor_count
-        else:
-            self._max_programs = 1  # the interpreter runs programs one after another
-        self._record = torch.zeros(
-            records.collective_record_words(view.size), dtype=torch.int64, pin_memory=caps.pinned_record
-        )
-        self._refusal: SymmSyncError | None = None  # a member's refused call, to raise once (refuse())
+        self._max_programs = self.programs(1, 1)  # every program resident at once (the interpreter: one)
+        self._record = torch.zeros(records.COLLECTIVE_RECORD_WORDS, dtype=torch.int64, pin_memory=caps.pinned_record)
+        self.waits = (fence, StallRecord(self._record, self.NAME, view.ranks, fence))
         self._sym_bytes = buf.tensor(ws.symmetric, (ws.capacity,), torch.uint8)
         self._sym_addr = self._sym_bytes.data_ptr()
         self._limits = {d: ws.capacity // d.itemsize for d in L.DTYPES}
@@ -116,26 +109,25 @@ class _Collective(Consumer):
         # The fused epilogue's arguments of a launch without it: unused, of the launch's dtype.
         self._plain_tail = {}
         for d in L.DTYPES:
-            dummy = torch.zeros(1, dtype=d, device=buf.device)
-            dummy = dummy.view(torch.int16) if self._interp and d is torch.bfloat16 else dummy
-            self._plain_tail[d] = (dummy, dummy, dummy, 0, 0.0)
-        self._fixed = (
-            view.ptrs,
-            *fence.kernel_args,
-            self._record.data_ptr(),
-            ws.headers,
-            ws.counter,
-            ws.inputs,
-            ws.input_stride,
-            ws.symmetric,
-            ws.reduced,
+            dummy = kernel_view(torch.zeros(1, dtype=d, device=buf.device))
+            self._plain_tail[d] = dict(residual=dummy, weight=dummy, res_out=dummy, hidden=0, eps=0.0)
+        self._fixed = dict(
+            ptrs=view.ptrs,
+            **dict(zip(("sptrs", "cell", "me", "timeout_ns", "record"), fence.kernel_args)),
+            calls=self.calls.kernel_args[0],
+            mism=self._record.data_ptr(),
+            counter_off=ws.counter,
+            inputs=ws.inputs,
+            input_stride=ws.input_stride,
+            symmetric=ws.symmetric,
+            reduced=ws.reduced,
         )
 
     def _init_over_nodes(self, view, max_numel, dtype, algorithm, offset, channel, timeout_s) -> None:
         """Over a view that spans nodes: the operation's form there (:data:`FORMS`), its node steps
         and the view's exchange; the same calls, checks and failures (:mod:`.spanning`)."""
         form = FORMS[self._OP](self, view, max_numel, dtype, algorithm, offset, channel, timeout_s)
-        self._keep(view, max_numel, dtype, form.shares_gpu)
+        self._keep(view, max_numel, dtype)
         self._over = form
         self.fence = self.workspace = None
         self.node_view, self.steps, self.offnode = form.node_view, form.steps, form.exchange
@@ -144,23 +136,19 @@ class _Collective(Consumer):
         self._limits = form.limits
         self._bound = {}
         self._channel = -1
-        self._refusal = None
-        self._streams = view.buffer.capabilities.streams
-        where = f"{self._NAME} (over {view.nodes.num_nodes} nodes)"
-        self._made(form.make, where, memory=self._memory_words(view.buffer), no_grad=_NO_GRAD)
+        where = f"{self.NAME} (over {view.nodes.num_nodes} nodes)"
+        self.made(form.make, where=where, memory=self._memory_words(view.buffer), no_grad=_NO_GRAD, calls=False)
 
     @staticmethod
     def _memory_words(buf: Any) -> str:
         return f"the collective's memory on {buf.device}"
 
-    def _keep(self, view: PeerView, max_numel: int, dtype: torch.dtype, shares_gpu: tuple[int, ...]) -> None:
+    def _keep(self, view: PeerView, max_numel: int, dtype: torch.dtype) -> None:
         """What every form keeps of its arguments, once they are agreed (:func:`.making.agree`)."""
         self.view = view
         self.size = view.size
         self.max_numel = max_numel
         self.dtype = dtype
-        self._buffer = view.buffer
-        self._shares_gpu = shares_gpu  # the other members on this rank's GPU: see synchronize()
 
     # ------------------------------------------------------------------ public
     def input(self, numel: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -176,8 +164,8 @@ class _Collective(Consumer):
             ClosedError: the buffer or the collective is closed.
         """
         dtype = self.dtype if dtype is None else dtype
-        call = f"{self._NAME}.input"
-        if self._buffer.closed or self._closed:
+        call = f"{self.NAME}.input"
+        if self.buffer.closed or self._closed:
             what = "close()" if self._closed else "its buffer was closed"
             raise ClosedError(f"rank {self.rank}: {call}: used after {what}")
         if dtype not in self._limits:
@@ -194,14 +182,15 @@ class _Collective(Consumer):
         return self._problem(x, out) is None
 
     def synchronize(self) -> None:
-        """Wait for the device; turn a trapped call into the error it recorded.
+        """Wait for the device, then raise what the calls since the last one found.
 
-        On GPUs a failed call (a wait that timed out or saw an abort, members whose calls
-        differ) records what it saw and traps; this raises that error
-        (:class:`~symmsync.FenceTimeout`, :class:`~symmsync.PeerAborted`,
-        :class:`CollectiveMismatch`). A call another member refused does not trap: this raises
-        :class:`~symmsync.PeerRefused` for it (once; the collective goes on). On the host
-        backend calls raise by themselves.
+        On GPUs a call returns before it ran: a call another member refused, or whose members'
+        calls differ, stores NaN into its outputs and raises here, :class:`~symmsync.PeerRefused`
+        (once; the collective goes on) or :class:`CollectiveMismatch` (the collective fails); a
+        wait that timed out or saw an abort traps and raises its :class:`~symmsync.FenceTimeout`
+        (:class:`~symmsync.PeerAborted`). A runtime that does not synchronize reads the
+        collective's :attr:`~symmsync.Consumer.status` word instead. On the host backend calls
+        raise by themselves.
 
         Members that share one GPU (two processes on one device): a trap in one member's
         CUDA context has left another's ``torch.cuda.synchronize()`` blocked for good. There
@@ -213,25 +202,20 @@ class _Collective(Consumer):
         if self._over is not None:
             self._over.synchronize()
             return
-        stall = None
-        if self._shares_gpu:
-            after_s = 2 * self.fence.timeout_s + 30.0
-            ranks, channel = self.view.ranks, self.fence.channel
-            stall = Stall(
-                after_s, lambda: stalled_error(self.rank, self._NAME, ranks, self._shares_gpu, after_s, channel)
-            )
-        self._failure.settle(self, self._recorded_error, stall=stall)
-        self._raise_refusal()
+        super().synchronize()
 
-    def _release(self, together: bool) -> None:
-        try:
-            if self._over is not None:  # its node steps hold the bytes, and close alike on every rank
-                for step in self._over.steps:
-                    step.close(together)
-            else:
-                super()._release(together)
+    def release(self, together: bool) -> None:
+        if self._over is None:
+            super().release(together)
+            return
+        try:  # its node steps hold the bytes, and close alike on every rank
+            for step in self._over.steps:
+                step.close(together)
         finally:
             self.release_tables()
+
+    def describe_call(self, header: list[int], number: int) -> dict[str, Any]:
+        return describe_kit(header, number)
 
     # ------------------------------------------------------------------ a call
     def _traced(self, op: Any, args: tuple, out: Any, *after: Any, half: bool = False) -> Any:
@@ -240,7 +224,7 @@ class _Collective(Consumer):
         ConfigError while tracing for an ``out=`` (the op returns new tensors) or a ``half`` epilogue."""
         if out is not None or half:
             what = "pass residual= and norm_weight=" if half else "out= is eager-only (the op returns new tensors)"
-            raise ConfigError(f"rank {self.rank}: {self._NAME} under torch.compile: {what} (docs/collectives.md)")
+            raise ConfigError(f"rank {self.rank}: {self.NAME} under torch.compile: {what} (docs/collectives.md)")
         return op(*args, self.op_handle, *after)
 
     def _launch(
@@ -250,7 +234,8 @@ class _Collective(Consumer):
         numel: int,
         algorithm: int,
         count: int = -1,
-        epilogue: tuple | None = None,
+        epilogue: dict | None = None,
+        refused: int = 0,
     ) -> None:
         # The hot path of an eager call and of the op's body: a few comparisons, one launch
         # (which repacks nothing when the tensors are those of the last call of this variant).
@@ -264,32 +249,31 @@ class _Collective(Consumer):
             row = 0
             grid = min(self._max_programs, max(1, -(-numel // _BLOCK)))  # (triton.cdiv costs microseconds)
         else:  # whole rows per program
-            row = 1 << (epilogue[3] - 1).bit_length()
-            grid = min(self._max_programs, max(1, numel // epilogue[3]))
+            row = 1 << (epilogue["hidden"] - 1).bit_length()
+            grid = min(self._max_programs, max(1, numel // epilogue["hidden"]))
         key = (x.dtype, algorithm, x.data_ptr() == self._sym_addr, grid, row)
-        if self._interp and x.dtype is torch.bfloat16:  # numpy has no bfloat16: its bits travel
-            x, out = x.view(torch.int16), out.view(torch.int16)
-            if epilogue is not None:
-                epilogue = tuple(t.view(torch.int16) for t in epilogue[:3]) + epilogue[3:]
+        x, out = kernel_view(x), kernel_view(out)  # under the interpreter bfloat16 travels as its bits
         bound = self._bound.get(key)
         if bound is None:
-            tail, per_call = (self._plain_tail[key[0]], _PER_CALL) if epilogue is None else (epilogue, _FUSED_CALL)
-            bound = self._launcher(key).bind(x, out, count, *self._fixed, *tail, grid=(grid,), per_call=per_call)
+            tail = self._plain_tail[key[0]] if epilogue is None else {}
+            per_call = _PER_CALL if epilogue is None else _FUSED_CALL
+            bound = self._launcher(key).bind_named(grid=(grid,), per_call=per_call, **self._fixed, **tail)
             self._bound[key] = bound
         try:
             if epilogue is None:
-                bound(x, out, count)
+                bound(x, out, count, refused)
             else:
-                bound(x, out, count, *epilogue)
-        except Exception as e:
+                e = epilogue
+                bound(x, out, count, kernel_view(e["residual"]), kernel_view(e["weight"]), kernel_view(e["res_out"]),
+                      e["hidden"], e["eps"], refused)  # fmt: skip
+        except Exception as err:
             # A launch that raised (an error of symmsync's from inside an interpreted kernel, a
             # failed compile or launch) may have run part of the call: the collective fails with
             # it and the members are told, so no later call of this rank's can meet theirs.
-            self.fail(e)
+            self.fail(err)
             raise
-        if self._host_checks:
-            self._failure.settle(self, self._recorded_error, synchronize=False)
-            self._raise_refusal()
+        if self._host_checks:  # the launch has run: raise what it found (a refusal of its own is not kept)
+            self.settle()
 
     def _launcher(self, key: tuple) -> Launcher:
         dtype, algorithm, sym, _grid, row = key
@@ -306,7 +290,7 @@ class _Collective(Consumer):
                 SYMMETRIC=sym,
                 BLOCK=_BLOCK,
                 TRAP=self._traps,
-                BF16_BITS=self._interp and dtype is torch.bfloat16,
+                BF16_BITS=_INTERPRETED and dtype is torch.bfloat16,
                 DTYPE_CODE=L.DTYPES[dtype],
                 ALGORITHM=algorithm,
                 EPILOGUE=row > 0,
@@ -362,7 +346,7 @@ class _Collective(Consumer):
 
     # ------------------------------------------------------------------ failures
     def check_usable(self) -> None:
-        """Raise if this collective may not run a call (:meth:`symmsync.core.consumer.Consumer.check_usable`:
+        """Raise if this collective may not run a call (:meth:`symmsync.Consumer.check_usable`:
         its buffer or itself closed, its own failure first, the first failed call's error raised
         again by every later call), then if its fence failed a wait of its own (used directly)."""
         super().check_usable()
@@ -372,65 +356,38 @@ class _Collective(Consumer):
     def refuse(self, problem: str, call: str = "", error: type = InputError) -> None:
         """Refuse a bad call on this member: the call fails on every member, and nothing else.
 
-        This member still makes the call, with nothing to send (``count = -1``: the header says
-        the call is refused, :func:`symmsync.collectives.protocol.refused_seen`), so that every
-        member publishes once and reads nothing, and the members' epochs stay in step; then it
-        raises ``error`` here, and the others raise :class:`~symmsync.PeerRefused` naming this
-        member (on GPUs at their :meth:`synchronize`). The collective stays usable. Over a view
-        that spans nodes it runs every step of the call refused
+        This member still makes the call, with nothing to send and its header refused with
+        ``problem`` (:meth:`launch_refused`), so that every member publishes once and reads
+        nothing, and the members' epochs stay in step; every member's outputs of the call hold
+        NaN. It raises ``error`` here, and the others raise :class:`~symmsync.PeerRefused` naming
+        this member and ``problem`` (on GPUs at their :meth:`synchronize`). The collective stays
+        usable. Over a view that spans nodes it runs every step of the call refused
         (:meth:`symmsync.collectives.spanning._NodeSteps.refuse`), with the same outcome."""
+        if self._over is None:
+            return super().refuse(problem, call, error)
         self.check_usable()
-        err = error(f"rank {self.rank}: {self._NAME}: {problem}; no member's call did anything")
-        if self._over is not None:
-            self._over.refuse(problem)
-        else:
-            self.launch_refused()
-        raise err
+        self._over.refuse(problem)
+        raise self.refusal(problem, call, error)
 
-    def launch_refused(self) -> None:
-        """Take part in the next call with nothing to send (``count = -1``: the header says the call
-        is refused), raising nothing: :meth:`refuse`'s launch, and a refused node step's over nodes."""
-        dummy = torch.empty(0, dtype=self.dtype, device=self._buffer.device)  # nothing is read or written
+    def launch_refused(self, call: str = "", refused: int = 0) -> None:
+        """Take part in the next call with nothing to send, its header refused (the kit's
+        :meth:`~symmsync.Consumer.refuse`), raising nothing of it here: :meth:`refuse`'s launch, and
+        a refused node step's over nodes (which stages no reason: its header says ``refused`` only)."""
+        if not refused:  # a node step of a call refused across nodes: the reason travels in the store
+            self.calls.stage("its call across nodes was refused")
+            refused = ssl_calls.REFUSED_HOST
+        dummy = torch.empty(0, dtype=self.dtype, device=self.buffer.device)  # nothing is read or written
         algorithm = 0 if self._OP == L.ALL_REDUCE else -1
-        try:
-            self._launch(dummy, dummy, -1, algorithm, -1)
-        except PeerRefused:
-            pass  # another member refused this call too: this member's own refusal is what it raises
-
-    def _raise_refusal(self) -> None:
-        """Raise the :class:`~symmsync.PeerRefused` a member's refused call left (once)."""
-        refusal, self._refusal = self._refusal, None
-        if refusal is not None:
-            raise refusal
-
-    def _recorded_error(self) -> SymmSyncError | None:
-        """The error a call recorded (its fence's wait, then the collective's record), or ``None``:
-        this collective's record reader (:meth:`symmsync.core.failure.ViewFailure.settle`). A
-        refused call's record is no failure of the collective: it is cleared, and kept for
-        :meth:`_raise_refusal` when another member refused."""
-        fence = self.fence
-        words = self._record.tolist()
-        refused = refused_by(words, self.view.ranks)
-        if refused is not None:
-            self._record.zero_()
-            origin, epoch = refused
-            if origin != self.rank:
-                self._refusal = peer_refused(self.rank, self._NAME, self.view.ranks, origin, epoch)
-            words = self._record.tolist()
-        err = fence.timeout_error() or mismatch_error(
-            words, self._NAME, self.view.ranks, fence.timeout_s, fence.channel
-        )
-        if err is not None and self._shares_gpu:
-            err.args = (f"{err.args[0]} ({shared_gpu_note(self.rank, self._shares_gpu)})", *err.args[1:])
-        return err
+        self._launch(dummy, dummy, 0, algorithm, 0, refused=refused)
 
     def release_tables(self) -> None:
         """Drop the buffer's tables and memory this collective holds (the buffer's ``close()``
         calls it, through the view's failure owner): its bound launches, their fixed arguments
         and its symmetric input, so that only what users kept holds the mappings. Its calls
         raise :class:`~symmsync.ClosedError` from then on, before any launch."""
+        super().release_tables()
         self._bound = {}
-        self._fixed = ()
+        self._fixed = {}
         self._sym_bytes = None
 
 
@@ -461,7 +418,7 @@ class AllReduce(_Collective):
     """
 
     _OP = L.ALL_REDUCE
-    _NAME = "AllReduce"
+    NAME = "AllReduce"
 
     def __init__(
         self,
@@ -586,7 +543,8 @@ class AllReduce(_Collective):
             self.refuse(bad)
         out = torch.empty_like(x) if out is None else out
         res_out = torch.empty_like(x) if res_out is None else res_out
-        self._launch(x, out, x.numel(), 0, epilogue=(residual, weight, res_out, x.shape[-1], float(eps)))
+        epilogue = dict(residual=residual, weight=weight, res_out=res_out, hidden=x.shape[-1], eps=float(eps))
+        self._launch(x, out, x.numel(), 0, epilogue=epilogue)
         return out, res_out
 
     def _fused_problem(self, x, out, algorithm, residual, weight, eps, res_out) -> str | None:
@@ -642,7 +600,7 @@ class AllGather(_Collective):
     """
 
     _OP = L.ALL_GATHER
-    _NAME = "AllGather"
+    NAME = "AllGather"
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Gather every member's ``x`` (same numel and dtype on every member) into ``out``.
@@ -672,7 +630,7 @@ class ReduceScatter(_Collective):
     """
 
     _OP = L.REDUCE_SCATTER
-    _NAME = "ReduceScatter"
+    NAME = "ReduceScatter"
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Reduce-scatter every member's ``x`` into ``out`` (this member's chunk of the sum).

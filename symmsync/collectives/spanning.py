@@ -99,7 +99,6 @@ class _NodeSteps:
         steps: the collectives over :attr:`node_view` the calls run, in order
             (:func:`~symmsync.collectives.layout.node_steps`).
         exchange: the view's :class:`~symmsync.spanning.exchange.OffNode`.
-        shares_gpu: what the agreement returned (the other members on this rank's GPU).
         make: the agreed construction (:class:`~symmsync.core.consumer.Making`; it claims no bytes:
             the steps hold them).
     """
@@ -115,7 +114,7 @@ class _NodeSteps:
         channel: int,
         timeout_s: float | None,
     ):
-        name, op = owner._NAME, owner._OP
+        name, op = owner.NAME, owner._OP
         make = making.start(name, view, max_numel, dtype, algorithm, offset)
         buf, nodes = make.buffer, view.nodes
         plan: tuple[tuple[int, int], ...] = ()
@@ -132,7 +131,7 @@ class _NodeSteps:
             making.fits(make, offset, nbytes, nodes.num_nodes)
         mine = making.arguments(max_numel, dtype, algorithm, offset, channel)
         first = "" if spanning.made(view) else ", making the view's node view"
-        self.shares_gpu = making.agree(make, mine, steps=name + first)
+        making.agree(make, mine, steps=name + first)
         self.make = make
         parts = spanning.parts_of(view, timeout_s=timeout_s)
         self.node_view, self.exchange = parts.node_view, parts.exchange
@@ -173,13 +172,16 @@ class _NodeSteps:
         """The checked call's steps (the operation made every check of one kernel's call); a
         failure of any fails the collective and aborts the view."""
         owner = self._owner
-        if not owner._failure.clean or owner._buffer.closed:
+        if not owner._failure.clean or owner.buffer.closed:
             owner.check_usable()
         symmetric = int(x.data_ptr() == owner._sym_addr)
-        row = 0 if epilogue is None else epilogue[3]
+        row = 0 if epilogue is None else epilogue["hidden"]
         words = L.header(self._op, numel, L.DTYPES[x.dtype], algorithm, symmetric, 0, row)  # the call's number: _call
         self._call(x.device, None, words, x, out, numel, count, epilogue)
         if self._refused:  # a member refused this call: every step ran refused from where it was seen
+            out.fill_(float("nan"))  # a refused call's outputs read NaN, as one kernel's do
+            if epilogue is not None:
+                epilogue["res_out"].fill_(float("nan"))
             self._raise_refused(seen_in_call=True)
 
     def refuse(self, problem: str) -> None:
@@ -191,7 +193,7 @@ class _NodeSteps:
         of its call (on a GPU some at :meth:`synchronize`), every step's epochs stay in step, and
         no member's output is written. The caller raises this rank's own error."""
         words = L.header(self._op, -1, 0, 0, 0, 0, 0)
-        self._call(self._owner._buffer.device, problem, words, None, None, 0, 0, None)
+        self._call(self._owner.buffer.device, problem, words, None, None, 0, 0, None)
 
     def _call(self, device: torch.device, problem: str | None, words: list[int], *args: Any) -> None:
         """One call's steps (:meth:`_run` of ``args`` and the header ``words``, given the call's number), refused
@@ -226,7 +228,7 @@ class _NodeSteps:
             return
         origin, number, problem, _ = found[0]
         when = f"call {number}, across {self._nodes} nodes"
-        outcome = "no member's output was written, and the next call goes on"
+        outcome = "no member's call did anything (its outputs hold NaN), and the next call goes on"
         raise peer_refused(owner.rank, self._name, owner.view.ranks, when, origin, "call", problem, outcome)
 
     def _step(self, step: Any, *args: Any, before_exchange: bool = False, **kwargs: Any) -> torch.Tensor | None:
@@ -317,7 +319,7 @@ class _AllReduceSteps(_NodeSteps):
         if epilogue is None:
             self._sum(x, numel, out, words)
             return
-        residual, weight, res_out, _hidden, eps = epilogue
+        residual, weight, res_out, eps = epilogue["residual"], epilogue["weight"], epilogue["res_out"], epilogue["eps"]
         s = self._sum(x, numel, None, words)
         if s is None:
             return

@@ -308,6 +308,8 @@ class Consumer:
             err.args = (f"{err.args[0]} ({self.NAME} defines no launch_refused(): its view was aborted)",)
             self.fail(err, f"{self.NAME}: {problem}"[:200])
             raise err from None
+        except SymmSyncError:  # what the launch found (its consumer settled it), or failed with (it failed)
+            raise
         except Exception as e:
             self.fail(e)
             raise
@@ -374,7 +376,7 @@ class Consumer:
         """The error of the failed call ``rec`` (what :meth:`settle` raises)."""
         ranks, me = self.view.ranks, self.rank
         kind = self.KINDS[rec.kind] if 0 <= rec.kind < len(self.KINDS) else f"call of kind {rec.kind}"
-        what = f"{self.NAME}.{kind}"
+        what = self.NAME if kind == "call" else f"{self.NAME}.{kind}"
         later = f" ({rec.later} more failed calls came after it)" if rec.later else ""
         if rec.status == C.REFUSED:
             code, where, value, text = rec.refusal(rec.who)

@@ -199,8 +199,9 @@ def check_call(calls, me, n, KIND: tl.constexpr, a, b, c, d, refused, SIZE: tl.c
     number differs from this call's; :data:`REFUSED` and the first refusing member (whose size
     words are not compared: it sends nothing); :data:`MISMATCH` and the first member whose size
     words differ. This member's own words come from the arguments (another program of the launch
-    may be storing them); loads of this member's own memory only. Every member reaches the same
-    status."""
+    may be storing them); loads of this member's own memory only, and no branch on them (a kernel
+    may issue its first payload loads before the verdict arrives and hold back its stores). Every
+    member reaches the same status."""
     w = tl.arange(0, _HW)
     mine = _compared(n, KIND, a, b, c, d)
     q = _i64(n % 2)
@@ -212,12 +213,10 @@ def check_call(calls, me, n, KIND: tl.constexpr, a, b, c, d, refused, SIZE: tl.c
         code = tl.sum(tl.where(w == _H_REFUSED, theirs, 0), axis=0)
         code = tl.where(m == me, _i64(refused), code)
         off = (theirs != mine) & (m != me)
-        if (tl.sum((off & (w < _H_A)).to(tl.int32), axis=0) > 0) & (call < 0):
-            call = none * 0 + m
-        if (code != 0) & (refuser < 0):
-            refuser = none * 0 + m
-        if (tl.sum((off & (w >= _H_A) & (w < _COMPARED)).to(tl.int32), axis=0) > 0) & (code == 0) & (sizes < 0):
-            sizes = none * 0 + m
+        call = tl.where((tl.sum((off & (w < _H_A)).to(tl.int32), axis=0) > 0) & (call < 0), m, call)
+        refuser = tl.where((code != 0) & (refuser < 0), m, refuser)
+        size_off = tl.sum((off & (w >= _H_A) & (w < _COMPARED)).to(tl.int32), axis=0) > 0
+        sizes = tl.where(size_off & (code == 0) & (sizes < 0), m, sizes)
     # A call (kind or number) that differs first; then a refusal (a refusing member sends nothing, and
     # its size words are not its call's: not compared); then sizes that differ among the others.
     status = tl.where(call >= 0, _MISMATCH, tl.where(refuser >= 0, _REFUSED, tl.where(sizes >= 0, _MISMATCH, _OK)))

@@ -24,13 +24,13 @@ Signal record (:func:`write_signal_record`; :func:`read_signal_record`, used by
       counted   1 for wait_count (``value`` more signals beyond ``base``), 0 for wait_signal
                 (``slot CMP value``; ``base`` is 0);  observed: the slot when the wait gave up
 
-Collective record (:func:`write_mismatch_record`, :func:`write_grid_stall_record`;
-:func:`read_collective_record`, used by :mod:`symmsync.collectives.mismatch`)::
+Collective record (:func:`write_grid_stall_record`; :func:`read_collective_record`, used by
+:mod:`symmsync.collectives.mismatch`)::
 
-    [flag, epoch, index, size, arrived, header[0], ..., header[size - 1]]
-      flag      MISMATCH (the members' headers differ: header[p] is member p's, HEADER_WORDS
-                words each) or GRID_STALL (a grid barrier ran out of time: ``arrived``
-                programs of the launch had arrived)
+    [flag, epoch, index, size, arrived]
+      flag      GRID_STALL (a grid barrier ran out of time: ``arrived`` programs of the launch
+                had arrived). Members whose calls differ are no record's: the call header's
+                (:mod:`symmsync.language.calls`) check finds them, and the consumer's state keeps it.
 
 Misuse record (:func:`write_misuse_record`; :func:`read_misuse_record`, used by
 :class:`~symmsync.Fence` and :class:`~symmsync.Signals`): the first words of a fence or a
@@ -81,9 +81,8 @@ from .core import (
 #: saw a member's abort ("SYMMABRT").
 TIMED_OUT = 0x5359_4D4D_5449_4D45
 ABORTED = 0x5359_4D4D_4142_5254
-#: Flags of the collective record: the members' headers differ ("SYMMMISM"); the programs
-#: of one launch were not all resident at once and a grid barrier ran out of time ("SYMMGRID").
-MISMATCH = 0x5359_4D4D_4D49_534D
+#: The flag of the collective record: the programs of one launch were not all resident at once
+#: and a grid barrier ran out of time ("SYMMGRID").
 GRID_STALL = 0x5359_4D4D_4752_4944
 
 # ---------------------------------------------------------------------- the fence record
@@ -129,15 +128,9 @@ P_WAIT_OR_TRAP, P_GRID_FENCE, P_GRID_SYNC = (tl.constexpr(i) for i in range(11, 
 PEER, SLOT, MEMBER = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 # ---------------------------------------------------------------------- the collective record
-#: int64 words of a collective call's header (its fields: :mod:`symmsync.collectives.layout`).
-HEADER_WORDS = 8
-#: Word indices of the collective record; the members' headers start at COLL_HEADERS.
-COLL_FLAG, COLL_EPOCH, COLL_INDEX, COLL_SIZE, COLL_ARRIVED, COLL_HEADERS = 0, 1, 2, 3, 4, 5
-
-
-def collective_record_words(size: int) -> int:
-    """int64 words of the collective record of a view of ``size`` members."""
-    return COLL_HEADERS + size * HEADER_WORDS
+#: Word indices of the collective record.
+COLL_FLAG, COLL_EPOCH, COLL_INDEX, COLL_SIZE, COLL_ARRIVED = 0, 1, 2, 3, 4
+COLLECTIVE_RECORD_WORDS = 5
 
 
 # ---------------------------------------------------------------------- the device writers
@@ -165,9 +158,6 @@ _COLL_EPOCH = tl.constexpr(COLL_EPOCH)
 _COLL_INDEX = tl.constexpr(COLL_INDEX)
 _COLL_SIZE = tl.constexpr(COLL_SIZE)
 _COLL_ARRIVED = tl.constexpr(COLL_ARRIVED)
-_COLL_HEADERS = tl.constexpr(COLL_HEADERS)
-_HEADER_WORDS = tl.constexpr(HEADER_WORDS)
-_MISMATCH = tl.constexpr(MISMATCH)
 _GRID_STALL = tl.constexpr(GRID_STALL)
 _INDEX = tl.constexpr(INDEX)
 _REFUSED = tl.constexpr(REFUSED)
@@ -348,24 +338,6 @@ def check_index(index, bound, record, rank, PRIMITIVE: tl.constexpr, WHICH: tl.c
 
 
 @triton.jit
-def write_mismatch_record(record, ptrs, header_off, me, mine, epoch, SIZE: tl.constexpr, TRAP: tl.constexpr):
-    """Write a ``MISMATCH`` collective record: every member's header (``mine`` for this
-    member's: its own memory may not hold it yet), then trap with ``TRAP``.
-
-    ``header_off`` is the byte offset of this call's header in every member's memory.
-    """
-    w = tl.arange(0, _HEADER_WORDS)
-    rec = _words(record)
-    for p in tl.static_range(SIZE):
-        theirs = tl.load((tl.load(ptrs + p) + header_off).to(tl.pointer_type(tl.int64)) + w)
-        tl.store(rec + _COLL_HEADERS + p * _HEADER_WORDS + w, tl.where(p == me, mine, theirs))
-    tl.store(rec + _COLL_EPOCH, epoch)
-    tl.store(rec + _COLL_INDEX, me)
-    tl.store(rec + _COLL_SIZE, SIZE)
-    finish_record(rec, _MISMATCH, TRAP)
-
-
-@triton.jit
 def write_grid_stall_record(record, me, epoch, arrived, SIZE: tl.constexpr, TRAP: tl.constexpr):
     """Write a ``GRID_STALL`` collective record (``arrived`` programs had arrived), then trap with ``TRAP``."""
     rec = _words(record)
@@ -499,25 +471,15 @@ def misuse_error(rec: MisuseRecord, rank: int, what: str) -> SymmSyncError:
 
 @dataclass
 class CollectiveRecord:
-    """A collective's record, read back (see the layout above)."""
+    """A collective's record, read back (see the layout above): a grid barrier that stalled."""
 
-    stalled: bool  #: a grid barrier ran out of time (else: the members' headers differ)
     epoch: int  #: the fence epoch of the call
     index: int  #: the writing member's index in the view
-    arrived: int  #: programs of the launch that had arrived (a stall)
-    headers: list[list[int]]  #: every member's header, in view order (a mismatch)
+    arrived: int  #: programs of the launch that had arrived
 
 
 def read_collective_record(words: list[int]) -> CollectiveRecord | None:
-    """The collective record in ``words``, or ``None`` when no call failed."""
-    if words[COLL_FLAG] not in (MISMATCH, GRID_STALL):
+    """The collective record in ``words``, or ``None`` when no launch stalled."""
+    if words[COLL_FLAG] != GRID_STALL:
         return None
-    size = words[COLL_SIZE]
-    at = [COLL_HEADERS + p * HEADER_WORDS for p in range(size)]
-    return CollectiveRecord(
-        stalled=words[COLL_FLAG] == GRID_STALL,
-        epoch=words[COLL_EPOCH],
-        index=words[COLL_INDEX],
-        arrived=words[COLL_ARRIVED],
-        headers=[words[a : a + HEADER_WORDS] for a in at],
-    )
+    return CollectiveRecord(epoch=words[COLL_EPOCH], index=words[COLL_INDEX], arrived=words[COLL_ARRIVED])

@@ -1,7 +1,7 @@
 """A variant of the collectives' kernel, built only here, for the back-to-back tests.
 
 :func:`stalling_kernel` is :func:`symmsync.collectives.kernels.collective_kernel` (the same
-signature, the same parts, ``_hand_over``, ``_verdict`` and ``_read_members``) with two changes the
+signature, the same parts, ``_hand_over``, ``_verdict``, ``_read_members`` and ``_poison``) with two changes the
 tests steer per call through :data:`CONTROL`, a host tensor the kernel reads (the tests run
 on the host backend, where a kernel reads host memory):
 
@@ -45,6 +45,8 @@ def stalling_kernel(
     x,
     out,
     count,
+    refused,
+    calls,
     ptrs,
     sptrs,
     cell,
@@ -52,7 +54,6 @@ def stalling_kernel(
     timeout_ns,
     record,
     mism,
-    headers,
     counter_off,
     inputs,
     input_stride,
@@ -80,26 +81,36 @@ def stalling_kernel(
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     e = protocol.next_epoch(sptrs, cell, me)
-    header = headers + (e % 2) * K._HEADER_BYTES
+    n = ssl.call_number(calls)
     if SYMMETRIC:
         src = symmetric + e * 0
     else:
         src = inputs + (e % tl.load(control + 1)) * input_stride  # the change: 1 slot or 2
     counter = ssl.peer_ptr(ptrs, me, counter_off, tl.int64)
     ep = ssl.epoch_ptr(sptrs, cell, me)
-    numel, chunk, words, ok = K._hand_over(
-        x, count, ptrs, sptrs, cell, me, timeout_ns, record, e, header, src, counter, ep, hidden, pid, G,
+    numel, chunk, ok = K._hand_over(
+        x, count, refused, calls, n, ptrs, sptrs, cell, me, timeout_ns, record, e, src, counter, ep, hidden, pid, G,
         SIZE, OP, SYMMETRIC, BLOCK, TRAP, DTYPE_CODE, ALGORITHM, PHASES,
     )  # fmt: skip
+    status = tl.full((), ssl.WAIT_FAILED, tl.int64)
+    who = tl.full((), -1, tl.int64)
+    go = ok & False
     if ok:
-        go, run = K._verdict(ok, ptrs, header, me, words, counter, G, e, timeout_ns, mism, SIZE, TRAP, PHASES)
-        if run:
+        go, status, who = K._verdict(
+            calls, n, numel, refused, hidden, me, counter, G, e, timeout_ns, mism,
+            SIZE, OP, SYMMETRIC, TRAP, DTYPE_CODE, ALGORITHM, PHASES,
+        )  # fmt: skip
+        if go | (PHASES == 1):
             spin(tl.load(control))  # the change: hold this member between its wait and its reads
-            K._read_members(
-                out, ptrs, sptrs, cell, me, timeout_ns, record, mism, e, header, src, counter, ep, reduced, residual,
-                weight, res_out, hidden, eps, numel, chunk, words, go, pid, G,
+            waited = K._read_members(
+                out, ptrs, sptrs, cell, me, timeout_ns, record, e, src, counter, ep, reduced, residual,
+                weight, res_out, hidden, eps, numel, chunk, go, pid, G,
                 SIZE, OP, TWO_SHOT, BLOCK, TRAP, BF16_BITS, EPILOGUE, ROW, PHASES,
             )  # fmt: skip
+            status = tl.where(waited, status, ssl.WAIT_FAILED)
+    if not go:
+        K._poison(out, res_out, numel, chunk, pid, G, SIZE, OP, BF16_BITS, BLOCK, EPILOGUE)
+    ssl.end_call(calls, me, n, OP, status, who, SIZE, True)
 
 
 assert stalling_kernel.arg_names == K.collective_kernel.arg_names, "the variant must take the shipped signature"

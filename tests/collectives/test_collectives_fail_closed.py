@@ -228,16 +228,16 @@ def _planted_error(me):
 
 @triton.jit
 def planted_kernel(
-    x, out, count, ptrs, sptrs, cell, me, timeout_ns, record, mism, headers, counter_off, inputs, input_stride,
-    symmetric, reduced, residual, weight, res_out, hidden, eps,
+    x, out, count, refused, calls, ptrs, sptrs, cell, me, timeout_ns, record, mism, counter_off, inputs,
+    input_stride, symmetric, reduced, residual, weight, res_out, hidden, eps,
     SIZE: tl.constexpr, OP: tl.constexpr, TWO_SHOT: tl.constexpr, SYMMETRIC: tl.constexpr, BLOCK: tl.constexpr,
     TRAP: tl.constexpr, BF16_BITS: tl.constexpr, DTYPE_CODE: tl.constexpr, ALGORITHM: tl.constexpr,
     EPILOGUE: tl.constexpr, ROW: tl.constexpr,
 ):  # fmt: skip
     _planted_error(me)
     K.collective_kernel(
-        x, out, count, ptrs, sptrs, cell, me, timeout_ns, record, mism, headers, counter_off, inputs, input_stride,
-        symmetric, reduced, residual, weight, res_out, hidden, eps,
+        x, out, count, refused, calls, ptrs, sptrs, cell, me, timeout_ns, record, mism, counter_off, inputs,
+        input_stride, symmetric, reduced, residual, weight, res_out, hidden, eps,
         SIZE, OP, TWO_SHOT, SYMMETRIC, BLOCK, TRAP, BF16_BITS, DTYPE_CODE, ALGORITHM, EPILOGUE, ROW,
     )  # fmt: skip
 
@@ -290,7 +290,7 @@ def kept_launch_after_close(garbage):
             cell_words[cells.SLOTS // 8 + 1] = CLOSED_EPOCH + 5
         out.fill_(-1.0)
         t0 = time.monotonic()
-        bound(torch.ones(8), out, 8)  # a call through the kept launch: out's -1 must stay
+        bound(torch.ones(8), out, 8, 0)  # a call through the kept launch: out's -1 must stay
         result["elapsed_s"] = time.monotonic() - t0
         result["out"] = out.tolist()
         result["record"] = records.read_fence_record(record.tolist()) is not None
