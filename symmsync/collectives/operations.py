@@ -97,7 +97,7 @@ class _Collective(Consumer):
         in call order) and the view's exchange (:mod:`symmsync.spanning.parts`); ``None`` here."""
         caps = buf.capabilities
         self._traps = caps.traps
-        self._max_programs = self.programs(1, 1)  # every program resident at once (the interpreter: one)
+        self._max_programs = self.device_programs(1, 1)  # every program resident at once (the interpreter: one)
         self._record = torch.zeros(records.COLLECTIVE_RECORD_WORDS, dtype=torch.int64, pin_memory=caps.pinned_record)
         self.waits = (fence, StallRecord(self._record, self.NAME, view.ranks, fence))
         self._sym_bytes = buf.tensor(ws.symmetric, (ws.capacity,), torch.uint8)

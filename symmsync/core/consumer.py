@@ -71,7 +71,8 @@ from ..ops import handles
 from . import agreement
 from .calls import CallRecord, Calls
 from .failure import Stall, used_after_abort
-from .launch import BoundLaunch, Launcher, device_programs, runtime_params
+from . import launch as launches
+from .launch import BoundLaunch, Launcher, runtime_params
 from .making import Making
 
 __all__ = ["Consumer", "Making"]
@@ -143,9 +144,9 @@ class Consumer:
         self._closed = False
         caps = buf.capabilities
         self._device_index = buf.device.index if caps.streams else -1  # Tensor.get_device() of its memory
-        self._memory, self._no_grad = memory, no_grad
+        self._kit_memory_words, self._kit_no_grad = memory, no_grad
         self._host_checks = caps.host_checks_status
-        self._launches: list[BoundLaunch] = []
+        self._kit_launches: list[BoundLaunch] = []
         self.waits = tuple(make.waits)
         self.shares_gpu = make.shares_gpu
         self._failure = view.failure
@@ -216,13 +217,13 @@ class Consumer:
         if "refused" in launcher.names and "refused" not in per:
             per = (*per, "refused")
         bound = launcher.bind_named(grid=grid, per_call=per, **args)
-        self._launches.append(bound)
+        self._kit_launches.append(bound)
         return bound
 
-    def programs(self, per_sm: int, interpreted: int) -> int:
+    def device_programs(self, per_sm: int, interpreted: int) -> int:
         """The programs of a launch sized by the device: ``per_sm`` for each multiprocessor it
         reports (under MPS, its share's), or ``interpreted`` under Triton's interpreter."""
-        return device_programs(self.buffer.device, per_sm, interpreted)
+        return launches.device_programs(self.buffer.device, per_sm, interpreted)
 
     # ------------------------------------------------------------------ a call
     def tensor_problem(self, name: str, t: Any, **want: Any) -> str | None:
@@ -230,7 +231,7 @@ class Consumer:
         every consumer (:func:`symmsync.checks.tensor_problem`, whose keywords ``want`` takes: ``dtype``,
         ``shape``, ``numel``, ``shape_note``), on this consumer's device and in its words."""
         return tensor_problem(
-            name, t, device_index=self._device_index, memory=self._memory, no_grad=self._no_grad, **want
+            name, t, device_index=self._device_index, memory=self._kit_memory_words, no_grad=self._kit_no_grad, **want
         )
 
     def check_usable(self) -> None:
@@ -377,13 +378,15 @@ class Consumer:
         ranks, me = self.view.ranks, self.rank
         kind = self.KINDS[rec.kind] if 0 <= rec.kind < len(self.KINDS) else f"call of kind {rec.kind}"
         what = self.NAME if kind == "call" else f"{self.NAME}.{kind}"
-        later = f" ({rec.later} more failed calls came after it)" if rec.later else ""
+        later = f" ({rec.later} later call{'s' if rec.later > 1 else ''} failed too)" if rec.later else ""
         if rec.status == C.REFUSED:
             code, where, value, text = rec.refusal(rec.who)
             reason = text if code == C.REFUSED_HOST else self.describe_refusal(code, where, value)
             origin = ranks[rec.who]
             if origin == me:  # found by this member's own kernel
-                return InputError(f"rank {me}: {what} (call {rec.number}): {reason}; {self.REFUSED_OUTCOME}{later}")
+                return InputError(
+                    f"rank {me}: {what}: {reason} (found by its kernel, call {rec.number}); {self.REFUSED_OUTCOME}{later}"
+                )
             return peer_refused(me, what, ranks, f"call {rec.number}", origin, kind, reason, self.REFUSED_OUTCOME + later)
         if rec.status == C.MISMATCH:
             return self._mismatch(rec, what, later)
@@ -495,7 +498,7 @@ class Consumer:
         """Drop the buffer's tables the object holds (its bound launches' fixed arguments): the
         buffer's ``close()`` calls it through the view's failure owner, so that only what users
         kept holds the mappings. Its calls raise :class:`~symmsync.ClosedError` from then on."""
-        for launch in self._launches if self.buffer is not None else ():
+        for launch in self._kit_launches if self.buffer is not None else ():
             launch.release()
 
     @property

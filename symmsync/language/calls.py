@@ -192,6 +192,13 @@ def post_call(calls, me, n, KIND: tl.constexpr, a, b, c, d, refused, where, valu
 
 
 @triton.jit
+def posted_refusal(calls):
+    """This member's refusal code of the call in progress, as its :func:`post_call` stored it: what
+    a launch after the one that posted passes :func:`check_call` as ``refused``."""
+    return tl.load(_state(calls) + _S_OWN)
+
+
+@triton.jit
 def check_call(calls, me, n, KIND: tl.constexpr, a, b, c, d, refused, SIZE: tl.constexpr):
     """The verdict on call ``n``, after the acquire that follows every member's release of it:
     ``(status, who)``. :data:`OK` and -1 when every member's header is this call's and nobody
@@ -233,7 +240,8 @@ def end_call(calls, me, n, KIND: tl.constexpr, status, who, SIZE: tl.constexpr, 
     program calls it. A failed call is kept until the host settles it (the earliest one, with every
     member's header of it; later ones are counted), so a runtime that reads the status word after
     many calls sees the first failure; a refusal of this member's own arguments found on its host
-    is not kept (its call raised at once).
+    is not kept (its call raised at once). Returns True for the program that kept and counted
+    (the last to arrive; with ``EVERY`` False, the caller).
     """
     state = _state(calls)
     last = True
@@ -263,3 +271,4 @@ def end_call(calls, me, n, KIND: tl.constexpr, status, who, SIZE: tl.constexpr, 
                 tl.store(state + _S_LATER, tl.load(state + _S_LATER) + 1)
         tl.store(state + _S_OWN, 0)
         tl.store(state + _S_CALLS, _i64(n) + 1)
+    return last

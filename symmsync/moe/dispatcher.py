@@ -14,12 +14,13 @@ from typing import Any, NamedTuple
 import torch
 
 from ..backends import mode
-from ..core.consumer import Consumer, Making
-from ..core.launch import BoundLaunch, Launcher
+from ..core.consumer import Consumer
+from ..core.launch import BoundLaunch, Launcher, kernel_view
+from ..core.making import Making
 from ..core.nodes import spanning_problem
 from ..core.signals import Signals
 from ..core.views import PeerView
-from ..errors import ConfigError, InputError, PeerRefused, SymmSyncError, peer_refused
+from ..errors import CallMismatch, ConfigError
 from . import kernels, protocol
 from . import layout as L
 
@@ -30,26 +31,11 @@ _ROWS = 4  # received rows a program of a read (or a combine's send) moves
 _NO_GRAD = "dispatch and combine have"  # no autograd formula (symmsync.checks.tensor_problem words it)
 
 
-class StepMismatch(InputError):
+class StepMismatch(CallMismatch):
     """The members of a dispatcher made different steps (one a dispatch, another a combine, or
     their counts of steps differ): raised on every member, before anything of the step was read.
-
-    Attributes:
-        rank: this member's global rank.
-        other: the global rank of the member whose step differed.
-    """
-
-    def __init__(self, message: str, *, rank: int, other: int):
-        super().__init__(message)
-        self.rank = rank
-        self.other = other
-
-    def __reduce__(self):
-        return (_rebuild_mismatch, (str(self), self.rank, self.other))
-
-
-def _rebuild_mismatch(message: str, rank: int, other: int) -> StepMismatch:
-    return StepMismatch(message, rank=rank, other=other)
+    A :class:`~symmsync.CallMismatch` (``other``: the global rank of the member whose step
+    differed first); the dispatcher fails."""
 
 
 class Pending:
@@ -150,7 +136,10 @@ class Dispatcher(Consumer):
         y = disp.combine(experts(recv, counts), topk_weights, handle)
     """
 
-    _NAME = "moe.Dispatcher"
+    NAME = "moe.Dispatcher"
+    KINDS = ("dispatch", "combine")  # by the kind a step's header carries (protocol.DISPATCH, COMBINE)
+    MISMATCH = StepMismatch
+    REFUSED_OUTCOME = "no member's step did anything (its counts are 0, a combine's rows NaN), and the next call goes on"
 
     def __init__(
         self,
@@ -166,7 +155,7 @@ class Dispatcher(Consumer):
         timeout_s: float | None = None,
         programs: int | None = None,
     ):
-        make = Making(self._NAME, view)
+        make = Making(self.NAME, view)
         buf = make.buffer
         make.check(spanning_problem(view.nodes, "a moe.Dispatcher"))
         make.ints(
@@ -194,7 +183,7 @@ class Dispatcher(Consumer):
         if make.offset(offset):
             ws = L.Workspace.plan(offset, num_experts, view.size, max_tokens, hidden, dtype, top_k, fp8)
             make.fits(offset, ws.nbytes, "allocate symmsync.moe.buffer_bytes(...) more, or lower max_tokens")
-            make.claim(f"{self._NAME} (view {list(view.ranks)})", offset, offset + ws.nbytes)  # shared with none
+            make.claim(f"{self.NAME} (view {list(view.ranks)})", offset, offset + ws.nbytes)  # shared with none
         make.agree(
             {
                 "num_experts": num_experts,
@@ -209,9 +198,10 @@ class Dispatcher(Consumer):
             }
         )
         memory = f"the dispatcher's memory on {buf.device}"
-        self._made(make, f"{self._NAME} (view {list(view.ranks)})", memory=memory, no_grad=_NO_GRAD)
+        self.made(make, where=f"{self.NAME} (view {list(view.ranks)})", memory=memory, no_grad=_NO_GRAD)
         self.sigs = Signals(view, slots=protocol.SLOTS, timeout_s=timeout_s)
-        """The :class:`~symmsync.Signals` object the steps signal and wait on (slot 0: dispatches, 1: combines)."""
+        """The :class:`~symmsync.Signals` object the steps signal and wait on (its one slot counts them)."""
+        self.waits = (*self.waits, self.sigs)  # a failed wait's record: what settle() reads first
         self.view = view
         self.size = view.size
         self.num_experts = num_experts
@@ -226,10 +216,9 @@ class Dispatcher(Consumer):
         """Where the dispatcher's bytes live in every member (:class:`~symmsync.moe.layout.Workspace`)."""
         caps = buf.capabilities
         self._device = buf.device
-        self._host_checks = caps.host_checks_status
         self._interp = mode.kernels_interpreted()
         self._bits = self._interp and dtype is torch.bfloat16
-        # [steps, the earliest failed step not raised yet, its member and header, ..] (protocol.py), on the device
+        # the steps' own words (protocol.py), on the device; their headers and outcomes are the kit's
         self._state = torch.zeros(protocol.STATE_WORDS, dtype=torch.int64, device=buf.device)
         self._groups = hidden // L.FP8_GROUP if fp8 else 1
         self._chunks = -(-hidden // min(_pow2(hidden), _CHUNK))  # a send's (or reduce's) programs per row
@@ -239,7 +228,7 @@ class Dispatcher(Consumer):
         # nothing to do; each loops over its share (a read's and a combine's send's, a few per local
         # expert and source, over that source's blocks of rows).
         if programs is None:
-            programs = 2 * torch.cuda.get_device_properties(buf.device).multi_processor_count if caps.streams else 4
+            programs = self.device_programs(2, 4)
         self.programs = programs
         """The programs of each launch sized by the device (the ``programs`` argument, or its default)."""
         self._blocks = max(1, min(row_blocks, -(-programs // (self.local_experts * view.size))))
@@ -265,7 +254,7 @@ class Dispatcher(Consumer):
         ws, size, el, h = self.workspace, self.size, self.local_experts, self.hidden
         sig, me, timeout_ns, record = self.sigs.kernel_args
         hb = min(_pow2(h), _CHUNK)
-        steps = dict(state=self._state, sig=sig, me=me, headers_off=ws.headers)
+        steps = dict(state=self._state, sig=sig, me=me)
         waits = dict(steps, timeout_ns=timeout_ns, record=record)
         regions = dict(
             rows_off=ws.rows, scales_off=ws.scales, src_off=ws.src, counts_off=ws.counts, stride=ws.dispatch_stride
@@ -308,14 +297,17 @@ class Dispatcher(Consumer):
 
     def _launch(self, name: str, grid: tuple[int, int, int], *values: Any) -> None:
         """Launch kernel ``name`` on ``grid`` with a call's ``values`` (its bound launch, packed at
-        the first call of that grid: a later call repacks only what changed)."""
+        the first call of that grid: a later call repacks only what changed); a launch that raised
+        fails the dispatcher (it may have run in part)."""
         bound = self._bound.get((name, grid))
         if bound is None:
             launcher, fixed, per_call = self._launches[name]
-            args = dict(fixed, **dict(zip(per_call, values)))
-            bound = launcher.bind(*[args[n] for n in launcher.names], grid=grid, per_call=per_call)
-            self._bound[(name, grid)] = bound
-        bound(*values)
+            bound = self._bound[(name, grid)] = self.bind(launcher, grid=grid, per_call=per_call, **fixed)
+        try:
+            bound(*values)
+        except Exception as e:
+            self.fail(e)
+            raise
 
     def check_usable(self) -> None:
         """:meth:`symmsync.core.consumer.Consumer.check_usable`, and no step pending: a call made
@@ -328,72 +320,13 @@ class Dispatcher(Consumer):
                 "wait() before the dispatcher's next call"
             )
 
-    def _settle_step(self) -> None:
-        """Raise what the earliest failed step not raised yet found, read from the device state
-        (the host backend after each step, where launches have finished; :meth:`synchronize` on
-        GPUs, however many steps came after it): a failed wait (its
-        :class:`~symmsync.SignalTimeout`, the dispatcher fails), a mismatch
-        (:class:`StepMismatch`, the dispatcher fails), a refusal (this member's
-        :class:`~symmsync.InputError` for an expert id its device found, or
-        :class:`~symmsync.PeerRefused`: the call only). The record is cleared before it raises: a
-        failed step raises once. A refusal this member's host found is never recorded (its call
-        raised it, :func:`.protocol.finish`)."""
-        self.sigs.check()  # a wait that failed raises here
-        state = self._state.tolist()
-        status = state[protocol.STATUS]
-        if status == protocol.OK:
-            return
-        self._state[protocol.STATUS] = protocol.OK
-        self._state[protocol.LATER] = 0
-        if self._state.is_cuda:
-            torch.cuda.synchronize(self._device)  # cleared before the next step's launches, whichever stream
-        step, n = protocol.step_of(state[protocol.STEP])
-        later = state[protocol.LATER]
-        after = f" ({later} later step{'s' if later > 1 else ''} failed too: nothing of it was read)" if later else ""
-        if status == protocol.REFUSED:
-            raise self._refusal(step, n, state, after)
-        err = (
-            self._mismatch(step, n, state, after)
-            if status == protocol.MISMATCH
-            else SymmSyncError(  # a GPU traps first, the host backend raises in the wait
-                f"rank {self.rank}: moe.Dispatcher: a wait of {step} (step {n}) failed{after}; nothing of it was "
-                "read (the dispatcher fails: make a new one)"
-            )
+    def describe_refusal(self, code: int, where: int, value: int) -> str:
+        """An expert id its send found out of range (:data:`.protocol.REFUSED_EXPERT_ID`), in words."""
+        t, k = divmod(where, self.top_k)
+        return (
+            f"topk_idx[{t}, {k}] = {value} is no expert id: ids run from 0 to {self.num_experts - 1} "
+            f"(num_experts={self.num_experts}), -1 masks an entry"
         )
-        self.fail(err)
-        raise err
-
-    def _mismatch(self, kind: str, n: int, state: list[int], after: str) -> StepMismatch:
-        member, header = state[protocol.WHO], state[protocol.WHAT]
-        other = self.view.ranks[member]
-        return StepMismatch(
-            f"rank {self.rank}: moe.Dispatcher (view {list(self.view.ranks)}): this member made {kind} (step {n}) "
-            f"while rank {other} made {protocol.describe(header)}{after}: every member must make the same "
-            "dispatches and combines in the same order; nothing was read (the dispatcher fails: make a new one)",
-            rank=self.rank,
-            other=other,
-        )
-
-    def _refusal(self, kind: str, n: int, state: list[int], after: str) -> SymmSyncError:
-        """The error a refused step raises here: this member's own :class:`~symmsync.InputError`, or
-        :class:`~symmsync.PeerRefused` naming the member that refused and why."""
-        member, code = state[protocol.WHO], state[protocol.WHAT]
-        origin = self.view.ranks[member]
-        if code == protocol.REFUSED_EXPERT_ID:
-            t, k = divmod(state[protocol.WHERE], self.top_k)
-            why = (
-                f"topk_idx[{t}, {k}] = {state[protocol.VALUE]} is no expert id: ids run from 0 to "
-                f"{self.num_experts - 1} (num_experts={self.num_experts}), -1 masks an entry"
-            )
-        else:  # another member's host refused its arguments (this member's own is never recorded)
-            why = "its arguments failed its checks (its InputError says which)"
-        if origin == self.rank:
-            return InputError(
-                f"rank {self.rank}: moe.Dispatcher.{kind}: {why}; no member's {kind} (step {n}) did anything{after}"
-            )
-        outcome = f"no member's {kind} did anything{after}, and the next call goes on"
-        return peer_refused(self.rank, f"moe.Dispatcher.{kind}", self.view.ranks, f"step {n}",
-                            origin, kind, why, outcome)  # fmt: skip
 
     # ------------------------------------------------------------------ checks
     def _ids_problem(self, topk_idx: torch.Tensor) -> str | None:
@@ -515,6 +448,7 @@ class Dispatcher(Consumer):
         with ``wait=False`` a :class:`Pending` whose ``wait()`` returns them."""
         self.check_usable()
         bad = self._dispatch_problem(x, topk_idx) or _wait_problem(wait)
+        refused = self.start_call(bad)  # a refusal staged with its reason: the step goes on, sending nothing
         el, size, dev = self.local_experts, self.size, self._device
         rows = size * self.max_tokens
         if bad is not None:  # the step is made all the same: nothing sent, the refusal in its header
@@ -532,16 +466,13 @@ class Dispatcher(Consumer):
         counts = torch.empty(el, dtype=torch.int64, device=dev)
         per_source = torch.empty((el, size), dtype=torch.int64, device=dev)
         offsets = torch.empty((el, size), dtype=torch.int64, device=dev)
-        xk = x.view(torch.int16) if self._bits else x
-        self._launch_or_fail(
-            "dispatch_send", (max(tokens, 1), self._chunks, 1), xk, topk_idx, tokens, int(bad is not None)
-        )
+        self._launch("dispatch_send", (max(tokens, 1), self._chunks, 1), kernel_view(x), topk_idx, tokens, refused)
 
         def receive() -> tuple[torch.Tensor, ...]:
             self._pending = None
             grid = (el * size, self._blocks, 1)
-            self._launch_or_fail("dispatch_read", grid, recv_k, scales, counts, per_source, offsets, src)
-            self._finish_step("dispatch", bad)
+            self._launch("dispatch_read", grid, recv_k, scales, counts, per_source, offsets, src)
+            self.finish_call(bad, "dispatch")  # the host backend: what the step found; then this member's refusal
             return recv, scales, counts, src, per_source, offsets
 
         return receive() if wait is not False else self._pend(receive, "dispatch")
@@ -549,29 +480,6 @@ class Dispatcher(Consumer):
     def _pend(self, receive: Any, what: str) -> Pending:
         self._pending = Pending(receive, what, self.rank)
         return self._pending
-
-    def _launch_or_fail(self, name: str, grid: tuple[int, int, int], *values: Any) -> None:
-        """:meth:`_launch`; a launch that raised fails the dispatcher with its error (it may have run in part)."""
-        try:
-            self._launch(name, grid, *values)
-        except SymmSyncError as e:
-            self.fail(e)
-            raise
-
-    def _finish_step(self, kind: str, bad: str | None) -> None:
-        """After a step's launches: raise what it found where launches have finished (the host
-        backend), then this member's own refusal (on GPUs at once: the members learn it at their
-        :meth:`synchronize`)."""
-        if self._host_checks:
-            try:
-                self._settle_step()
-            except (PeerRefused, InputError):
-                raise  # the call only: the dispatcher goes on
-            except SymmSyncError as e:
-                self.fail(e)
-                raise
-        if bad is not None:  # this member's own refusal, whatever the step's record says
-            raise InputError(f"rank {self.rank}: moe.Dispatcher.{kind}: {bad}; no member's {kind} did anything")
 
     def combine(
         self, expert_out: torch.Tensor, topk_weights: torch.Tensor, handle: Handle, *, wait: bool = True
@@ -625,44 +533,38 @@ class Dispatcher(Consumer):
         self.check_usable()
         handle = topk_idx if src is None else Handle(topk_idx, src, per_source, offsets)
         bad = self._combine_problem(expert_out, topk_weights, handle) or _wait_problem(wait)
+        refused = self.start_call(bad)
         if bad is not None:  # the step is made all the same: nothing sent, the refusal in its header
             expert_out, topk_weights, handle = self._no_outputs
         el, size = self.local_experts, self.size
         tokens = handle.topk_idx.shape[0]
         y = torch.empty((tokens, self.hidden), dtype=self.dtype, device=self._device)
-        out_k, y_k = (expert_out.view(torch.int16), y.view(torch.int16)) if self._bits else (expert_out, y)
         send = (el * size, self._blocks, 1)
-        self._launch_or_fail(
-            "combine_send", send, out_k, handle.per_source, handle.offsets, handle.src, int(bad is not None)
-        )
+        self._launch("combine_send", send, kernel_view(expert_out), handle.per_source, handle.offsets, handle.src,
+                     refused)  # fmt: skip
 
         def receive() -> torch.Tensor:
             self._pending = None
             grid = (min(max(tokens, 1) * self._chunks, self.programs), 1, 1)
-            self._launch_or_fail("combine_reduce", grid, y_k, handle.topk_idx, topk_weights, tokens)
-            self._finish_step("combine", bad)
+            self._launch("combine_reduce", grid, kernel_view(y), handle.topk_idx, topk_weights, tokens)
+            self.finish_call(bad, "combine")
             return y
 
         return receive() if wait is not False else self._pend(receive, "combine")
 
     # ------------------------------------------------------------------ failures
     def synchronize(self) -> None:
-        """Wait for the device; turn a trapped wait into the error it recorded
-        (:class:`~symmsync.SignalTimeout`, :class:`~symmsync.SignalAborted`), then raise what the
-        earliest failed step since the last error raised found (:class:`StepMismatch`, a
-        device-found expert id's :class:`~symmsync.InputError` or :class:`~symmsync.PeerRefused`),
-        once, however many steps came after it. On the host backend calls raise by themselves."""
-        self.check_usable()
-        try:
-            self.sigs.synchronize()
-        except SymmSyncError as e:
-            self.fail(e)
-            raise
-        self._settle_step()  # a mismatch fails the dispatcher; a refusal the call
+        """Wait for the device, then raise what the steps since the last one found: a failed wait
+        (:class:`~symmsync.SignalTimeout`, :class:`~symmsync.SignalAborted`: the dispatcher fails),
+        then the earliest failed step (:class:`StepMismatch`: the dispatcher fails; a device-found
+        expert id's :class:`~symmsync.InputError`, or :class:`~symmsync.PeerRefused`: the call
+        only), once, however many steps came after it. On the host backend calls raise by
+        themselves. A runtime that does not synchronize reads :attr:`~symmsync.Consumer.status`."""
+        super().synchronize()
 
-    def _release(self, together: bool) -> None:
+    def release(self, together: bool) -> None:
         try:
-            super()._release(together)
+            super().release(together)
         finally:
             self.sigs.close()  # its signal memory
 

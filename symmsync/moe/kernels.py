@@ -41,9 +41,7 @@ _FLOOR = tl.constexpr(AMAX_FLOOR)
 _FP8_MAX = tl.constexpr(E4M3_MAX)
 _DISPATCH = tl.constexpr(protocol.DISPATCH)
 _COMBINE = tl.constexpr(protocol.COMBINE)
-_OK = tl.constexpr(protocol.OK)
 _SENT = tl.constexpr(protocol.SENT)
-_DONE = tl.constexpr(protocol.DONE)
 
 
 @triton.jit
@@ -55,7 +53,7 @@ def _sources(counts, el, SIZE: tl.constexpr, SP: tl.constexpr):
 
 @triton.jit
 def dispatch_send(
-    x, topk, T, refused, state, sig, me, rows_off, scales_off, src_off, counts_off, headers_off, stride,
+    x, topk, T, refused, calls, state, sig, me, rows_off, scales_off, src_off, counts_off, stride,
     SIZE: tl.constexpr, NSLOTS: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, M: tl.constexpr,
     H: tl.constexpr, HB: tl.constexpr, C: tl.constexpr, TOPK: tl.constexpr, BT: tl.constexpr,
     KP: tl.constexpr, FP8: tl.constexpr, GB: tl.constexpr, BITS: tl.constexpr,
@@ -70,7 +68,7 @@ def dispatch_send(
     program to arrive notifies (:func:`.protocol.notify`)."""
     t = tl.program_id(0)
     c = tl.program_id(1)
-    base = protocol.parity(state) * stride
+    base = protocol.parity(calls) * stride
     if t < T:
         ks = tl.arange(0, KP)
         mine = tl.load(topk + t * TOPK + ks, mask=ks < TOPK, other=-1)  # this token's entries
@@ -125,13 +123,13 @@ def dispatch_send(
             ex += programs
     if protocol.arrive_last(state, _SENT, programs):
         protocol.keep_id(state, topk)
-        protocol.notify(sig, me, state, headers_off, refused, _DISPATCH, SIZE, NSLOTS)
+        protocol.notify(calls, sig, me, state, refused, _DISPATCH, SIZE, NSLOTS)
 
 
 @triton.jit
 def dispatch_read(
-    recv, scales, counts_out, per_source, offsets, src, state, sig, me, timeout_ns, record,
-    rows_off, scales_off, src_off, counts_off, headers_off, stride,
+    recv, scales, counts_out, per_source, offsets, src, calls, state, sig, me, timeout_ns, record,
+    rows_off, scales_off, src_off, counts_off, stride,
     SIZE: tl.constexpr, SP: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr, EL: tl.constexpr,
     M: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, RB: tl.constexpr, FP8: tl.constexpr,
     G: tl.constexpr, GP: tl.constexpr,
@@ -142,16 +140,14 @@ def dispatch_read(
     places, ``recv[e][offsets[e][s] + j]`` (and their scales and source indices), as far as the
     rows ``s`` sent: the grid is sized by the device, not by ``max_tokens``, so that few programs
     wait. Program ``(e * SIZE, 0)`` stores ``e``'s counts, per source and in all, and the offsets
-    (zeros when the step failed). The last program to arrive counts the step."""
+    (zeros when the step failed: no rows). The last program to arrive counts the step."""
     pid = tl.program_id(0)
     el = pid // SIZE
     s = pid % SIZE
     b = tl.program_id(1)
-    status, who, what, where, value = protocol.check(
-        sig, me, timeout_ns, record, state, headers_off, _DISPATCH, SIZE, NSLOTS, TRAP
-    )
-    ok = status == _OK
-    base = protocol.parity(state) * stride
+    step, status, who = protocol.check(calls, sig, me, timeout_ns, record, state, _DISPATCH, SIZE, NSLOTS, TRAP)
+    ok = status == ssl.CALL_OK
+    base = (step % 2) * stride
     own_counts = ssl.data_ptr(sig, me, counts_off + base, tl.int64)
     m, cnt = _sources(own_counts, el, SIZE, SP)
     cnt = tl.where(ok, cnt, 0)
@@ -179,13 +175,12 @@ def dispatch_read(
                     tl.store(scales + to * G + gs, tl.load(scl + j * G + gs, mask=gs < G), mask=gs < G)
                 tl.store(src + to, tl.load(srcs + j))
         b += blocks
-    if protocol.arrive_last(state, _DONE, EL * SIZE * blocks):
-        protocol.finish(state, status, who, what, where, value, _DISPATCH)
+    protocol.finish(calls, me, step, state, status, who, _DISPATCH, SIZE)
 
 
 @triton.jit
 def combine_send(
-    out, per_source, offsets, src, refused, state, sig, me, comb_off, headers_off, stride,
+    out, per_source, offsets, src, refused, calls, state, sig, me, comb_off, stride,
     SIZE: tl.constexpr, NSLOTS: tl.constexpr, M: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
     RB: tl.constexpr,
 ):  # fmt: skip
@@ -198,7 +193,7 @@ def combine_send(
     el = pid // SIZE
     s = pid % SIZE
     b = tl.program_id(1)
-    base = protocol.parity(state) * stride
+    base = protocol.parity(calls) * stride
     n = tl.load(per_source + el * SIZE + s)
     start = tl.load(offsets + el * SIZE + s)
     cols = tl.arange(0, HP)
@@ -212,12 +207,12 @@ def combine_send(
                 tl.store(dst + slot * H + cols, tl.load(out + row * H + cols, mask=cols < H), mask=cols < H)
         b += tl.num_programs(1)
     if protocol.arrive_last(state, _SENT, tl.num_programs(0) * tl.num_programs(1)):
-        protocol.notify(sig, me, state, headers_off, refused, _COMBINE, SIZE, NSLOTS)
+        protocol.notify(calls, sig, me, state, refused, _COMBINE, SIZE, NSLOTS)
 
 
 @triton.jit
 def combine_reduce(
-    y, topk, weights, T, state, sig, me, timeout_ns, record, comb_off, headers_off, stride,
+    y, topk, weights, T, calls, state, sig, me, timeout_ns, record, comb_off, stride,
     SIZE: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr, E: tl.constexpr, H: tl.constexpr,
     HB: tl.constexpr, C: tl.constexpr, TOPK: tl.constexpr, BITS: tl.constexpr,
 ):  # fmt: skip
@@ -226,12 +221,10 @@ def combine_reduce(
     ``P`` the grid, sized by the device as a read's: few programs wait) in float32, in the order
     ``k = 0 .. top_k - 1``: ``acc = acc + w[t, k] * out_k`` (``out_k`` the row its expert sent back;
     an entry naming the expert of an earlier entry reads that entry's row), then rounds once
-    (zeros when the step failed). The last program to arrive counts the step."""
-    status, who, what, where, value = protocol.check(
-        sig, me, timeout_ns, record, state, headers_off, _COMBINE, SIZE, NSLOTS, TRAP
-    )
-    ok = status == _OK
-    base = protocol.parity(state) * stride
+    (NaN when the step failed: no member's row was read). The last program to arrive counts the step."""
+    step, status, who = protocol.check(calls, sig, me, timeout_ns, record, state, _COMBINE, SIZE, NSLOTS, TRAP)
+    ok = status == ssl.CALL_OK
+    base = (step % 2) * stride
     own = ssl.data_ptr(sig, me, comb_off + base, y.dtype.element_ty)
     i = tl.program_id(0)
     while i < T * C:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
@@ -249,7 +242,7 @@ def combine_reduce(
             if valid:
                 v = to_f32(tl.load(own + (t * TOPK + k0) * H + cols, mask=cols < H, other=0), BITS)
                 acc = acc + w * v
+        acc = tl.where(ok, acc, float("nan"))  # a failed step's rows read NaN
         tl.store(y + t * H + cols, from_f32(acc, y.dtype.element_ty, BITS), mask=cols < H)
         i += tl.num_programs(0)
-    if protocol.arrive_last(state, _DONE, tl.num_programs(0)):
-        protocol.finish(state, status, who, what, where, value, _COMBINE)
+    protocol.finish(calls, me, step, state, status, who, _COMBINE, SIZE)

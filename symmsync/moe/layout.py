@@ -14,7 +14,9 @@ previous call's::
       counts   [EL][W] int64: rows member s sent to local expert e (all of them, 0 too)
     combine[q], q = 0, 1                      (what this member's tokens get back)
       rows     [M][top_k] rows of `hidden` elements of the dispatcher's dtype
-    headers    [2][W][4] int64: each member's last step by parity, and its refusal (:mod:`.protocol`)
+
+(A step's header, its refusal and its outcome are the consumer kit's, in memory of the
+dispatcher's own: :mod:`symmsync.language.calls`.)
 
 ``EL`` = local experts (``num_experts // W``), ``W`` = members, ``M`` = ``max_tokens``.
 Every region starts on a line of 128 bytes.
@@ -51,7 +53,6 @@ class Workspace:
         dispatch_stride: bytes from parity 0's dispatch regions to parity 1's.
         combine: parity 0's combine rows.
         combine_stride: bytes from parity 0's combine rows to parity 1's.
-        headers: the step headers, ``[2][W][4]`` int64 (:mod:`symmsync.moe.protocol`).
         row_bytes: bytes of one dispatched row (its scales apart).
         nbytes: bytes of the whole workspace.
     """
@@ -64,7 +65,6 @@ class Workspace:
     dispatch_stride: int
     combine: int
     combine_stride: int
-    headers: int
     row_bytes: int
     nbytes: int
 
@@ -90,9 +90,8 @@ class Workspace:
         dispatch_stride = counts + round_up((num_experts // size) * size * 8, LINE) - rows
         combine = rows + 2 * dispatch_stride
         combine_stride = round_up(max_tokens * top_k * hidden * dtype.itemsize, LINE)
-        headers = combine + 2 * combine_stride
-        end = headers + round_up(2 * size * 4 * 8, LINE)
-        regions = (rows, scales, src, counts, dispatch_stride, combine, combine_stride, headers)
+        end = combine + 2 * combine_stride
+        regions = (rows, scales, src, counts, dispatch_stride, combine, combine_stride)
         return cls(offset, *regions, row_bytes, end - offset)
 
 
@@ -112,8 +111,8 @@ def buffer_bytes(
     receive from every member (``E`` experts in all, ``M`` = ``max_tokens``, ``h`` = ``hidden``,
     ``b`` bytes a row element takes: the dtype's, or 1 + 4/128 with fp8) and of the rows this
     member's tokens get back (``k`` = ``top_k``, ``c`` the dtype's bytes), plus 8 bytes per
-    received row and per (expert, member) of bookkeeping, and 64 bytes per member of step
-    headers (rounded up to 128). The sizes are those of the
-    arguments of :class:`~symmsync.moe.Dispatcher` (``size``: the view's members).
+    received row and per (expert, member) of bookkeeping, each region rounded up to 128 bytes.
+    The sizes are those of the arguments of :class:`~symmsync.moe.Dispatcher` (``size``: the
+    view's members). (Its call headers and signal slots live in memory of its own, apart.)
     """
     return Workspace.plan(0, num_experts, size, max_tokens, hidden, dtype, top_k, fp8).nbytes

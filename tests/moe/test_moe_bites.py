@@ -40,58 +40,57 @@ READ_LAG_NS = 0  # set per process: the read launch's spin (the slow reader's)
 
 
 SHIPPED_CHECK = protocol.check  # what the variants wrap (the module's attribute is replaced)
-_OK = tl.constexpr(protocol.OK)
 
 
 @triton.jit
-def _ok(me):
-    zero = (me * 0).to(tl.int64)
-    return zero + _OK, zero - 1, zero, zero, zero
+def _ok(calls):
+    n = ssl.call_number(calls)
+    return n, n * 0 + ssl.CALL_OK, n * 0 - 1
 
 
 @triton.jit
-def no_dispatch_wait(sig, me, timeout_ns, record, state, headers_off, KIND: tl.constexpr, SIZE: tl.constexpr,
+def no_dispatch_wait(calls, sig, me, timeout_ns, record, state, KIND: tl.constexpr, SIZE: tl.constexpr,
                      NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
     """``check`` that neither waits nor checks in a dispatch's read."""
     if KIND == 0:
-        return _ok(me)
+        return _ok(calls)
     else:
-        return SHIPPED_CHECK(sig, me, timeout_ns, record, state, headers_off, KIND, SIZE, NSLOTS, TRAP)
+        return SHIPPED_CHECK(calls, sig, me, timeout_ns, record, state, KIND, SIZE, NSLOTS, TRAP)
 
 
 @triton.jit
-def no_combine_wait(sig, me, timeout_ns, record, state, headers_off, KIND: tl.constexpr, SIZE: tl.constexpr,
+def no_combine_wait(calls, sig, me, timeout_ns, record, state, KIND: tl.constexpr, SIZE: tl.constexpr,
                     NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
     """``check`` that neither waits nor checks in a combine's reduce."""
     if KIND == 1:
-        return _ok(me)
+        return _ok(calls)
     else:
-        return SHIPPED_CHECK(sig, me, timeout_ns, record, state, headers_off, KIND, SIZE, NSLOTS, TRAP)
+        return SHIPPED_CHECK(calls, sig, me, timeout_ns, record, state, KIND, SIZE, NSLOTS, TRAP)
 
 
 @triton.jit
-def no_header_check(sig, me, timeout_ns, record, state, headers_off, KIND: tl.constexpr, SIZE: tl.constexpr,
+def no_header_check(calls, sig, me, timeout_ns, record, state, KIND: tl.constexpr, SIZE: tl.constexpr,
                     NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
     """``check`` that waits but never compares the members' headers."""
-    n = tl.load(state)
+    n = ssl.call_number(calls)
     for m in tl.static_range(SIZE):
         ssl.wait_signal(sig, me, m, 0, n + 1, ssl.GE, timeout_ns, record, SIZE, NSLOTS, TRAP)
-    return _ok(me)
+    return _ok(calls)
 
 
 @triton.jit
-def slow_check(sig, me, timeout_ns, record, state, headers_off, KIND: tl.constexpr, SIZE: tl.constexpr,
+def slow_check(calls, sig, me, timeout_ns, record, state, KIND: tl.constexpr, SIZE: tl.constexpr,
                NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
     """The shipped ``check``, then a spin of ``READ_LAG_NS`` before the program reads (a slow reader)."""
-    out = SHIPPED_CHECK(sig, me, timeout_ns, record, state, headers_off, KIND, SIZE, NSLOTS, TRAP)
+    out = SHIPPED_CHECK(calls, sig, me, timeout_ns, record, state, KIND, SIZE, NSLOTS, TRAP)
     spin(READ_LAG_NS)
     return out
 
 
 @triton.jit
-def no_parity(state):
+def no_parity(calls):
     """Every step on parity 0."""
-    return tl.load(state) * 0
+    return ssl.call_number(calls) * 0
 
 
 VARIANTS = {
@@ -201,8 +200,7 @@ def test_the_step_header_check_bites(host_ranks):
     held = host_ranks(mismatched_steps, 2, None, timeout_s=300)
     for rank, raised in enumerate(held):
         assert raised is not None and raised.startswith("StepMismatch"), f"rank {rank}: {raised}"
-    other = ["combine", "dispatch"]
-    assert all(f"while rank {1 - r} made {other[r]}" in held[r] for r in range(2)), held
+    assert all("call: rank 0: dispatch, rank 1: combine" in held[r] for r in range(2)), held
     broken = host_ranks(mismatched_steps, 2, "header_check", timeout_s=300)
     assert not all(b and b.startswith("StepMismatch") for b in broken), (
         f"with the header check taken out, a member must take the other's step for its own: {broken}"

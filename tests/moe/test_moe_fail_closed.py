@@ -21,8 +21,10 @@ import triton.language as tl
 from test_moe import make
 
 import symmsync as ss
+import symmsync.language as ssl
 from symmsync import moe
 from symmsync.core.nodes import NODE_SIZE_ENV
+from symmsync.language import calls as ssl_calls
 from symmsync.testing import Died, run
 
 E, M, H, K = 4, 3, 32, 2
@@ -141,25 +143,34 @@ def test_the_refusal_check_bites(host_ranks):
         _check_refusals(results, 2)
 
 
-_STATE = {w: tl.constexpr(getattr(moe.protocol, w)) for w in ("STEPS", "STATUS", "WHO", "WHAT", "WHERE", "VALUE")}
-_S_STEPS, _S_STATUS, _S_WHO, _S_WHAT, _S_WHERE, _S_VALUE = _STATE.values()
-_S_FAILED, _S_BAD, _S_BAD_WHERE = (tl.constexpr(moe.protocol.FAILED), tl.constexpr(moe.protocol.BAD),
-                                   tl.constexpr(moe.protocol.BAD_WHERE))  # fmt: skip
+_C = {w: tl.constexpr(getattr(ssl_calls, w)) for w in ("S_STATUS", "S_NUMBER", "S_KIND", "S_WHO", "S_CALLS",
+                                                          "S_ARRIVED", "S_WORST", "S_OWN", "S_HEADERS", "HEADER_WORDS")}
+_S_STATUS, _S_NUMBER, _S_KIND, _S_WHO, _S_CALLS, _S_ARRIVED, _S_WORST, _S_OWN, _S_HEADERS, _HW = _C.values()
 
 
 @triton.jit
-def last_outcome_only(state, status, who, what, where, value, KIND: tl.constexpr):
-    """``finish`` that records every step's outcome over the one before, raised or not."""
-    failed = tl.load(state + _S_FAILED, volatile=True)
-    tl.store(state + _S_STATUS, tl.where(failed != 0, 1, status))
-    tl.store(state + _S_WHO, tl.where(failed != 0, -1, who))
-    tl.store(state + _S_WHAT, what)
-    tl.store(state + _S_WHERE, where)
-    tl.store(state + _S_VALUE, value)
-    tl.store(state + _S_FAILED, 0)
-    tl.store(state + _S_BAD, 0)
-    tl.store(state + _S_BAD_WHERE, 0)
-    tl.store(state + _S_STEPS, tl.load(state + _S_STEPS) + 1)
+def last_outcome_only(calls, me, n, KIND: tl.constexpr, status, who, SIZE: tl.constexpr, EVERY: tl.constexpr):
+    """The kit's ``end_call`` that records every call's outcome over the one before, raised or not."""
+    state = tl.load(calls).to(tl.pointer_type(tl.int64))
+    k = tl.atomic_add(state + _S_ARRIVED, 1, sem="acq_rel", scope="gpu")
+    tl.atomic_max(state + _S_WORST, status.to(tl.int64), sem="relaxed", scope="gpu")
+    last = k == tl.num_programs(0) * tl.num_programs(1) - 1
+    if last:
+        worst = tl.atomic_xchg(state + _S_WORST, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(state + _S_ARRIVED, 0, sem="relaxed", scope="gpu")
+        own = tl.load(state + _S_OWN)
+        worst = tl.where((worst == 1) & (own == 1), 0, worst)  # its own host refusal: not kept
+        w = tl.arange(0, _HW)
+        mine = tl.load(calls + 2 + me).to(tl.pointer_type(tl.int64)) + (n % 2) * SIZE * _HW
+        for m in tl.static_range(SIZE):
+            tl.store(state + _S_HEADERS + m * _HW + w, tl.load(mine + m * _HW + w, volatile=True))
+        tl.store(state + _S_STATUS, worst)
+        tl.store(state + _S_NUMBER, n.to(tl.int64))
+        tl.store(state + _S_KIND, tl.full((), KIND, tl.int64))
+        tl.store(state + _S_WHO, who.to(tl.int64))
+        tl.store(state + _S_OWN, 0)
+        tl.store(state + _S_CALLS, n.to(tl.int64) + 1)
+    return last
 
 
 def settled_at_synchronize(variant=None):
@@ -178,7 +189,7 @@ def settled_at_synchronize(variant=None):
     w = torch.full((M, K), 0.5)
     seen = {}
     try:
-        with helpers.replaced(moe.protocol, **({"finish": last_outcome_only} if variant == "last_only" else {})):
+        with helpers.replaced(ssl, **({"end_call": last_outcome_only} if variant == "last_only" else {})):
             first = ids.index_fill(1, torch.tensor([1]), ne) if me == bad else ids
             second = ids.index_fill(0, torch.tensor([2]), -3) if me == bad else ids
             seen["first dispatch"] = helpers.raised(disp.dispatch, x, first)
@@ -214,9 +225,9 @@ def _check_settled(results, world):
             assert got[0] == "PeerRefused" and got[2] == bad and f"rank {bad} refused its dispatch" in got[1], got
             later = seen["its synchronize"]
             assert later[0] == "PeerRefused" and f"rank {bad} refused its dispatch" in later[1], later
-            assert "its arguments failed its checks" in later[1], later
+            assert "x must be torch.bfloat16, got torch.float32" in later[1], later
         # the earliest refused step is named, with the one after it, whatever steps came between
-        assert entry in got[1] and "1 later step failed too" in got[1], (r, got)
+        assert entry in got[1] and "1 later call failed too" in got[1], (r, got)
 
 
 def test_a_refusal_read_at_synchronize_is_the_earliest_and_raises_once(host_ranks):
@@ -224,8 +235,8 @@ def test_a_refusal_read_at_synchronize_is_the_earliest_and_raises_once(host_rank
 
 
 def test_the_kept_refusal_bites(host_ranks):
-    """With ``finish`` recording each step's outcome over the one before, the good combine after
-    the refused dispatches hides them: ``synchronize()`` returns, and the test above must fail."""
+    """With the kit's ``end_call`` recording each step's outcome over the one before, the good combine
+    after the refused dispatches hides them: ``synchronize()`` returns, and the test above must fail."""
     results = host_ranks(settled_at_synchronize, 2, "last_only", timeout_s=600)
     assert results[0][0]["synchronize"][0] == "returned", results[0][0]["synchronize"]
     with pytest.raises(AssertionError, match="returned"):
@@ -241,8 +252,7 @@ def an_unraised_failed_wait():
     x, ids = torch.zeros(M, H, dtype=torch.bfloat16), torch.zeros(M, K, dtype=torch.int64)
     try:
         disp.dispatch(x, ids)
-        disp._state[moe.protocol.STATUS] = moe.protocol.WAIT_FAILED
-        disp._state[moe.protocol.STEP] = 1  # the header of step 0, a dispatch: 2 n + kind + 1
+        disp.calls.state[ssl_calls.S_STATUS] = ssl_calls.WAIT_FAILED  # call 0, a dispatch (kind 0)
         return helpers.raised(disp.synchronize), helpers.raised(disp.dispatch, x, ids)
     finally:
         buf.close()
@@ -250,8 +260,8 @@ def an_unraised_failed_wait():
 
 def test_a_failed_wait_no_wait_raised_fails_the_dispatcher_at_synchronize(host_ranks):
     ((first, then),) = host_ranks(an_unraised_failed_wait, 1, timeout_s=300)
-    assert first[0] == "SymmSyncError" and "a wait of dispatch (step 0) failed" in first[1], first
-    assert then[0] != "returned" and "a wait of dispatch (step 0) failed" in then[1], then
+    assert first[0] == "FenceTimeout" and "moe.Dispatcher.dispatch on view [0] (call 0): a wait of" in first[1], first
+    assert then[0] != "returned" and "moe.Dispatcher.dispatch on view [0] (call 0): a wait of" in then[1], then
 
 
 def a_member_never_comes():
@@ -423,11 +433,9 @@ _SHIPPED_CHECK = _protocol.check
 
 
 @triton.jit
-def blind_check(sig, me, timeout_ns, record, state, headers_off, KIND: tl.constexpr, SIZE: tl.constexpr,
+def blind_check(calls, sig, me, timeout_ns, record, state, KIND: tl.constexpr, SIZE: tl.constexpr,
                 NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
     """The shipped check, blind to a member's refusal (its status read as OK)."""
-    status, who, what, where, value = _SHIPPED_CHECK(
-        sig, me, timeout_ns, record, state, headers_off, KIND, SIZE, NSLOTS, TRAP
-    )
-    refused = status == 3
-    return tl.where(refused, 0, status), tl.where(refused, -1, who), what, where, value
+    n, status, who = _SHIPPED_CHECK(calls, sig, me, timeout_ns, record, state, KIND, SIZE, NSLOTS, TRAP)
+    refused = status == 1
+    return n, tl.where(refused, 0, status), tl.where(refused, -1, who)
