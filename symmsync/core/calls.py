@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
-from ..errors import CLOSED_REASON
+from .. import language as ssl
 from ..language import calls as L
 from ..language import cells
 from .agreement import barrier
@@ -153,4 +155,14 @@ class Calls:
         return self._memory.closed
 
 
-__all__ = ["CLOSED_REASON", "CallRecord", "Calls", "own_memory"]
+
+
+@triton.jit
+def call_fence_kernel(
+    calls, cells, cell, me, timeout_ns, record, a, b, c, d, refused,
+    KIND: tl.constexpr, SIZE: tl.constexpr, TRAP: tl.constexpr,
+):  # fmt: skip
+    """A call's header and a whole fence, one program (:func:`symmsync.language.fence_call`): the
+    fence of a call whose kernels fence apart (a consumer's unfused path), and what a member whose
+    call is refused launches instead of its call's kernels (its header refused, nothing stored)."""
+    ssl.fence_call(calls, cells, cell, me, timeout_ns, record, KIND, a, b, c, d, refused, SIZE, TRAP)

@@ -199,7 +199,7 @@ from .fence import (
     wait_or_trap,
 )
 from . import calls as _calls
-from .calls import call_number, check_call, end_call, post_call, posted_refusal
+from .calls import call_number, check_call, end_call, fence_call, post_call, posted_refusal
 from .records import write_timeout_record
 from .signals import ADD, SET, data_ptr, put_signal, read_signal, signal, wait_count, wait_signal
 
@@ -214,6 +214,7 @@ __all__ = [
     "call_number",
     "check_call",
     "end_call",
+    "fence_call",
     "post_call",
     "posted_refusal",
     "ABORTED",

@@ -64,6 +64,9 @@ import triton
 import triton.language as tl
 
 from . import cells
+from .core import ARRIVALS, arrive, program_index
+from .fence import _wait_or_trap, epoch_ptr
+from .records import MEMBER, P_GRID_FENCE, check_index
 
 #: Words of the handle before the bases.
 HANDLE_STATE, HANDLE_REASON, HANDLE_BASES = 0, 1, 2
@@ -112,6 +115,7 @@ _S_STATUS, _S_NUMBER, _S_KIND, _S_WHO, _S_LATER = (tl.constexpr(w) for w in (S_S
 _S_CALLS, _S_ARRIVED, _S_WORST, _S_OWN = (tl.constexpr(w) for w in (S_CALLS, S_ARRIVED, S_WORST, S_OWN))
 _S_HEADERS = tl.constexpr(S_HEADERS)
 _OK, _REFUSED, _MISMATCH = tl.constexpr(OK), tl.constexpr(REFUSED), tl.constexpr(MISMATCH)
+_WAIT_FAILED = tl.constexpr(WAIT_FAILED)
 _REFUSED_HOST = tl.constexpr(REFUSED_HOST)
 _HANDLE_STATE, _HANDLE_REASON, _HANDLE_BASES = (tl.constexpr(w) for w in (HANDLE_STATE, HANDLE_REASON, HANDLE_BASES))
 
@@ -272,3 +276,44 @@ def end_call(calls, me, n, KIND: tl.constexpr, status, who, SIZE: tl.constexpr, 
         tl.store(state + _S_OWN, 0)
         tl.store(state + _S_CALLS, _i64(n) + 1)
     return last
+
+
+@triton.jit
+def fence_call(
+    calls, cells, cell, me, timeout_ns, record, KIND: tl.constexpr, a, b, c, d, refused,
+    SIZE: tl.constexpr, TRAP: tl.constexpr,
+):  # fmt: skip
+    """The tail of a call's kernel that stores to its peers and reads nothing of theirs after: its
+    header, a whole fence, the verdict and the call's end, in no extra launch. Every program calls
+    it after its last store to the peers (the arguments as :func:`post_call`'s and a
+    :class:`~symmsync.Fence`'s ``kernel_args``).
+
+    Pseudocode::
+
+        n = call_number()                                  # read before arriving
+        program 0: post_call(n, KIND, a, b, c, d, refused) # released with the arrivals below
+        k, e = arrive(&mem[me].cell.arrivals, num_programs - 1, RESET)   # the last one publishes e
+        if k == num_programs - 1:                          # last one in
+            waited = wait_or_trap(e)
+            status, who = check_call(n, ...); end_call(n, status, who)   # kept, counted
+        return status, last
+
+    As :func:`~symmsync.language.grid_fence` (whose arrival it shares): on return of the launch
+    every member's stores before its own ``fence_call`` are visible here. Returns ``(status,
+    last)``: the call's status in the last program to arrive (``last`` True), :data:`OK` elsewhere.
+    """
+    check_index(me, SIZE, record, -1, P_GRID_FENCE, MEMBER, True)
+    n = call_number(calls)
+    if program_index() == 0:
+        post_call(calls, me, n, KIND, a, b, c, d, refused, 0, 0, SIZE)
+    counter = (tl.load(cells + me) + cell + ARRIVALS).to(tl.pointer_type(tl.int64))
+    final = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2) - 1
+    k, e = arrive(counter, epoch_ptr(cells, cell, me), final, cells, cell, me, SIZE, True)
+    status = tl.full((), _OK, tl.int64)
+    last = k == final
+    if last:
+        waited = _wait_or_trap(cells, cell, me, e, timeout_ns, record, SIZE, TRAP)
+        status, who = check_call(calls, me, n, KIND, a, b, c, d, refused, SIZE)
+        status = tl.where(waited == 0, status, _WAIT_FAILED)
+        end_call(calls, me, n, KIND, status, who, SIZE, False)
+    return status, last

@@ -5,7 +5,9 @@
 table of base addresses: a token's main-KV bytes at ``main_off + block * main_bstride +
 offset * MainKVLayout.TOKEN_BYTES`` and its indexer-K values and scale field in its block
 of the indexer region (:mod:`symmsync.pcp.layout` states the bytes and the scale rules).
-With ``FUSED`` its tail is a whole fence (:func:`symmsync.language.grid_fence`). With
+With ``FUSED`` its tail is a whole fence: with ``HEADER`` (within one node) the write's call
+header, the fence and the verdict (:func:`symmsync.language.fence_call`: the layer and the rows
+are its size words), else :func:`symmsync.language.grid_fence`. With
 ``GATHERED`` the rows arrived by all-gather, one block of ``per_member`` rows per member, each
 block opening with a header row (slot -1) whose first int64 word is nonzero where that member
 refused its write (:meth:`symmsync.pcp.DirectKVWriter.refuse`): its rows are skipped.
@@ -105,6 +107,9 @@ def _quantize_write_kernel(
     me,
     timeout_ns,
     record,  # the fence's arguments (Fence.kernel_args; FUSED only)
+    calls,
+    layer,
+    refused,  # HEADER: the writer's call headers, the layer, this write's refusal (0: none)
     per_member,  # GATHERED: rows of each member's block (its header row, then its rows)
     NDST: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -116,6 +121,7 @@ def _quantize_write_kernel(
     SPREAD: tl.constexpr,
     PREFETCH: tl.constexpr,
     GATHERED: tl.constexpr,
+    HEADER: tl.constexpr,
 ):
     # Each program takes work items of BLOCK_T rows until none are left: one item each on a
     # grid of one program per item, several on a smaller (persistent) grid. With PREFETCH
@@ -196,5 +202,8 @@ def _quantize_write_kernel(
             tl.store(words_at + idx_scale // 4, field, mask=live)
         item += step
 
-    if FUSED:
-        ssl.grid_fence(ptrs, cell, me, timeout_ns, record, NDST, TRAP)
+    if FUSED:  # the tail: a whole fence (with HEADER, the write's call header and verdict too)
+        if HEADER:
+            ssl.fence_call(calls, ptrs, cell, me, timeout_ns, record, 0, layer, n_rows, 0, 0, refused, NDST, TRAP)
+        else:
+            ssl.grid_fence(ptrs, cell, me, timeout_ns, record, NDST, TRAP)

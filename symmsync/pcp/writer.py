@@ -41,12 +41,13 @@ import torch.distributed as dist
 import triton
 
 from .. import backends
-from ..backends import mode
 from ..checks import int_problem, is_int, require
 from ..core import agreement
-from ..core.consumer import Consumer, Making
+from ..core.calls import call_fence_kernel
+from ..core.consumer import Consumer
 from ..core.fence import Fence
-from ..core.launch import BoundLaunch, Launcher
+from ..core.launch import BoundLaunch, Launcher, kernel_view
+from ..core.making import Making
 from ..errors import ClosedError, ConfigError, InputError, SymmSyncError, peer_refused
 from ..ops import oplib
 from ..spanning import exchange
@@ -151,7 +152,14 @@ class DirectKVWriter(Consumer):
             arguments were agreed.
     """
 
-    _NAME = "DirectKVWriter"
+    NAME = "DirectKVWriter"
+    KINDS = ("write",)
+    WORDS = ("layer", "rows")
+    REFUSED_OUTCOME = (
+        "the refusing member wrote nothing of the layer, and which of its slots it lacks cannot be known (the "
+        "members' writes of it ran: their rows are in every replica); the writer goes on: write the layer again "
+        "on every member, or drop the batch"
+    )
 
     def __init__(
         self,
@@ -228,9 +236,9 @@ class DirectKVWriter(Consumer):
                 ),
             },
         )
-        self._made(
-            make, f"DirectKVWriter (channel {channel})", memory=f"the cache on {buf.device}", no_grad="write() has"
-        )
+        one_node = how is not None and how.among is None  # direct within one node: its kernels fence themselves
+        self.made(make, where=f"DirectKVWriter (channel {channel})", memory=f"the cache on {buf.device}",
+                  no_grad="write() has", calls=one_node)  # fmt: skip
         #: Across nodes, the members of the view on this rank's node (:attr:`fence`'s view); else ``None``.
         self.node_view = None
         offnode = None
@@ -267,19 +275,17 @@ class DirectKVWriter(Consumer):
         self._dst = dst
         caps = buf.capabilities
         self._ways = dst.numel() if spread else 1  # the grid's second axis: one destination each
-        if caps.streams:  # a GPU: one persistent grid fills its multiprocessors
-            sms = torch.cuda.get_device_properties(buf.device).multi_processor_count
-            self._max_programs = sms * tuning.programs_per_sm  # 0: one program per work item
-        else:
-            self._max_programs = 4  # the interpreter runs programs one after another
-        # Triton's interpreter (numpy: no bfloat16) reads bf16 rows as their int16 bits; the
-        # interpreter's fact, not the memory's: ask the module that knows (the kernel takes either).
-        self._bf16_as_bits = mode.kernels_interpreted()
-        # After a fused launch, the host reads the fence's record where the launch has
-        # finished when it returns (the interpreter); on GPUs a failed wait traps.
-        self._check_after_launch = caps.host_checks_status
-        # There, after each write, the members' refused writes (refuse()); a view of one member has none.
-        self._read_refusals = caps.host_checks_status and view.size > 1
+        # A GPU: one persistent grid fills its multiprocessors (programs_per_sm 0: one program per
+        # work item); the interpreter runs programs one after another.
+        self._max_programs = self.device_programs(tuning.programs_per_sm, 4)
+        # Within one node: the write's call header and fence apart from the kernel (fused=False), and
+        # what a refused write launches instead of the kernel (its header refused, nothing stored).
+        self._call_fence = None
+        if one_node:
+            self._call_fence = self.bind(
+                call_fence_kernel, per_call=("a", "b"), num_warps=1, **fence.kernel_kwargs, c=0, d=0,
+                KIND=0, SIZE=view.size, TRAP=caps.traps,
+            )  # fmt: skip
         self._launcher = Launcher(
             _quantize_write_kernel,
             (1,),
@@ -294,6 +300,7 @@ class DirectKVWriter(Consumer):
             SPREAD=spread,
             PREFETCH=tuning.programs_per_sm > 0,  # a program with several items loads the next one early
             GATHERED=self._gather is not None,
+            HEADER=one_node,
         )
         #: Gathered routes: how a refused write is told (:meth:`refuse`), and the members' refusals read.
         self._refusals = Refusals(view, buf.rank, "writer") if self._gather is not None else None
@@ -310,9 +317,9 @@ class DirectKVWriter(Consumer):
         self._last_batch: weakref.ReferenceType | None = None  # weak: a batch refers to its writer
 
     # ------------------------------------------------------------------ lifetime
-    def _release(self, together: bool) -> None:
+    def release(self, together: bool) -> None:
         self._spans = None
-        super()._release(together)
+        super().release(together)
 
     def _check_not_closed(self, call: str) -> None:
         if self._closed:
@@ -567,8 +574,11 @@ class DirectKVWriter(Consumer):
             if err is e:
                 raise
             raise err from e
-        if self._read_refusals:  # the host backend: the launch is over, the members' marks are readable
-            self._raise_refusals()
+        if self._host_checks:  # the host backend: the launches are over
+            if self._gather is None:
+                self.settle()  # a failed wait, members' writes that differ, a member's refused write
+            elif self.view.size > 1:
+                self._raise_refusals()  # the store's records of the members' refused writes
 
     def _spanning_error(self, e: SymmSyncError) -> Exception:
         """A write's failed step as the write's error: across nodes it fails the writer, naming the
@@ -585,23 +595,20 @@ class DirectKVWriter(Consumer):
         member, and nothing else.
 
         This rank still takes its part of the write's synchronization, marked refused, having
-        sent none of its rows: on the direct route within one node its part of the layer's fence
-        (:meth:`symmsync.Fence.refuse`); on the gathered routes (the all-gather route, and any
-        view over nodes) its part of the exchange, a block whose header says refused, so that no
-        member inserts its rows, after telling the members through torch.distributed's store. It
-        raises ``error`` here, and the members' writes of the layer, which ran, raise
-        :class:`~symmsync.PeerRefused` naming this rank and ``problem`` (at once on the host
-        backend, at :meth:`synchronize` on GPUs). The epochs stay in step and the writer stays
-        usable. ``layer`` and ``batch``: the refused call's (a gathered route still inserts the
-        members' rows into this rank's replica where they are good)."""
-        self.check_usable()
-        err = error(
-            f"rank {self.rank}: DirectKVWriter.{call}: {problem}; this rank wrote nothing of the layer (the "
-            "members' writes of it ran, and raise PeerRefused naming this rank)"
-        )
+        sent none of its rows: on the direct route within one node the write's call header and
+        fence, its header refused with ``problem`` (:meth:`launch_refused`); on the gathered routes
+        (the all-gather route, and any view over nodes) its part of the exchange, a block whose
+        header says refused, so that no member inserts its rows, after telling the members through
+        torch.distributed's store. It raises ``error`` here, and the members' writes of the layer,
+        which ran, raise :class:`~symmsync.PeerRefused` naming this rank and ``problem`` (at once on
+        the host backend, at :meth:`synchronize` on GPUs; the writer's :attr:`~symmsync.Consumer.status`
+        word says so at once on the device). The epochs stay in step and the writer stays usable.
+        ``layer`` and ``batch``: the refused call's (a gathered route still inserts the members'
+        rows into this rank's replica where they are good)."""
         if self._gather is None:
-            self.fence.refuse()
-            raise err
+            return super().refuse(problem, call, error)
+        self.check_usable()
+        err = self.refusal(problem, call, error)
         if self._staged is None:  # nothing prepared yet: no member can be in a write (prepare() is collective)
             raise err
         takes = self._takes(layer, batch)  # its layer and batch are good: it inserts the members' rows
@@ -610,11 +617,15 @@ class DirectKVWriter(Consumer):
             self._insert_gathered(layer, None, None, None, batch if takes else None)
             if self._fences_node and not (self.fused and takes):
                 self.fence.fence()  # the node's fence, which no fused launch ran
-            elif self._fences_node and self._check_after_launch:
+            elif self._fences_node and self._host_checks:
                 self.fence.check()
         except SymmSyncError as e:  # the exchange or the node fence failed: that is this write's error
             raise self._spanning_error(e) from err
         raise err
+
+    def launch_refused(self, call: str, refused: int) -> None:
+        """The write's call header, refused, and its fence, in place of the kernel (one node)."""
+        self._call_fence(0, 0, refused)
 
     def _takes(self, layer: Any, batch: Any) -> bool:
         """Whether a refused write's ``layer`` and ``batch`` are good enough to insert the members' rows."""
@@ -623,30 +634,26 @@ class DirectKVWriter(Consumer):
     def synchronize(self) -> None:
         """Wait for the device; raise a failed wait's error (:meth:`symmsync.Fence.synchronize`),
         then :class:`~symmsync.PeerRefused` for a layer another member refused (:meth:`refuse`)
-        since the last call: its rows of that layer are in no replica. The writer stays usable."""
+        since the last call: its rows of that layer are in no replica. The writer stays usable.
+        Members' writes that differ (another layer, other rows: within one node) raise
+        :class:`~symmsync.CallMismatch` here on GPUs, and the writer fails."""
+        if self._gather is None:
+            return super().synchronize()
         self.check_usable()
-        if self._refusals is not None and self.buffer.capabilities.streams:
+        if self.buffer.capabilities.streams:
             self.fence.synchronize()  # every write this rank made has run (and so every exchange)
-        self._raise_refusals()  # Fence.refusals() waits for the device first
+        self._raise_refusals()
 
     def _raise_refusals(self) -> None:
         """Raise :class:`~symmsync.PeerRefused` for the members' refused writes this rank has
-        waited for since the last time it asked, once: the fence's marks on the direct route
-        within one node (:meth:`symmsync.Fence.refusals`), the store's records on gathered routes."""
-        if self._refusals is None:
-            why = "its arguments failed its checks (its InputError says which)"
-            found = [(origin, f"fence epoch {epoch}", why, True) for origin, epoch in self.fence.refusals()]
-        else:
-            found = [
-                (origin, f"write {number}", problem, not note)
-                for origin, number, problem, note in self._refusals.read(self._writes)
-            ]
+        waited for since the last time it asked, once: the store's records on gathered routes."""
+        found = self._refusals.read(self._writes)
         if not found:
             return
-        origin, when, why, inserted = found[0]
+        origin, number, why, note = found[0]
         more = f" (and {len(found) - 1} more refused writes since)" if len(found) > 1 else ""
         where = "every replica"
-        if not inserted:  # its layer or batch was bad: it inserted nothing, so its replicas lack rows
+        if note:  # its layer or batch was bad: it inserted nothing, so its replicas lack rows
             if self._route.among == "position":
                 where += f" but those of rank {origin}'s node, which lack the rows of the members at its node position"
             else:
@@ -656,7 +663,8 @@ class DirectKVWriter(Consumer):
             f"its rows of that layer are in no replica, the other members' rows are in {where}{more}. The writer "
             "goes on: write the layer again on every member, or drop the batch"
         )
-        raise peer_refused(self.rank, "DirectKVWriter.write", self.view.ranks, when, origin, "write", why, outcome)
+        raise peer_refused(self.rank, "DirectKVWriter.write", self.view.ranks, f"write {number}", origin, "write",
+                           why, outcome)  # fmt: skip
 
     def _write_checked(self, layer: int, kv_c, k_pe, indexer_k, batch: Batch) -> None:
         if self.route == "allgather":
@@ -666,12 +674,14 @@ class DirectKVWriter(Consumer):
         if self._gather is not None:  # across nodes: its rows and its position peers', into its node's replicas
             self._insert_gathered(layer, kv_c, k_pe, indexer_k, batch)
         else:
-            if self._bf16_as_bits:
-                kv_c, k_pe, indexer_k = kv_c.view(torch.int16), k_pe.view(torch.int16), indexer_k.view(torch.int16)
+            kv_c, k_pe, indexer_k = kernel_view(kv_c), kernel_view(k_pe), kernel_view(indexer_k)
             self._launch(layer, kv_c, k_pe, indexer_k, _NOPE, _ROPE, _IDX, batch.slots, batch.rows, batch)
+            if not self.fused:  # the write's call header and its fence, apart from the kernel
+                self._call_fence(layer, batch.rows, 0)
+            return
         if not self.fused:
             self.fence.fence()
-        elif self._check_after_launch:
+        elif self._host_checks:
             self.fence.check()
 
     def accepts(self, layer: Any, kv_c: Any, k_pe: Any, indexer_k: Any, batch: Any) -> bool:
@@ -739,7 +749,7 @@ class DirectKVWriter(Consumer):
 
     #: The kernel arguments a layer's call passes the batch's bound launch (by name; the
     #: launcher knows their positions).
-    _PER_LAYER = ("kv_c", "k_pe", "idx_k", "main_off", "idx_off")
+    _PER_LAYER = ("kv_c", "k_pe", "idx_k", "main_off", "idx_off", "layer", "refused")
 
     def _launch(self, layer, kv_c, k_pe, idx_k, kv_stride, pe_stride, ix_stride, slots, rows, batch) -> None:
         if self.buffer.closed:
@@ -749,6 +759,7 @@ class DirectKVWriter(Consumer):
         if bound is None:
             args = dict(
                 zip(("ptrs", "cell", "me", "timeout_ns", "record"), self.fence.kernel_args),
+                calls=self.calls.kernel_args[0] if self.calls is not None else self.fence.kernel_args[0],
                 kv_c=kv_c,
                 k_pe=k_pe,
                 idx_k=idx_k,
@@ -764,26 +775,20 @@ class DirectKVWriter(Consumer):
                 idx_bstride=self._strides[1],
                 per_member=batch.rows + 1,  # GATHERED: a member's header row, then its rows
             )
-            bound = batch._bound = self._launcher.bind(
-                *[args[name] for name in self._launcher.names], grid=batch._grid, per_call=self._PER_LAYER
-            )
+            bound = batch._bound = self._launcher.bind_named(grid=batch._grid, per_call=self._PER_LAYER, **args)
         # The bound launch repacks only what changed since the batch's last write: a runtime
         # that keeps its inputs in the same buffers changes only the layer's offsets.
-        bound(kv_c, k_pe, idx_k, main_off, idx_off)
+        try:
+            bound(kv_c, k_pe, idx_k, main_off, idx_off, layer, 0)
+        except Exception as e:  # it may have run in part: the writer fails, and the members are told
+            self.fail(e)
+            raise
 
     # ------------------------------------------------------------------ gathered rows
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, cause: Exception | None = None) -> None:
         """Abort the writer's fence's view (across nodes the node view, whose abort the view's parts
         pass to the view over nodes, which reaches the other nodes: :mod:`symmsync.spanning.parts`)."""
-        self.fence.abort(reason)
-
-    def _tell_members(self, reason: str, err: Exception) -> None:
-        """A failed write tells the members through the writer's fence's view (across nodes its
-        node view: :meth:`abort`); a closed buffer's error says enough."""
-        try:
-            self.abort(reason)
-        except SymmSyncError:
-            pass
+        self.fence.view.failure.abort_quietly(reason, cause=cause)
 
     def _exchange(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The all-gather of ``t`` into ``out``. Across nodes a failed exchange (a peer aborted or

@@ -10,7 +10,7 @@ written next by every member, holds every member's rows. An all-reduce on the sa
 channel) still sums at the end. Worlds 2 and 3: the direct route with the fused tail and the
 separate fence, and the all-gather route (where a bad layer or batch leaves the bad member's own
 replica without the layer: it cannot say where the members' rows go). The bites: with the
-refusal marks taken out of the fence's refusing launch (a plain fence instead), or the
+call header's check taken out of the direct route's kernels (every call taken as good), or the
 all-gather route's record left unposted, the members' writes return as if nothing happened;
 with the refused block's header left clear, the members insert its stale rows; each time the
 test fails.
@@ -27,7 +27,7 @@ from oracles import Cache, first_difference, poisoned_case
 import symmsync as ss
 import symmsync.language as ssl
 from symmsync import collectives, pcp
-from symmsync.core import fence as fence_module
+from symmsync.language import calls as calls_module
 
 T = 12  # tokens of the prompt
 BLOCK = 64
@@ -47,10 +47,9 @@ CASES = {
 
 
 @triton.jit
-def unmarked_refusal(ptrs, cell, me, timeout_ns, record, refused, SIZE: tl.constexpr, TRAP: tl.constexpr):
-    """The refusing launch without its marks: a plain fence (the bite)."""
-    e = ssl.publish(ptrs, cell, me, SIZE)
-    ssl.wait_or_trap(ptrs, cell, me, e, timeout_ns, record, SIZE, TRAP)
+def unchecked(calls, me, n, KIND: tl.constexpr, a, b, c, d, refused, SIZE: tl.constexpr):
+    """The call header's check that takes every call as good (the bite)."""
+    return tl.full((), 0, tl.int64), tl.full((), -1, tl.int64)
 
 
 #: The cases whose bad argument is the layer or the batch: on the all-gather route the bad member
@@ -86,8 +85,8 @@ def refusals(fused, variant=None, route="direct"):
     split = pcp.pcp_split(T, world)
     seen, wrong = {}, []
     swap = {
-        None: helpers.replaced(fence_module),
-        "unmarked": helpers.replaced(fence_module, _refuse_kernel=unmarked_refusal),
+        None: helpers.replaced(calls_module),
+        "unchecked": helpers.replaced(calls_module, check_call=unchecked),
         "unposted": helpers.refusals_posted(False),
         "unflagged": helpers.replaced(pcp.DirectKVWriter, _stage=unflagged_stage),
     }[variant]
@@ -148,12 +147,12 @@ def test_a_bad_write_fails_that_write_on_every_member_and_nothing_else(world, fu
 
 @pytest.mark.parametrize(
     "fused, variant, route",
-    [(True, "unmarked", "direct"), (False, "unposted", "allgather")],
-    ids=["direct-fence-marks", "allgather-store-record"],
+    [(True, "unchecked", "direct"), (False, "unposted", "allgather")],
+    ids=["direct-call-header", "allgather-store-record"],
 )
 def test_the_refusal_marks_bite(fused, variant, route, host_ranks):
-    """Without the marks (the direct route's fence marks, the all-gather route's record), the
-    members' writes of a refused layer return: the test above fails."""
+    """Without the news of a refusal (the direct route's call header check, the all-gather route's
+    record), the members' writes of a refused layer return: the test above fails."""
     results = host_ranks(refusals, 2, fused, variant, route, timeout_s=600)
     assert {got[0] for got in results[0][0].values()} == {"returned"}, results[0][0]
     with pytest.raises(AssertionError, match="returned"):
