@@ -290,6 +290,13 @@ CONFIGS: tuple[Config, ...] = (
         "a refused call, the kernel blind to it: the refusing member's input read, never copied",
         model=COLLECTIVES,
     ),
+    C(
+        "coll-hdr1-mix-2r",
+        ("N=2", "C=6", "KIND=MIX", "BUG_HDR1"),
+        "overwrite",
+        "one call header per sender, no parity: a fast member's next header lands under a slow check",
+        model=COLLECTIVES,
+    ),
     # ---- the MoE dispatcher's buffer reuse (moe.pml): steps back to back, no host barrier ----
     C(
         "moe-2r",

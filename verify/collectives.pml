@@ -1,15 +1,17 @@
 /*
  * Models:
  *   symmsync/collectives/kernels.py: collective_kernel (its slots, fences and reads)
- *   symmsync/collectives/protocol.py: next_epoch, arrive, wait, headers_match, refused_seen
+ *   symmsync/collectives/protocol.py: next_epoch, arrive, wait
+ *   symmsync/language/calls.py: call_number, post_call, check_call, end_call (the call header)
  *     (on symmsync/language/core.py: arrive, _publish, bounded_poll, and
  *     symmsync/language/fence.py: wait_or_trap, as verify/fence.pml models them)
  *
  * The collectives' slot protocol, as those functions implement it (the pseudocode of
  * protocol.py's module docstring). Every member of a view makes the same calls, back to back,
  * with no host barrier between them: each call copies its input into its own slot of parity e % 2
- * (or the caller filled its symmetric input, one slot), writes its header of parity e % 2,
- * publishes e, waits for e, checks every member's header and reads every member's slot. A two-shot
+ * (or the caller filled its symmetric input, one slot), stores its call header into every
+ * member's header memory at the parity of the call's number k % 2 (the kit's push), publishes e,
+ * waits for e, checks every member's header in its own memory and reads every member's slot. A two-shot
  * call then writes its reduced chunk (one slot), publishes e + 1, waits for e + 1 and reads the
  * others' reduced chunks; a one-shot call on the symmetric input publishes e + 1 and waits for it
  * before the kernel ends, so that the caller may refill the input at once. Every read asserts that
@@ -25,7 +27,7 @@
  *                  SYM (one phase, symmetric input), SYM_TWO (two-shot, symmetric input), or MIX
  *                  (each call any of the four, the same on every member: the headers agree)
  *   REFUSE         the last member refuses call 2 (its input failed its checks): it copies nothing,
- *                  its header says refused, it publishes once; every member sees the refusal after
+ *                  its headers say refused, it publishes once; every member sees the refusal after
  *                  its wait, reads nothing of that call and skips its second phase, so that every
  *                  member's epochs stay in step and the later calls are read right
  * Bug variants (each must yield a counterexample):
@@ -36,6 +38,8 @@
  *                  read its input, and the caller's refill overwrites it
  *   BUG_NOREFUSE   (with REFUSE) the kernel blind to a refused header: the members read the refusing
  *                  member's input, which it never copied
+ *   BUG_HDR1       one header per sender, no parity (the call's number modulo 2 dropped): a fast
+ *                  member's next header lands where a slow member still checks this call's
  */
 
 #ifndef N
@@ -82,15 +86,21 @@ byte ep[N];                       /* each member's epoch word */
  * it (0: never written) ---- */
 byte inp[N * 2];                  /* input[b]: copied-in input of parity b (layout.INPUT) */
 #define INP(p, b) inp[(p) * 2 + (b)]
-byte hdr[N * 2];                  /* header[b] (layout.HEADERS): its epoch word tells calls apart */
-#define HDR(p, b) hdr[(p) * 2 + (b)]
+#ifdef BUG_HDR1
+#define HBUF 1
+#else
+#define HBUF 2
+#endif
+byte hdr[N * N * 2];              /* HDR(r, s, b): member s's header of parity b in member r's header
+                                   * memory (language/calls.py); its number word tells calls apart */
+#define HDR(r, s, b) hdr[((r) * N + (s)) * 2 + (b)]
 byte sym[N];                      /* the symmetric input (layout SYMMETRIC), filled by the caller */
 byte red[N];                      /* the two-shot's reduced chunk (layout REDUCED) */
 /* weak memory: member p's last store to each of them that the others cannot see yet (0: none) */
 byte pinp[N * 2];
 #define PINP(p, b) pinp[(p) * 2 + (b)]
-byte phdr[N * 2];
-#define PHDR(p, b) phdr[(p) * 2 + (b)]
+byte phdr[N * N * 2];             /* member s's header store into member r's memory, not landed */
+#define PHDR(r, s, b) phdr[((r) * N + (s)) * 2 + (b)]
 byte psym[N];
 byte pred[N];
 
@@ -99,11 +109,17 @@ byte pred[N];
 #define READ(v) assert((v) >= k); assert((v) <= k)
 
 #define LAND(pv, v) if :: (pv) != 0 -> v = pv; pv = 0 :: else -> skip fi
-/* publish's release: every earlier store of member i (copy-in, header, the caller's fill,
- * reduced chunk) becomes visible before its reduction does (cumulativity) */
+/* publish's release: every earlier store of member i (copy-in, headers into every member's memory,
+ * the caller's fill, reduced chunk) becomes visible before its reduction does (cumulativity) */
+#define HDRS(r, i) LAND(PHDR(r, i, 0), HDR(r, i, 0)); LAND(PHDR(r, i, 1), HDR(r, i, 1))
+#if N == 2
+#define RELEASE_HDRS(i) HDRS(0, i); HDRS(1, i)
+#else
+#define RELEASE_HDRS(i) HDRS(0, i); HDRS(1, i); HDRS(2, i)
+#endif
 #define RELEASE(i) \
-    LAND(PINP(i, 0), INP(i, 0)); LAND(PINP(i, 1), INP(i, 1)); LAND(PHDR(i, 0), HDR(i, 0)); \
-    LAND(PHDR(i, 1), HDR(i, 1)); LAND(psym[i], sym[i]); LAND(pred[i], red[i])
+    LAND(PINP(i, 0), INP(i, 0)); LAND(PINP(i, 1), INP(i, 1)); RELEASE_HDRS(i); \
+    LAND(psym[i], sym[i]); LAND(pred[i], red[i])
 #define LANE(p) d_step { RELEASE(i); SLOT(p, i)++ }
 
 /* publish(): one release reduction per other member (landing in any order), then ++epoch */
@@ -134,29 +150,33 @@ proctype Member(byte i) {
             t = kind[k];
             e = ep[i] + 1;
             /* the caller fills its symmetric input (before the launch, in stream order), or the
-             * kernel copies the input into input[e % NBUF]; program 0 writes header[e % 2] */
+             * kernel copies the input into input[e % NBUF]; program 0 stores its header of call k
+             * into every member's header memory at parity k % HBUF (post_call) */
             if
-            :: REFUSES(i, k) -> PHDR(i, e % 2) = k + REFUSED_MARK   /* nothing copied; the header says so */
+            :: REFUSES(i, k) ->                     /* nothing copied; the headers say so */
+                for (q : 0 .. N - 1) { PHDR(q, i, k % HBUF) = k + REFUSED_MARK }
             :: else ->
                 if
                 :: SYMMETRIC(t) -> psym[i] = k
                 :: else -> PINP(i, e % NBUF) = k
                 fi;
-                PHDR(i, e % 2) = k
-            fi
+                for (q : 0 .. N - 1) { PHDR(q, i, k % HBUF) = k }
+            fi;
+            q = 0
         }
         PUBLISH;                            /* arrive(): the (last) program publishes e */
         (ALL_REACHED(e));                   /* wait(e) */
-        /* refused_seen and headers_match, then the reads of every other member's slot of this call */
+        /* check_call (every other member's header, in this member's own memory), then the reads of
+         * every other member's slot of this call */
         d_step {
             assert(ep[i] == e);             /* the epoch publish returned is next_epoch's */
             refused = REFUSES(i, k);
             for (q : 0 .. N - 1) {
                 if
                 :: q != i ->
-                    READ(HDR(q, e % 2) % REFUSED_MARK);
+                    READ(HDR(i, q, k % HBUF) % REFUSED_MARK);
 #ifndef BUG_NOREFUSE
-                    if :: HDR(q, e % 2) >= REFUSED_MARK -> refused = true :: else -> skip fi
+                    if :: HDR(i, q, k % HBUF) >= REFUSED_MARK -> refused = true :: else -> skip fi
 #endif
                 :: else -> skip
                 fi
@@ -207,13 +227,21 @@ proctype Member(byte i) {
 }
 
 /* Member p's stores in flight become visible one at a time, in any order, at any time. */
+/* one of member p's header stores, into member r's memory, parity b */
+#define LAND_HDR(r, b) :: d_step { PHDR(r, p, b) != 0 -> HDR(r, p, b) = PHDR(r, p, b); PHDR(r, p, b) = 0 }
 proctype Memory(byte p) {
 end:
     do
     :: d_step { PINP(p, 0) != 0 -> INP(p, 0) = PINP(p, 0); PINP(p, 0) = 0 }
     :: d_step { PINP(p, 1) != 0 -> INP(p, 1) = PINP(p, 1); PINP(p, 1) = 0 }
-    :: d_step { PHDR(p, 0) != 0 -> HDR(p, 0) = PHDR(p, 0); PHDR(p, 0) = 0 }
-    :: d_step { PHDR(p, 1) != 0 -> HDR(p, 1) = PHDR(p, 1); PHDR(p, 1) = 0 }
+    LAND_HDR(0, 0)
+    LAND_HDR(0, 1)
+    LAND_HDR(1, 0)
+    LAND_HDR(1, 1)
+#if N == 3
+    LAND_HDR(2, 0)
+    LAND_HDR(2, 1)
+#endif
     :: d_step { psym[p] != 0 -> sym[p] = psym[p]; psym[p] = 0 }
     :: d_step { pred[p] != 0 -> red[p] = pred[p]; pred[p] = 0 }
     od

@@ -252,7 +252,8 @@ class _Collective(Consumer):
             row = 1 << (epilogue["hidden"] - 1).bit_length()
             grid = min(self._max_programs, max(1, numel // epilogue["hidden"]))
         key = (x.dtype, algorithm, x.data_ptr() == self._sym_addr, grid, row)
-        x, out = kernel_view(x), kernel_view(out)  # under the interpreter bfloat16 travels as its bits
+        if _INTERPRETED:  # numpy has no bfloat16: its bits travel (no call on a GPU's hot path)
+            x, out = kernel_view(x), kernel_view(out)
         bound = self._bound.get(key)
         if bound is None:
             tail = self._plain_tail[key[0]] if epilogue is None else {}

@@ -47,6 +47,7 @@ from ..core.calls import call_fence_kernel
 from ..core.consumer import Consumer
 from ..core.fence import Fence
 from ..core.launch import BoundLaunch, Launcher, kernel_view
+from ..language import INTERPRETED
 from ..core.making import Making
 from ..errors import ClosedError, ConfigError, InputError, SymmSyncError, peer_refused
 from ..ops import oplib
@@ -674,7 +675,8 @@ class DirectKVWriter(Consumer):
         if self._gather is not None:  # across nodes: its rows and its position peers', into its node's replicas
             self._insert_gathered(layer, kv_c, k_pe, indexer_k, batch)
         else:
-            kv_c, k_pe, indexer_k = kernel_view(kv_c), kernel_view(k_pe), kernel_view(indexer_k)
+            if INTERPRETED:  # numpy has no bfloat16: the rows travel as their bits (no call on a GPU's hot path)
+                kv_c, k_pe, indexer_k = kernel_view(kv_c), kernel_view(k_pe), kernel_view(indexer_k)
             self._launch(layer, kv_c, k_pe, indexer_k, _NOPE, _ROPE, _IDX, batch.slots, batch.rows, batch)
             if not self.fused:  # the write's call header and its fence, apart from the kernel
                 self._call_fence(layer, batch.rows, 0)

@@ -30,25 +30,28 @@ from symmsync.testing import run
 N = 8 * 64  # a decode batch of 8 rows of 64
 
 #: Python calls per call, at most (today's counts, in the comments, plus room for small changes).
+#: On the host backend a call also settles after its launch (its waits' records and its call
+#: headers' state read: 6 to 7 calls a GPU's hot path does not make) and views its bfloat16
+#: tensors as their bits for the interpreter (a call each; none on a GPU).
 BUDGETS = {
-    "all_reduce.eager": 23,  # 20
-    "all_reduce.op": 23,  # 20
-    "all_reduce.compiled": 22,  # 19 above the compiled baseline
-    "fused.eager": 22,  # 19
-    "fused.op": 22,  # 19
-    "fused.compiled": 21,  # 18 above the compiled baseline
-    "all_gather.eager": 23,  # 20
-    "all_gather.op": 23,  # 20
-    "all_gather.compiled": 22,  # 19 above the compiled baseline
-    "reduce_scatter.eager": 24,  # 21
-    "reduce_scatter.op": 24,  # 21
-    "reduce_scatter.compiled": 23,  # 20 above the compiled baseline
+    "all_reduce.eager": 26,  # 24
+    "all_reduce.op": 26,  # 24
+    "all_reduce.compiled": 25,  # 23 above the compiled baseline
+    "fused.eager": 28,  # 26
+    "fused.op": 28,  # 26
+    "fused.compiled": 27,  # 25 above the compiled baseline
+    "all_gather.eager": 26,  # 24
+    "all_gather.op": 26,  # 24
+    "all_gather.compiled": 25,  # 23 above the compiled baseline
+    "reduce_scatter.eager": 27,  # 25
+    "reduce_scatter.op": 27,  # 25
+    "reduce_scatter.compiled": 26,  # 24 above the compiled baseline
     "fence.eager": 16,  # 13
     "fence.op": 18,  # 15
     "fence.compiled": 17,  # 14 above the compiled baseline
-    "write.eager": 22,  # 19
-    "write.op": 23,  # 20
-    "write.compiled": 24,  # 21 above the compiled baseline
+    "write.eager": 26,  # 24
+    "write.op": 30,  # 28
+    "write.compiled": 31,  # 29 above the compiled baseline
 }
 
 

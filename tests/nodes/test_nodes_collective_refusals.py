@@ -7,7 +7,8 @@ For each operation over the spanning view (the all-reduce, with and without the 
 the others make the call right, with ``out=`` filled with a sentinel. The bad member raises
 ``InputError``; every other member ``PeerRefused`` naming it and its problem, whichever step
 told it (its node step, the exchange between nodes, or a node step of a member that learnt it
-there); no member's ``out`` is written (the sentinel is still there). Then every member makes
+there); every other member's ``out`` holds NaN, the bad member's keeps its sentinel (its call
+raised before it launched anything). Then every member makes
 the same call right, and its result is the sum (or the gathered blocks) written here in plain
 torch; no member aborted the view. With the refusing member's record left unposted, the
 members' calls still fail (closed, naming no member), and the test, which asks for the origin,
@@ -78,8 +79,10 @@ def refusals(variant=None):
                     x = torch.full((N,), float(rank + 1))
                     out = _out(op, rank)
                     seen[op, bad] = helpers.raised(_call, ops, op, x.double() if rank == bad else x, out)
-                    if not bool((out == SENTINEL).all()):
-                        wrong.append(f"{op}, bad {bad}: this rank's out was written")
+                    if rank == bad and not bool((out == SENTINEL).all()):
+                        wrong.append(f"{op}, bad {bad}: the refusing rank's out was written")
+                    if rank != bad and not bool(out.isnan().all()):
+                        wrong.append(f"{op}, bad {bad}: this rank's out holds no NaN: {out.reshape(-1)[:4].tolist()}")
                     out = _out(op, rank)
                     try:
                         _call(ops, op, x, out)

@@ -56,11 +56,13 @@ EXPECTED = {
         )
     ],
     "10_moe.py": ["2 ranks: 3 MoE layers, top-2 of 4 experts: bit for bit"],
-    "11_broadcast.py": [
-        "rank 0: the root's 8 values, eagerly and compiled",
-        "rank 0: PeerAborted naming rank [1]",
-        "rank 1: the root's 8 values, eagerly and compiled",
-        "rank 1: InputError: x must be torch.float16, got torch.float64",
+    "11_all_to_all.py": [
+        "rank 0: block 0 of every member, eagerly and compiled",
+        "rank 0: PeerRefused: rank 1 refused: x must be torch.float32, got torch.float64",
+        "rank 0: the next call is right",
+        "rank 1: block 1 of every member, eagerly and compiled",
+        "rank 1: InputError: x must be torch.float32, got torch.float64",
+        "rank 1: the next call is right",
     ],
 }
 HOST_ONLY = {

@@ -98,13 +98,14 @@ SCRIPT = textwrap.dedent(
     wsig = {"kv_c": "*i16", "k_pe": "*i16", "idx_k": "*i16", "kv_stride": "i32", "pe_stride": "i32",
             "ix_stride": "i32", "slots": "*i64", "n_rows": "i32", "dst": "*i64", "main_off": "i32", "idx_off": "i32",
             "main_bstride": "i32", "idx_bstride": "i32", "ptrs": "*i64", "cell": "i32", "me": "i32",
-            "timeout_ns": "i64", "record": "i64", "per_member": "i32"}
+            "timeout_ns": "i64", "record": "i64", "calls": "*i64", "layer": "i32", "refused": "i32",
+            "per_member": "i32"}
     # The second variant: the other formats, one destination per program, prefetch, gathered rows.
     for split in (False, True):
         for fused in (False, True):
             consts = {"NDST": 2, "BLOCK_T": 32, "BLOCK_SIZE": 64, "FUSED": fused, "TRAP": True,
                       "MAIN_POW2": not split, "IDX_SCALE": 1 if split else 2, "SPREAD": split, "PREFETCH": split,
-                      "GATHERED": split}
+                      "GATHERED": split, "HEADER": not split}
             src = ASTSource(W._quantize_write_kernel, {**wsig, **{k: "constexpr" for k in consts}}, consts)
             try:  # one kernel that does not compile fails its own test, not every test here
                 k = triton.compile(src, target=target, options={"num_warps": 4})
@@ -113,17 +114,17 @@ SCRIPT = textwrap.dedent(
                 out[f"writer_split{int(split)}_fused{int(fused)}"] = "COMPILE ERROR: " + repr(e)
     from symmsync.language import records as R
     from symmsync.collectives.kernels import collective_kernel
-    csig = {"x": "*bf16", "out": "*bf16", "count": "i32", "ptrs": "*i64", "sptrs": "*i64", "cell": "i64", "me": "i32",
-            "timeout_ns": "i64", "record": "i64", "mism": "i64", "headers": "i64",
+    csig = {"x": "*bf16", "out": "*bf16", "count": "i32", "refused": "i32", "calls": "*i64", "ptrs": "*i64",
+            "sptrs": "*i64", "cell": "i64", "me": "i32", "timeout_ns": "i64", "record": "i64", "mism": "i64",
             "counter_off": "i64", "inputs": "i64", "input_stride": "i64", "symmetric": "i64", "reduced": "i64",
             "residual": "*bf16", "weight": "*bf16", "res_out": "*bf16", "hidden": "i32", "eps": "fp32"}
     cc = dict(SIZE=2, OP=0, TWO_SHOT=True, SYMMETRIC=False, BLOCK=1024, TRAP=True, BF16_BITS=False,
               DTYPE_CODE=1, ALGORITHM=1, EPILOGUE=False, ROW=1)
     src = ASTSource(collective_kernel, {**csig, **{k: "constexpr" for k in cc}}, cc)
     out["collective"] = triton.compile(src, target=target, options={"num_warps": 4}).asm["ptx"]
-    out["collective_flags"] = [R.MISMATCH, R.GRID_STALL]
+    out["collective_flags"] = [R.GRID_STALL]
     from symmsync.moe import kernels as MK
-    common = {"state": "*i64", "sig": "*i64", "me": "i32", "headers_off": "i64", "stride": "i64"}
+    common = {"calls": "*i64", "state": "*i64", "sig": "*i64", "me": "i32", "stride": "i64"}
     regions = {"rows_off": "i64", "scales_off": "i64", "src_off": "i64", "counts_off": "i64"}
     waits = {"timeout_ns": "i64", "record": "i64"}
     moe = {

@@ -34,14 +34,16 @@ def test_the_compiled_decode_example_runs_under_torchrun():
 
 
 def test_the_new_consumer_tutorial_runs_under_torchrun():
-    # A consumer built in the tutorial (examples/11_broadcast.py): made, compiled, closed, failing closed.
-    proc = torchrun("examples/11_broadcast.py")
+    # A consumer built in the tutorial (examples/11_all_to_all.py): made, compiled, a refused call then a right one.
+    proc = torchrun("examples/11_all_to_all.py")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for line in (
-        "rank 0: the root's 8 values, eagerly and compiled",
-        "rank 1: the root's 8 values, eagerly and compiled",
-        "rank 0: PeerAborted naming rank [1]",
-        "rank 1: InputError: x must be torch.float16, got torch.float64",
+        "rank 0: block 0 of every member, eagerly and compiled",
+        "rank 1: block 1 of every member, eagerly and compiled",
+        "rank 0: PeerRefused: rank 1 refused: x must be torch.float32, got torch.float64",
+        "rank 1: InputError: x must be torch.float32, got torch.float64",
+        "rank 0: the next call is right",
+        "rank 1: the next call is right",
     ):
         assert proc.stdout.count(line) == 1, (line, proc.stdout)
 
