@@ -71,8 +71,15 @@ class AllToAll(ss.Consumer):
         self.max_block, self.fence = max_block, fence
         self.nothing = torch.empty(0, device=view.buffer.device)  # what a refused call sends
         self.launch = self.bind(  # packed once; a call passes x, out, n (and its refusal, last)
-            all_to_all_kernel, per_call=("x", "out", "n"), data=view.ptrs, **fence.kernel_kwargs, slots=offset,
-            stride=stride, SIZE=view.size, BLOCK=128, TRAP=view.buffer.capabilities.traps,
+            all_to_all_kernel,
+            per_call=("x", "out", "n"),
+            data=view.ptrs,
+            **fence.kernel_kwargs,
+            slots=offset,
+            stride=stride,
+            SIZE=view.size,
+            BLOCK=128,
+            TRAP=view.buffer.capabilities.traps,
         )
 
     def __call__(self, x, out=None):

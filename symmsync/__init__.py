@@ -24,8 +24,8 @@ _enable_interpreter()  # before any symmsync kernel is defined (buffer -> views 
 
 from .core.buffer import SymmetricBuffer  # noqa: E402
 from .core.consumer import Consumer  # noqa: E402
-from .core.making import Making  # noqa: E402
 from .core.fence import Fence, launch_grid_sync  # noqa: E402
+from .core.making import Making  # noqa: E402
 from .core.regions import carve  # noqa: E402
 from .core.signals import Signals  # noqa: E402
 from .core.views import TP_PCP_ORDER, PeerView, pcp_view, tp_pcp_ranks, tp_view  # noqa: E402

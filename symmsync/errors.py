@@ -166,7 +166,10 @@ class CallMismatch(InputError):
         self.other = other
 
     def __reduce__(self):
-        return (_rebuild_mismatch, (type(self), str(self), self.rank, self.number, self.calls, self.differs, self.other))
+        return (
+            _rebuild_mismatch,
+            (type(self), str(self), self.rank, self.number, self.calls, self.differs, self.other),
+        )
 
 
 def _rebuild_mismatch(cls, message, rank, number, calls, differs, other):

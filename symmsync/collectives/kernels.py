@@ -267,7 +267,9 @@ def _verdict(
     # phase, and the arrival counter is reset for the next call. The verdict is loads only: a
     # one-phase call issues its first payload loads while the header loads are in flight and
     # stores nothing unless ``go``. Two phases: then the grid barrier.
-    status, who = ssl.check_call(calls, me, n, OP, numel, DTYPE_CODE + 256 * SYMMETRIC, ALGORITHM, hidden, refused, SIZE)
+    status, who = ssl.check_call(
+        calls, me, n, OP, numel, DTYPE_CODE + 256 * SYMMETRIC, ALGORITHM, hidden, refused, SIZE
+    )
     go = status == ssl.CALL_OK
     if PHASES == 2:
         if go:

@@ -310,7 +310,7 @@ class _Collective(Consumer):
         of :meth:`_out_numel` elements. Whether the members' calls agree is the kernel's check
         (their headers; :mod:`.mismatch` words its error).
         """
-        dev = self._device_index
+        dev = self.device_index
         # The common case in one expression (it runs on every call); a sentence only for a problem.
         if not (
             isinstance(x, torch.Tensor)
@@ -559,7 +559,7 @@ class AllReduce(_Collective):
             return f"the fused epilogue needs rows of 1 to {MAX_HIDDEN} elements (x.shape[-1]), got x of {tuple(shape)}"
         if (algorithm or self.algorithm) not in ("auto", "one_shot"):
             return f"the fused epilogue runs one-shot: algorithm must be 'auto' or 'one_shot', got {algorithm!r}"
-        dt, dev = x.dtype, self._device_index
+        dt, dev = x.dtype, self.device_index
         if (
             out is None
             and res_out is None

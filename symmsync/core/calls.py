@@ -155,8 +155,6 @@ class Calls:
         return self._memory.closed
 
 
-
-
 @triton.jit
 def call_fence_kernel(
     calls, cells, cell, me, timeout_ns, record, a, b, c, d, refused,

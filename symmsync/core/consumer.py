@@ -69,9 +69,9 @@ from ..errors import (
 from ..language import calls as C
 from ..ops import handles
 from . import agreement
+from . import launch as launches
 from .calls import CallRecord, Calls
 from .failure import Stall, used_after_abort
-from . import launch as launches
 from .launch import BoundLaunch, Launcher, runtime_params
 from .making import Making
 
@@ -113,6 +113,7 @@ class Consumer:
 
     view: Any = None
     buffer: Any = None
+    device_index: int = -1
     calls: Calls | None = None
     waits: tuple[Any, ...] = ()
     shares_gpu: tuple[int, ...] = ()
@@ -143,7 +144,10 @@ class Consumer:
         self._claims = tuple(buf.regions.claim(region, self) for region in make.regions)
         self._closed = False
         caps = buf.capabilities
-        self._device_index = buf.device.index if caps.streams else -1  # Tensor.get_device() of its memory
+        self.device_index = buf.device.index if caps.streams else -1
+        """What ``Tensor.get_device()`` returns for a tensor on the consumer's device: the GPU's index,
+        or -1 on the host backend (as for CPU and meta tensors: ask ``is_cpu`` there), for a call's
+        checks of the common case in one expression."""
         self._kit_memory_words, self._kit_no_grad = memory, no_grad
         self._host_checks = caps.host_checks_status
         self._kit_launches: list[BoundLaunch] = []
@@ -231,7 +235,7 @@ class Consumer:
         every consumer (:func:`symmsync.checks.tensor_problem`, whose keywords ``want`` takes: ``dtype``,
         ``shape``, ``numel``, ``shape_note``), on this consumer's device and in its words."""
         return tensor_problem(
-            name, t, device_index=self._device_index, memory=self._kit_memory_words, no_grad=self._kit_no_grad, **want
+            name, t, device_index=self.device_index, memory=self._kit_memory_words, no_grad=self._kit_no_grad, **want
         )
 
     def check_usable(self) -> None:
@@ -384,10 +388,11 @@ class Consumer:
             reason = text if code == C.REFUSED_HOST else self.describe_refusal(code, where, value)
             origin = ranks[rec.who]
             if origin == me:  # found by this member's own kernel
-                return InputError(
-                    f"rank {me}: {what}: {reason} (found by its kernel, call {rec.number}); {self.REFUSED_OUTCOME}{later}"
-                )
-            return peer_refused(me, what, ranks, f"call {rec.number}", origin, kind, reason, self.REFUSED_OUTCOME + later)
+                found = f"found by its kernel, call {rec.number}"
+                return InputError(f"rank {me}: {what}: {reason} ({found}); {self.REFUSED_OUTCOME}{later}")
+            return peer_refused(
+                me, what, ranks, f"call {rec.number}", origin, kind, reason, self.REFUSED_OUTCOME + later
+            )
         if rec.status == C.MISMATCH:
             return self._mismatch(rec, what, later)
         return self._on_shared_gpu(
@@ -540,4 +545,3 @@ def stalled_error(rank: int, name: str, ranks: Sequence[int], others: Sequence[i
         late={},
         channel=-1,
     )
-

@@ -201,7 +201,9 @@ class Launcher:
         positions = tuple(self.names.index(name) for name in per_call)
         return BoundLaunch(self, args, self._grid if grid is None else _grid3(grid), positions)
 
-    def bind_named(self, *, grid: Sequence[int] | None = None, per_call: Sequence[str] = (), **args: Any) -> BoundLaunch:
+    def bind_named(
+        self, *, grid: Sequence[int] | None = None, per_call: Sequence[str] = (), **args: Any
+    ) -> BoundLaunch:
         """:meth:`bind` with the arguments by the kernel's parameter names, so that no call site
         writes their positions (a kernel's signature may change). The ``per_call`` parameters need
         no value here (each call passes its own).

@@ -161,7 +161,9 @@ from __future__ import annotations
 
 import triton.language as tl
 
+from . import calls as _calls
 from . import cells, records
+from .calls import call_number, check_call, end_call, fence_call, post_call, posted_refusal
 from .core import (
     ABORT_FLAG,
     ABORTED_STATUS,
@@ -198,8 +200,6 @@ from .fence import (
     wait,
     wait_or_trap,
 )
-from . import calls as _calls
-from .calls import call_number, check_call, end_call, fence_call, post_call, posted_refusal
 from .records import write_timeout_record
 from .signals import ADD, SET, data_ptr, put_signal, read_signal, signal, wait_count, wait_signal
 

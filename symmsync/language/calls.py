@@ -111,7 +111,9 @@ _H_NUMBER, _H_A, _H_B, _H_C, _H_D = (tl.constexpr(w) for w in (H_NUMBER, H_A, H_
 _H_REFUSED, _H_WHERE, _H_VALUE, _H_REASON = (tl.constexpr(w) for w in (H_REFUSED, H_WHERE, H_VALUE, H_REASON))
 _COMPARED = tl.constexpr(COMPARED)
 _REASON_WORDS = tl.constexpr(cells.REASON_WORDS)
-_S_STATUS, _S_NUMBER, _S_KIND, _S_WHO, _S_LATER = (tl.constexpr(w) for w in (S_STATUS, S_NUMBER, S_KIND, S_WHO, S_LATER))
+_S_STATUS, _S_NUMBER, _S_KIND, _S_WHO, _S_LATER = (
+    tl.constexpr(w) for w in (S_STATUS, S_NUMBER, S_KIND, S_WHO, S_LATER)
+)
 _S_CALLS, _S_ARRIVED, _S_WORST, _S_OWN = (tl.constexpr(w) for w in (S_CALLS, S_ARRIVED, S_WORST, S_OWN))
 _S_HEADERS = tl.constexpr(S_HEADERS)
 _OK, _REFUSED, _MISMATCH = tl.constexpr(OK), tl.constexpr(REFUSED), tl.constexpr(MISMATCH)

@@ -139,7 +139,9 @@ class Dispatcher(Consumer):
     NAME = "moe.Dispatcher"
     KINDS = ("dispatch", "combine")  # by the kind a step's header carries (protocol.DISPATCH, COMBINE)
     MISMATCH = StepMismatch
-    REFUSED_OUTCOME = "no member's step did anything (its counts are 0, a combine's rows NaN), and the next call goes on"
+    REFUSED_OUTCOME = (
+        "no member's step did anything (its counts are 0, a combine's rows NaN), and the next call goes on"
+    )
 
     def __init__(
         self,

@@ -33,7 +33,6 @@ launch.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,65 +45,28 @@ from ..core import agreement
 from ..core.calls import call_fence_kernel
 from ..core.consumer import Consumer
 from ..core.fence import Fence
-from ..core.launch import BoundLaunch, Launcher, kernel_view
+from ..core.launch import Launcher, kernel_view
+from ..errors import ClosedError, ConfigError, InputError, SymmSyncError
 from ..language import INTERPRETED
-from ..core.making import Making
-from ..errors import ClosedError, ConfigError, InputError, SymmSyncError, peer_refused
 from ..ops import oplib
 from ..spanning import exchange
 from ..spanning import parts as spanning
-from ..spanning.refusals import Refusals
+from . import making
+from .batch import CLONED, Batch, check_duplicates, slots_problem, usable_blocks, write_problem
+from .gathered import GatheredWrites
 from .kernels import IDX as _IDX
 from .kernels import NOPE as _NOPE
 from .kernels import ROPE as _ROPE
 from .kernels import _quantize_write_kernel
-from .layout import CacheLayout, CacheTensors, IndexerKLayout, MainKVLayout, layer_spans
+from .layout import CacheLayout, CacheTensors, layer_spans
 from .quant import INDEXER_SCALES
-from .routes import ROUTES, Gather, route_for
+from .routes import ROUTES
 from .tuning import Tuning
-
-_BF16 = torch.bfloat16
 
 if TYPE_CHECKING:
     from ..core.views import PeerView
 
 __all__ = ["ROUTES", "Batch", "DirectKVWriter", "Tuning"]
-
-
-@dataclass
-class Batch:
-    """One prefill batch as agreed by every rank: the local slot mapping, validated once.
-
-    A runtime computes its slot mapping once per batch and reuses it for every layer,
-    so the checks that need the values (range, duplicates) and the rank consensus
-    happen here, not per layer. :meth:`DirectKVWriter.write` takes only a batch that the
-    same writer's :meth:`~DirectKVWriter.prepare` returned, and trusts its slots: do not
-    modify them in place.
-    """
-
-    slots: torch.Tensor  #: int64 [rows] local slot mapping (-1: padding)
-    rows: int
-    gathered_slots: torch.Tensor | None = None  #: the slots of the rows gathered (routes.Gather's order)
-    #: The writer whose prepare() made it.
-    writer: DirectKVWriter | None = field(default=None, repr=False, compare=False)
-    # Made once per batch and reused by every layer's write(): the packed launch, and the
-    # all-gather route's staging tensors.
-    _bound: BoundLaunch | None = field(default=None, repr=False, compare=False)
-    _grid: tuple[int, int, int] = field(default=(1, 1, 1), repr=False, compare=False)
-    _packed: tuple[torch.Tensor, ...] | None = field(default=None, repr=False, compare=False)
-    _gathered: tuple[torch.Tensor, ...] | None = field(default=None, repr=False, compare=False)
-    _header: torch.Tensor | None = field(default=None, repr=False, compare=False)  # packed's header word
-
-
-#: The refusal of a write on cloned caches (what to do instead).
-CLONED = (
-    "layer {layer}: the compiled graph passed copies of the caches (functionalization ran the "
-    "symmsync::kv_write op on clones: a backend that runs aot_autograd without reinplacing, such as "
-    "aot_eager_decomp_partition or Inductor with reinplacing off), and copying them back at the end of "
-    "the graph would overwrite the bytes peers wrote meanwhile. Compile with Inductor (the default "
-    "backend) or aot_eager, split the graph at symmsync::kv_write (vLLM's splitting_ops) so that it runs "
-    "between compiled pieces, or call write() outside compiled code"
-)
 
 
 class DirectKVWriter(Consumer):
@@ -179,65 +141,21 @@ class DirectKVWriter(Consumer):
         programs_per_sm: int | None = None,
         spread: bool | None = None,
     ):
-        make = Making("DirectKVWriter", view)
+        agreed = making.make(
+            view, layout, route, fused, group, channel, timeout_s, tuning,
+            block_rows=block_rows, num_warps=num_warps, spread=spread, programs_per_sm=programs_per_sm,
+        )  # fmt: skip
+        make, how, fused, placement, tuning, fence = (
+            agreed.make,
+            agreed.route,
+            agreed.fused,
+            agreed.placement,
+            agreed.tuning,
+            agreed.fence,
+        )
         buf = make.buffer
-        fused = route == "direct" if fused is None else bool(fused)
         self.view, self.layout, self.route, self.fused, self.debug = view, layout, route, fused, debug
-        self.buffer = buf
-        placement = None
-        how, route_problem = route_for(view, route)  # the route as the view's node layout makes it
-        if not isinstance(layout, (CacheLayout, CacheTensors)):
-            make.check(f"layout must be a symmsync.pcp.CacheLayout or CacheTensors, got {type(layout).__name__}")
-        elif make.check(route_problem) and fused and route != "direct":
-            make.check("fused=True needs route='direct' (the all-gather route has no fence to fuse)")
-        if make.ok:
-            try:
-                placement = layout.placement(buf)
-            except ConfigError as e:
-                make.check(str(e), type(e))
-        if make.ok and how.among == "group" and group is None and view.size != buf.world_size:
-            make.check("the allgather route needs group=, the torch.distributed group of the view's ranks")
-        if make.ok:
-            tuning, problem = Tuning.with_shorthand(
-                tuning,
-                block_rows=block_rows,
-                num_warps=num_warps,
-                spread=spread,
-                programs_per_sm=programs_per_sm,
-            )
-            make.check(problem)
-        if make.ok and how.spans and spanning.channels_left(view) < 1:
-            make.check(
-                "the view's node view has no fence channel left for the writer (the consumers over this view took "
-                "them all): pass channels= to SymmetricBuffer for more"
-            )
-        fence = make.fence(channel, timeout_s) if make.ok and not how.spans else None  # a bad one: agreed
-        members = tuple(view.ranks)
-        if make.ok:  # the caches' bytes, shared only by writers of these caches on this PCP group
-            owner, share = f"DirectKVWriter (view {list(members)}) caches", ("kv caches", members, placement.agreed())
-            for start, stop in placement.spans():
-                make.claim(owner, start, stop, share=share)
-        node_view_rule = agreement.Same(
-            hint="a view's first consumer over nodes makes its node view, collectively over the buffer's "
-            "group: every rank must make its views' first consumers over nodes together"
-        )
-        make.agree(
-            {"the layout": placement.agreed() if placement is not None else None, "the channel": channel},
-            hint=f"every member of the PCP group {list(members)} must pass the same",
-            group_wide={
-                "the route": (
-                    how.agreed(fused) if how is not None else route,
-                    agreement.Same(
-                        hint="every rank must take the same route, and the views of every rank span nodes or none does"
-                    ),
-                ),
-                "the node view": (
-                    "made here" if how is not None and how.spans and not spanning.made(view) else None,
-                    node_view_rule,
-                ),
-            },
-        )
-        one_node = how is not None and how.among is None  # direct within one node: its kernels fence themselves
+        one_node = how.among is None  # direct within one node: its kernels fence themselves
         self.made(make, where=f"DirectKVWriter (channel {channel})", memory=f"the cache on {buf.device}",
                   no_grad="write() has", calls=one_node)  # fmt: skip
         #: Across nodes, the members of the view on this rank's node (:attr:`fence`'s view); else ``None``.
@@ -258,7 +176,10 @@ class DirectKVWriter(Consumer):
         #: ``None`` otherwise.
         self.offnode = offnode
         self._route = how
-        self._gather = Gather(how, view, group, offnode, fence.timeout_s) if how.among is not None else None
+        #: The gathered routes' writes (:mod:`symmsync.pcp.gathered`), or ``None`` (direct within one node).
+        self._gathered = None
+        if how.among is not None:
+            self._gathered = GatheredWrites(how, view, group, offnode, fence.timeout_s, buf.rank)
         self.group = group
         #: How the kernel is launched (:class:`Tuning`).
         self.tuning = tuning
@@ -300,15 +221,10 @@ class DirectKVWriter(Consumer):
             IDX_SCALE=INDEXER_SCALES.index(layout.indexer_scale),
             SPREAD=spread,
             PREFETCH=tuning.programs_per_sm > 0,  # a program with several items loads the next one early
-            GATHERED=self._gather is not None,
+            GATHERED=self._gathered is not None,
             HEADER=one_node,
         )
-        #: Gathered routes: how a refused write is told (:meth:`refuse`), and the members' refusals read.
-        self._refusals = Refusals(view, buf.rank, "writer") if self._gather is not None else None
-        self._writes = 0  # gathered routes: the writes so far (refused ones too), numbered alike on every member
-        self._staged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # _stage()
-        self._flagged: torch.Tensor | None = None  # a header a refused write set
-        self._fences_node = route == "direct" and self._gather is not None  # across nodes: a node fence per write
+        self._fences_node = route == "direct" and self._gathered is not None  # across nodes: a node fence per write
         self._num_layers = layout.num_layers
         # Per-layer region offsets and the block strides, computed once.
         self._offsets = list(placement.offsets)
@@ -342,27 +258,8 @@ class DirectKVWriter(Consumer):
         call = "DirectKVWriter.prepare"
         backends.refuse_compiling(call)
         self._check_not_closed(call)
-        problem = None
-        slots = None
-        if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
-            problem = "slot_mapping must be a 1-D tensor"
-        elif slot_mapping.dtype not in (torch.int32, torch.int64):
-            problem = f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}"
-        elif slot_mapping.device != buf.device:
-            problem = f"slot_mapping is on {slot_mapping.device}, the buffer on {buf.device}"
-        else:
-            slots = slot_mapping.to(torch.int64).contiguous()
-            if slots.numel():
-                lo, hi = int(slots.min()), int(slots.max())
-                n = self.layout.num_slots
-                if lo < -1 or hi >= n:
-                    bad = lo if lo < -1 else hi
-                    problem = f"slot {bad} is outside [-1, {n}) (the cache has {self.layout.num_blocks} blocks)"
-                elif hi // self.layout.block_size >= self._usable_blocks():
-                    problem = (
-                        f"slot {hi} lies in block {hi // self.layout.block_size}, past the {self._usable_blocks()} "
-                        f"blocks of every layer inside the buffer's {buf.nbytes} bytes: grow the buffer first"
-                    )
+        usable = self._usable_blocks()
+        slots, problem = slots_problem(slot_mapping, buf.device, self.layout, usable, buf.nbytes)
         rows = slots.numel() if slots is not None else -1
         members = tuple(self.view.ranks)
         every = agreement.agree(
@@ -382,36 +279,16 @@ class DirectKVWriter(Consumer):
             },
         )
         if self.debug:
-            self._check_duplicates([every[r]["slots"] for r in members])
+            check_duplicates(members, [every[r]["slots"] for r in members])
         batch = Batch(slots=slots, rows=rows, writer=self)  # write() takes only batches this writer validated
         launched_rows = rows
-        if self._gather is not None:  # the rows this rank inserts arrive by all-gather
-            launched_rows = self._stage(batch)
+        if self._gathered is not None:  # the rows this rank inserts arrive by all-gather
+            launched_rows = self._gathered.stage(batch)
         batch._grid = self._grid_for(launched_rows)
         self._last_batch = weakref.ref(batch)  # what a compiled write() names by its slots
         if self._spans is None and self._usable_blocks() == self.layout.num_blocks:
             self._spans, self._caches = layer_spans(buf, self.layout)  # what a compiled write() declares it mutates
         return batch
-
-    def _stage(self, batch: Batch) -> int:
-        """A gathered route's per-batch tensors; returns the rows the kernel takes. Each member sends
-        a block of ``rows + 1`` rows: a header row (slot -1; its first int64 word nonzero when the
-        member refused the write: :meth:`refuse`), then its rows; the kernel skips a refused block."""
-        rows, device = batch.rows, self.buffer.device
-        slots = torch.cat([batch.slots.new_full((1,), -1), batch.slots])
-        gathered_slots = slots.new_empty((self._gather.count * (rows + 1),))
-        batch.gathered_slots = self._exchange(gathered_slots, slots)
-        width = _NOPE + _ROPE + _IDX
-        packed = torch.zeros((rows + 1, width), dtype=torch.int16, device=device)
-        gathered = torch.empty((gathered_slots.numel(), width), dtype=torch.int16, device=device)
-        fields = (slice(0, _NOPE), slice(_NOPE, _NOPE + _ROPE), slice(_NOPE + _ROPE, width))
-        batch._packed = (packed, *[packed[1:, f] for f in fields])
-        batch._gathered = (gathered, *[gathered[:, f] for f in fields])
-        batch._header = packed[0, :4].view(torch.int64)
-        # What a refused write whose batch is bad sends: the last batch's blocks (the one the
-        # members write with, prepare() being collective). Not the batch: it refers to the writer.
-        self._staged = (packed, gathered, batch._header)
-        return gathered_slots.numel()
 
     def caches(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``(main_kv, indexer_k)`` of ``layer`` (the layout's), views of the span a compiled
@@ -450,13 +327,7 @@ class DirectKVWriter(Consumer):
     def _usable_blocks(self) -> int:
         nbytes = self.buffer.nbytes
         if self._usable[0] != nbytes:
-            bs = self.layout.block_size
-            widths = (bs * MainKVLayout.TOKEN_BYTES, bs * IndexerKLayout.TOKEN_BYTES)
-            n = self.layout.num_blocks
-            for pair in self._offsets:
-                for off, stride, width in zip(pair, self._strides, widths):
-                    n = min(n, max(0, (nbytes - off - width) // stride + 1))
-            self._usable = (nbytes, n)
+            self._usable = (nbytes, usable_blocks(self.layout, self._offsets, self._strides, nbytes))
         return self._usable[1]
 
     def _grid_for(self, rows: int) -> tuple[int, int, int]:
@@ -465,21 +336,6 @@ class DirectKVWriter(Consumer):
         if self._max_programs:
             items = min(items, self._max_programs)
         return (max(1, items), self._ways, 1)
-
-    def _check_duplicates(self, mappings: list[torch.Tensor]) -> None:
-        # Every rank checks its own PCP group from the mappings its members sent.
-        members = list(self.view.ranks)
-        seen: dict[int, int] = {}
-        for r, mapping in zip(members, mappings):
-            for s in mapping.tolist():
-                if s < 0:
-                    continue
-                if s in seen:
-                    raise InputError(
-                        f"DirectKVWriter.prepare (debug): slot {s} is written by rank {seen[s]} and "
-                        f"rank {r} of the PCP group {members}; each token needs one owner"
-                    )
-                seen[s] = r
 
     # ------------------------------------------------------------------ per layer
     def write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, indexer_k: torch.Tensor, batch: Batch) -> None:
@@ -562,7 +418,7 @@ class DirectKVWriter(Consumer):
             self.check_usable()
         if self.offnode is not None:  # before anything is written or aborted
             self.offnode.refuse_capture(self.buffer.device, "DirectKVWriter.write")
-        bad = self._input_problem(layer, kv_c, k_pe, indexer_k, batch)
+        bad = write_problem(self, layer, kv_c, k_pe, indexer_k, batch)
         if bad is not None:  # InputError, BoundsError: every bad input, each named, before anything is written
             error, problem = bad
             self.refuse(problem, "write", error, layer, batch)
@@ -576,7 +432,7 @@ class DirectKVWriter(Consumer):
                 raise
             raise err from e
         if self._host_checks:  # the host backend: the launches are over
-            if self._gather is None:
+            if self._gathered is None:
                 self.settle()  # a failed wait, members' writes that differ, a member's refused write
             elif self.view.size > 1:
                 self._raise_refusals()  # the store's records of the members' refused writes
@@ -606,16 +462,17 @@ class DirectKVWriter(Consumer):
         word says so at once on the device). The epochs stay in step and the writer stays usable.
         ``layer`` and ``batch``: the refused call's (a gathered route still inserts the members'
         rows into this rank's replica where they are good)."""
-        if self._gather is None:
+        gathered = self._gathered
+        if gathered is None:
             return super().refuse(problem, call, error)
         self.check_usable()
         err = self.refusal(problem, call, error)
-        if self._staged is None:  # nothing prepared yet: no member can be in a write (prepare() is collective)
+        if gathered.staged is None:  # nothing prepared yet: no member can be in a write (prepare() is collective)
             raise err
         takes = self._takes(layer, batch)  # its layer and batch are good: it inserts the members' rows
-        self._refusals.post(self._writes + 1, problem, "" if takes else "inserted nothing")
+        gathered.post_refusal(problem, takes)
         try:
-            self._insert_gathered(layer, None, None, None, batch if takes else None)
+            gathered.insert(layer, None, None, None, batch if takes else None, self._launch)
             if self._fences_node and not (self.fused and takes):
                 self.fence.fence()  # the node's fence, which no fused launch ran
             elif self._fences_node and self._host_checks:
@@ -638,7 +495,7 @@ class DirectKVWriter(Consumer):
         since the last call: its rows of that layer are in no replica. The writer stays usable.
         Members' writes that differ (another layer, other rows: within one node) raise
         :class:`~symmsync.CallMismatch` here on GPUs, and the writer fails."""
-        if self._gather is None:
+        if self._gathered is None:
             return super().synchronize()
         self.check_usable()
         if self.buffer.capabilities.streams:
@@ -646,34 +503,19 @@ class DirectKVWriter(Consumer):
         self._raise_refusals()
 
     def _raise_refusals(self) -> None:
-        """Raise :class:`~symmsync.PeerRefused` for the members' refused writes this rank has
-        waited for since the last time it asked, once: the store's records on gathered routes."""
-        found = self._refusals.read(self._writes)
-        if not found:
-            return
-        origin, number, why, note = found[0]
-        more = f" (and {len(found) - 1} more refused writes since)" if len(found) > 1 else ""
-        where = "every replica"
-        if note:  # its layer or batch was bad: it inserted nothing, so its replicas lack rows
-            if self._route.among == "position":
-                where += f" but those of rank {origin}'s node, which lack the rows of the members at its node position"
-            else:
-                where += f" but rank {origin}'s"
-            where += " (its layer or batch was bad)"
-        outcome = (
-            f"its rows of that layer are in no replica, the other members' rows are in {where}{more}. The writer "
-            "goes on: write the layer again on every member, or drop the batch"
-        )
-        raise peer_refused(self.rank, "DirectKVWriter.write", self.view.ranks, f"write {number}", origin, "write",
-                           why, outcome)  # fmt: skip
+        """Raise :class:`~symmsync.PeerRefused` for the members' refused writes this rank has made its
+        own write of since the last time it asked, once: the store's records (gathered routes)."""
+        err = self._gathered.refusal_error(self.rank, self.view.ranks)
+        if err is not None:
+            raise err
 
     def _write_checked(self, layer: int, kv_c, k_pe, indexer_k, batch: Batch) -> None:
         if self.route == "allgather":
-            return self._insert_gathered(layer, kv_c, k_pe, indexer_k, batch)
+            return self._gathered.insert(layer, kv_c, k_pe, indexer_k, batch, self._launch)
         if self.fused:  # the tail fences inside the kernel: refuse here what Fence.fence() would
             self.fence.check_usable()
-        if self._gather is not None:  # across nodes: its rows and its position peers', into its node's replicas
-            self._insert_gathered(layer, kv_c, k_pe, indexer_k, batch)
+        if self._gathered is not None:  # across nodes: its rows and its position peers', into its node's replicas
+            self._gathered.insert(layer, kv_c, k_pe, indexer_k, batch, self._launch)
         else:
             if INTERPRETED:  # numpy has no bfloat16: the rows travel as their bits (no call on a GPU's hot path)
                 kv_c, k_pe, indexer_k = kernel_view(kv_c), kernel_view(k_pe), kernel_view(indexer_k)
@@ -692,62 +534,7 @@ class DirectKVWriter(Consumer):
         :class:`~symmsync.BoundsError` / :class:`~symmsync.ConfigError` for ``layer`` (and refuse the
         write on every member: :meth:`refuse`), by the rule the write checks with. It says nothing of the other members'
         writes, nor of a writer whose view was aborted or whose buffer was closed."""
-        return self._input_problem(layer, kv_c, k_pe, indexer_k, batch) is None
-
-    def _input_problem(
-        self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, indexer_k: torch.Tensor, batch: Batch
-    ) -> tuple[type[SymmSyncError], str] | None:
-        """What is wrong with ``write()``'s arguments, and the error it raises, or ``None``.
-
-        The one check of a write's inputs, cheap when they are right (it runs on every
-        layer): identity and attribute tests first, sentences only for a problem.
-        """
-        if type(layer) is not int or not 0 <= layer < self._num_layers:
-            bad = self.layout.layer_problem(layer)  # the layout's own check and error
-            if bad is not None:
-                return bad
-        if type(batch) is not Batch or batch.writer is not self:
-            return InputError, (
-                "pass the Batch returned by this writer's prepare() (its slots were checked against this "
-                "writer's layout)"
-            )
-        rows = batch.rows
-        dev = self._device_index
-        # The common case in one expression (no call per tensor: this runs per layer). get_device()
-        # is -1 for CPU tensors and for meta tensors too: on the host backend, CPU is asked apart.
-        if (
-            isinstance(kv_c, torch.Tensor)
-            and isinstance(k_pe, torch.Tensor)
-            and isinstance(indexer_k, torch.Tensor)
-            and kv_c.dtype is _BF16
-            and k_pe.dtype is _BF16
-            and indexer_k.dtype is _BF16
-            and kv_c.shape == (rows, _NOPE)
-            and k_pe.shape == (rows, _ROPE)
-            and indexer_k.shape == (rows, _IDX)
-            and kv_c.get_device() == dev
-            and k_pe.get_device() == dev
-            and indexer_k.get_device() == dev
-            and kv_c.is_contiguous()
-            and k_pe.is_contiguous()
-            and indexer_k.is_contiguous()
-            and (dev >= 0 or (kv_c.is_cpu and k_pe.is_cpu and indexer_k.is_cpu))
-            and not ((kv_c.requires_grad or k_pe.requires_grad or indexer_k.requires_grad) and torch.is_grad_enabled())
-        ):
-            return None
-        return (
-            self._tensor_problem("kv_c", kv_c, rows, _NOPE)
-            or self._tensor_problem("k_pe", k_pe, rows, _ROPE)
-            or self._tensor_problem("indexer_k", indexer_k, rows, _IDX)
-        )
-
-    def _tensor_problem(self, name: str, t: torch.Tensor, rows: int, width: int) -> tuple[type[InputError], str] | None:
-        """What is wrong with the tensor argument ``name`` of a write (the rule of every consumer:
-        :meth:`~symmsync.core.consumer.Consumer.tensor_problem`) and the error it raises, or ``None``."""
-        bad = self.tensor_problem(
-            name, t, dtype=torch.bfloat16, shape=(rows, width), shape_note=" to match the batch's slot mapping"
-        )
-        return None if bad is None else (InputError, bad)
+        return write_problem(self, layer, kv_c, k_pe, indexer_k, batch) is None
 
     #: The kernel arguments a layer's call passes the batch's bound launch (by name; the
     #: launcher knows their positions).
@@ -791,40 +578,6 @@ class DirectKVWriter(Consumer):
         """Abort the writer's fence's view (across nodes the node view, whose abort the view's parts
         pass to the view over nodes, which reaches the other nodes: :mod:`symmsync.spanning.parts`)."""
         self.fence.view.failure.abort_quietly(reason, cause=cause)
-
-    def _exchange(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """The all-gather of ``t`` into ``out``. Across nodes a failed exchange (a peer aborted or
-        died, the budget ran out) aborts the view, and so the node view, whose members may
-        already wait in this writer's fence (:mod:`symmsync.spanning.parts`)."""
-        return self._gather(out, t)
-
-    def _insert_gathered(self, layer, kv_c, k_pe, indexer_k, batch) -> None:
-        """The exchange of this rank's block and the insert of every member's rows. ``kv_c`` ``None``:
-        a refused write (:meth:`refuse`) sends its block with the header set and none of its rows
-        (the last prepared batch's block where ``batch`` is ``None``), and inserts only with a batch."""
-        self._writes += 1
-        if batch is None:
-            packed, gathered, header = self._staged
-        else:
-            packed, gathered, header = batch._packed[0], batch._gathered[0], batch._header
-        if kv_c is None:
-            header.fill_(1)  # the members' kernels skip this block
-            self._flagged = header
-        else:
-            if self._flagged is not None:  # a refused write set a header: good writes send it clear
-                self._flagged.zero_()
-                self._flagged = None
-            _, p_kv, p_pe, p_ix = batch._packed
-            p_kv.copy_(kv_c.view(torch.int16))
-            p_pe.copy_(k_pe.view(torch.int16))
-            p_ix.copy_(indexer_k.view(torch.int16))
-        # Bytes travel on every backend (gloo has no int16 all-gather).
-        self._exchange(gathered.view(torch.uint8), packed.view(torch.uint8))
-        if batch is None:
-            return
-        _, g_kv, g_pe, g_ix = batch._gathered
-        width = _NOPE + _ROPE + _IDX
-        self._launch(layer, g_kv, g_pe, g_ix, width, width, width, batch.gathered_slots, gathered.shape[0], batch)
 
     def bytes_per_layer(self, rows: int) -> dict[str, int]:
         """What one layer moves per rank: cache bytes written, bytes sent to peers, and the part

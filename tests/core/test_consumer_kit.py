@@ -20,12 +20,11 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl  # noqa: F401 - the interpreter wants it visible to the jit functions below
+from jobs import ROOT
 
 import symmsync as ss
 import symmsync.language as ssl
 from symmsync.testing import Died, run
-
-from jobs import ROOT
 
 W_BLOCK = 4  # elements per block
 

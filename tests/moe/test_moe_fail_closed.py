@@ -143,8 +143,21 @@ def test_the_refusal_check_bites(host_ranks):
         _check_refusals(results, 2)
 
 
-_C = {w: tl.constexpr(getattr(ssl_calls, w)) for w in ("S_STATUS", "S_NUMBER", "S_KIND", "S_WHO", "S_CALLS",
-                                                          "S_ARRIVED", "S_WORST", "S_OWN", "S_HEADERS", "HEADER_WORDS")}
+_C = {
+    w: tl.constexpr(getattr(ssl_calls, w))
+    for w in (
+        "S_STATUS",
+        "S_NUMBER",
+        "S_KIND",
+        "S_WHO",
+        "S_CALLS",
+        "S_ARRIVED",
+        "S_WORST",
+        "S_OWN",
+        "S_HEADERS",
+        "HEADER_WORDS",
+    )
+}
 _S_STATUS, _S_NUMBER, _S_KIND, _S_WHO, _S_CALLS, _S_ARRIVED, _S_WORST, _S_OWN, _S_HEADERS, _HW = _C.values()
 
 

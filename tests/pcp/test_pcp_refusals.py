@@ -25,9 +25,9 @@ import triton.language as tl
 from oracles import Cache, first_difference, poisoned_case
 
 import symmsync as ss
-import symmsync.language as ssl
 from symmsync import collectives, pcp
 from symmsync.language import calls as calls_module
+from symmsync.pcp.gathered import GatheredWrites
 
 T = 12  # tokens of the prompt
 BLOCK = 64
@@ -57,15 +57,15 @@ def unchecked(calls, me, n, KIND: tl.constexpr, a, b, c, d, refused, SIZE: tl.co
 NO_INSERT = ("layer", "bool_layer", "batch")
 
 
-_stage = pcp.DirectKVWriter._stage
+_stage = GatheredWrites.stage
 
 
-def unflagged_stage(writer, batch):
+def unflagged_stage(gathered, batch):
     """A gathered route's staging whose header is a copy, not the word sent: a refused block goes
     out unmarked (the bite of the all-gather route's header)."""
-    rows = _stage(writer, batch)
+    rows = _stage(gathered, batch)
     batch._header = batch._header.clone()
-    writer._staged = (*writer._staged[:2], batch._header)
+    gathered.staged = (*gathered.staged[:2], batch._header)
     return rows
 
 
@@ -88,7 +88,7 @@ def refusals(fused, variant=None, route="direct"):
         None: helpers.replaced(calls_module),
         "unchecked": helpers.replaced(calls_module, check_call=unchecked),
         "unposted": helpers.refusals_posted(False),
-        "unflagged": helpers.replaced(pcp.DirectKVWriter, _stage=unflagged_stage),
+        "unflagged": helpers.replaced(GatheredWrites, stage=unflagged_stage),
     }[variant]
     try:
         with swap:
