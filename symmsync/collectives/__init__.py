@@ -21,7 +21,8 @@ from . import spanning as _spanning  # noqa: F401 - registers the forms over nod
 from . import torch_ops as _torch_ops  # noqa: F401 - registers the symmsync:: ops of the collectives
 from .layout import ALGORITHMS, Workspace, workspace_bytes
 from .mismatch import CollectiveMismatch
-from .operations import MAX_HIDDEN, AllGather, AllReduce, ReduceScatter
+from .inputs import MAX_HIDDEN
+from .operations import AllGather, AllReduce, ReduceScatter
 from .tuning import choose
 
 __all__ = [

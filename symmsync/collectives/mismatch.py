@@ -1,6 +1,6 @@
 """What a collective's errors say of its calls: members whose calls differ (their headers, in the
 words of the collectives), and a launch whose grid stalled. What makes a call valid on one member
-is one function, ``_Collective._problem`` in :mod:`.operations`; the call header and the path of a
+is one function, :func:`.inputs.call_problem`; the call header and the path of a
 failure from the device to the raise are the consumer kit's (:mod:`symmsync.core.consumer`)."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..backends.mode import kernels_interpreted
-from ..checks import int_problem, number_problem, require
+from ..checks import int_problem, require
 from ..core.consumer import Consumer
 from ..core.launch import BoundLaunch, Launcher, kernel_view
 from ..core.views import PeerView
@@ -21,6 +21,7 @@ from ..language import calls as ssl_calls
 from ..language import records
 from . import kernels, making, tuning
 from . import layout as L
+from .inputs import call_problem, fused_problem
 from .mismatch import CollectiveMismatch, StallRecord, describe_kit
 
 # Elements per block of a program (a power of two); warps per program.
@@ -39,16 +40,7 @@ FORMS: dict[int, Any] = {}
 makes there and its checked call runs (registered by :mod:`.spanning`, which builds its node
 steps from the classes of this module, so this module names it not)."""
 _INTERPRETED = kernels_interpreted()  # bfloat16 travels as its int16 bits (numpy has none)
-MAX_HIDDEN = 16384
-"""The longest row (``x.shape[-1]``) the fused epilogue takes: one program holds a row."""
 _NO_GRAD = "the collectives have"  # no autograd formula (symmsync.checks.tensor_problem words it)
-# Why a fused call's tensor has the shape it must have, in its refusal.
-_SHAPE_NOTES = {
-    "residual": " (x's)",
-    "norm_weight": " (x.shape[-1:])",
-    "residual_out": " (x's)",
-    "out": " (x's)",
-}
 
 
 class _Collective(Consumer):
@@ -179,7 +171,7 @@ class _Collective(Consumer):
         the same rule the call checks with. Ask it to fall back to another path for an input that
         does not fit (dtype, size, device, contiguity, grad). It says nothing of the other members'
         calls, nor of a collective that failed or was closed before."""
-        return self._problem(x, out) is None
+        return call_problem(self, x, out) is None
 
     def synchronize(self) -> None:
         """Wait for the device, then raise what the calls since the last one found.
@@ -299,48 +291,13 @@ class _Collective(Consumer):
             )
         return launcher
 
-    def _problem(self, x: Any, out: Any) -> str | None:
-        """What is wrong with a call's tensors on this member, or ``None``: the one statement of
-        a valid call on the host, cheap when it is right (it runs on every call).
-
-        ``x``: a contiguous tensor of one of the workspace's dtypes on the buffer's device, of
-        at most the workspace's elements (a reduce-scatter's: a multiple of the view's size),
-        that needs no gradient (grad mode off, or it does not require grad).
-        ``out`` (``None``: the call makes it): a contiguous tensor of ``x``'s dtype and device,
-        of :meth:`_out_numel` elements. Whether the members' calls agree is the kernel's check
-        (their headers; :mod:`.mismatch` words its error).
-        """
-        dev = self.device_index
-        # The common case in one expression (it runs on every call); a sentence only for a problem.
-        if not (
-            isinstance(x, torch.Tensor)
-            and x.dtype in self._limits
-            and x.get_device() == dev
-            and (dev >= 0 or x.is_cpu)
-            and x.is_contiguous()
-            and not (x.requires_grad and torch.is_grad_enabled())
-        ):
-            return self.tensor_problem("x", x, dtype=tuple(self._limits))
-        numel = x.numel()
-        limit = self._limits[x.dtype]
-        if numel > limit:
-            return (
-                f"x has {numel} elements, more than the {limit} {x.dtype} elements the workspace holds "
-                f"(max_numel={self.max_numel} of {self.dtype})"
-            )
-        if self._OP == L.REDUCE_SCATTER and numel % self.size:
-            return f"x has {numel} elements, not a multiple of the view's {self.size} members"
-        if out is None:
-            return None
-        return self.tensor_problem("out", out, dtype=x.dtype, numel=self._out_numel(numel))
-
     def _out_numel(self, numel: int) -> int:
         """The elements of a call's output for ``numel`` input elements (the all-reduce's: as many)."""
         return numel
 
     def _output(self, x: Any, out: Any) -> torch.Tensor:
         """``out`` (a new 1-D tensor when ``None``), after refusing the call if its tensors are wrong."""
-        bad = self._problem(x, out)
+        bad = call_problem(self, x, out)
         if bad is not None:
             self.refuse(bad)
         return torch.empty(self._out_numel(x.numel()), dtype=x.dtype, device=x.device) if out is None else out
@@ -518,14 +475,14 @@ class AllReduce(_Collective):
         False exactly when the call would raise :class:`~symmsync.InputError`, by the rule the
         call checks with (:meth:`~symmsync.collectives.AllGather.accepts` says what it covers)."""
         if residual is not None or norm_weight is not None:
-            return self._fused_problem(x, out, algorithm, residual, norm_weight, eps, residual_out) is None
-        return self._problem(x, out) is None and (algorithm or self.algorithm) in self._codes
+            return fused_problem(self, x, out, algorithm, residual, norm_weight, eps, residual_out) is None
+        return call_problem(self, x, out) is None and (algorithm or self.algorithm) in self._codes
 
     def eager(self, x: Any, out: Any = None, algorithm: str | None = None) -> torch.Tensor:
         """The checked call without the epilogue, launched now: what ``__call__`` runs outside compiled code
         and ``symmsync::all_reduce`` runs when a compiled graph calls it."""
         code = self._codes.get(algorithm or self.algorithm)
-        bad = self._problem(x, out)
+        bad = call_problem(self, x, out)
         if bad is not None or code is None:
             self.refuse(bad or f"algorithm must be one of {L.ALGORITHMS}, got {algorithm!r}")
         numel = x.numel()
@@ -539,7 +496,7 @@ class AllReduce(_Collective):
     def eager_fused(self, x, out, algorithm, residual, weight, eps, res_out) -> tuple[torch.Tensor, torch.Tensor]:
         """The checked call with the fused residual + RMS norm epilogue (one-shot, whole rows per
         program): what ``__call__`` and ``symmsync::all_reduce_residual_rms_norm`` run."""
-        bad = self._fused_problem(x, out, algorithm, residual, weight, eps, res_out)
+        bad = fused_problem(self, x, out, algorithm, residual, weight, eps, res_out)
         if bad is not None:
             self.refuse(bad)
         out = torch.empty_like(x) if out is None else out
@@ -547,50 +504,6 @@ class AllReduce(_Collective):
         epilogue = dict(residual=residual, weight=weight, res_out=res_out, hidden=x.shape[-1], eps=float(eps))
         self._launch(x, out, x.numel(), 0, epilogue=epilogue)
         return out, res_out
-
-    def _fused_problem(self, x, out, algorithm, residual, weight, eps, res_out) -> str | None:
-        """What is wrong with a fused call's arguments on this member, or ``None`` (cheap when
-        they are right: the common case is one expression)."""
-        bad = self._problem(x, None)
-        if bad is not None:
-            return bad
-        shape = x.shape
-        if not shape or shape[-1] > MAX_HIDDEN:
-            return f"the fused epilogue needs rows of 1 to {MAX_HIDDEN} elements (x.shape[-1]), got x of {tuple(shape)}"
-        if (algorithm or self.algorithm) not in ("auto", "one_shot"):
-            return f"the fused epilogue runs one-shot: algorithm must be 'auto' or 'one_shot', got {algorithm!r}"
-        dt, dev = x.dtype, self.device_index
-        if (
-            out is None
-            and res_out is None
-            and isinstance(residual, torch.Tensor)
-            and isinstance(weight, torch.Tensor)
-            and residual.dtype is dt
-            and weight.dtype is dt
-            and residual.shape == shape
-            and weight.shape == shape[-1:]
-            and residual.get_device() == dev
-            and weight.get_device() == dev
-            and (dev >= 0 or (residual.is_cpu and weight.is_cpu))  # get_device() is -1 for meta tensors too
-            and residual.is_contiguous()
-            and weight.is_contiguous()
-            and type(eps) is float
-            and eps >= 0
-            and not ((residual.requires_grad or weight.requires_grad) and torch.is_grad_enabled())
-        ):
-            return None
-        for name, t, want in (
-            ("residual", residual, tuple(shape)),
-            ("norm_weight", weight, (shape[-1],)),
-            ("residual_out", res_out, tuple(shape)),
-            ("out", out, tuple(shape)),
-        ):
-            if t is None and name in ("residual_out", "out"):
-                continue
-            bad = self.tensor_problem(name, t, dtype=dt, shape=want, shape_note=_SHAPE_NOTES[name])
-            if bad is not None:
-                return bad
-        return number_problem("eps", eps)
 
 
 class AllGather(_Collective):
