@@ -41,12 +41,12 @@ from .. import backends
 from ..checks import check_index, int_problem, is_int, require
 from ..errors import CLOSED_REASON, BoundsError, ClosedError, ConfigError, SizeMismatchError
 from ..language.cells import CellLayout
-from . import liveness, memory, nodes
+from . import adoption, liveness, memory, nodes
 from .agreement import Same, agree
 from .regions import Region, Regions
 from .views import PeerView, create_view
 
-ALIGN = 16  #: every tensor view starts on a multiple of this many bytes
+ALIGN = memory.ALIGN  #: every tensor view starts on a multiple of this many bytes
 
 __all__ = ["ALIGN", "CellLayout", "SymmetricBuffer"]
 
@@ -185,38 +185,7 @@ class SymmetricBuffer:
         arguments (``cells="tail"`` too); CaptureError during CUDA graph capture; BackendError.
         """
         call = "SymmetricBuffer.from_peer_addresses"
-        return cls._adopt(ptrs, nbytes, group, device, cells, max_views, channels, backend_options, call)
-
-    @classmethod
-    def _adopt(
-        cls,
-        ptrs: Sequence[int],
-        nbytes: int,
-        group: dist.ProcessGroup | None,
-        device: torch.device | str | None,
-        cells: str,
-        max_views: int,
-        channels: int,
-        backend_options: dict[str, Any] | None,
-        call: str,
-    ) -> SymmetricBuffer:
-        backends.refuse_compiling(call)
-        self = cls.__new__(cls)
-        self._join(group)
-        problem = memory.args_problem(nbytes, max_views, channels, None, backend_options)
-        try:
-            dev = backends.as_device(device) if device is not None else backends.default_device()
-        except ConfigError as e:
-            dev, problem = torch.device("cpu"), problem or str(e)
-        if problem is None:
-            ptrs, problem = memory.Adopted.local_problem(ptrs, cells, self._world)
-        sizes = {"nbytes": nbytes, "max_views": max_views, "channels": channels}
-        self._agree(call, dev, problem, {"backend": dev.type, "cells": cells, **sizes}, new=True)
-        nodes.refuse_spanning(self._nodes, call, "a runtime's addresses of other nodes' ranks cannot be mapped here")
-        self._device = dev
-        self._nbytes = nbytes
-        self._finish(memory.Adopted.build(self._group, dev, ptrs, nbytes, max_views, channels, backend_options or {}))
-        return self
+        return adoption.adopt(cls, ptrs, nbytes, group, device, cells, max_views, channels, backend_options, call)
 
     @classmethod
     def from_torch(cls, handle: Any, group: dist.ProcessGroup | None = None, **kwargs: Any) -> SymmetricBuffer:
@@ -232,7 +201,7 @@ class SymmetricBuffer:
         if unknown:
             raise TypeError(f"SymmetricBuffer.from_torch() got unexpected keyword arguments {unknown}")
         rest = [options[k] for k in ("cells", "max_views", "channels", "backend_options")]
-        return cls._adopt(list(handle.buffer_ptrs), int(handle.buffer_size), group, device, *rest, call)
+        return adoption.adopt(cls, list(handle.buffer_ptrs), int(handle.buffer_size), group, device, *rest, call)
 
     @classmethod
     def register(
@@ -269,37 +238,14 @@ class SymmetricBuffer:
         owns; close on every rank (and synchronize) before the runtime frees it
         (docs/runtime-memory.md says why and what happens otherwise).
 
-        Memory that can be registered: CUDA, memory of the driver's virtual-memory
-        management (a runtime's ``cuMemCreate`` chunks, torch with
-        ``expandable_segments:True``), shared through its POSIX file-descriptor handles,
-        and plain device allocations (torch's default caching allocator), shared through
-        CUDA IPC (these cannot grow). Host: memory mapped from a POSIX shared-memory
-        object that peers can open by name.
+        What memory can be registered, and how each kind is shared: docs/runtime-memory.md.
 
         Raises:
             BackendError: on every rank, when any rank's memory cannot be shared or mapped.
             ConfigError, SizeMismatchError: on every rank, for bad or differing arguments.
             CaptureError: on every rank, when a rank's current stream was capturing a CUDA graph.
         """
-        backends.refuse_compiling("SymmetricBuffer.register")
-        self = cls.__new__(cls)
-        self._join(group)
-        ptr, dev, problem = memory.Registered.local_problem(local, nbytes, device, ALIGN)
-        if nbytes is None and isinstance(local, torch.Tensor):
-            nbytes = local.numel() * local.element_size()
-        max_nbytes = nbytes if max_nbytes is None else max_nbytes
-        problem = problem or memory.args_problem(nbytes, max_views, channels, max_nbytes, backend_options)
-        kind = dev.type if dev is not None else "?"
-        sizes = {"nbytes": nbytes, "max_nbytes": max_nbytes, "max_views": max_views, "channels": channels}
-        self._agree("SymmetricBuffer.register", dev, problem, {"backend": kind, **sizes}, new=True)
-        self._device = dev
-        self._nbytes = nbytes
-        name = backends.name_for(dev)
-        be = memory.create_backend(self._group, name, dev, backend_options or {})
-        cells = memory.create_backend(self._group, name, dev, dict(backend_options or {}))
-        mem = memory.Registered.build(self._group, be, cells, self._near, ptr, nbytes, max_nbytes, max_views, channels)
-        self._finish(mem)
-        return self
+        return adoption.register(cls, local, nbytes, group, max_nbytes, device, max_views, channels, backend_options)
 
     # ---------------------------------------------------------------- construction
     def _agree(
@@ -610,36 +556,19 @@ class SymmetricBuffer:
     def close(self) -> None:
         """Release this rank's memory and its peer mappings. Idempotent; needs no other rank.
 
-        A tensor obtained from :meth:`tensor` (or :meth:`local_memory`) before closing
-        stays valid on both backends: it keeps the mapping it views alive, and that
-        mapping (this rank's memory, or a peer's as mapped here) is unmapped when the
-        last tensor over it is gone; with none left, at once. A peer's memory kept
-        this way shows what that peer last wrote, also after the peer closed. The
-        buffer itself raises :class:`~symmsync.ClosedError` once closed.
+        Every view of the buffer is aborted first, with the reason "closed": members still
+        waiting in a fence on one of them raise :class:`~symmsync.PeerAborted` at once instead
+        of waiting out their budget; a fence they already completed is not affected. The buffer
+        raises :class:`~symmsync.ClosedError` from then on; symmsync's own objects drop their
+        references to its mappings.
 
-        Every view of the buffer is aborted first, with the reason "closed": members
-        still waiting in a fence on one of them raise :class:`~symmsync.PeerAborted`
-        at once instead of waiting out their budget; a fence they already completed
-        is not affected.
-
-        Registered memory: the peers' mappings go (with their last tensors, as above);
-        the runtime's own memory is never released.
-
-        Pointer tables and fence arguments kept past close (:attr:`ptrs`,
-        :attr:`cell_ptrs`, a view's ``ptrs`` and ``cell_ptrs``, ``Fence.kernel_args``,
-        taken before closing) are kept the same way: each table holds every mapping it
-        names (this rank's memory, its mappings of the peers', the cells) until
-        the last reference to it is gone, and a fence's arguments hold its timeout
-        record, so a kernel launched through them after close (also after the peers
-        closed) touches mapped memory and never crashes. Its fence waits fail closed:
-        close sets every epoch of this rank's cells past any count a peer can publish
-        (:data:`symmsync.language.cells.CLOSED_EPOCH`), so such a wait fails at its first poll
-        (status 2, the record naming this rank as closed) whatever the slots hold. Its
-        publishes still count at the peers that map this rank's cells, as the writes
-        before them still land. symmsync's own objects drop
-        their references here: a buffer, view or fence that stays alive after close holds
-        nothing mapped. The runtime's own registered or adopted memory is never kept: a
-        table entry naming it is the runtime's to keep valid.
+        A tensor from :meth:`tensor` (or :meth:`local_memory`), a pointer table (:attr:`ptrs`,
+        :attr:`cell_ptrs`, a view's) or a fence's ``kernel_args`` taken before closing stays
+        safe: it keeps the mappings it names alive (a peer's memory then shows what that peer
+        last wrote), and a fence wait through kept arguments fails at its first poll, whatever
+        the slots hold (docs/runtime-memory.md, "Tables and tensors kept past close").
+        Registered or adopted memory is the runtime's: its mappings of the peers go, its own
+        bytes are never released.
         """
         if self._closed:
             return

@@ -46,7 +46,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import torch
 import triton
@@ -56,9 +56,6 @@ from .. import language as ssl
 from ..errors import CLOSED_REASON, ClosedError, PeerAborted
 from ..language import cells
 from . import liveness
-
-if TYPE_CHECKING:  # the view makes its owner; this module needs only the view's public API
-    from .views import PeerView
 
 
 class Waiter(Protocol):
@@ -83,7 +80,7 @@ class Waiter(Protocol):
         ...
 
 
-def used_after_abort(view: PeerView, what: str, reason: str, channel: int = -1) -> PeerAborted:
+def used_after_abort(view: Any, what: str, reason: str, channel: int = -1) -> PeerAborted:
     """The :class:`~symmsync.PeerAborted` a waiter's calls raise once this rank aborted ``view``
     with ``reason``: the :meth:`Waiter.abort_error` of a fence, a :class:`~symmsync.Signals`
     object and a collective.
@@ -100,7 +97,7 @@ def used_after_abort(view: PeerView, what: str, reason: str, channel: int = -1) 
 
 
 def peer_aborted(
-    view: PeerView, rank: int, what: str, happened: str, aborted: dict[int, str], channel: int = -1
+    view: Any, rank: int, what: str, happened: str, aborted: dict[int, str], channel: int = -1
 ) -> PeerAborted:
     """The one wording of a :class:`~symmsync.PeerAborted` raised on the host, outside a fence's
     record: a waiter used after this rank's abort (:func:`used_after_abort`), an exchange between
@@ -179,10 +176,10 @@ class _Entry:
 
 #: What an abort of a view that spans nodes also does (:func:`on_spanning_abort`): ``None`` until
 #: the off-node layer registers its post.
-_spanning_abort: Callable[[PeerView, str], None] | None = None
+_spanning_abort: Callable[[Any, str], None] | None = None
 
 
-def on_spanning_abort(post: Callable[[PeerView, str], None]) -> None:
+def on_spanning_abort(post: Callable[[Any, str], None]) -> None:
     """Register ``post(view, reason)``, run by every abort of a view whose members span nodes
     (:mod:`symmsync.spanning.exchange` registers its post in the torch.distributed store, where the
     members of the other nodes read it: this module is below it and names it not)."""
@@ -198,7 +195,7 @@ class ViewFailure:
             run without asking :meth:`check` (the fence's hot path reads only this).
     """
 
-    def __init__(self, view: PeerView):
+    def __init__(self, view: Any):
         self._view = view
         self._reason: str | None = None
         self._waiters: weakref.WeakKeyDictionary[Waiter, _Entry] = weakref.WeakKeyDictionary()

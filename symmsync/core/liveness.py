@@ -37,14 +37,11 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..language import cells
-
-if TYPE_CHECKING:
-    from .views import PeerView
 
 log = logging.getLogger("symmsync")
 
@@ -96,7 +93,7 @@ def alive(theirs: Identity) -> bool:
 class _Watched:
     """One view under the watch: its members' processes and what was flagged already."""
 
-    def __init__(self, view: PeerView, procs: list[Identity | None]):
+    def __init__(self, view: Any, procs: list[Identity | None]):
         self.view = weakref.ref(view)
         mine = procs[view.local_index]
         self.procs = {i: p for i, p in enumerate(procs) if i != view.local_index and comparable(mine, p)}
@@ -117,7 +114,7 @@ class _Watched:
         return len(self.flagged) < len(self.procs)
 
 
-def flag_dead(view: PeerView, i: int) -> None:
+def flag_dead(view: Any, i: int) -> None:
     """Mark member ``i`` of ``view`` (found dead) as aborted at this rank: its reason in its own
     cells (every channel, unless it wrote one), then its abort flag in this rank's cells."""
     buf = view.buffer
@@ -150,7 +147,7 @@ _LOCK = threading.Lock()
 _watcher: list[threading.Thread] = []
 
 
-def watch(view: PeerView, procs: Any) -> None:
+def watch(view: Any, procs: Any) -> None:
     """Watch ``view``'s members (its processes ``procs``, in view order) from now on, until the
     view's buffer closes or the view is gone. Idempotent; a view of one member, or one whose
     members this process cannot see, is not watched."""

@@ -14,7 +14,7 @@ asked for the same view, in the same order, before anything uses it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -25,9 +25,6 @@ from . import memory
 from . import nodes as _nodes
 from .agreement import agree
 from .failure import ViewFailure
-
-if TYPE_CHECKING:  # the buffer imports this module to create its views; fences import it too
-    from .buffer import SymmetricBuffer
 
 #: The order of ranks in a TP×PCP layout: ``rank = pcp_rank * tp + tp_rank``.
 TP_PCP_ORDER = "rank = pcp_rank * tp + tp_rank"
@@ -56,7 +53,7 @@ class PeerView:
             registers with :attr:`failure` to be aborted and released with the view.
     """
 
-    def __init__(self, buffer: SymmetricBuffer, ranks: tuple[int, ...], region: int):
+    def __init__(self, buffer: Any, ranks: tuple[int, ...], region: int):
         self.buffer = buffer
         self.ranks = ranks
         self.size = len(ranks)
@@ -198,7 +195,7 @@ def _check_request(req: tuple[int, ...], me: int, world: int) -> str | None:
     return None
 
 
-def create_view(buffer: SymmetricBuffer, ranks: Sequence[int], problem: str | None = None) -> PeerView:
+def create_view(buffer: Any, ranks: Sequence[int], problem: str | None = None) -> PeerView:
     """This rank's view of ``ranks`` (collective over the buffer's group): the one place
     views are made. :meth:`SymmetricBuffer.view` calls it (and tracks the view for
     ``close()``); ``problem``, when given, is raised on every rank."""
@@ -251,7 +248,7 @@ def tp_pcp_ranks(rank: int, tp: int, pcp: int) -> tuple[list[int], list[int]]:
     return [k * tp + tp_rank for k in range(pcp)], [pcp_rank * tp + t for t in range(tp)]
 
 
-def pcp_view(buffer: SymmetricBuffer, tp: int = 1) -> PeerView:
+def pcp_view(buffer: Any, tp: int = 1) -> PeerView:
     """This rank's PCP subgroup view in a TP×PCP layout (collective over the buffer's group).
 
     With ``world = tp * pcp`` ranks numbered ``rank = pcp_rank * tp + tp_rank``, the
@@ -261,12 +258,12 @@ def pcp_view(buffer: SymmetricBuffer, tp: int = 1) -> PeerView:
     return _layout_view(buffer, tp, pcp=True)
 
 
-def tp_view(buffer: SymmetricBuffer, tp: int) -> PeerView:
+def tp_view(buffer: Any, tp: int) -> PeerView:
     """This rank's TP subgroup view in a TP×PCP layout (collective; see :func:`pcp_view`)."""
     return _layout_view(buffer, tp, pcp=False)
 
 
-def _layout_view(buffer: SymmetricBuffer, tp: Any, pcp: bool) -> PeerView:
+def _layout_view(buffer: Any, tp: Any, pcp: bool) -> PeerView:
     if buffer.closed:
         raise ClosedError(f"rank {buffer.rank}: {'pcp' if pcp else 'tp'}_view used after the buffer was closed")
     world = buffer.world_size
