@@ -81,7 +81,8 @@ class Handle(NamedTuple):
         src: ``[local experts, members * max_tokens]`` int64: for received row ``offsets[e][s] + j``
             of local expert ``e``, ``t * top_k + k`` (token ``t`` of member ``s``, its entry ``k``);
             past ``counts[e]`` not written.
-        per_source: ``[local experts, members]`` int64: the rows each member sent each local expert.
+        per_source: ``[local experts, members]`` int64: the rows each member sent each local expert
+            (-1 everywhere after a failed dispatch: its combine then sends nothing and returns NaN).
         offsets: ``[local experts, members]`` int64: where member ``s``'s rows start among local
             expert ``e``'s received rows (the sum of ``per_source[e][:s]``).
     """
@@ -293,7 +294,7 @@ class Dispatcher(Consumer):
                     C=self._chunks, TOPK=self.top_k, BITS=self._bits, **exact,
                 ),
                 dict(waits, **combine),
-                ("y", "topk", "weights", "T"),
+                ("y", "topk", "weights", "T", "per_source"),
             ),
         }  # fmt: skip
 
@@ -548,7 +549,8 @@ class Dispatcher(Consumer):
         def receive() -> torch.Tensor:
             self._pending = None
             grid = (min(max(tokens, 1) * self._chunks, self.programs), 1, 1)
-            self._launch("combine_reduce", grid, kernel_view(y), handle.topk_idx, topk_weights, tokens)
+            self._launch("combine_reduce", grid, kernel_view(y), handle.topk_idx, topk_weights, tokens,
+                         handle.per_source)  # fmt: skip
             self.finish_call(bad, "combine")
             return y
 

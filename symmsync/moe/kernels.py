@@ -153,8 +153,8 @@ def dispatch_read(
     cnt = tl.where(ok, cnt, 0)
     start = tl.sum(tl.where(m < s, cnt, 0), axis=0)
     n = tl.sum(tl.where(m == s, cnt, 0), axis=0)
-    if (s == 0) & (b == 0):
-        tl.store(per_source + el * SIZE + m, cnt, mask=m < SIZE)
+    if (s == 0) & (b == 0):  # a failed step's per_source holds -1: its combine knows (y NaN, nothing sent)
+        tl.store(per_source + el * SIZE + m, tl.where(ok, cnt, -1), mask=m < SIZE)
         tl.store(offsets + el * SIZE + m, tl.cumsum(cnt, axis=0) - cnt, mask=m < SIZE)
         tl.store(counts_out + el, tl.sum(cnt, axis=0))
     cols = tl.arange(0, HP)
@@ -212,7 +212,7 @@ def combine_send(
 
 @triton.jit
 def combine_reduce(
-    y, topk, weights, T, calls, state, sig, me, timeout_ns, record, comb_off, stride,
+    y, topk, weights, T, per_source, calls, state, sig, me, timeout_ns, record, comb_off, stride,
     SIZE: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr, E: tl.constexpr, H: tl.constexpr,
     HB: tl.constexpr, C: tl.constexpr, TOPK: tl.constexpr, BITS: tl.constexpr,
 ):  # fmt: skip
@@ -221,9 +221,10 @@ def combine_reduce(
     ``P`` the grid, sized by the device as a read's: few programs wait) in float32, in the order
     ``k = 0 .. top_k - 1``: ``acc = acc + w[t, k] * out_k`` (``out_k`` the row its expert sent back;
     an entry naming the expert of an earlier entry reads that entry's row), then rounds once
-    (NaN when the step failed: no member's row was read). The last program to arrive counts the step."""
+    (NaN when the step failed, or the handle's dispatch did: its ``per_source`` holds -1, and no row
+    was sent back). The last program to arrive counts the step."""
     step, status, who = protocol.check(calls, sig, me, timeout_ns, record, state, _COMBINE, SIZE, NSLOTS, TRAP)
-    ok = status == ssl.CALL_OK
+    ok = (status == ssl.CALL_OK) & (tl.load(per_source) >= 0)  # and the handle's dispatch went well
     base = (step % 2) * stride
     own = ssl.data_ptr(sig, me, comb_off + base, y.dtype.element_ty)
     i = tl.program_id(0)

@@ -158,25 +158,23 @@ def size_mismatch_on_gpu():
     buf, ops = _objects()
     ar = ops["all_reduce"]
     ar(torch.ones(64, device=buf.device))
-    ar(torch.ones(512 + dist.get_rank(), device=buf.device))
+    out = ar(torch.ones(512 + dist.get_rank(), device=buf.device))  # returns: the mismatch is found on the device
+    status = int(ar.status)  # the status word, copied as a runtime would (it waits for the call)
+    nan = bool(out.isnan().all())
     try:
         ar.synchronize()
-        return "returned"
+        got = "returned"
     except C.CollectiveMismatch as e:
-        return {"differs": e.differs, "msg": str(e)}
-    # The trap made this process's CUDA context unusable: no close() (the process ends).
+        got = {"differs": e.differs, "msg": str(e)}
+    buf.close()  # no trap: the context is usable, the collective closes like any other
+    return {"got": got, "status": status, "nan": nan}
 
 
-@pytest.mark.traps
-def test_a_size_mismatch_traps_and_every_member_raises_collective_mismatch():
-    if torch.cuda.device_count() < WORLD:
-        # Both members trap at once; on one GPU shared by both processes, the member whose
-        # context traps second stayed blocked in torch.cuda.synchronize (the first raised the
-        # right CollectiveMismatch): benchmarks/results/raw/gpu_mismatch_shared_h200x1.txt.
-        pytest.skip("two contexts trapping at once on one shared GPU: run this test on 2 GPUs (make test-gpu)")
-    for r in run(size_mismatch_on_gpu, WORLD, backend="cuda", timeout_s=300):
-        assert isinstance(r, dict) and r["differs"] == ["numel"], r
-        assert "numel: rank 0: 512, rank 1: 513" in r["msg"], r
+def test_a_size_mismatch_raises_collective_mismatch_at_synchronize_with_nan_and_no_trap(world):
+    for r in run(size_mismatch_on_gpu, world, backend="cuda", timeout_s=300):
+        assert r["status"] == 2 and r["nan"], r  # MISMATCH, the outputs poisoned before the host knew
+        assert isinstance(r["got"], dict) and r["got"]["differs"] == ["numel"], r
+        assert "numel: rank 0: 512, rank 1: 513" in r["got"]["msg"], r
 
 
 def fused_epilogue_on_gpu(tokens, hidden, replays):

@@ -1,4 +1,4 @@
-"""Fail closed in compiled kernels (issue 31, items 2 and 3): an index out of range traps after
+"""Fail closed in compiled kernels: an index out of range traps after
 its record, and the host raises IndexCheckError from it; a wait through the kept arguments of a
 closed Signals object returns 2 whatever the slot holds.
 

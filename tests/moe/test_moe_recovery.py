@@ -1,5 +1,6 @@
 """After a refused dispatch, the layer's combine made on every member keeps them in step (docs/moe.md,
-"A refused dispatch and the layer after it"), with the outcome read at ``synchronize()`` as on GPUs.
+"A refused dispatch and the layer after it"), with the outcome read at ``synchronize()`` as on GPUs;
+and the combine of a failed dispatch's handle returns NaN, never the rows of an earlier layer.
 
 The last member's dispatch has a float32 ``x`` (refused on its host); the others' dispatch returns
 (their host does not read the outcome until ``synchronize()``), with zero counts; they combine
@@ -62,3 +63,41 @@ def test_a_refused_dispatch_may_be_followed_by_a_refused_combine(host_ranks):
     assert "1 later call failed too" in err[1], err
     for r in results:
         assert r["wrong"] == [], r["wrong"][:4]
+
+
+def device_refused_dispatch_then_combine():
+    """The last member's ids hold an expert id out of range (found by its send kernel, so its dispatch
+    returns too); every member combines its handle as usual, as a GPU's members would."""
+    import routings
+    from test_moe import compare, gathered, layer
+
+    me, world = dist.get_rank(), dist.get_world_size()
+    bad = world - 1
+    buf, disp = make(2 * world, M, H, torch.bfloat16, K)
+    ne = disp.num_experts
+    out = {}
+    try:
+        x, ids, w = routings.routing("random", me, world, ne, M, H, K, torch.bfloat16, 3)
+        layer(disp, x, ids, w)  # a good layer first: the combine regions hold its rows
+        disp._host_checks = False  # what a GPU's dispatcher does: the outcome read at synchronize()
+        bad_ids = ids.index_fill(1, torch.tensor([1]), ne) if me == bad else ids
+        recv, counts, handle = disp.dispatch(x, bad_ids)
+        y = disp.combine(recv.clone(), w, handle)
+        out.update(counts=counts.tolist(), per_source=handle.per_source.unique().tolist(), nan=bool(y.isnan().all()))
+        out["synchronize"] = helpers.raised(disp.synchronize)
+        disp._host_checks = True
+        x2, ids2, w2 = routings.routing("random", me, world, ne, M, H, K, torch.bfloat16, 8)
+        got = layer(disp, x2, ids2, w2)
+        out["wrong"] = compare(disp, 8, got, (gathered(x2), gathered(ids2), gathered(w2)), me)
+    finally:
+        buf.close()
+    return out
+
+
+def test_the_combine_of_a_failed_dispatch_returns_nan_not_an_earlier_layers_rows(host_ranks):
+    results = host_ranks(device_refused_dispatch_then_combine, 2, timeout_s=300)
+    for r, res in enumerate(results):
+        assert res["counts"] == [0, 0] and res["per_source"] == [-1] and res["nan"], (r, res)
+        kind = "InputError" if r == 1 else "PeerRefused"
+        assert res["synchronize"][0] == kind and "is no expert id" in res["synchronize"][1], (r, res)
+        assert res["wrong"] == [], res["wrong"][:4]
