@@ -8,7 +8,8 @@ rows into the replicas it holds with the writer's kernel. Each member sends a bl
 refused the write), then its rows; the kernel skips a refused block. A refused write is also
 posted in torch.distributed's store (:class:`~symmsync.spanning.refusals.Refusals`), where the
 members read it once their own write of that number is over: no kernel's call header reaches
-them across an all-gather.
+them across an all-gather. The gathered header rows also set the writer's status word on the
+device (:attr:`GatheredWrites.status`), for a runtime to read before it settles.
 """
 
 from __future__ import annotations
@@ -40,11 +41,18 @@ class GatheredWrites:
 
     Attributes:
         writes: the writes so far (refused ones too), numbered alike on every member.
+        status: the writer's status word on these routes (int64, one element, on the device): 1 once
+            a write since the host last settled (:meth:`settle_status`) gathered another member's
+            refused block, else 0 (the status word's rule: docs/concepts.md).
     """
 
     def __init__(self, route: Route, view: Any, group: Any, offnode: Any, timeout_s: float, rank: int):
         self.route = route
         self.gather = Gather(route, view, group, offnode, timeout_s)
+        # This rank's own block among the gathered ones (its own refusal is raised to it at once).
+        index = view.local_index
+        self._own = view.nodes.node_of(index) if route.among == "position" else index
+        self.status = torch.zeros(1, dtype=torch.int64, device=view.buffer.device)
         self.refusals = Refusals(view, rank, "writer")
         self.writes = 0
         self.staged: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the last batch's blocks
@@ -98,10 +106,23 @@ class GatheredWrites:
             p_ix.copy_(indexer_k.view(torch.int16))
         # Bytes travel on every backend (gloo has no int16 all-gather).
         self.exchange(gathered.view(torch.uint8), packed.view(torch.uint8))
+        self._note_refused(gathered)
         if batch is None:
             return
         _, g_kv, g_pe, g_ix = batch._gathered
         launch(layer, g_kv, g_pe, g_ix, _WIDTH, _WIDTH, _WIDTH, batch.gathered_slots, gathered.shape[0], batch)
+
+    def _note_refused(self, gathered: torch.Tensor) -> None:
+        """Set :attr:`status` to 1 on the device where another member's gathered block is refused:
+        the first int64 word of each block's header row (no host synchronization)."""
+        headers = gathered.view(self.gather.count, -1, _WIDTH)[:, 0, :4].contiguous().view(torch.int64)[:, 0]
+        refused = headers != 0
+        refused[self._own] = False
+        torch.maximum(self.status, refused.any().to(torch.int64), out=self.status)
+
+    def settle_status(self) -> None:
+        """The host settled the writes so far (:meth:`DirectKVWriter.synchronize`): :attr:`status` reads 0."""
+        self.status.zero_()
 
     def post_refusal(self, problem: str, inserts: bool) -> None:
         """Tell the members, through the store, that this rank refuses its next write (``inserts``:

@@ -502,9 +502,17 @@ class DirectKVWriter(Consumer):
             self.fence.synchronize()  # every write this rank made has run (and so every exchange)
         self._raise_refusals()
 
+    @property
+    def status(self) -> Any:
+        """The writer's status word (:attr:`symmsync.Consumer.status`); on the gathered routes 1 once
+        a write gathered another member's refused block (:mod:`symmsync.pcp.gathered`)."""
+        return super().status if self._gathered is None else self._gathered.status
+
     def _raise_refusals(self) -> None:
         """Raise :class:`~symmsync.PeerRefused` for the members' refused writes this rank has made its
-        own write of since the last time it asked, once: the store's records (gathered routes)."""
+        own write of since the last time it asked, once: the store's records (gathered routes). The
+        host has settled those writes: the status word reads 0 again."""
+        self._gathered.settle_status()
         err = self._gathered.refusal_error(self.rank, self.view.ranks)
         if err is not None:
             raise err

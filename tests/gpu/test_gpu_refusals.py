@@ -52,11 +52,22 @@ COLLECTIVE_CASES = {
 }  # fmt: skip
 
 
-def _then_synchronize(call, ar, ag, rs, d):
-    """The call, then each collective's synchronize(): on GPUs a member's refusal is raised there."""
-    call(ar, ag, rs, d)
-    for op in (ar, ag, rs):
-        op.synchronize()
+def _refused_call(call, op, settle, name, wrong, poisoned=lambda out: bool(out.isnan().all())):
+    """What ``call()`` did, as helpers.raised tells it. Where it returned (the members that made
+    the good call), its output and ``op``'s status word are read on the device before anything
+    settles the host: the output must be ``poisoned`` (NaN) and the status word 1 (a member
+    refused); then each of ``settle`` synchronizes, where the peer's refusal is raised."""
+    try:
+        out = call()
+    except ss.SymmSyncError as e:
+        return (type(e).__name__, str(e), getattr(e, "origin", None))
+    torch.cuda.synchronize()
+    status = int(op.status.item())
+    if not poisoned(out):
+        wrong.append(f"{name}: the refused call's output was readable before synchronize()")
+    if status != 1:
+        wrong.append(f"{name}: the status word read {status} before synchronize(), not 1")
+    return helpers.raised(lambda: [o.synchronize() for o in settle])
 
 
 def _collectives():
@@ -70,7 +81,10 @@ def _collectives():
     rs = C.ReduceScatter(view, N, torch.float32, offset=2 * per, channel=2, timeout_s=60)
     seen, wrong = {}, []
     for i, (name, (bad, good, _)) in enumerate(COLLECTIVE_CASES.items()):
-        seen[name] = helpers.raised(_then_synchronize, bad if rank == world - 1 else good, ar, ag, rs, d)
+        seen[name] = _refused_call(
+            lambda: (bad if rank == world - 1 else good)(ar, ag, rs, d), rs if name == "scatter_split" else ar,
+            (ar, ag, rs), name, wrong,
+        )
         torch.cuda.synchronize()
         x = torch.full((6 * world,), float(rank + 1 + i), device=d)
         total = sum(float(r + 1 + i) for r in range(world))
@@ -116,8 +130,10 @@ def _moe():
         g = torch.Generator(device="cpu").manual_seed(100 * i + me)
         x = torch.randn(M, H, generator=g).to(torch.bfloat16).to(d)
         ids = torch.stack([torch.randperm(ne, generator=g)[:K] for _ in range(M)]).to(d)
-        seen[name] = helpers.raised(lambda *a: (disp.dispatch(*a), disp.synchronize()),
-                             *(change(x, ids) if me == world - 1 else (x, ids)))  # fmt: skip
+        args = change(x, ids) if me == world - 1 else (x, ids)
+        # A refused dispatch's outputs: zero rows from every source (recv is then not to be read).
+        seen[name] = _refused_call(lambda: disp.dispatch(*args), disp, (disp,), name, wrong,
+                                   poisoned=lambda out: int(out[1].sum()) == 0)  # fmt: skip
         torch.cuda.synchronize()
         w = torch.rand(M, K, generator=g).to(d)
         try:
@@ -158,9 +174,10 @@ def _writer(route):
         torch.cuda.synchronize()
         dist.barrier()  # every replica cleared before anyone writes into it
         good = (0, *rows, batch)
-        seen[name] = helpers.raised(
-            lambda *a: (writer.write(*a), writer.synchronize()), *(change(good) if rank == world - 1 else good)
-        )
+        args = change(good) if rank == world - 1 else good
+        # Which slots the refusing member's rows were for cannot be known: the status word says so.
+        seen[name] = _refused_call(lambda: writer.write(*args), writer, (writer,), name, wrong,
+                                   poisoned=lambda out: True)  # fmt: skip
         try:
             writer.write(1, *rows, batch)
             writer.synchronize()
