@@ -20,7 +20,7 @@ CUDA_EXTRA := $(if $(HAS_GPU),$(comma)cuda)
 WHEEL_DIR ?= build/wheel
 WHEEL_VENV ?= build/wheel-venv
 
-.PHONY: demo test test-soak test-gpu test-gpu-shared bench-fence bench-pcp doctor lint clean wheel-check
+.PHONY: demo test test-soak test-gpu test-gpu-shared test-gpu-quick bench-fence bench-pcp doctor lint clean wheel-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,21 @@ test-gpu-shared: $(if $(SYSTEM_PY),,$(VENV)/.test)
 	export PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} SYMMSYNC_SHARE_GPUS=1 SYMMSYNC_GPU_WORLDS=$(GPU_WORLDS); \
 	SYMMSYNC_SOAK=1 $(GPU_PY) -m symmsync mps run -- $(GPU_PY) -m pytest -m "gpu and not traps" $(PYTEST_ARGS) || status=1; \
 	$(GPU_PY) -m pytest -m "gpu and traps" $(PYTEST_ARGS) || status=1; \
+	exit $$status
+
+## test-gpu-quick: the GPU confirmation that fits one device session (under 8 minutes on one GPU): every
+## consumer's GPU tests (the tutorial's consumer of the kit, the collectives, MoE, the writer's routes and
+## formats, their refusals, compiled and captured steps) with the ranks sharing the GPUs under MPS at
+## GPU_WORLDS, the soaks left out; then, with the daemon stopped, those of them whose kernels trap by design.
+GPU_QUICK := tests/gpu/test_gpu_kit.py tests/gpu/test_gpu_refusals.py tests/gpu/test_gpu_collectives.py \
+	tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_pcp_formats.py tests/gpu/test_gpu_four.py \
+	tests/gpu/test_gpu_compile.py tests/gpu/test_gpu_compile_kv.py tests/gpu/test_gpu_fail_closed.py \
+	tests/gpu/test_collectives_trap_gpu.py tests/gpu/test_gpu_cuda.py::test_pcp2_byte_oracle_in_cuda_graph_replay
+test-gpu-quick: $(if $(SYSTEM_PY),,$(VENV)/.test)
+	@status=0; \
+	export PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} SYMMSYNC_SHARE_GPUS=1 SYMMSYNC_GPU_WORLDS=$(GPU_WORLDS); \
+	$(GPU_PY) -m symmsync mps run -- $(GPU_PY) -m pytest -m "gpu and not traps and not soak" $(GPU_QUICK) $(PYTEST_ARGS) || status=1; \
+	$(GPU_PY) -m pytest -m "gpu and traps" $(GPU_QUICK) $(PYTEST_ARGS) || status=1; \
 	exit $$status
 
 ## verify: model-check the fence, the signals and the collectives' slots with Spin, every configuration (verify/README.md)

@@ -20,6 +20,10 @@ neither trap nor leave a counter counted:
   ``synchronize()`` raises ``PeerRefused`` naming it; then every member writes the next layer,
   and every replica holds every member's rows (tests/oracles.py: plain torch from the format
   rules).
+
+On every member whose call returned, before anything settles the host, the refused call's output
+is read on the device: a collective's all NaN, a dispatch's counts all zero (the writer's slots
+cannot be known), and the consumer's status word reads 1.
 """
 
 import helpers
@@ -52,13 +56,13 @@ COLLECTIVE_CASES = {
 }  # fmt: skip
 
 
-def _refused_call(call, op, settle, name, wrong, poisoned=lambda out: bool(out.isnan().all())):
-    """What ``call()`` did, as helpers.raised tells it. Where it returned (the members that made
+def _refused_call(call, args, op, settle, name, wrong, poisoned=lambda out: bool(out.isnan().all())):
+    """What ``call(*args)`` did, as helpers.raised tells it. Where it returned (the members that made
     the good call), its output and ``op``'s status word are read on the device before anything
     settles the host: the output must be ``poisoned`` (NaN) and the status word 1 (a member
     refused); then each of ``settle`` synchronizes, where the peer's refusal is raised."""
     try:
-        out = call()
+        out = call(*args)
     except ss.SymmSyncError as e:
         return (type(e).__name__, str(e), getattr(e, "origin", None))
     torch.cuda.synchronize()
@@ -82,8 +86,12 @@ def _collectives():
     seen, wrong = {}, []
     for i, (name, (bad, good, _)) in enumerate(COLLECTIVE_CASES.items()):
         seen[name] = _refused_call(
-            lambda: (bad if rank == world - 1 else good)(ar, ag, rs, d), rs if name == "scatter_split" else ar,
-            (ar, ag, rs), name, wrong,
+            bad if rank == world - 1 else good,
+            (ar, ag, rs, d),
+            rs if name == "scatter_split" else ar,
+            (ar, ag, rs),
+            name,
+            wrong,
         )
         torch.cuda.synchronize()
         x = torch.full((6 * world,), float(rank + 1 + i), device=d)
@@ -132,7 +140,7 @@ def _moe():
         ids = torch.stack([torch.randperm(ne, generator=g)[:K] for _ in range(M)]).to(d)
         args = change(x, ids) if me == world - 1 else (x, ids)
         # A refused dispatch's outputs: zero rows from every source (recv is then not to be read).
-        seen[name] = _refused_call(lambda: disp.dispatch(*args), disp, (disp,), name, wrong,
+        seen[name] = _refused_call(disp.dispatch, args, disp, (disp,), name, wrong,
                                    poisoned=lambda out: int(out[1].sum()) == 0)  # fmt: skip
         torch.cuda.synchronize()
         w = torch.rand(M, K, generator=g).to(d)
@@ -176,7 +184,7 @@ def _writer(route):
         good = (0, *rows, batch)
         args = change(good) if rank == world - 1 else good
         # Which slots the refusing member's rows were for cannot be known: the status word says so.
-        seen[name] = _refused_call(lambda: writer.write(*args), writer, (writer,), name, wrong,
+        seen[name] = _refused_call(writer.write, args, writer, (writer,), name, wrong,
                                    poisoned=lambda out: True)  # fmt: skip
         try:
             writer.write(1, *rows, batch)

@@ -12,7 +12,6 @@ bite: with that step taken out, the word stays 0 and the test fails.
 
 import helpers
 import pytest
-import torch
 import torch.distributed as dist
 from oracles import Cache, poisoned_case
 
