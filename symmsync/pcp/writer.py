@@ -46,7 +46,7 @@ from ..core.calls import call_fence_kernel
 from ..core.consumer import Consumer
 from ..core.fence import Fence
 from ..core.launch import Launcher, kernel_view
-from ..errors import ClosedError, ConfigError, InputError, SymmSyncError
+from ..errors import ConfigError, InputError, SymmSyncError
 from ..language import INTERPRETED
 from ..ops import oplib
 from ..spanning import exchange
@@ -238,12 +238,6 @@ class DirectKVWriter(Consumer):
         self._spans = None
         super().release(together)
 
-    def _check_not_closed(self, call: str) -> None:
-        if self._closed:
-            raise ClosedError(
-                f"rank {self.buffer.rank}: {call}: the writer (view {list(self.view.ranks)}) was closed: make a new one"
-            )
-
     # ------------------------------------------------------------------ per batch
     def prepare(self, slot_mapping: torch.Tensor) -> Batch:
         """Validate this rank's slot mapping (collective over the buffer's group).
@@ -257,7 +251,8 @@ class DirectKVWriter(Consumer):
         buf = self.buffer
         call = "DirectKVWriter.prepare"
         backends.refuse_compiling(call)
-        self._check_not_closed(call)
+        if self._closed or self.buffer.closed:
+            self.check_usable()
         usable = self._usable_blocks()
         slots, problem = slots_problem(slot_mapping, buf.device, self.layout, usable, buf.nbytes)
         rows = slots.numel() if slots is not None else -1
@@ -550,7 +545,7 @@ class DirectKVWriter(Consumer):
 
     def _launch(self, layer, kv_c, k_pe, idx_k, kv_stride, pe_stride, ix_stride, slots, rows, batch) -> None:
         if self.buffer.closed:
-            raise ClosedError(f"rank {self.buffer.rank}: DirectKVWriter.write: used after its buffer was closed")
+            self.check_usable()
         main_off, idx_off = self._offsets[layer]
         bound = batch._bound
         if bound is None:
