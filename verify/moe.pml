@@ -1,7 +1,9 @@
 /*
  * Models:
  *   symmsync/moe/protocol.py: parity, notify (header with the refusal, signal), check (the
- *     wait for every member's signal count n + 1, the header check), finish (the step counted)
+ *     wait for every member's signal count n + 1, the header check), finish (the step counted);
+ *     the header is the consumer kit's call header (symmsync/language/calls.py: post_call pushes
+ *     it into every member's headers of parity n % 2, check_call compares them)
  *   symmsync/moe/kernels.py: dispatch_send / combine_send (the rows, then the last program's
  *     notify), dispatch_read / combine_reduce (check, then the read): one step counter and one
  *     signal slot for both kinds of step, a region per kind and parity; one program per launch
@@ -17,7 +19,9 @@
  * into every member's headers from i of parity k % 2 (plain stores too), signal every member (a
  * release add: every earlier store of i lands first), then a counted wait for every member's
  * signal; then compare every member's header with its own: one that differs fails the step (a
- * mismatch: nothing is read, the member aborts, and the others' waits end); (3) read its own
+ * mismatch: nothing is read; every member, having every header, fails the same step, and the
+ * host then fails the dispatcher, aborting the view: modelled as the abort, which also ends the
+ * waits of a member that had not checked yet); (3) read its own
  * regions of the kind and parity, one sender at a time, each read asserting that the rows are
  * step k's: neither stale (not landed yet, or another kind's step) nor overwritten (a faster
  * member's later step wrote them while this one still reads). verify/check.py lists the
