@@ -34,7 +34,7 @@ def call_problem(op: Any, x: Any, out: Any) -> str | None:
     at most the workspace's elements (a reduce-scatter's: a multiple of the view's size),
     that needs no gradient (grad mode off, or it does not require grad).
     ``out`` (``None``: the call makes it): a contiguous tensor of ``x``'s dtype and device,
-    of the operation's ``_out_numel`` elements. Whether the members' calls agree is the kernel's check
+    of the operation's ``out_numel`` elements. Whether the members' calls agree is the kernel's check
     (their headers; :mod:`.mismatch` words its error).
     """
     dev = op.device_index
@@ -59,7 +59,7 @@ def call_problem(op: Any, x: Any, out: Any) -> str | None:
         return f"x has {numel} elements, not a multiple of the view's {op.size} members"
     if out is None:
         return None
-    return op.tensor_problem("out", out, dtype=x.dtype, numel=op._out_numel(numel))
+    return op.tensor_problem("out", out, dtype=x.dtype, numel=op.out_numel(numel))
 
 
 def fused_problem(

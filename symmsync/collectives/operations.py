@@ -291,7 +291,7 @@ class _Collective(Consumer):
             )
         return launcher
 
-    def _out_numel(self, numel: int) -> int:
+    def out_numel(self, numel: int) -> int:
         """The elements of a call's output for ``numel`` input elements (the all-reduce's: as many)."""
         return numel
 
@@ -300,7 +300,7 @@ class _Collective(Consumer):
         bad = call_problem(self, x, out)
         if bad is not None:
             self.refuse(bad)
-        return torch.empty(self._out_numel(x.numel()), dtype=x.dtype, device=x.device) if out is None else out
+        return torch.empty(self.out_numel(x.numel()), dtype=x.dtype, device=x.device) if out is None else out
 
     # ------------------------------------------------------------------ failures
     def check_usable(self) -> None:
@@ -531,7 +531,7 @@ class AllGather(_Collective):
         self._launch(x, out, x.numel(), -1)
         return out
 
-    def _out_numel(self, numel: int) -> int:
+    def out_numel(self, numel: int) -> int:
         return self.size * numel
 
 
@@ -558,8 +558,8 @@ class ReduceScatter(_Collective):
     def eager(self, x: Any, out: Any = None) -> torch.Tensor:
         """The checked call, launched now: what ``__call__`` and ``symmsync::reduce_scatter`` run."""
         out = self._output(x, out)
-        self._launch(x, out, x.numel(), -1, self._out_numel(x.numel()))
+        self._launch(x, out, x.numel(), -1, self.out_numel(x.numel()))
         return out
 
-    def _out_numel(self, numel: int) -> int:
+    def out_numel(self, numel: int) -> int:
         return numel // self.size
