@@ -324,6 +324,7 @@ def _run_in_job(
             dist_backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s), **extra
         )
         atexit.register(_leave_job)
+        dist.barrier()  # every rank's group is up before any rank runs fn (as in the ranks run() starts)
     try:
         with _environ(env):
             value = fn(*args, **kwargs)
@@ -511,7 +512,7 @@ def _collect(
     procs: list, results: queue.Queue, world_size: int, deadline: float, timeout_s: float, dying: set[int]
 ) -> list[Any]:
     out: dict[int, Any] = {}
-    exited_at: dict[int, float] = {}
+    exited: set[int] = set()  # ranks seen exited without a result at an earlier empty poll
     while len(out) < world_size:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -524,11 +525,12 @@ def _collect(
         try:
             rank, status, payload = results.get(timeout=min(0.2, remaining))
         except queue.Empty:
-            now = time.monotonic()
             for r, p in enumerate(procs):
                 if r not in out and p.exitcode is not None:
-                    # Give the queue's feeder a moment to deliver a result posted on exit.
-                    if now - exited_at.setdefault(r, now) > 2.0:
+                    # A rank flushes its result into the queue before it exits (_rank_main joins the
+                    # queue's feeder), but it may have exited between this poll and the check: its
+                    # result is missing once a whole poll after the exit was seen found nothing.
+                    if r in exited:
                         if r in dying:
                             out[r] = Died(r, p.exitcode)
                             continue
@@ -538,6 +540,7 @@ def _collect(
                             "define fn at module level, outside `if __name__ == '__main__':`)",
                             rank=r,
                         ) from None
+                    exited.add(r)
             continue
         if status == "ok":
             out[rank] = pickle.loads(payload)
@@ -600,6 +603,10 @@ def _rank_main(
             timeout=datetime.timedelta(seconds=timeout_s),
             **extra,
         )
+        # Every rank's group is up before any rank runs fn: a rank that leaves early (one of
+        # may_die that kills itself, one that raises) would otherwise close its connections
+        # while a peer still connects to it (gloo's connectFullMesh failing on that peer).
+        dist.barrier()
         value = fn(*args, **kwargs)
         results.put((rank, "ok", pickle.dumps(value)))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
