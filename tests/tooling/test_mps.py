@@ -144,7 +144,7 @@ def test_ranks_sharing_a_gpu_under_a_daemon_get_an_equal_sm_share_unless_overrid
 
 
 def test_without_a_daemon_sharing_is_time_sliced_and_said_once(fake_control, monkeypatch):
-    monkeypatch.setattr(testing, "_said_time_sliced", [])
+    monkeypatch.setattr(testing.env, "_said_time_sliced", [])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert testing.sharing_env(2, 1) == {}
