@@ -84,27 +84,53 @@ def backend(request):
 
 @pytest.fixture(scope="session")
 def host_ranks():
-    """``host_ranks(fn, world, *args, timeout_s=...)``: ``fn(*args)`` on ``world`` host-backend ranks
-    that stay alive across the tests taking this fixture (one :class:`symmsync.testing.RankPool` per
-    world, started on first use and again after a failure closed it), so that those tests do not
-    each pay for starting processes (most of a short multi-rank test's time on a 2-core machine).
+    """``host_ranks(fn, world, *args, timeout_s=..., env=None)``: ``fn(*args)`` on ``world`` host-backend
+    ranks that stay alive across the tests taking this fixture (one :class:`symmsync.testing.RankPool`
+    per world and environment ``env``, e.g. the simulated nodes' ``SYMMSYNC_NODE_SIZE``, started on
+    first use and again after a failure closed it), so that those tests do not each pay for starting
+    processes (most of a short multi-rank test's time on a 2-core machine).
 
     For rank functions that leave their process as they found it: they close every buffer they
-    make, and plant no failure, set no environment and kill no rank (those take
-    :func:`symmsync.testing.run`, a fresh process per rank)."""
+    make, and plant no failure they do not take back, set no environment and kill no rank (those
+    take :func:`symmsync.testing.run`, a fresh process per rank)."""
     from symmsync.testing import RankFailure, RankPool
 
     pools = {}
 
-    def call(fn, world, *args, timeout_s=300, **kwargs):
-        if world not in pools:
-            pools[world] = RankPool(world, timeout_s=timeout_s)
+    def call(fn, world, *args, timeout_s=300, env=None, **kwargs):
+        key = (world, tuple(sorted((env or {}).items())))
+        if key not in pools:
+            pools[key] = RankPool(world, timeout_s=timeout_s, env=env)
         try:
-            return pools[world].call(fn, *args, timeout_s=timeout_s, **kwargs)
+            return pools[key].call(fn, *args, timeout_s=timeout_s, **kwargs)
         except RankFailure:
-            pools.pop(world).close(kill=True)  # a failed pool stays closed: the next call starts a fresh one
+            pools.pop(key).close(kill=True)  # a failed pool stays closed: the next call starts a fresh one
             raise
 
     yield call
     for pool in pools.values():
         pool.close()
+
+
+class SharedPool:
+    """One of :func:`host_ranks`' pools behind a :class:`symmsync.testing.RankPool`'s ``call``, for a
+    module whose tests share ranks (``pool.call(fn, *args, timeout_s=...)``)."""
+
+    def __init__(self, host_ranks, world, env, timeout_s):
+        self._host_ranks, self.world_size, self._env, self._timeout_s = host_ranks, world, env, timeout_s
+
+    def call(self, fn, *args, timeout_s=None, **kwargs):
+        return self._host_ranks(
+            fn, self.world_size, *args, timeout_s=timeout_s or self._timeout_s, env=self._env, **kwargs
+        )
+
+
+@pytest.fixture(scope="session")
+def shared_pool(host_ranks):
+    """``shared_pool(world, env=None, timeout_s=300)``: :func:`host_ranks`' pool of that world and
+    environment as an object with :meth:`symmsync.testing.RankPool.call`, for a module's ``pool``."""
+
+    def make(world, env=None, timeout_s=300):
+        return SharedPool(host_ranks, world, env, timeout_s)
+
+    return make

@@ -18,15 +18,14 @@ import torch.distributed as dist
 
 import symmsync as ss
 from symmsync import collectives as C
-from symmsync.testing import RankPool
 
 NUMEL, HIDDEN = 64, 16
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with RankPool(2, timeout_s=240) as p:
-        yield p
+def pool(shared_pool):
+    """The session's ranks of this world and environment (tests/conftest.py), shared with other modules."""
+    return shared_pool(2, timeout_s=240)
 
 
 def _ar_case(name):

@@ -4,7 +4,8 @@
 compiled decode step trace to the ``symmsync::`` custom ops (symmsync/collectives/torch_ops.py)
 and must give the bits the eager calls give, on every member:
 
-* 50 decode steps at worlds 2 and 3, with Inductor and with aot_eager, token counts changing
+* 14 decode steps at world 2 (every token count twice) and 50 at world 3 (with the soaks,
+  ``make test-soak``), with Inductor and with aot_eager, token counts changing
   from step to step, a random delay on the last member before some steps; each step runs the
   compiled function, then the same step eagerly on the same objects (the oracle: the eager
   path, whose own oracle is tests/collectives/test_collectives.py), and compares the bytes.
@@ -27,12 +28,11 @@ import torch.distributed as dist
 
 import symmsync as ss
 from symmsync import collectives as C
-from symmsync.testing import run
 
 HIDDEN = 48  # a multiple of 2 and 3: every token count splits into one chunk per member
 MAX_TOKENS = 8
 TOKENS = (2, 3, 5, 8, 4, 6, 7)  # never 1: Dynamo specializes sizes 0 and 1
-STEPS = 50
+STEPS = {2: 14, 3: 50}  # decode steps per world: every token count twice at world 2; the soak's 50 at world 3
 
 
 def _collectives(timeout_s=120.0):
@@ -52,8 +52,9 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 # ---------------------------------------------------------------------- decode steps against eager
-def decode_steps(backend: str) -> tuple[list[int], int]:
+def decode_steps(backend: str, steps: int) -> tuple[list[int], int]:
     """(the steps whose compiled outputs differ from eager's, Dynamo's compilations)."""
+    torch._dynamo.reset()  # as in a fresh process: these ranks serve other tests too (tests/conftest.py)
     buf, ar, ag, rs = _collectives()
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -68,7 +69,7 @@ def decode_steps(backend: str) -> tuple[list[int], int]:
     compiled = torch.compile(step, fullgraph=True, backend=counter)
     delays = random.Random(7)
     wrong = []
-    for i in range(STEPS):
+    for i in range(steps):
         tokens = TOKENS[i % len(TOKENS)]
         g = torch.Generator().manual_seed(1000 * i + rank)
         x, residual = torch.randn(tokens, HIDDEN, generator=g), torch.randn(tokens, HIDDEN, generator=g)
@@ -90,8 +91,8 @@ def decode_steps(backend: str) -> tuple[list[int], int]:
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.soak)])  # world 3: make test-soak (CI time)
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
-def test_compiled_decode_steps_give_the_eager_bits_and_compile_once(backend, world):
-    for wrong, compilations in run(decode_steps, world, backend, timeout_s=600):
+def test_compiled_decode_steps_give_the_eager_bits_and_compile_once(host_ranks, backend, world):
+    for wrong, compilations in host_ranks(decode_steps, world, backend, STEPS[world], timeout_s=600):
         assert wrong == []
         assert compilations == 1
 
@@ -99,6 +100,7 @@ def test_compiled_decode_steps_give_the_eager_bits_and_compile_once(backend, wor
 # ---------------------------------------------------------------------- what a graph may not lose
 def dropped_result(backend: str) -> float:
     """Rank 1's compiled function drops its all-reduce's result; rank 0 waits for that call."""
+    torch._dynamo.reset()
     buf, ar, _ag, _rs = _collectives(timeout_s=60.0)
     rank = dist.get_rank()
 
@@ -113,12 +115,13 @@ def dropped_result(backend: str) -> float:
 
 
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])  # each eliminates dead code its own way
-def test_a_graph_that_drops_a_result_still_makes_the_call(backend):
-    assert run(dropped_result, 2, backend, timeout_s=600) == [4.0, 3.0]  # rank 0: (1 + 2) + 1; rank 1: 2 + 1
+def test_a_graph_that_drops_a_result_still_makes_the_call(host_ranks, backend):
+    assert host_ranks(dropped_result, 2, backend, timeout_s=600) == [4.0, 3.0]  # rank 0: (1 + 2) + 1; rank 1: 2 + 1
 
 
 def bad_input_in_a_graph() -> str:
     """Rank 1 passes more elements than the workspace holds, inside a compiled call."""
+    torch._dynamo.reset()
     buf, ar, _ag, _rs = _collectives()
     rank = dist.get_rank()
     compiled = torch.compile(lambda x: ar(x) * 2.0, fullgraph=True, backend="aot_eager")
@@ -133,12 +136,13 @@ def bad_input_in_a_graph() -> str:
     return seen
 
 
-def test_a_bad_input_inside_a_graph_fails_on_every_member():
-    assert run(bad_input_in_a_graph, 2, timeout_s=600) == ["PeerRefused", "InputError"]
+def test_a_bad_input_inside_a_graph_fails_on_every_member(host_ranks):
+    assert host_ranks(bad_input_in_a_graph, 2, timeout_s=600) == ["PeerRefused", "InputError"]
 
 
 def out_under_compile() -> list[str]:
     """``out=`` and ``residual_out=`` in a compiled function: what tracing raises, per call."""
+    torch._dynamo.reset()
     buf, ar, ag, _rs = _collectives()
     x, w = torch.ones(2, HIDDEN), torch.ones(HIDDEN)
     calls = {
@@ -159,13 +163,14 @@ def out_under_compile() -> list[str]:
     return seen
 
 
-def test_out_under_compile_raises_config_error_while_tracing():
-    for seen in run(out_under_compile, 2, timeout_s=600):
+def test_out_under_compile_raises_config_error_while_tracing(host_ranks):
+    for seen in host_ranks(out_under_compile, 2, timeout_s=600):
         assert seen == ["Unsupported: True"] * 4
 
 
 def symmetric_input_in_a_graph() -> list[bool]:
     """``ar.input(n)`` passed to a compiled function: filled outside it, and filled inside it."""
+    torch._dynamo.reset()
     buf, ar, _ag, _rs = _collectives()
     rank, n = dist.get_rank(), 2 * HIDDEN
     x = torch.arange(n, dtype=torch.float32) * (rank + 1)
@@ -185,5 +190,5 @@ def symmetric_input_in_a_graph() -> list[bool]:
     return seen
 
 
-def test_the_symmetric_input_is_a_plain_input_under_compile():
-    assert run(symmetric_input_in_a_graph, 2, timeout_s=600) == [[True, True, True]] * 2
+def test_the_symmetric_input_is_a_plain_input_under_compile(host_ranks):
+    assert host_ranks(symmetric_input_in_a_graph, 2, timeout_s=600) == [[True, True, True]] * 2

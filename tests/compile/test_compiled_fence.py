@@ -7,7 +7,7 @@ memory and then fences is refused at trace time. Each rank writes into its peer 
 view, fences, and reads what the peer wrote, with one rank delayed: with the write made
 before the compiled fence-and-read, every read sees the peer's data; without a fence the
 same oracle sees stale data, and so does the refused graph when the refusal is removed
-(in this file only).
+(in this file only, for the call that removes it).
 """
 
 import time
@@ -16,16 +16,24 @@ import pytest
 import torch
 
 import symmsync as ss
-from symmsync.testing import run
 
 
 def compiled_exchange(n, mode):
     """``mode``: ``"fence"`` (write, fence and read in one compiled graph), ``"eager write"``
     (the write before the compiled fence and read), ``"no fence"`` (write and read
     compiled, no fence) or ``"unrefused"`` (as ``"fence"``, the trace-time check removed in
-    this process). Returns how many steps read stale data, or the error."""
+    this call, put back at its end). Returns how many steps read stale data, or the error."""
+    torch._dynamo.reset()  # as in a fresh process: these ranks serve other tests too (tests/conftest.py)
+    shipped = ss.Fence.orders
     if mode == "unrefused":  # the unsafe form: the fence op gets no user region (a tensor of no buffer's), so its
         ss.Fence.orders = lambda self: [torch.empty(0, dtype=torch.uint8)]  # fake finds no write before it
+    try:
+        return _exchange(n, mode)
+    finally:
+        ss.Fence.orders = shipped
+
+
+def _exchange(n, mode):
     buf = ss.SymmetricBuffer(4096, backend="host")
     r = buf.rank
     fence = ss.Fence(buf.view([0, 1]), timeout_s=60)
@@ -61,12 +69,12 @@ def compiled_exchange(n, mode):
     return wrong
 
 
-def test_compiled_fence_then_read_sees_the_peers_data():
-    assert run(compiled_exchange, 2, 12, "eager write", timeout_s=300) == [0, 0]
+def test_compiled_fence_then_read_sees_the_peers_data(host_ranks):
+    assert host_ranks(compiled_exchange, 2, 12, "eager write", timeout_s=300) == [0, 0]
 
 
-def test_the_compiled_oracle_bites_without_the_fence():
-    assert sum(run(compiled_exchange, 2, 12, "no fence", timeout_s=300)) > 0
+def test_the_compiled_oracle_bites_without_the_fence(host_ranks):
+    assert sum(host_ranks(compiled_exchange, 2, 12, "no fence", timeout_s=300)) > 0
 
 
 def refused_then_unrefused(n):
@@ -74,10 +82,10 @@ def refused_then_unrefused(n):
     return compiled_exchange(n, "fence"), compiled_exchange(n, "unrefused")
 
 
-def test_a_graph_that_writes_symmetric_memory_then_fences_is_refused_at_trace_time():
+def test_a_graph_that_writes_symmetric_memory_then_fences_is_refused_at_trace_time(host_ranks):
     # Compiled with the fence in the graph, the write lands after it: every rank refuses the
     # graph before running any of it, and the same graph unrefused reads stale data.
-    results = run(refused_then_unrefused, 2, 12, timeout_s=300)
+    results = host_ranks(refused_then_unrefused, 2, 12, timeout_s=300)
     for error, _ in results:
         assert isinstance(error, str) and error.startswith("ConfigError: a compiled fence follows writes"), error
     stale = [count for _, count in results]  # 8 and 4 of 12 steps when measured
@@ -86,6 +94,7 @@ def test_a_graph_that_writes_symmetric_memory_then_fences_is_refused_at_trace_ti
 
 def fenced_counts(kind):
     """Compile ``fence()``, ``arrive(); wait()`` or both fullgraph; the epochs they leave."""
+    torch._dynamo.reset()
     buf = ss.SymmetricBuffer(4096, backend="host")
     fence = ss.Fence(buf.view([0, 1]), timeout_s=60)
     mine = buf.tensor(0, (4,), torch.float32)
@@ -107,13 +116,14 @@ def fenced_counts(kind):
 
 
 @pytest.mark.parametrize("kind", ["fence", "split"])
-def test_a_compiled_fence_is_one_op_in_a_fullgraph_and_runs_every_call(kind):
-    assert run(fenced_counts, 2, kind, timeout_s=300) == [3, 3]
+def test_a_compiled_fence_is_one_op_in_a_fullgraph_and_runs_every_call(host_ranks, kind):
+    assert host_ranks(fenced_counts, 2, kind, timeout_s=300) == [3, 3]
 
 
 def compiled_mutation_of_buffer_views(kind):
     """A compiled function mutates ``buf.tensor`` views it takes as inputs (functionalized:
     the mutation is copied back into the input's storage); returns what each view holds."""
+    torch._dynamo.reset()
     if kind == "allocated":
         buf = ss.SymmetricBuffer(4096, backend="host")
     else:  # growable: most of its reservation is not committed yet
@@ -136,12 +146,12 @@ def compiled_mutation_of_buffer_views(kind):
     return total, mine.tolist(), seen, storage
 
 
-def test_a_compiled_function_that_mutates_buffer_views_touches_only_the_user_region():
+def test_a_compiled_function_that_mutates_buffer_views_touches_only_the_user_region(host_ranks):
     # Functionalization reads and writes its inputs' whole storages: a storage that spanned a
     # guard (address space that is never mapped) would make it fault.
     want = [2.0 + i for i in range(8)]
     for kind in ("allocated", "growable"):
-        for total, mine, seen, storage in run(compiled_mutation_of_buffer_views, 2, kind, timeout_s=300):
+        for total, mine, seen, storage in host_ranks(compiled_mutation_of_buffer_views, 2, kind, timeout_s=300):
             assert mine == want and total == sum(want), (kind, mine, total)
             assert seen == [w + 1.0 for w in want], (kind, seen)
             assert storage == 4096, (kind, storage)  # the mapped user bytes: no guard, nothing uncommitted

@@ -7,12 +7,13 @@ this rank's KV rows into every replica (``writer.write``: ``symmsync::kv_write``
 (an attention stand-in: the written slots' rows, gathered, and a sum over the layer's
 indexer cache); after the last layer, fence (``symmsync::fence``). Every rank sees every rank's rows right
 after the write, so a write that landed late, on a clone, or after the read shows as a
-difference. Each run takes 50 steps with a varying token count (one dynamic dimension:
-compiled once), one rank sleeping a random time before some steps, and compares every
-step's reads with what plain torch computes (:func:`oracles.oracle_cache`, independent of
-the kernels, which eager writes match byte for byte: tests/pcp), and the whole caches at
-the end. The unsafe form (the mutating op under ``aot_eager``, its refusal removed in this
-file only) runs beside them and must read stale bytes: the oracle bites.
+difference. Each run takes 12 steps at world 2 (50 at world 3, with the soaks, ``make
+test-soak``) with a varying token count (one dynamic dimension: compiled once), one rank
+sleeping a random time before some steps, and compares every step's reads with what plain
+torch computes (:func:`oracles.oracle_cache`, independent of the kernels, which eager writes
+match byte for byte: tests/pcp), and the whole caches at the end. The unsafe form (the mutating
+op under ``aot_eager``, its refusal removed in this file only) runs beside them and must read
+stale bytes: the oracle bites.
 """
 
 import random
@@ -25,9 +26,8 @@ from oracles import Cache, first_difference, oracle_cache
 
 import symmsync as ss
 from symmsync import pcp
-from symmsync.testing import run
 
-STEPS = 50
+STEPS = {2: 12, 3: 50}  # decode steps per world (world 3: the soak's)
 UNSAFE_STEPS = 6  # the unsafe form's steps: enough to show that it reads stale bytes every step
 LAYERS = 2
 BLOCK = 64
@@ -85,14 +85,15 @@ def unsafe_on(writer) -> None:
     writer._traced_write, writer.compiled_write = trace, write
 
 
-def compiled_decode(modes):
-    """Rank function: 50 decode steps, each compiled with every mode of ``modes``
+def compiled_decode(modes, steps):
+    """Rank function: ``steps`` decode steps, each compiled with every mode of ``modes``
     (``"inductor"``, ``"aot_eager"``, ``"piecewise"``, any other backend by name, or
     ``"unsafe"``: :func:`unsafe_on` under ``aot_eager``, the first 6 steps) on its own cache, steps interleaved;
     returns per mode the steps whose reads differ from plain torch's, the error if one was
     raised, the final caches' differences, the token counts seen and Dynamo's stats."""
+    torch._dynamo.reset()  # as in a fresh process: these ranks serve other tests too (tests/conftest.py)
     world, me = dist.get_world_size(), dist.get_rank()
-    num_blocks = -(-STEPS * MAX_ROWS * world // BLOCK)
+    num_blocks = -(-steps * MAX_ROWS * world // BLOCK)
     caches = [Cache(num_blocks, LAYERS, BLOCK, base=i * (1 << 20)) for i in range(len(modes))]
     buf = ss.SymmetricBuffer(caches[-1].end, backend="host", channels=len(modes))
     view = buf.view(list(range(world)))
@@ -121,7 +122,7 @@ def compiled_decode(modes):
     rows_seen = set()
     torch._dynamo.utils.counters.clear()
     index_sums = [0] * LAYERS
-    for step in range(STEPS):
+    for step in range(steps):
         rows, (kv, pe, ix, slots) = step_rows(step, world)
         rows_seen.add(rows)
         want = []  # plain torch: this step's rows, and the indexer caches' running sums
@@ -144,7 +145,7 @@ def compiled_decode(modes):
                 result[mode]["error"] = f"{type(e).__name__}: {e}"
                 continue
             result[mode]["wrong"] += [step] * int(not all(torch.equal(g, w) for g, w in zip(got, want)))
-    every = [step_rows(s, world)[1] for s in range(STEPS)]
+    every = [step_rows(s, world)[1] for s in range(steps)]
     kv, pe, ix, slots = [torch.cat([e[i] for e in every]) for i in range(4)]
     for mode, writer in zip(modes, writers):  # the whole caches, byte for byte, as plain torch makes them
         final = []
@@ -162,9 +163,9 @@ def compiled_decode(modes):
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.soak)])  # world 3: make test-soak (CI time)
-def test_compiled_pcp_decode_is_bytes_identical_to_plain_torch_and_compiles_once(world):
+def test_compiled_pcp_decode_is_bytes_identical_to_plain_torch_and_compiles_once(host_ranks, world):
     modes = ["inductor", "aot_eager", "piecewise"]
-    results = run(compiled_decode, world, [*modes, "unsafe"], timeout_s=600)
+    results = host_ranks(compiled_decode, world, [*modes, "unsafe"], STEPS[world], timeout_s=600)
     for r in results:
         for mode in modes:
             assert r[mode]["error"] is None, (mode, r[mode]["error"])
@@ -195,6 +196,7 @@ def refusals() -> tuple[str | None, str | None, str | None]:
     """Rank function: the errors of a write compiled two ways it cannot be ordered: under
     ``aot_eager`` after a plain torch write into the cache in the same graph, then (which
     aborts the view) under ``aot_eager_decomp_partition``."""
+    torch._dynamo.reset()
     world, me = dist.get_world_size(), dist.get_rank()
     cache = Cache(1, LAYERS, BLOCK)
     buf = ss.SymmetricBuffer(cache.end, backend="host")
@@ -220,8 +222,8 @@ def refusals() -> tuple[str | None, str | None, str | None]:
     return traced, cloned, after
 
 
-def test_compiled_writes_that_cannot_be_ordered_are_refused_on_every_rank():
-    for traced, cloned, after in run(refusals, 2, timeout_s=600):
+def test_compiled_writes_that_cannot_be_ordered_are_refused_on_every_rank(host_ranks):
+    for traced, cloned, after in host_ranks(refusals, 2, timeout_s=600):
         # aot_eager: plain writes into symmetric memory before a write, refused while Dynamo traces.
         assert traced is not None and traced.startswith("ConfigError: a compiled DirectKVWriter.write"), traced
         # aot_eager_decomp_partition runs aot_autograd without reinplacing: symmsync::kv_write

@@ -126,8 +126,8 @@ def captured_set_up() -> dict:
 
 
 @pytest.mark.parametrize("world", [2])
-def test_consumers_made_while_one_rank_captures_raise_capture_error_on_every_rank(world):
-    for seen in run(captured_set_up, world, timeout_s=600):
+def test_consumers_made_while_one_rank_captures_raise_capture_error_on_every_rank(host_ranks, world):
+    for seen in host_ranks(captured_set_up, world, timeout_s=600):
         assert seen.pop("after") == [float(world)] * N  # nothing was taken: the same call works after
         for name, (kind, message) in seen.items():
             assert kind == "CaptureError", (name, kind, message)

@@ -12,7 +12,6 @@ import torch.distributed as dist
 
 import symmsync as ss
 from symmsync import collectives, pcp
-from symmsync.testing import run
 
 VLLM_SPLITTING_OPS = ["symmsync::kv_write", "symmsync::fence"]  # as the page writes them
 SGLANG_SPLIT_OPS = ["symmsync.kv_write", "symmsync.fence.default"]
@@ -38,6 +37,7 @@ def sglang_should_split(node: torch.fx.Node, split_ops: list[str]) -> bool:
 
 def traced_nodes() -> dict[str, list[str]]:
     """Which nodes of a traced decode step each rule splits at (by the symmsync op they call)."""
+    torch._dynamo.reset()  # as in a fresh process: these ranks serve other tests too (tests/conftest.py)
     layout = pcp.CacheLayout(
         num_blocks=1, num_layers=1, base=128 * -(-collectives.workspace_bytes(64, torch.float32, 1) // 128)
     )
@@ -72,8 +72,8 @@ def traced_nodes() -> dict[str, list[str]]:
     return found
 
 
-def test_the_documented_split_names_find_the_writer_and_the_fence_and_nothing_else():
-    (found,) = run(traced_nodes, 1, timeout_s=300)
+def test_the_documented_split_names_find_the_writer_and_the_fence_and_nothing_else(host_ranks):
+    (found,) = host_ranks(traced_nodes, 1, timeout_s=300)
     assert found["symmsync"] == ["symmsync.all_reduce", "symmsync.kv_write", "symmsync.fence.default"], found
     assert found["vllm"] == ["symmsync.kv_write", "symmsync.fence.default"], found
     assert found["sglang"] == ["symmsync.kv_write", "symmsync.fence.default"], found

@@ -100,8 +100,9 @@ def test_the_mapping_goes_with_the_last_tensor_and_cycles_leave_nothing_mapped()
 # Pointer tables and fence arguments kept past close() by a user's code, on 2 ranks: a kernel
 # launched through each after both ranks closed (and after the buffer, view and fence objects
 # are gone) must run on mapped memory, and the fence wait through the kept arguments must fail
-# closed. argv: the kind of memory, then "plain", "no keep-alive" or "no closed epoch" (the
-# last two remove what is under test, to show that the test sees it).
+# closed. argv: the kinds of memory (comma-separated: one job runs each in turn), then "plain",
+# "no keep-alive" or "no closed epoch" (the last two remove what is under test, to show that the
+# test sees it).
 KEPT_TABLES = """
 import ctypes
 import gc
@@ -190,27 +191,41 @@ def kept(kind, plant):
     return out
 
 
+def kept_each(kinds, plant):
+    return {kind: kept(kind, plant) for kind in kinds}
+
+
 if __name__ == "__main__":
-    for rank, out in enumerate(run(kept, 2, sys.argv[1], sys.argv[2])):
+    for rank, out in enumerate(run(kept_each, 2, sys.argv[1].split(","), sys.argv[2])):
         print(f"rank {rank}: {out}")
 """
 
 
-def _run_kept(tmp_path, kind, plant):
+KINDS = ["allocated", "growable", "registered"]
+
+
+def _run_kept(tmp_path, kinds, plant):
     script = tmp_path / "kept_tables.py"
     script.write_text(KEPT_TABLES)
-    return python(script, kind, plant, timeout=300, TRITON_INTERPRET="1")
+    return python(script, ",".join(kinds), plant, timeout=300, TRITON_INTERPRET="1")
 
 
-def _results(proc):
-    return [eval(line.split(": ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("rank ")]  # noqa: S307
+def _results(proc, kind):
+    lines = [line.split(": ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("rank ")]
+    return [eval(line)[kind] for line in lines]  # noqa: S307
 
 
-@pytest.mark.parametrize("kind", ["allocated", "growable", "registered"])
-def test_tables_and_fence_arguments_kept_past_close_launch_on_mapped_memory_and_the_wait_fails_closed(tmp_path, kind):
-    proc = _run_kept(tmp_path, kind, "plain")
+@pytest.fixture(scope="module")
+def kept_plain(tmp_path_factory):
+    """One job for every kind, in turn (starting processes is most of a job's time)."""
+    return _run_kept(tmp_path_factory.mktemp("kept"), KINDS, "plain")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tables_and_fence_arguments_kept_past_close_launch_on_mapped_memory_and_the_wait_fails_closed(kept_plain, kind):
+    proc = kept_plain
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    results = _results(proc)
+    results = _results(proc, kind)
     assert len(results) == 2, proc.stdout
     for out in results:
         for name in ("buf.ptrs", "buf.cell_ptrs", "view.ptrs", "view.cell_ptrs"):
@@ -224,13 +239,13 @@ def test_tables_and_fence_arguments_kept_past_close_launch_on_mapped_memory_and_
 
 def test_without_the_keep_alive_a_launch_through_kept_tables_crashes_the_rank(tmp_path):
     # What the test above would see if the tables did not hold their mappings.
-    proc = _run_kept(tmp_path, "allocated", "no keep-alive")
+    proc = _run_kept(tmp_path, ["allocated"], "no keep-alive")
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert "exited with code -11" in proc.stderr or "SIGSEGV" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_without_the_closed_epoch_the_kept_wait_would_pass(tmp_path):
     # What the first test would see if close() left the epochs as they were.
-    proc = _run_kept(tmp_path, "allocated", "no closed epoch")
+    proc = _run_kept(tmp_path, ["allocated"], "no closed epoch")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert [out["wait"][0] for out in _results(proc)] == [0, 0]
+    assert [out["wait"][0] for out in _results(proc, "allocated")] == [0, 0]

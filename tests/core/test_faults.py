@@ -289,9 +289,9 @@ def closes_while_others_fence(closer, at, budget):
     return "no timeout"
 
 
-def test_close_while_others_fence_fails_them_at_once_saying_closed_and_crashes_nobody():
+def test_close_while_others_fence_fails_them_at_once_saying_closed_and_crashes_nobody(host_ranks):
     world, closer, at, budget = 3, 1, 4, 60.0  # a missed abort would show as a minute
-    results = run(closes_while_others_fence, world, closer, at, budget, timeout_s=120)
+    results = host_ranks(closes_while_others_fence, world, closer, at, budget, timeout_s=120)
     c = results[closer]
     for name in ("fence", "arrive", "epoch", "tensor"):
         assert c[name][0] == "ClosedError" and f"rank {closer}" in c[name][1], (name, c[name])
@@ -382,11 +382,11 @@ def soak(n, seed, wait=True):
 
 
 @pytest.mark.parametrize("n", [500, pytest.param(SOAK_FENCES, marks=pytest.mark.soak)])
-def test_fences_with_random_delays_read_no_stale_payload(n):
+def test_fences_with_random_delays_read_no_stale_payload(host_ranks, n):
     """500 fences in every run; the 10 000 of the soak (``make test-soak``) check the same oracle longer."""
     seed = secrets.randbits(32)
     t0 = time.monotonic()
-    results = run(soak, 4, n, seed, timeout_s=590)
+    results = host_ranks(soak, 4, n, seed, timeout_s=590)
     wall = time.monotonic() - t0
     print(f"soak: {n} fences x 4 ranks in {wall:.1f} s (seed {seed}): {results}")
     for rank, r in enumerate(results):
@@ -395,7 +395,7 @@ def test_fences_with_random_delays_read_no_stale_payload(n):
         assert r["delays"] > 0, (seed, rank, r)
 
 
-def test_the_soak_oracle_bites_without_the_wait():
+def test_the_soak_oracle_bites_without_the_wait(host_ranks):
     seed = secrets.randbits(32)
-    results = run(soak, 4, 200, seed, False, timeout_s=120)
+    results = host_ranks(soak, 4, 200, seed, False, timeout_s=120)
     assert sum(r["wrong"] for r in results) > 0, f"seed {seed}: {results}"

@@ -3,7 +3,7 @@ writer's and the PCP helpers': tests/pcp/test_pcp_fuzz.py).
 
 Only symmsync's own exceptions come out, on every rank for collective calls, with no
 hang and no byte written outside what the call may write. Ranks stay alive across
-examples (:class:`symmsync.testing.RankPool`).
+examples (the session's pool of 2 ranks, :class:`symmsync.testing.RankPool`: tests/conftest.py).
 """
 
 import os
@@ -16,15 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import symmsync as ss
-from symmsync.testing import RankPool
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux's /dev/shm view of POSIX shm")
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with RankPool(2, timeout_s=120) as p:
-        yield p
+def pool(shared_pool):
+    """The session's ranks of this world and environment (tests/conftest.py), shared with other modules."""
+    return shared_pool(2, timeout_s=120)
 
 
 # SymmetricBuffer(nbytes, backend, max_views, channels, backend_options, device)

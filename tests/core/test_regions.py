@@ -19,16 +19,15 @@ from oracles import first_difference
 import symmsync as ss
 from symmsync import collectives as C
 from symmsync import moe, pcp
-from symmsync.testing import RankPool
 
 N = 64  # elements of every collective here
 F32 = torch.float32
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with RankPool(2, timeout_s=240) as p:
-        yield p
+def pool(shared_pool):
+    """The session's ranks of this world and environment (tests/conftest.py), shared with other modules."""
+    return shared_pool(2, timeout_s=240)
 
 
 def _outcome(fn):

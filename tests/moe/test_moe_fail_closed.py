@@ -346,8 +346,8 @@ def over_two_nodes():
         buf.close()
 
 
-def test_a_view_over_two_nodes_is_refused_clearly():
-    results = run(over_two_nodes, 4, env={NODE_SIZE_ENV: "2"}, timeout_s=180)
+def test_a_view_over_two_nodes_is_refused_clearly(host_ranks):
+    results = host_ranks(over_two_nodes, 4, env={NODE_SIZE_ENV: "2"}, timeout_s=180)
     assert all("moe.Dispatcher" in r and "node" in r for r in results), results
 
 

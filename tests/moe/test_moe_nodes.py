@@ -17,7 +17,6 @@ from test_moe import compare, layer
 import symmsync as ss
 from symmsync import moe
 from symmsync.core.nodes import NODE_SIZE_ENV
-from symmsync.testing import run
 
 NODES = {NODE_SIZE_ENV: "2"}
 E, M, H, K = 4, 4, 32, 2
@@ -53,8 +52,8 @@ def on_a_node_view(seed):
         buf.close()
 
 
-def test_signals_and_a_dispatcher_on_a_node_view_work_at_2_nodes_x_2():
-    results = run(on_a_node_view, 4, 1234, env=NODES, timeout_s=240)
+def test_signals_and_a_dispatcher_on_a_node_view_work_at_2_nodes_x_2(host_ranks):
+    results = host_ranks(on_a_node_view, 4, 1234, env=NODES, timeout_s=240)
     for rank, got in enumerate(results):
         assert got["signals_ok"], (rank, got)
         assert got["wrong"] == [], (rank, got["wrong"])

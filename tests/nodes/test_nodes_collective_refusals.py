@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 import symmsync as ss
 from symmsync import collectives as C
-from symmsync.testing import run
 
 NODES = {"SYMMSYNC_NODE_SIZE": "2"}  # the simulated nodes: ranks [0, 1] and [2, 3]
 N, H = 64, 16  # elements of a call; the fused call's rows of H
@@ -58,7 +57,7 @@ def _want(op):
 
 
 def refusals(variant=None):
-    """Rank function (fresh processes, ``SYMMSYNC_NODE_SIZE=2``)."""
+    """Rank function (``SYMMSYNC_NODE_SIZE=2``); the bite's variant is put back at the end."""
     rank = dist.get_rank()
     sizes = [
         C.workspace_bytes(N, torch.float32, 4, op, nodes=2) for op in ("all_reduce", "all_gather", "reduce_scatter")
@@ -109,14 +108,14 @@ def _check(results):
             assert f"rank {bad} refused its call: x must be" in got[1] and "torch.float64" in got[1], (r, op, got)
 
 
-def test_a_bad_call_over_nodes_fails_that_call_on_every_member_and_nothing_else():
-    _check(run(refusals, 4, env=NODES, timeout_s=300))
+def test_a_bad_call_over_nodes_fails_that_call_on_every_member_and_nothing_else(host_ranks):
+    _check(host_ranks(refusals, 4, env=NODES, timeout_s=300))
 
 
-def test_the_refusal_record_over_nodes_bites():
+def test_the_refusal_record_over_nodes_bites(host_ranks):
     """Without the refusing member's record, the members' calls still fail closed (``PeerRefused``
     naming no member, origin -1), but cannot name the origin: the test above fails."""
-    results = run(refusals, 4, "unposted", env=NODES, timeout_s=300)
+    results = host_ranks(refusals, 4, "unposted", env=NODES, timeout_s=300)
     got = results[0][0][("all_reduce", 1)]
     assert got[0] == "PeerRefused" and got[2] == -1 and "its record is not in" in got[1], got
     with pytest.raises(AssertionError, match="PeerRefused"):

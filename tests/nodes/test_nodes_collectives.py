@@ -1,7 +1,7 @@
 """The collectives over views that span nodes: 2 simulated nodes x 2 ranks on the host backend.
 
-Every test runs on one pool of 4 ranks with ``SYMMSYNC_NODE_SIZE=2``: world ranks 0 and 1 are
-one node, 2 and 3 the other. The oracle states the order of additions of docs/collectives.md
+Every test runs on the session's pool of 4 ranks with ``SYMMSYNC_NODE_SIZE=2`` (tests/conftest.py):
+world ranks 0 and 1 are one node, 2 and 3 the other. The oracle states the order of additions of docs/collectives.md
 ("Across nodes") in plain torch, from the inputs gathered with torch.distributed and the
 nodes of that setting (world rank ``w`` on node ``w // 2``, written here, not read from the
 library): each node's members summed in float32 in view order and rounded to the dtype, then
@@ -31,7 +31,6 @@ from oracles import first_difference
 
 import symmsync as ss
 from symmsync import collectives as C
-from symmsync.testing import RankPool
 
 NODE_SIZE = 2
 WORLD = 4
@@ -175,9 +174,9 @@ def cases_against_the_oracle(views, cases, seed):
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with RankPool(WORLD, env={"SYMMSYNC_NODE_SIZE": str(NODE_SIZE)}, timeout_s=240) as p:
-        yield p
+def pool(shared_pool):
+    """The session's ranks of this world and environment (tests/conftest.py), shared with other modules."""
+    return shared_pool(WORLD, {"SYMMSYNC_NODE_SIZE": str(NODE_SIZE)}, timeout_s=240)
 
 
 ALL = [[0, 1, 2, 3]]

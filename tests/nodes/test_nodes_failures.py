@@ -13,8 +13,8 @@ Oracles: every other member raises :class:`~symmsync.PeerAborted` whose
 never the rank that relayed it nor "the exchange broke"; each raises within 1 s of the first
 member that raised (wall-clock stamps the ranks report; the budget is 10 s, so a member left
 to its budget shows as 10 s), and the first raises well within the budget of the event. A
-later call raises again (fails closed). Close and abort run in one pool of ranks; a rank that
-dies takes a run of its own.
+later call raises again (fails closed). Close and abort run in the session's pool of such ranks
+(tests/conftest.py); a rank that dies takes a run of its own.
 """
 
 import os
@@ -28,7 +28,7 @@ from helpers import announce, await_announced, describe_error
 import symmsync as ss
 from symmsync import collectives as C
 from symmsync.core.nodes import NODE_SIZE_ENV
-from symmsync.testing import Died, RankPool, run
+from symmsync.testing import Died, run
 
 ENV = {NODE_SIZE_ENV: "2"}
 BUDGET_S = 10.0  # each step's budget: a member that is never told shows as this
@@ -43,9 +43,9 @@ def reason_of(p):
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with RankPool(4, timeout_s=240, env=ENV) as p:
-        yield p
+def pool(shared_pool):
+    """The session's ranks of this world and environment (tests/conftest.py), shared with other modules."""
+    return shared_pool(4, ENV, timeout_s=240)
 
 
 def loop_until_one_leaves(p, how, budget):

@@ -1,7 +1,7 @@
 """Nodes: the layout, its agreement, what a multi-node buffer maps and what it refuses.
 
 World 4 split into 2 simulated nodes of 2 ranks (``SYMMSYNC_NODE_SIZE=2``: node of world
-rank w = w // 2), on the host backend, in one pool of ranks for the whole module.
+rank w = w // 2), on the host backend, in the session's pool of such ranks (tests/conftest.py).
 
 Oracles: the layouts written out by hand; the process's own mapping table
 (``/proc/self/maps``: the shared-memory segments mapped here, named for the rank that
@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 import symmsync as ss
 from symmsync.core.nodes import NODE_SIZE_ENV, NodeKey, NodeLayout, partition
-from symmsync.testing import RankPool
 from symmsync.tools.runtime_alloc import HostCacheAllocator
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux's /dev/shm and /proc/self/maps")
@@ -29,9 +28,9 @@ TWO_NODES = "2 nodes: [0, 1] [2, 3]"
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with RankPool(4, timeout_s=240, env={NODE_SIZE_ENV: "2"}) as p:
-        yield p
+def pool(shared_pool):
+    """The session's ranks of this world and environment (tests/conftest.py), shared with other modules."""
+    return shared_pool(4, {NODE_SIZE_ENV: "2"}, timeout_s=240)
 
 
 # ---------------------------------------------------------------------- the layout itself

@@ -1,8 +1,9 @@
 """The off-node exchange (symmsync.spanning.exchange.OffNode) and failures that cross nodes.
 
 World 4 split into 2 simulated nodes of 2 ranks (``SYMMSYNC_NODE_SIZE=2``), host backend,
-gloo. One pool of ranks serves the exchanges and the failures that leave every process
-alive (a close, an abort, a rank that never comes); a rank that dies takes a run of its own.
+gloo. The session's pool of such ranks (tests/conftest.py) serves the exchanges and the failures
+that leave every process alive (a close, an abort, a rank that never comes); a rank that dies takes
+a run of its own.
 
 Oracles: tensors each rank builds from its own rank, compared with the lists written out
 by hand; for a failure, the error's type, the ranks it names, and the time it took against
@@ -19,7 +20,7 @@ from helpers import announce, await_announced, describe_error, wait_until
 import symmsync as ss
 from symmsync.core.nodes import NODE_SIZE_ENV
 from symmsync.spanning.exchange import OffNode
-from symmsync.testing import Died, RankPool, run
+from symmsync.testing import Died, run
 
 ENV = {NODE_SIZE_ENV: "2"}
 BUDGET_S = 20.0  # an exchange's budget in the failure tests: a missed abort shows as this
@@ -27,9 +28,9 @@ FAST_S = 3.0  # an abort, close or death must reach the other node within this
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with RankPool(4, timeout_s=240, env=ENV) as p:
-        yield p
+def pool(shared_pool):
+    """The session's ranks of this world and environment (tests/conftest.py), shared with other modules."""
+    return shared_pool(4, ENV, timeout_s=240)
 
 
 def _mine(rank, dtype=torch.int64):

@@ -23,7 +23,6 @@ from oracles import Cache, first_difference, poisoned_case
 
 import symmsync as ss
 from symmsync import pcp
-from symmsync.testing import run
 
 NODES = {"SYMMSYNC_NODE_SIZE": "2"}  # the simulated nodes: ranks [0, 1] and [2, 3]
 T, BLOCK, BAD = 16, 16, 3
@@ -34,7 +33,7 @@ CASES = {  # name: (the bad member's arguments from the good ones, its error, wh
 
 
 def refusals(route, variant=None):
-    """Rank function (fresh processes, ``SYMMSYNC_NODE_SIZE=2``)."""
+    """Rank function (``SYMMSYNC_NODE_SIZE=2``); the bite's variant is put back at the end."""
     rank = dist.get_rank()
     cache = Cache(2, 2, BLOCK)
     buf = ss.SymmetricBuffer(cache.end, backend="host", channels=2)
@@ -87,13 +86,13 @@ def _check(results, route):
 
 
 @pytest.mark.parametrize("route", ["direct", "allgather"])
-def test_a_bad_write_over_nodes_fails_that_write_on_every_member_and_nothing_else(route):
-    _check(run(refusals, 4, route, env=NODES, timeout_s=300), route)
+def test_a_bad_write_over_nodes_fails_that_write_on_every_member_and_nothing_else(host_ranks, route):
+    _check(host_ranks(refusals, 4, route, env=NODES, timeout_s=300), route)
 
 
-def test_the_refusal_record_over_nodes_bites():
+def test_the_refusal_record_over_nodes_bites(host_ranks):
     """Without the refusing member's record, the members' writes return: the test above fails."""
-    results = run(refusals, 4, "direct", "unposted", env=NODES, timeout_s=300)
+    results = host_ranks(refusals, 4, "direct", "unposted", env=NODES, timeout_s=300)
     assert results[0][0]["dtype"][0] == "returned", results[0][0]
     with pytest.raises(AssertionError, match="returned"):
         _check(results, "direct")

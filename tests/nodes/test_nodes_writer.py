@@ -24,7 +24,6 @@ from oracles import GUARD_BYTES, POISON, Cache, delayed_writer, first_difference
 
 import symmsync as ss
 from symmsync import pcp
-from symmsync.testing import run
 
 NODES = {"SYMMSYNC_NODE_SIZE": "2"}  # the simulated nodes: ranks [0, 1] and [2, 3]
 FORMATS = list(itertools.product(("pow2", "fp32"), ("ue8m0", "fp32", "mxfp8")))
@@ -51,7 +50,7 @@ def _one_node_case(buf, cache, kv, pe, ix, slots):
 
 
 def across_nodes():
-    """Rank function (fresh processes, ``SYMMSYNC_NODE_SIZE=2``): see the module's docstring."""
+    """Rank function (``SYMMSYNC_NODE_SIZE=2``): see the module's docstring."""
     nb = -(-TOKENS // BLOCK) + 2  # more slots than tokens: untouched slots stay poisoned
     span = Cache(nb, 1, BLOCK).end + GUARD_BYTES
     caches = [
@@ -176,8 +175,8 @@ def _write_while_capturing(writer, rows, batch):
         backends.capturing = real
 
 
-def test_across_two_nodes_every_replica_matches_all_gather_and_insert_in_every_format():
-    results = run(across_nodes, 4, env=NODES, timeout_s=300)
+def test_across_two_nodes_every_replica_matches_all_gather_and_insert_in_every_format(host_ranks):
+    results = host_ranks(across_nodes, 4, env=NODES, timeout_s=300)
     for rank, r in enumerate(results):
         assert r["nodes"] == {1: "2 nodes: [0, 1] [2, 3]", 2: "2 nodes: [0] [1]"}, r["nodes"]
         for i, (tp, route, fmt) in enumerate(CASES):

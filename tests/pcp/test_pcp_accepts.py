@@ -12,13 +12,12 @@ from oracles import GUARD_BYTES, Cache
 
 import symmsync as ss
 from symmsync import pcp
-from symmsync.testing import RankPool
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with RankPool(2, timeout_s=240) as p:
-        yield p
+def pool(shared_pool):
+    """The session's ranks of this world and environment (tests/conftest.py), shared with other modules."""
+    return shared_pool(2, timeout_s=240)
 
 
 WRITER_CASES = [

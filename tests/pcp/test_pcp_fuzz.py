@@ -14,15 +14,14 @@ from hypothesis import strategies as st
 
 import symmsync as ss
 from symmsync import pcp
-from symmsync.testing import RankPool
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux's /dev/shm view of POSIX shm")
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with RankPool(2, timeout_s=120) as p:
-        yield p
+def pool(shared_pool):
+    """The session's ranks of this world and environment (tests/conftest.py), shared with other modules."""
+    return shared_pool(2, timeout_s=120)
 
 
 # pcp_split, PCPSplit, CacheLayout, IndexerKLayout: pure functions, fuzzed in this process
