@@ -19,9 +19,9 @@ nodes through torch.distributed (:mod:`.spanning`; not in a CUDA graph).
 
 from . import spanning as _spanning  # noqa: F401 - registers the forms over nodes (collectives.operations.FORMS)
 from . import torch_ops as _torch_ops  # noqa: F401 - registers the symmsync:: ops of the collectives
+from .inputs import MAX_HIDDEN
 from .layout import ALGORITHMS, Workspace, workspace_bytes
 from .mismatch import CollectiveMismatch
-from .inputs import MAX_HIDDEN
 from .operations import AllGather, AllReduce, ReduceScatter
 from .tuning import choose
 

@@ -10,8 +10,9 @@ torch.distributed (gloo), apart from the dispatcher.
   at world 2 in float32 and float16;
 * rows of several chunks (hidden 4100: the last one partial), every routing kind;
 * the fp8 option's codes and scales against torch's conversion of the rule;
-* 80 back-to-back layers (dispatch, experts, combine) with fresh routings and a random delay
-  on one member, checked after the loop, so the oracle is no barrier between the layers;
+* 20 back-to-back layers (dispatch, experts, combine) with fresh routings (every kind, each
+  about three times) and a random delay on one member, checked after the loop, so the oracle is no
+  barrier between the layers (80 with the soaks, ``make test-soak``);
 * 30 back-to-back dispatches with no combine between them (the dispatch's parity alone keeps
   the rows apart);
 * steps launched with ``wait=False`` and work launched before their ``wait()``: the plain
@@ -241,8 +242,9 @@ def test_fp8_dispatch_sends_the_rules_codes_and_scales(host_ranks):
     assert host_ranks(fp8_rows, 2, 3, timeout_s=300) == [[], []]
 
 
-def test_80_back_to_back_layers_with_a_slow_member_are_exact(host_ranks):
-    results = host_ranks(back_to_back, 2, 80, 4, 3, 32, 2, 1, 7, timeout_s=600)
+@pytest.mark.parametrize("layers", [20, pytest.param(80, marks=pytest.mark.soak)])  # 80: make test-soak (CI time)
+def test_back_to_back_layers_with_a_slow_member_are_exact(host_ranks, layers):
+    results = host_ranks(back_to_back, 2, layers, 4, 3, 32, 2, 1, 7, timeout_s=600)
     assert results == [[], []], [r[:5] for r in results]
 
 

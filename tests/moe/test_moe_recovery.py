@@ -15,8 +15,6 @@ import torch
 import torch.distributed as dist
 from test_moe import make
 
-import symmsync as ss
-
 E, M, H, K = 4, 3, 32, 2
 
 

@@ -6,8 +6,14 @@ that a new one cannot be forgotten) runs on the host backend here, and with
 runs with its defaults and as TP×PCP. tests/tooling/test_torchrun.py runs them under torchrun,
 and the plain torchrun program (``examples/torchrun_job.py``, not numbered: it is no
 tutorial step) that the landing page and the README show.
+
+The host backend's runs share one Python process (tests/examples_job.py: each script runs as
+``__main__`` with its own ``sys.argv``, and its ranks are the processes it starts), which pays
+for starting Python and importing torch once instead of once per run; the demo's ``--help``
+runs as a program of its own.
 """
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -80,9 +86,46 @@ CUDA_ONLY = {
 }
 
 
-def _check_output(example: Path, backend: str, extra: dict) -> None:
+DEMO_ARGS = {
+    "defaults": [],
+    # TP x PCP and a format of the options in one run (each option its own path through the demo)
+    "tp2xpcp2-legacy": ["--tp", "2", "--pcp", "2", "--format", "legacy", "--tokens", "96", "--layers", "2"],
+    "mxfp8": ["--format", "pow2,mxfp8", "--tokens", "96", "--layers", "2"],
+}
+#: Every run of this module on the host backend: its key, and the script with its arguments.
+HOST_RUNS = {
+    **{p.name: [str(p.relative_to(ROOT)), "--backend", "host"] for p in NUMBERED},
+    "04 allgather": ["examples/04_pcp_writer.py", "--backend", "host", "--route", "allgather"],
+    **{f"demo {k}": ["examples/pcp_kv.py", "--backend", "host", *a] for k, a in DEMO_ARGS.items()},
+}
+
+
+@pytest.fixture(scope="module")
+def host_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Each of :data:`HOST_RUNS`, run in one job (tests/examples_job.py), as its completed process."""
+    out = tmp_path_factory.mktemp("examples")
+    args = [str(out)]
+    for cmd in HOST_RUNS.values():
+        args += [*cmd, "--"]
+    job = python("tests/examples_job.py", *args, timeout=1800)
+    runs = {}
+    for n, (key, cmd) in enumerate(HOST_RUNS.items()):
+        rc = out / f"{n}.rc"
+        if not rc.exists():  # the job ended before this run: what the job said instead
+            runs[key] = subprocess.CompletedProcess(
+                cmd, -1, job.stdout, f"examples_job ended ({job.returncode}) before this run:\n{job.stderr}"
+            )
+            continue
+        runs[key] = subprocess.CompletedProcess(
+            cmd, int(rc.read_text()), (out / f"{n}.out").read_text(), (out / f"{n}.err").read_text()
+        )
+    return runs
+
+
+def _check_output(example: Path, backend: str, extra: dict, proc=None) -> None:
     assert example.name in EXPECTED, f"add the lines {example.name} prints to EXPECTED in {__file__}"
-    proc = python(str(example.relative_to(ROOT)), "--backend", backend)
+    if proc is None:
+        proc = python(str(example.relative_to(ROOT)), "--backend", backend)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     printed = proc.stdout.splitlines()
     missing = [line for line in EXPECTED[example.name] + extra.get(example.name, []) if line not in printed]
@@ -95,8 +138,8 @@ def test_the_tutorial_examples_are_numbered_in_teaching_order():
 
 
 @pytest.mark.parametrize("example", NUMBERED, ids=lambda p: p.stem)
-def test_each_numbered_example_prints_its_expected_output_on_the_host_backend(example):
-    _check_output(example, "host", HOST_ONLY)
+def test_each_numbered_example_prints_its_expected_output_on_the_host_backend(host_runs, example):
+    _check_output(example, "host", HOST_ONLY, host_runs[example.name])
 
 
 @pytest.mark.gpu
@@ -105,25 +148,16 @@ def test_each_numbered_example_prints_its_expected_output_on_2_gpus(example):
     _check_output(example, "cuda", CUDA_ONLY)
 
 
-def test_the_writer_tutorial_is_correct_on_the_allgather_route_too():
-    proc = python("examples/04_pcp_writer.py", "--backend", "host", "--route", "allgather")
+def test_the_writer_tutorial_is_correct_on_the_allgather_route_too(host_runs):
+    proc = host_runs["04 allgather"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     missing = [line for line in EXPECTED["04_pcp_writer.py"] if line not in proc.stdout.splitlines()]
     assert not missing, proc.stdout
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        [],
-        # TP x PCP and a format of the options in one run (each option its own path through the demo)
-        ["--tp", "2", "--pcp", "2", "--format", "legacy", "--tokens", "96", "--layers", "2"],
-        ["--format", "pow2,mxfp8", "--tokens", "96", "--layers", "2"],
-    ],
-    ids=["defaults", "tp2xpcp2-legacy", "mxfp8"],
-)
-def test_the_pcp_demo_cross_checks_the_routes_and_prints_its_table(args):
-    proc = python("examples/pcp_kv.py", "--backend", "host", *args)
+@pytest.mark.parametrize("run", list(DEMO_ARGS))
+def test_the_pcp_demo_cross_checks_the_routes_and_prints_its_table(host_runs, run):
+    proc, args = host_runs[f"demo {run}"], DEMO_ARGS[run]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "route cross-check" in proc.stdout and ": OK" in proc.stdout
     assert "direct ms/layer" in proc.stdout and "speedup" in proc.stdout

@@ -146,8 +146,8 @@ SCRIPT = textwrap.dedent(
                               "refused": "i32", "comb_off": "i64", **common},
                              dict(SIZE=4, NSLOTS=1, M=16, H=512, HP=512, RB=4)),
         "moe_combine_reduce": (MK.combine_reduce,
-                               {"y": "*bf16", "topk": "*i64", "weights": "*fp32", "T": "i32", "per_source": "*i64", "comb_off": "i64",
-                                **common, **waits},
+                               {"y": "*bf16", "topk": "*i64", "weights": "*fp32", "T": "i32", "per_source": "*i64",
+                                "comb_off": "i64", **common, **waits},
                                dict(SIZE=4, NSLOTS=1, TRAP=True, E=8, H=512, HB=512, C=1, TOPK=4, BITS=False)),
     }
     # Each also with ``me`` = 1, which a launch specializes into a constant (Triton does so for an
