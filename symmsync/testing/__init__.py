@@ -13,9 +13,15 @@ without GPUs::
 
     assert run(exchange, 4, 1024) == [0, 1, 2, 3]
 
-Each rank is a fresh process (``spawn``) with torch.distributed initialized (gloo
-for the host backend, NCCL with one GPU per rank for CUDA) and, for the host
-backend, ``TRITON_INTERPRET=1`` set before anything imports Triton. The first rank
+Each rank is a new process with torch.distributed initialized (gloo for the host
+backend, NCCL with one GPU per rank for CUDA) and, for the host backend,
+``TRITON_INTERPRET=1`` set before anything imports Triton. A CUDA rank is a fresh
+interpreter (``spawn``); a host rank is forked from one server process that imported
+torch, Triton and symmsync once (``forkserver``, most of a short run's time saved), and
+sets its run's environment before it runs ``fn``; a run whose ``env`` sets a variable
+read at import (``SYMMSYNC_DEBUG``, ``TRITON_*``, ``TORCH_*``, ...) spawns instead, and
+``SYMMSYNC_TESTING_START=spawn`` makes every run spawn. Either way ``fn`` is imported by
+name in the rank, from its module (a script's, under ``if __name__ == "__main__":``). The first rank
 that raises stops the run: the others are killed and :class:`~symmsync.RankFailure`
 carries that rank's traceback. A run that outlives ``timeout_s`` is killed and
 names the ranks that never finished, so a deadlock fails fast instead of hanging.

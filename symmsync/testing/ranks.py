@@ -3,6 +3,7 @@ results: the first failure stops the run, a run past its budget names the ranks 
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import glob
 import os
@@ -30,6 +31,42 @@ DEFAULT_TIMEOUT_S = 180.0
 """Default time budget of a whole :func:`run`, in seconds."""
 
 _env_lock = threading.Lock()
+
+#: What a host-backend run's ranks find imported when they start (see :func:`_start_context`).
+PRELOAD = ("numpy", "torch", "torch.distributed", "triton", "symmsync", "symmsync.collectives", "symmsync.pcp")
+#: Variables read when a module is imported (by Triton, torch, symmsync's debug switch): a run
+#: whose ``env`` sets one starts its ranks as fresh interpreters, which import under it.
+IMPORT_TIME = ("TRITON_", "TORCH_", "PYTORCH_", "OMP_", "MKL_", "CUDA_", "NCCL_", "SYMMSYNC_DEBUG")
+#: ``SYMMSYNC_TESTING_START=spawn``: every run's ranks as fresh interpreters (the slower, plainer way).
+START_ENV = "SYMMSYNC_TESTING_START"
+_server_env: list[dict[str, str]] = []  # the import-time variables the fork server started with
+
+
+def _import_time(environ: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in environ.items() if k.startswith(IMPORT_TIME)}
+
+
+def _start_context(backend: str, env: dict[str, str], environ: dict[str, str]) -> tuple[Any, bool]:
+    """How this run starts its ranks: ``(context, forked)``.
+
+    A host-backend rank spends most of a short run importing torch, Triton and symmsync. So its
+    ranks are forked from one server process that imported :data:`PRELOAD` once, under the
+    environment of the run that started it (``TRITON_INTERPRET=1``), each rank then setting its
+    run's whole environment before it runs ``fn``. A variable read at import cannot reach a rank
+    that way: a run whose ``env`` sets one (:data:`IMPORT_TIME`), or whose import-time variables
+    differ from the server's, spawns fresh interpreters instead, as the CUDA backend always does."""
+    if backend != "host" or os.environ.get(START_ENV, "") == "spawn" or not hasattr(os, "fork"):
+        return mp.get_context("spawn"), False
+    if any(k.startswith(IMPORT_TIME) and k != "TRITON_INTERPRET" for k in env):
+        return mp.get_context("spawn"), False
+    wanted = _import_time(environ)
+    if _server_env and _server_env[0] != wanted:
+        return mp.get_context("spawn"), False
+    ctx = mp.get_context("forkserver")
+    if not _server_env:
+        ctx.set_forkserver_preload(list(PRELOAD))
+        _server_env.append(wanted)  # the server starts with the first rank, under this environment
+    return ctx, True
 
 
 @dataclass(frozen=True)
@@ -122,8 +159,6 @@ def run(
             f"testing.run: fn {name!r} is a lambda or is defined inside a function; each rank is a new "
             "process that imports fn by name, so define it at module level"
         )
-    ctx = mp.get_context("spawn")
-    results: queue.Queue = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="symmsync-run-")
     prefix = f"symmsync-t{secrets.token_hex(4)}"
     child_env = {
@@ -140,6 +175,9 @@ def run(
     deadline = time.monotonic() + timeout_s
     try:
         with _env_lock, _environ(child_env):  # spawn copies os.environ at start: for the children only
+            environ = dict(os.environ)
+            ctx, forked = _start_context(backend, env or {}, environ)
+            results: queue.Queue = ctx.Queue()
             for rank in range(world_size):
                 p = ctx.Process(
                     target=_rank_main,
@@ -154,6 +192,7 @@ def run(
                         results,
                         args,
                         kwargs,
+                        environ if forked else None,
                     ),
                     name=f"symmsync-rank{rank}",
                     daemon=True,
@@ -242,8 +281,11 @@ def _remove_segments(prefix: str) -> None:
 
 
 def _rank_main(
-    fn, rank, world_size, backend, dist_backend, store, timeout_s, results, args, kwargs
+    fn, rank, world_size, backend, dist_backend, store, timeout_s, results, args, kwargs, environ=None
 ) -> None:  # pragma: no cover - runs in children
+    if environ is not None:  # forked from the server: this run's environment, exactly
+        os.environ.clear()
+        os.environ.update(environ)
     import torch
     import torch.distributed as dist
 
@@ -287,3 +329,5 @@ def _rank_main(
             pass
         results.close()
         results.join_thread()
+        if environ is not None:  # a forked process leaves by os._exit: run what a normal exit runs
+            atexit._run_exitfuncs()

@@ -21,6 +21,30 @@ def test_results_come_back_in_rank_order_with_the_interpreter_set():
     assert run(rank_and_world, 3, "x") == [("x", r, 3, "1") for r in range(3)]
 
 
+def environment_seen():
+    import sys
+
+    from symmsync.language import core
+
+    return (
+        os.environ.get("SYMMSYNC_PROBE_VAR"),
+        core.DEBUG,  # read when symmsync.language.core was imported
+        "torch" in sys.modules,
+        os.getppid() == int(os.environ["PARENT_PID"]),  # a spawned rank is the runner's child
+    )
+
+
+def test_each_run_gives_its_ranks_exactly_its_environment_and_import_time_variables_spawn(monkeypatch):
+    monkeypatch.setenv("PARENT_PID", str(os.getpid()))
+    # Forked from the server (host backend): this run's variable, and the next run's absence of it.
+    assert run(environment_seen, 2, env={"SYMMSYNC_PROBE_VAR": "a"}) == [("a", False, True, False)] * 2
+    assert run(environment_seen, 2) == [(None, False, True, False)] * 2
+    # A variable read at import reaches the ranks: they are fresh interpreters, children of this process.
+    assert run(environment_seen, 2, env={"SYMMSYNC_DEBUG": "1"}) == [(None, True, True, True)] * 2
+    monkeypatch.setenv("SYMMSYNC_TESTING_START", "spawn")
+    assert run(environment_seen, 2, env={"SYMMSYNC_PROBE_VAR": "b"}) == [("b", False, True, True)] * 2
+
+
 def one_rank_raises():
     if dist.get_rank() == 1:
         # When it raised, on the monotonic clock every process of this machine shares: the
