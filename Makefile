@@ -35,7 +35,7 @@ $(VENV)/.base: pyproject.toml $(VENV)/.torch
 	touch $@
 
 $(VENV)/.test: pyproject.toml $(VENV)/.base
-	$(PIP) install --quiet -e ".[test,demo$(CUDA_EXTRA)]"
+	$(PIP) install --quiet -e ".[test,models,demo$(CUDA_EXTRA)]"
 	touch $@
 
 $(VENV)/.bench: pyproject.toml $(VENV)/.base

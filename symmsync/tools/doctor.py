@@ -187,11 +187,43 @@ def _cuda_section(lines: list[str]) -> tuple[bool, str]:
     if n == 0:
         return False, "torch sees no CUDA device"
     if n == 1:
-        return True, "one GPU: buffers of one rank per GPU work; peers need more GPUs"
+        return True, (
+            "one GPU: one rank per GPU works, and so do several ranks sharing it "
+            "(SYMMSYNC_SHARE_GPUS=1; at the same time only under MPS: see the MPS line)"
+        )
     peers = all(torch.cuda.can_device_access_peer(i, j) for i in range(n) for j in range(n) if i != j)
     if not peers:
         return False, "some GPU pairs have no peer access: direct peer stores need P2P (NVLink or PCIe P2P)"
     return True, "cuMemCreate + shareable handles, peers mapped with cuMemSetAccess"
+
+
+def gpus_seen(lines: list[str]) -> int:
+    """The GPUs the report's CUDA section listed (its ``  cuda:N`` lines)."""
+    return sum(line.startswith("  cuda:") for line in lines)
+
+
+def mps_line(gpus: int, probe=None) -> str:
+    """Whether ranks sharing a GPU can run at the same time here, and how.
+
+    With a GPU, an MPS control program and no daemon answering, the doctor starts one in private
+    folders and stops it again (``probe``, default :func:`symmsync.backends.mps.start` then
+    ``stop``): "startable" is said only after that worked."""
+    run_line = "run them as `SYMMSYNC_SHARE_GPUS=1 python -m symmsync mps run -- python JOB.py` (docs/gpu.md)"
+    if mps.control_program() is None or mps.running() or gpus == 0:
+        return mps.describe()
+    try:
+        (probe or _start_and_stop)()
+    except Exception as e:  # noqa: BLE001 - reported: the daemon could not start here
+        return f"available ({mps.control_program()}) but a daemon did not start: {e}; ranks sharing a GPU time-slice it"
+    return (
+        f"startable (a daemon started and stopped in private folders): {gpus} GPU(s) can each run several ranks at "
+        f"the same time; {run_line}"
+    )
+
+
+def _start_and_stop() -> None:
+    d = mps.start()
+    mps.stop(d.pipe_dir, d.log_dir)
 
 
 def report() -> tuple[str, bool]:
@@ -208,7 +240,7 @@ def report() -> tuple[str, bool]:
     ]
     host_ok, host_why = _host_backend()
     cuda_ok, cuda_why = _cuda_section(lines)
-    lines.append(f"MPS              {mps.describe()}")
+    lines.append(f"MPS              {mps_line(gpus_seen(lines))}")
     host_ok, host_line = _backend_line("host", host_ok, host_why)
     cuda_ok, cuda_line = _backend_line("cuda", cuda_ok, cuda_why)
     lines += ["backends:", host_line, cuda_line]

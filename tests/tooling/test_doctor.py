@@ -87,3 +87,26 @@ def test_the_command_exits_0_where_a_backend_works_trying_the_host_in_an_interpr
     proc = python("-m", "symmsync", "doctor", timeout=300, TRITON_INTERPRET="0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TRITON_INTERPRET 0" in proc.stdout and _host_line(proc.stdout).startswith(HOST_WORKS), proc.stdout
+
+
+def test_on_a_gpu_the_mps_line_says_startable_only_after_a_daemon_started_and_stopped(monkeypatch):
+    from symmsync.backends import mps
+
+    monkeypatch.setattr(mps, "control_program", lambda: "/usr/bin/nvidia-cuda-mps-control")
+    monkeypatch.setattr(mps, "running", lambda env=None: False)
+    tried = []
+    line = doctor.mps_line(1, probe=lambda: tried.append("start and stop"))
+    assert tried == ["start and stop"]
+    assert line.startswith("startable (a daemon started and stopped in private folders): 1 GPU(s)"), line
+    assert "SYMMSYNC_SHARE_GPUS=1 python -m symmsync mps run -- python JOB.py" in line
+
+    def fails():
+        raise RuntimeError("mps start: the daemon did not answer within 30 s")
+
+    line = doctor.mps_line(1, probe=fails)
+    assert "a daemon did not start: mps start: the daemon did not answer within 30 s" in line, line
+    assert "time-slice" in line and not line.startswith("startable")
+    # No GPU, or no control program: nothing is started, and the line says what is missing.
+    assert doctor.mps_line(0, probe=fails).startswith("available (/usr/bin/nvidia-cuda-mps-control), no daemon")
+    monkeypatch.setattr(mps, "control_program", lambda: None)
+    assert doctor.mps_line(1, probe=fails).startswith("unavailable: nvidia-cuda-mps-control not found")

@@ -13,6 +13,7 @@ for starting Python and importing torch once instead of once per run; the demo's
 runs as a program of its own.
 """
 
+import importlib.util
 import subprocess
 from pathlib import Path
 
@@ -70,6 +71,25 @@ EXPECTED = {
         "rank 1: InputError: x must be torch.float32, got torch.float64",
         "rank 1: the next call is right",
     ],
+    "12_llama_tp.py": [
+        line
+        for r in (0, 1)
+        for line in (
+            f"rank {r}: 2-way tensor parallel, 2 layers, hidden 128, float32",
+            f"rank {r}: plain all-reduce: logits bit for bit the member-order simulation's",
+            f"rank {r}: fused all-reduce + residual + RMS norm: the simulation's tokens and logits (see below)",
+        )
+    ],
+    "13_mixtral_ep.py": [
+        line
+        for r in (0, 1)
+        for line in (
+            f"rank {r}: 3 layers, top-2 of 4 experts: bit for bit transformers'",
+            f"rank {r}: a bad routing on rank 1: {'InputError' if r == 1 else 'PeerRefused'} naming rank 1; "
+            "every member in step",
+            f"rank {r}: the next layer: bit for bit again",
+        )
+    ],
 }
 HOST_ONLY = {
     "01_buffer.py": [f"rank {r}: host backend, 1024 bytes on cpu" for r in (0, 1)],
@@ -79,11 +99,25 @@ HOST_ONLY = {
     "10_moe.py": ["4 ranks: 3 MoE layers, top-2 of 8 experts: bit for bit"],
 }
 CUDA_ONLY = {
+    "12_llama_tp.py": [f"rank {r}: CUDA graph replay: the eager tokens and logits, bit for bit" for r in (0, 1)],
+    "13_mixtral_ep.py": [
+        f"rank {r}: the layer in a CUDA graph, 3 replays on new tokens: the eager bits" for r in (0, 1)
+    ],
     "01_buffer.py": [f"rank {r}: cuda backend, 1024 bytes on cuda:{r}" for r in (0, 1)],
     "02_fences.py": [f"rank {r}: CUDA graph: 100 replays, epoch +200, 0 wrong" for r in (0, 1)],
     "05_runtime_cache.py": [f"rank {r}: the cache grew from 20 to 128 blocks" for r in (0, 1)],
     "06_all_reduce.py": [f"rank {r}: CUDA graph: 100 replays, 0 wrong" for r in (0, 1)],
 }
+
+
+#: The examples of transformers' models: they need the ``models`` extra (``make test`` installs it).
+MODELS = {"12_llama_tp.py", "13_mixtral_ep.py"}
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+def _needs_models(example: Path) -> None:
+    if example.name in MODELS and not HAS_TRANSFORMERS:
+        pytest.skip(f"{example.name} needs transformers: pip install 'symmsync[models]' (make test installs it)")
 
 
 DEMO_ARGS = {
@@ -94,7 +128,11 @@ DEMO_ARGS = {
 }
 #: Every run of this module on the host backend: its key, and the script with its arguments.
 HOST_RUNS = {
-    **{p.name: [str(p.relative_to(ROOT)), "--backend", "host"] for p in NUMBERED},
+    **{
+        p.name: [str(p.relative_to(ROOT)), "--backend", "host"]
+        for p in NUMBERED
+        if p.name not in MODELS or HAS_TRANSFORMERS
+    },
     "04 allgather": ["examples/04_pcp_writer.py", "--backend", "host", "--route", "allgather"],
     **{f"demo {k}": ["examples/pcp_kv.py", "--backend", "host", *a] for k, a in DEMO_ARGS.items()},
 }
@@ -139,12 +177,14 @@ def test_the_tutorial_examples_are_numbered_in_teaching_order():
 
 @pytest.mark.parametrize("example", NUMBERED, ids=lambda p: p.stem)
 def test_each_numbered_example_prints_its_expected_output_on_the_host_backend(host_runs, example):
+    _needs_models(example)
     _check_output(example, "host", HOST_ONLY, host_runs[example.name])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("example", NUMBERED, ids=lambda p: p.stem)
 def test_each_numbered_example_prints_its_expected_output_on_2_gpus(example):
+    _needs_models(example)
     _check_output(example, "cuda", CUDA_ONLY)
 
 

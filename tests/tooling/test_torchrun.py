@@ -33,6 +33,22 @@ def test_the_compiled_decode_example_runs_under_torchrun():
         assert proc.stdout.count(line) == 1, proc.stdout
 
 
+@pytest.mark.parametrize(
+    "example, line",
+    [
+        ("12_llama_tp.py", "plain all-reduce: logits bit for bit the member-order simulation's"),
+        ("13_mixtral_ep.py", "the next layer: bit for bit again"),
+    ],
+)
+def test_the_model_examples_run_under_torchrun(example, line):
+    # transformers' Llama (tensor-parallel) and Mixtral block (expert-parallel) in a plain torchrun job.
+    pytest.importorskip("transformers", reason="the models extra: pip install 'symmsync[models]' (make test has it)")
+    proc = torchrun(f"examples/{example}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in (0, 1):
+        assert proc.stdout.count(f"rank {r}: {line}") == 1, proc.stdout
+
+
 def test_the_new_consumer_tutorial_runs_under_torchrun():
     # A consumer built in the tutorial (examples/11_all_to_all.py): made, compiled, a refused call then a right one.
     proc = torchrun("examples/11_all_to_all.py")
