@@ -245,7 +245,9 @@ def per_token_us(step, caches) -> float:
 
 
 # --8<-- [start:main_fn]
-def llama_tp(backend: str, path: str | None, dtype_name: str, new_tokens: int, size: tuple[int, int]) -> dict:
+def llama_tp(
+    backend: str, path: str | None, dtype_name: str, new_tokens: int, size: tuple[int, int], compile_backend: str
+) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, dtype_name)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "cuda" else torch.device("cpu")
@@ -264,6 +266,16 @@ def llama_tp(backend: str, path: str | None, dtype_name: str, new_tokens: int, s
         tokens, logits = greedy(steps["fused"], caches, new_tokens)
         plain_tokens, plain_logits = greedy(steps["plain"], caches, new_tokens)
         lines = []
+        if compile_backend:  # the same step under torch.compile(fullgraph=True): the ops symmsync registers
+            compiled = torch.compile(steps["fused"], fullgraph=True, backend=compile_backend)
+            got, got_logits = greedy(compiled, caches, new_tokens)
+            exact = got == tokens and torch.equal(got_logits, logits)
+            # transformers' own ops may take other kernels when compiled (attention, say): then the
+            # logits are checked within rounding, the tokens as choices; symmsync's op is the same launch.
+            d = 0.0 if exact else close_choices(got, got_logits, logits, rel)
+            said = "logits bit for bit" if exact else f"logits within {d:.1e}"
+            same = "the eager tokens" if got == tokens else "tokens the eager logits choose too"
+            lines.append(f"rank {rank}: compiled ({compile_backend}, fullgraph): {same}, {said}")
         times = {"eager": {name: per_token_us(step, caches) for name, step in steps.items()}}
         if device.type == "cuda":
             graph_steps = {name: graphed(step, caches) for name, step in steps.items()}
@@ -318,11 +330,12 @@ if __name__ == "__main__":
     parser.add_argument("--layers", type=int, default=2, help="the random model's layers")
     parser.add_argument("--json", default=None, help="write every rank's step times here")
     parser.add_argument("--ranks", type=int, default=2, help="the processes run() starts (not under torchrun)")
+    parser.add_argument("--compile", default="", choices=("", "aot_eager", "inductor"), help="also run it compiled")
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", args.ranks))  # torchrun's ranks, else the processes run() starts
     size = (args.hidden, args.layers)
-    results = run(llama_tp, world, args.backend, args.model, args.dtype, args.tokens, size, backend=args.backend,
-                  timeout_s=900)  # fmt: skip
+    results = run(llama_tp, world, args.backend, args.model, args.dtype, args.tokens, size, args.compile,
+                  backend=args.backend, timeout_s=900)  # fmt: skip
     if is_main_process():  # print once, also under torchrun
         for r in results:
             print("\n".join(r["lines"]))

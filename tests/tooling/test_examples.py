@@ -135,6 +135,11 @@ HOST_RUNS = {
     },
     "04 allgather": ["examples/04_pcp_writer.py", "--backend", "host", "--route", "allgather"],
     **{f"demo {k}": ["examples/pcp_kv.py", "--backend", "host", *a] for k, a in DEMO_ARGS.items()},
+    **(
+        {"12 compiled": ["examples/12_llama_tp.py", "--backend", "host", "--compile", "aot_eager"]}
+        if HAS_TRANSFORMERS
+        else {}
+    ),
 }
 
 
@@ -193,6 +198,15 @@ def test_the_writer_tutorial_is_correct_on_the_allgather_route_too(host_runs):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     missing = [line for line in EXPECTED["04_pcp_writer.py"] if line not in proc.stdout.splitlines()]
     assert not missing, proc.stdout
+
+
+def test_the_llama_example_runs_its_step_compiled_with_the_eager_tokens(host_runs):
+    _needs_models(ROOT / "examples" / "12_llama_tp.py")
+    proc = host_runs["12 compiled"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in (0, 1):
+        line = f"rank {r}: compiled (aot_eager, fullgraph): the eager tokens, logits "
+        assert any(printed.startswith(line) for printed in proc.stdout.splitlines()), proc.stdout
 
 
 @pytest.mark.parametrize("run", list(DEMO_ARGS))
