@@ -189,8 +189,9 @@ def mixtral_ep(backend: str) -> list[str]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="symmsync tutorial 13: Mixtral expert-parallel")
     parser.add_argument("--backend", choices=("host", "cuda"), default="host")
+    parser.add_argument("--ranks", type=int, default=2, help="the processes run() starts (not under torchrun)")
     args = parser.parse_args()
-    world = int(os.environ.get("WORLD_SIZE", 2))  # torchrun's ranks, else 2 processes that run() starts
+    world = int(os.environ.get("WORLD_SIZE", args.ranks))  # torchrun's ranks, else the processes run() starts
     results = run(mixtral_ep, world, args.backend, backend=args.backend, timeout_s=900)
     if is_main_process():  # print once, also under torchrun
         for lines in results:
