@@ -19,6 +19,7 @@ communication. Needs ``pip install symmsync[models]`` (transformers).
 
 # --8<-- [start:imports]
 import argparse
+import copy
 import json
 import os
 import time
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 import symmsync as ss
 from symmsync import collectives
-from symmsync.testing import is_main_process, run
+from symmsync.testing import is_main_process, run, under_torchrun
 
 PROMPT = [1, 7, 42, 3]  # token ids of the prompt (fed one step at a time, as decode steps)
 NEW_TOKENS = 8
@@ -251,7 +252,8 @@ def llama_tp(
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = getattr(torch, dtype_name)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "cuda" else torch.device("cpu")
-    full = load_model(path, dtype, *size).to(device)
+    pristine = load_model(path, dtype, *size).to(device)  # the unsharded model: read once
+    full = copy.deepcopy(pristine)
     hidden = full.config.hidden_size
     max_len = len(PROMPT) + new_tokens
     rel = 1e-3 if dtype == torch.float32 else 5e-2  # how far rounding may move a logit: of the largest
@@ -287,7 +289,7 @@ def llama_tp(
         buf.close()
 
         # The oracle: every rank's shard in this one process, summed in plain torch in member order.
-        sims = [shard(load_model(path, dtype, *size).to(device), r, world) for r in range(world)]
+        sims = [shard(copy.deepcopy(pristine), r, world) for r in range(world)]
         sim_caches = [StaticKV(s, max_len, device) for s in sims]
         sim_plain = greedy(lambda t: decode_step(sims, sim_caches, simulated_plain, t), sim_caches, new_tokens)
         assert sim_plain[0] == plain_tokens and torch.equal(plain_logits, sim_plain[1]), f"rank {rank}: plain differs"
@@ -296,8 +298,7 @@ def llama_tp(
         drift = close_choices(tokens, logits, sim_fused[1], rel)
 
         # transformers' own forward of the unsharded model over the whole sequence (no cache).
-        reference = load_model(path, dtype, *size).to(device)
-        ref_logits = reference(torch.tensor([tokens[:-1]], device=device)).logits[0].float().cpu()
+        ref_logits = pristine(torch.tensor([tokens[:-1]], device=device)).logits[0].float().cpu()
         ref_drift = close_choices(tokens, logits, ref_logits, rel)
         same = ref_logits[len(PROMPT) - 1 :].argmax(-1).tolist() == tokens[len(PROMPT) :]
     where = "" if device.type == "cuda" else " (host backend: the interpreter, not a speed figure)"
@@ -332,7 +333,7 @@ if __name__ == "__main__":
     parser.add_argument("--ranks", type=int, default=2, help="the processes run() starts (not under torchrun)")
     parser.add_argument("--compile", default="", choices=("", "aot_eager", "inductor"), help="also run it compiled")
     args = parser.parse_args()
-    world = int(os.environ.get("WORLD_SIZE", args.ranks))  # torchrun's ranks, else the processes run() starts
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.ranks  # torchrun's ranks, or run()'s
     size = (args.hidden, args.layers)
     results = run(llama_tp, world, args.backend, args.model, args.dtype, args.tokens, size, args.compile,
                   backend=args.backend, timeout_s=900)  # fmt: skip

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import symmsync as ss
 from symmsync import moe
-from symmsync.testing import is_main_process, run
+from symmsync.testing import is_main_process, run, under_torchrun
 
 TOKENS = 6  # a rank's tokens in a layer (each rank its own)
 LAYERS = 3  # layers run eagerly, and replays of the captured layer on GPUs
@@ -191,7 +191,7 @@ if __name__ == "__main__":
     parser.add_argument("--backend", choices=("host", "cuda"), default="host")
     parser.add_argument("--ranks", type=int, default=2, help="the processes run() starts (not under torchrun)")
     args = parser.parse_args()
-    world = int(os.environ.get("WORLD_SIZE", args.ranks))  # torchrun's ranks, else the processes run() starts
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.ranks  # torchrun's ranks, or run()'s
     results = run(mixtral_ep, world, args.backend, backend=args.backend, timeout_s=900)
     if is_main_process():  # print once, also under torchrun
         for lines in results:

@@ -68,11 +68,12 @@ log = logging.getLogger("symmsync")
 #: What a failed construction leaves, in its error.
 RELEASED = "every rank released what it had mapped"
 
+ALIGN = 16
+"""Every tensor view of a buffer starts on a multiple of this many bytes (a registered tensor too)."""
+
 #: Bytes of address space reserved and never mapped before and after every mapping
 #: symmsync makes (rounded up to the backend's granularity): a store that runs into
 #: them faults. 2 MiB, the CUDA backend's granularity: a whole unit of its address space.
-ALIGN = 16
-"""Every tensor view of a buffer starts on a multiple of this many bytes (a registered tensor too)."""
 GUARD_BYTES = 2 << 20
 
 

@@ -140,7 +140,8 @@ def dispatch_read(
     places, ``recv[e][offsets[e][s] + j]`` (and their scales and source indices), as far as the
     rows ``s`` sent: the grid is sized by the device, not by ``max_tokens``, so that few programs
     wait. Program ``(e * SIZE, 0)`` stores ``e``'s counts, per source and in all, and the offsets
-    (zeros when the step failed: no rows). The last program to arrive counts the step."""
+    (when the step failed: ``per_source`` -1, the counts and offsets 0: no rows, and its combine
+    knows). The last program to arrive counts the step."""
     pid = tl.program_id(0)
     el = pid // SIZE
     s = pid % SIZE

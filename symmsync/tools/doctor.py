@@ -197,24 +197,29 @@ def _cuda_section(lines: list[str]) -> tuple[bool, str]:
     return True, "cuMemCreate + shareable handles, peers mapped with cuMemSetAccess"
 
 
-def gpus_seen(lines: list[str]) -> int:
-    """The GPUs the report's CUDA section listed (its ``  cuda:N`` lines)."""
-    return sum(line.startswith("  cuda:") for line in lines)
+def _gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no driver: no GPUs
+        return 0
 
 
 def mps_line(gpus: int, probe=None) -> str:
     """Whether ranks sharing a GPU can run at the same time here, and how.
 
     With a GPU, an MPS control program and no daemon answering, the doctor starts one in private
-    folders and stops it again (``probe``, default :func:`symmsync.backends.mps.start` then
-    ``stop``): "startable" is said only after that worked."""
+    folders and stops it again (``probe``, default :func:`_start_and_stop`): "startable" is said
+    only after both worked."""
     run_line = "run them as `SYMMSYNC_SHARE_GPUS=1 python -m symmsync mps run -- python JOB.py` (docs/gpu.md)"
-    if mps.control_program() is None or mps.running() or gpus == 0:
+    program = mps.control_program()
+    if program is None or gpus == 0 or mps.running():
         return mps.describe()
     try:
         (probe or _start_and_stop)()
-    except Exception as e:  # noqa: BLE001 - reported: the daemon could not start here
-        return f"available ({mps.control_program()}) but a daemon did not start: {e}; ranks sharing a GPU time-slice it"
+    except Exception as e:  # noqa: BLE001 - reported: what failed, the start or the stop
+        return f"available ({program}) but {e}; ranks sharing a GPU time-slice it"
     return (
         f"startable (a daemon started and stopped in private folders): {gpus} GPU(s) can each run several ranks at "
         f"the same time; {run_line}"
@@ -222,8 +227,21 @@ def mps_line(gpus: int, probe=None) -> str:
 
 
 def _start_and_stop() -> None:
-    d = mps.start()
-    mps.stop(d.pipe_dir, d.log_dir)
+    """Start an MPS daemon in new folders, stop it, remove the folders; what failed, as a ConfigError."""
+    import tempfile
+
+    from ..errors import ConfigError
+
+    with tempfile.TemporaryDirectory(prefix="symmsync-doctor-mps-") as folder:
+        pipe, log = os.path.join(folder, "pipe"), os.path.join(folder, "log")
+        try:
+            mps.start(pipe, log)
+        except ConfigError as e:
+            raise ConfigError(f"a daemon did not start: {e}") from e
+        try:
+            mps.stop(pipe, log)
+        except ConfigError as e:
+            raise ConfigError(f"the daemon started but did not stop: {e} (stop it: echo quit | {mps.CONTROL})") from e
 
 
 def report() -> tuple[str, bool]:
@@ -240,7 +258,7 @@ def report() -> tuple[str, bool]:
     ]
     host_ok, host_why = _host_backend()
     cuda_ok, cuda_why = _cuda_section(lines)
-    lines.append(f"MPS              {mps_line(gpus_seen(lines))}")
+    lines.append(f"MPS              {mps_line(_gpus())}")
     host_ok, host_line = _backend_line("host", host_ok, host_why)
     cuda_ok, cuda_line = _backend_line("cuda", cuda_ok, cuda_why)
     lines += ["backends:", host_line, cuda_line]

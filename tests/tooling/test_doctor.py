@@ -101,12 +101,31 @@ def test_on_a_gpu_the_mps_line_says_startable_only_after_a_daemon_started_and_st
     assert "SYMMSYNC_SHARE_GPUS=1 python -m symmsync mps run -- python JOB.py" in line
 
     def fails():
-        raise RuntimeError("mps start: the daemon did not answer within 30 s")
+        raise RuntimeError("a daemon did not start: mps start: the daemon did not answer within 30 s")
 
     line = doctor.mps_line(1, probe=fails)
-    assert "a daemon did not start: mps start: the daemon did not answer within 30 s" in line, line
+    assert "but a daemon did not start: mps start: the daemon did not answer within 30 s" in line, line
     assert "time-slice" in line and not line.startswith("startable")
     # No GPU, or no control program: nothing is started, and the line says what is missing.
     assert doctor.mps_line(0, probe=fails).startswith("available (/usr/bin/nvidia-cuda-mps-control), no daemon")
     monkeypatch.setattr(mps, "control_program", lambda: None)
     assert doctor.mps_line(1, probe=fails).startswith("unavailable: nvidia-cuda-mps-control not found")
+
+
+def test_the_doctor_s_mps_probe_says_which_step_failed_and_leaves_no_folder(monkeypatch, tmp_path):
+    import tempfile
+
+    from symmsync import ConfigError
+    from symmsync.backends import mps
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(mps, "start", lambda pipe, log: calls.append(("start", pipe, log)))
+
+    def stuck(pipe, log):
+        raise ConfigError("mps stop: the daemon still answers after 30 s")
+
+    monkeypatch.setattr(mps, "stop", stuck)
+    with pytest.raises(ConfigError, match="the daemon started but did not stop: mps stop: the daemon still"):
+        doctor._start_and_stop()
+    assert calls and calls[0][1].startswith(str(tmp_path)) and list(tmp_path.iterdir()) == []
