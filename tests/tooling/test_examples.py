@@ -14,6 +14,7 @@ runs as a program of its own.
 """
 
 import importlib.util
+import json
 import subprocess
 from pathlib import Path
 
@@ -136,7 +137,7 @@ HOST_RUNS = {
     "04 allgather": ["examples/04_pcp_writer.py", "--backend", "host", "--route", "allgather"],
     **{f"demo {k}": ["examples/pcp_kv.py", "--backend", "host", *a] for k, a in DEMO_ARGS.items()},
     **(
-        {"12 compiled": ["examples/12_llama_tp.py", "--backend", "host", "--compile", "aot_eager"]}
+        {"12 compiled": ["examples/12_llama_tp.py", "--backend", "host", "--compile", "aot_eager", "--json", "{out}"]}
         if HAS_TRANSFORMERS
         else {}
     ),
@@ -148,11 +149,15 @@ def host_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     """Each of :data:`HOST_RUNS`, run in one job (tests/examples_job.py), as its completed process."""
     out = tmp_path_factory.mktemp("examples")
     args = [str(out)]
-    for cmd in HOST_RUNS.values():
+    # "{out}" in a run's arguments: a file of its own in the job's folder
+    resolved = {
+        key: [a.replace("{out}", str(out / f"{n}.json")) for a in cmd] for n, (key, cmd) in enumerate(HOST_RUNS.items())
+    }
+    for cmd in resolved.values():
         args += [*cmd, "--"]
     job = python("tests/examples_job.py", *args, timeout=1800)
     runs = {}
-    for n, (key, cmd) in enumerate(HOST_RUNS.items()):
+    for n, (key, cmd) in enumerate(resolved.items()):
         rc = out / f"{n}.rc"
         if not rc.exists():  # the job ended before this run: what the job said instead
             runs[key] = subprocess.CompletedProcess(
@@ -207,6 +212,13 @@ def test_the_llama_example_runs_its_step_compiled_with_the_eager_tokens(host_run
     for r in (0, 1):
         line = f"rank {r}: compiled (aot_eager, fullgraph): the eager tokens, logits "
         assert any(printed.startswith(line) for printed in proc.stdout.splitlines()), proc.stdout
+    # --json: every rank's step times and lines, the device named
+    written = json.loads(Path(proc.args[proc.args.index("--json") + 1]).read_text())
+    assert written["device"] == "host backend (CPU)" and written["world"] == 2, written
+    for r, rank in enumerate(written["ranks"]):
+        times = rank["us_per_token"]["eager"]
+        assert set(times) == {"fused", "plain", "none"} and all(t > 0 for t in times.values()), rank
+        assert rank["lines"][0] == f"rank {r}: 2-way tensor parallel, 2 layers, hidden 128, float32", rank
 
 
 @pytest.mark.parametrize("run", list(DEMO_ARGS))
