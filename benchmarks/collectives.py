@@ -32,8 +32,9 @@ writes ``collectives_<machine>_shared.json``::
     SYMMSYNC_SHARE_GPUS=1 python benchmarks/collectives.py --world 2
 
 ``--shared`` measures the GPU time of ranks sharing one GPU under MPS instead, each call beside
-a floor kernel that moves its bytes without synchronization (``benchmarks/shared.py``; writes
-``collectives_<machine>_mps.json``)::
+a floor kernel that moves its bytes without synchronization and torch's kernels for the same
+bytes (``copy_``, ``sum``; the floor rule of ``benchmarks/shared.py`` picks the floor; writes
+``collectives_<machine>_mps.json``; ``--host-smoke`` runs it on the host backend)::
 
     python benchmarks/collectives.py --shared --worlds 2,4,8
 """
@@ -401,28 +402,39 @@ def plot(res: dict, info: dict, all_sizes: list[int], path: str, world: int) -> 
 
 SHARED_SIZES = (16 * KB, 256 * KB, KB * KB)  # bf16 all-reduce messages under MPS
 SHARED_NORM = (8, 4096)  # the fused all-reduce + residual + RMS norm: a decode batch
+HOST_SMOKE_SIZES, HOST_SMOKE_NORM = (4 * KB,), (2, 256)  # on the host backend (--host-smoke): float32
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
 def shared_rank(ctx) -> None:
     """Ranks sharing one GPU under MPS (``benchmarks/shared.py``): each collective beside its floor.
 
     The floors run in a second buffer of the same size, at the collectives' workspace offsets
-    (input slot of parity 0, reduced chunk), so that they never touch a header or a counter."""
+    (input slot of parity 0, reduced chunk), so that they never touch a header or a counter.
+    Beside each, torch's kernels for the same bytes on local tensors (``copy_`` for the copy-in
+    and copy-out, ``sum`` over a ``[members, n]`` stack for the sums): the floor rule of
+    ``shared.py`` picks the floor."""
     import floors
 
     import symmsync as ss
     from symmsync import collectives as C
 
-    w, dev, bf16 = ctx.world, ctx.device, torch.bfloat16
-    max_numel = max(SHARED_SIZES) // 2
-    per = C.workspace_bytes(max_numel, bf16, w)
-    buf = ss.SymmetricBuffer(3 * per, backend="cuda")
-    fbuf = ss.SymmetricBuffer(3 * per, backend="cuda")
+    host = ctx.backend == "host"
+    w, dev, dt = ctx.world, ctx.device, torch.float32 if host else torch.bfloat16
+    sizes, (t, h) = (HOST_SMOKE_SIZES, HOST_SMOKE_NORM) if host else (SHARED_SIZES, SHARED_NORM)
+    es = torch.tensor([], dtype=dt).element_size()
+    max_numel = max(sizes) // es
+    per = C.workspace_bytes(max_numel, dt, w)
+    buf = ss.SymmetricBuffer(3 * per, backend=ctx.backend)
+    fbuf = ss.SymmetricBuffer(3 * per, backend=ctx.backend)
     try:
         view, fview = buf.view(list(range(w))), fbuf.view(list(range(w)))
-        ar = C.AllReduce(view, max_numel, bf16, timeout_s=ctx.wait_s)
-        ag = C.AllGather(view, max_numel, bf16, offset=per, channel=1, timeout_s=ctx.wait_s)
-        rs = C.ReduceScatter(view, max_numel, bf16, offset=2 * per, channel=2, timeout_s=ctx.wait_s)
+        ar = C.AllReduce(view, max_numel, dt, timeout_s=ctx.wait_s)
+        ag = C.AllGather(view, max_numel, dt, offset=per, channel=1, timeout_s=ctx.wait_s)
+        rs = C.ReduceScatter(view, max_numel, dt, offset=2 * per, channel=2, timeout_s=ctx.wait_s)
         ptrs, me, sms = fview.ptrs, fview.local_index, ctx.sms
         g = torch.Generator(dev).manual_seed(ctx.rank)
 
@@ -438,34 +450,53 @@ def shared_rank(ctx) -> None:
                 for _ in range(2):
                     fl()
                     ctx.barrier()
-                return True if torch.equal(fout.view(torch.int16), want.view(torch.int16)) else "bits differ"
+                return True if torch.equal(_bits(fout), _bits(want)) else "bits differ"
 
             return check
 
-        for nbytes in SHARED_SIZES:
-            n = nbytes // 2
-            x = torch.randn(n, generator=g, device=dev).to(bf16)
+        def local(*shape):
+            return torch.randn(*shape, generator=g, device=dev).to(dt)
+
+        def torch_reduce(x, n_sum, rest=0):
+            # copy_ of the input; sum of a local [members, n_sum] stack; copy_ of `rest` elements out.
+            xin, stack, red = torch.empty_like(x), local(w, n_sum), torch.empty(n_sum, dtype=dt, device=dev)
+            src, dst = local(max(rest, 1)), torch.empty(max(rest, 1), dtype=dt, device=dev)
+
+            def fn():
+                xin.copy_(x)
+                torch.sum(stack, 0, out=red)
+                if rest:
+                    dst.copy_(src)
+
+            return fn
+
+        for nbytes in sizes:
+            n = nbytes // es
+            nb = n * es
+            x = local(n)
             out, fout = torch.empty_like(x), torch.empty_like(x)
             chunk = floors.two_shot_chunk(n, w)
-            for algo, mode, moves in (
-                ("one_shot", floors.ONE_SHOT, f"copy-in of {_size(nbytes)}, then {w} x {_size(nbytes)} read "
-                 f"(every member's slot) and {_size(nbytes)} written"),
-                ("two_shot", floors.TWO_SHOT, f"copy-in of {_size(nbytes)}; this rank's 1/{w} read from {w} "
-                 f"members, summed into its reduced chunk and the output; {w - 1} other reduced chunks read"),
+            for algo, mode, moves, tfn, moved in (
+                ("one_shot", floors.ONE_SHOT, f"copy-in of {_size(nb)}, then {w} x {_size(nb)} read "
+                 f"(every member's slot) and {_size(nb)} written", torch_reduce(x, n), (w + 3) * nb),
+                ("two_shot", floors.TWO_SHOT, f"copy-in of {_size(nb)}; this rank's 1/{w} read from {w} "
+                 f"members, summed into its reduced chunk and the output; {w - 1} other reduced chunks read",
+                 torch_reduce(x, chunk, n), 5 * nb),
             ):  # fmt: skip
                 fl = floor(x, fout, ar.workspace, mode, chunk)
                 ctx.figure(
-                    f"AllReduce {algo} {_size(nbytes)}",
+                    f"AllReduce {algo} {_size(nb)}",
                     lambda algo=algo, x=x, out=out: ar(x, out, algorithm=algo),
                     fl,
                     f"collective_floor {algo}",
                     moves,
                     check=same(lambda algo=algo, x=x: ar(x, algorithm=algo), fl, fout),
+                    torch_floor={"copy_ + sum over the members" + (" + copy_ out" if algo == "two_shot" else ""): tfn},
+                    bytes_moved=moved,
+                    tags={"what": "all_reduce", "algorithm": algo, "bytes": nb},
                 )
-        t, h = SHARED_NORM
-        xr = torch.randn(t, h, generator=g, device=dev).to(bf16)
-        res = torch.randn(t, h, generator=g, device=dev).to(bf16)
-        weight = torch.ones(h, dtype=bf16, device=dev)
+        xr, res = local(t, h), local(t, h)
+        weight = torch.ones(h, dtype=dt, device=dev)
         fout = torch.empty_like(xr)
         fl = floor(xr, fout, ar.workspace, floors.ONE_SHOT)
         ctx.figure(
@@ -473,33 +504,43 @@ def shared_rank(ctx) -> None:
             lambda: ar(xr, residual=res, norm_weight=weight, eps=1e-6),
             fl,
             "collective_floor one_shot",
-            f"the one-shot floor of {_size(t * h * 2)}: the norm's extra reads and writes are not in it",
+            f"the one-shot floor of {_size(t * h * es)}: the norm's extra reads and writes are not in it",
             more={"plain AllReduce, same size": lambda: ar(xr)},
             check=same(lambda: ar(xr), fl, fout),
+            torch_floor={"copy_ + sum over the members": torch_reduce(xr, t * h)},
+            bytes_moved=(w + 3) * t * h * es,
+            tags={"what": "all_reduce_norm"},
         )
         n = max_numel
-        x = torch.randn(n, generator=g, device=dev).to(bf16)
+        x = local(n)
         part = x[: n // w]
-        gathered, fgathered = (torch.empty(w * part.numel(), dtype=bf16, device=dev) for _ in range(2))
+        gathered, fgathered = (torch.empty(w * part.numel(), dtype=dt, device=dev) for _ in range(2))
         fl = floor(part, fgathered, ag.workspace, floors.GATHER)
+        pin, gsrc, gdst = torch.empty_like(part), local(w * part.numel()), torch.empty_like(gathered)
         ctx.figure(
-            f"AllGather {_size(n * 2)} out",
+            f"AllGather {_size(n * es)} out",
             lambda: ag(part, gathered),
             fl,
             "collective_floor gather",
-            f"copy-in of {_size(part.numel() * 2)}, then every member's slot read into the output",
+            f"copy-in of {_size(part.numel() * es)}, then every member's slot read into the output",
             check=same(lambda: ag(part), fl, fgathered),
+            torch_floor={"copy_ in + copy_ of the output": lambda: (pin.copy_(part), gdst.copy_(gsrc))},
+            bytes_moved=2 * part.numel() * es + 2 * w * part.numel() * es,
+            tags={"what": "all_gather"},
         )
         xs = x[: w * (n // w)]
-        chunk, fchunk = (torch.empty(n // w, dtype=bf16, device=dev) for _ in range(2))
+        chunk, fchunk = (torch.empty(n // w, dtype=dt, device=dev) for _ in range(2))
         fl = floor(xs, fchunk, rs.workspace, floors.SCATTER, n // w)
         ctx.figure(
-            f"ReduceScatter {_size(n * 2)} in",
+            f"ReduceScatter {_size(n * es)} in",
             lambda: rs(xs, chunk),
             fl,
             "collective_floor scatter",
-            f"copy-in of {_size(n * 2)}, then this rank's 1/{w} read from every member and summed",
+            f"copy-in of {_size(n * es)}, then this rank's 1/{w} read from every member and summed",
             check=same(lambda: rs(xs), fl, fchunk),
+            torch_floor={"copy_ + sum over the members": torch_reduce(xs, n // w)},
+            bytes_moved=3 * xs.numel() * es + (n // w) * es,
+            tags={"what": "reduce_scatter"},
         )
     finally:
         ctx.barrier()

@@ -23,8 +23,8 @@ Medians of ``--reps`` repetitions after warm-up. Prints a table with ratios and
 writes ``fence_<machine>[_<layout>].json`` and ``.png`` into ``--out`` (no suffix for 2 ranks).
 The instruction candidates are 2-member kernels: measured only when the view has 2 members.
 
-``--shared`` measures instead ranks sharing one GPU under MPS, each fence beside its floor
-(``benchmarks/shared.py``; writes ``fence_<machine>_mps.json``)::
+``--shared`` measures instead ranks sharing one GPU under MPS, each fence beside its floor and
+torch's ``copy_`` of the floor's bytes (``benchmarks/shared.py``; writes ``fence_<machine>_mps.json``)::
 
     python benchmarks/fence.py --shared --worlds 2,4,8
 """
@@ -393,7 +393,7 @@ def shared_rank(ctx) -> None:
     from symmsync.core.launch import Launcher
 
     w = ctx.world
-    buf = ss.SymmetricBuffer(1 << 16, backend="cuda", channels=4)
+    buf = ss.SymmetricBuffer(1 << 16, backend=ctx.backend, channels=4)
     try:
         view = buf.view(list(range(w)))
         fence = ss.Fence(view, channel=0, timeout_s=ctx.wait_s)
@@ -403,6 +403,8 @@ def shared_rank(ctx) -> None:
         )
         x = torch.zeros(1, device=ctx.device)
         empty = Launcher(floors.empty_kernel, (1,), num_warps=1).bind(x)
+        src = torch.arange(max(1, w - 1), dtype=torch.int64, device=ctx.device)
+        dst = torch.empty_like(src)  # torch's kernel for the floor's bytes: a copy_ of w - 1 int64
         moves = f"one int64 store into the slot this rank has at each of the {w - 1} other members, one launch"
         for mode in ("graph", "eager"):
             ctx.figure(
@@ -414,6 +416,8 @@ def shared_rank(ctx) -> None:
                 mode=mode,
                 iters=4 * ctx.iters if mode == "graph" else 2 * ctx.iters,
                 more={"empty kernel": empty},
+                torch_floor={f"copy_ of {w - 1} int64": lambda: dst.copy_(src)},
+                tags={"what": "fence", "mode": mode},
             )
     finally:
         ctx.barrier()

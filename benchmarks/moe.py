@@ -20,13 +20,14 @@ benchmark, never a timed test.
 sizes, no NCCL), checks that they run and writes ``moe_host_smoke.json`` into ``--out``: what
 CI runs (tests/moe/test_moe_benchmark.py). Its times are the interpreter's, no GPU figure.
 
-``--shared`` measures ranks sharing one GPU under MPS (1, 32, 128 and 256 tokens a rank, 8 experts a rank,
-bf16 and fp8), each step beside a floor kernel that moves its bytes without synchronization
-(``benchmarks/shared.py``; writes ``moe_<machine>_mps.json``); then, bf16 at 128 tokens in graph
-replay, the same calls with the dispatcher's ``programs`` at 4, 8 and 16 a multiprocessor (the
-default is 2)::
+``--shared`` measures ranks sharing one GPU under MPS (``benchmarks/moe_shared.py`` says what:
+1, 32, 128 and 256 tokens a rank, 8 experts a rank, bf16 and fp8, each step beside its floor
+kernels and torch's kernels for the same rows, the run's copy bandwidth, a fence, the host
+cost, a Mixtral-like layer with and without the transfer, the ``programs`` sweep), and
+``moe_targets.py`` judges the targets; writes ``moe_<machine>_mps.json`` and ``.png``
+(``benchmarks/shared.py``; ``--dry-run`` from made-up numbers, no GPU)::
 
-    python benchmarks/moe.py --shared --worlds 2,4,8
+    python benchmarks/moe.py --shared --worlds 2,4,8 --budget-s 330
 """
 
 from __future__ import annotations
@@ -45,11 +46,15 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 HIDDEN, TOP_K, MAX_TOKENS = 7168, 8, 256
 
 
-def routing(tokens: int, num_experts: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def routing(
+    tokens: int, num_experts: int, seed: int, device, top_k: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(topk_idx, weights, generator)``: each token's ``top_k`` (default :data:`TOP_K`) distinct experts at random."""
+    k = top_k or TOP_K
     g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(num_experts, generator=g)[:TOP_K] for _ in range(tokens)]) if tokens else None
-    ids = ids if ids is not None else torch.empty(0, TOP_K, dtype=torch.int64)
-    w = torch.rand(tokens, TOP_K, generator=g)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(tokens)]) if tokens else None
+    ids = ids if ids is not None else torch.empty(0, k, dtype=torch.int64)
+    w = torch.rand(tokens, k, generator=g)
     return ids.to(torch.int64).to(device), w.to(device), g
 
 
@@ -88,7 +93,11 @@ def _smoke_rank(tokens_list, hidden, num_experts, top_k, calls):
         for t in tokens_list:
             res[f"{'fp8' if fp8 else 'bf16'}/{t}"] = measure(disp, t, hidden, t, timer)
         buf.close()
-    return res
+    import moe_layer
+
+    # the Mixtral-like layer of --shared, small and float32: waited, wait=False, and without the transfer
+    layer = moe_layer.smoke_rank(hidden, 64, num_experts, top_k, max(tokens_list))
+    return {"us": res, "layer": layer}
 
 
 def smoke(out: str) -> None:
@@ -97,7 +106,8 @@ def smoke(out: str) -> None:
     from symmsync.testing import run
 
     tokens, hidden, experts, top_k = (1, 4), 256, 4, 2
-    results = run(_smoke_rank, 2, tokens, hidden, experts, top_k, 2, timeout_s=600)
+    both = run(_smoke_rank, 2, tokens, hidden, experts, top_k, 2, timeout_s=600)
+    results, layers = [r["us"] for r in both], [r["layer"] for r in both]
     rows = results[0]
     print(f"{'case':>10} {'dispatch us':>12} {'combine us':>12}   (host backend, Triton's interpreter: no GPU figure)")
     for case, r in rows.items():
@@ -107,10 +117,15 @@ def smoke(out: str) -> None:
         "sizes": {"tokens": list(tokens), "hidden": hidden, "experts": experts, "top_k": top_k, "world": 2},
         "machine": machine(),
         "us_per_call": results,
+        "layer": layers,
     }
     path = os.path.join(out, "moe_host_smoke.json")
     write_json(path, payload)
     print(f"wrote {path}")
+    for rank, layer in enumerate(layers):
+        print(f"rank {rank}: Mixtral-like layer (waited, wait=False, without the transfer): check {layer['check']}")
+    if any(layer["check"] is not True for layer in layers):
+        sys.exit("benchmarks/moe.py --smoke: the Mixtral-like layer failed its check")
 
 
 # ---------------------------------------------------------------------- the GPU run
@@ -181,147 +196,11 @@ def plot(res: dict, path: str, world: int) -> None:
 
 
 # ---------------------------------------------------------------------- ranks sharing one GPU (MPS)
-SHARED_TOKENS, SHARED_MAX_TOKENS, SHARED_EXPERTS_PER_RANK = (1, 32, 128, 256), 256, 8
-SHARED_MODES = ("graph", "eager")
-# The dispatcher's programs a launch sized by the device (its ``programs`` argument), per multiprocessor
-# the device reports: the default (2) runs every row; these run too, bf16 at 128 tokens in graph replay.
-SHARED_PROGRAMS_PER_SM = (4, 8, 16)
-
-
 def shared_rank(ctx) -> None:
-    """Ranks sharing one GPU under MPS (``benchmarks/shared.py``): dispatch and combine beside their floors.
+    """Ranks sharing one GPU under MPS (``benchmarks/shared.py``): ``moe_shared.py`` measures."""
+    import moe_shared
 
-    For bf16 and fp8 rows, at 1, 32, 128 and 256 tokens a rank (``max_tokens`` 256), in CUDA-graph
-    replay and eagerly. The floors run in a second buffer of the same size at the dispatcher's
-    workspace offsets, with the placement the dispatcher's rule gives
-    (:func:`floors.moe_placement`) and the counts and source indices of a real dispatch (its
-    handle), so that they store the rows where the dispatcher does."""
-    for fp8 in (False, True):
-        _shared_kind(ctx, fp8)
-
-
-def _shared_kind(ctx, fp8: bool) -> None:
-    """:func:`shared_rank` for one kind of row (bf16, or fp8 codes and scales): one dispatcher, every
-    token count and mode."""
-    import symmsync as ss
-    from symmsync import moe
-
-    w, bf16 = ctx.world, torch.bfloat16
-    E, M = SHARED_EXPERTS_PER_RANK * w, SHARED_MAX_TOKENS
-    nbytes = moe.buffer_bytes(E, M, HIDDEN, bf16, TOP_K, w, fp8=fp8)
-    buf = ss.SymmetricBuffer(nbytes, backend="cuda")
-    fbuf = ss.SymmetricBuffer(nbytes, backend="cuda")
-    try:
-        view, fview = buf.view(list(range(w))), fbuf.view(list(range(w)))
-        disp = moe.Dispatcher(view, E, M, HIDDEN, bf16, TOP_K, fp8=fp8, timeout_s=ctx.wait_s)
-        # What the floors write and the combine reads, the same size at every token count: made once.
-        EL, G, dev = SHARED_EXPERTS_PER_RANK, HIDDEN // 128, ctx.device
-        out = {
-            "frecv": torch.empty((EL, w * M, HIDDEN), dtype=torch.uint8 if fp8 else bf16, device=dev),
-            "fscales": torch.empty((EL, w * M, G), dtype=torch.float32, device=dev),
-            "fsrc": torch.empty((EL, w * M), dtype=torch.int64, device=dev),
-            "expert_out": torch.randn((EL, w * M, HIDDEN), device=dev).to(bf16),
-        }
-        for tokens in SHARED_TOKENS:
-            for mode in SHARED_MODES:
-                _shared_figures(ctx, disp, fview, fp8, tokens, mode, **out)
-        for per_sm in () if fp8 else SHARED_PROGRAMS_PER_SM:  # the same calls, their launches sized otherwise
-            disp.close()
-            disp = moe.Dispatcher(view, E, M, HIDDEN, bf16, TOP_K, timeout_s=ctx.wait_s, programs=per_sm * ctx.sms)
-            _shared_figures(ctx, disp, fview, fp8, 128, "graph", label=f", {per_sm} programs/SM", **out)
-    finally:
-        ctx.barrier()
-        buf.close()
-        fbuf.close()
-
-
-def _shared_figures(
-    ctx, disp, fview, fp8: bool, T: int, mode: str, *, frecv, fscales, fsrc, expert_out, label: str = ""
-) -> None:
-    """The dispatch and combine figures of ``T`` tokens a rank in ``mode``, each beside its floor
-    (``frecv``, ``fscales``, ``fsrc``: where the dispatch floor writes; ``expert_out``: what both
-    combines read; ``label``: after the figure's mode in its name)."""
-    import floors
-    import triton
-
-    w, dev, bf16 = ctx.world, ctx.device, torch.bfloat16
-    H, K, EL, M = HIDDEN, TOP_K, SHARED_EXPERTS_PER_RANK, disp.max_tokens
-    HP, G = triton.next_power_of_2(H), H // 128
-    GP = triton.next_power_of_2(G)
-    kind = "fp8" if fp8 else "bf16"
-    ws, fptrs = disp.workspace, fview.ptrs
-    ids, weights, g = routing(T, disp.num_experts, 1000 + 7 * T + ctx.rank, dev)
-    x = torch.randn(T, H, generator=g).to(bf16).to(dev)
-    with torch.no_grad():
-        recv, counts, handle = disp.dispatch(x, ids)
-    torch.cuda.synchronize()
-    member, row = floors.moe_placement(ids, EL, w, fview.local_index, M)
-    per_source, offsets = handle.per_source, handle.offsets
-
-    def floor_dispatch() -> None:
-        floors.moe_send_floor[(T,)](x, member, row, fptrs, ws.rows, ws.scales, ws.src,
-                                    TOPK=K, H=H, HP=HP, FP8=fp8, G=G, GP=GP)  # fmt: skip
-        floors.moe_read_floor[(EL * w,)](frecv, fscales, fsrc, per_source, offsets, fptrs, fview.local_index,
-                                         ws.rows, ws.scales, ws.src, SIZE=w, M=M, H=H, HP=HP, FP8=fp8,
-                                         G=G, GP=GP)  # fmt: skip
-
-    def dispatch_check():
-        ctx.barrier()
-        for _ in range(2):  # every member's rows in place before the read of the second round
-            floor_dispatch()
-            ctx.barrier()
-        for e, n in enumerate(counts.tolist()):  # the received rows, packed: past the counts, nothing
-            if not torch.equal(fsrc[e, :n], handle.src[e, :n]):
-                return "source indices differ from the dispatcher's"
-            if not fp8 and not torch.equal(frecv[e, :n].view(torch.int16), recv[e, :n].view(torch.int16)):
-                return "received rows differ from the dispatcher's"
-        return True
-
-    sent = int((member >= 0).sum())
-    rows_idx = torch.randint(0, T, (T * K,), device=dev)
-    row_bytes = H + 4 * G if fp8 else 2 * H
-    what = f"{T} tok, {H}, top-{K}, {EL} exp/rank, {mode}{label}"
-    ctx.figure(
-        f"MoE dispatch {kind} ({what})",
-        lambda: disp.dispatch(x, ids),
-        floor_dispatch,
-        "moe_send_floor + moe_read_floor",
-        f"{sent} rows of {row_bytes} B stored into the owners' rows (+ 8 B source index each), then "
-        "the rows this rank received written out to their packed places (as the dispatcher's read)",
-        mode=mode,
-        iters=max(20, ctx.iters // 4),
-        more={f"torch index_select of {T * K} rows (local)": lambda: x.index_select(0, rows_idx)},
-        check=dispatch_check,
-    )
-    fy = torch.empty(T, H, dtype=bf16, device=dev)
-
-    def floor_combine() -> None:
-        floors.moe_return_floor[(EL * w,)](expert_out, handle.src, per_source, offsets, fptrs, ws.combine,
-                                           SIZE=w, M=M, H=H, HP=HP)  # fmt: skip
-        floors.moe_sum_floor[(T,)](fy, weights, fptrs, fview.local_index, ws.combine, TOPK=K, H=H, HP=HP,
-                                   enable_fp_fusion=False)  # fmt: skip
-
-    def combine_check():
-        with torch.no_grad():
-            want = disp.combine(expert_out, weights, handle)
-        ctx.barrier()
-        for _ in range(2):
-            floor_combine()
-            ctx.barrier()
-        return True if torch.equal(fy.view(torch.int16), want.view(torch.int16)) else "sums differ"
-
-    received = int(per_source.sum())
-    ctx.figure(
-        f"MoE combine {kind} ({what})",
-        lambda: disp.combine(expert_out, weights, handle),
-        floor_combine,
-        "moe_return_floor + moe_sum_floor",
-        f"the {received} rows this rank received ({2 * H} B each) stored back into their sources' "
-        f"combine rows, then {T} x {K} rows read and summed per token",
-        mode=mode,
-        iters=max(20, ctx.iters // 4),
-        check=combine_check,
-    )
+    moe_shared.shared_rank(ctx)
 
 
 def main() -> None:

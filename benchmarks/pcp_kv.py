@@ -25,8 +25,9 @@ Medians of ``--reps`` runs of 61 layers. Prints a table with ratios and writes
 
 ``--shared`` measures ranks sharing one GPU under MPS (PCP over every rank, ``--pcp-tokens`` per
 rank, ``--pcp-layers`` writes per timed call), the writer beside a floor kernel that stores the
-same cache bytes into every replica without quantizing or fencing (``benchmarks/shared.py``;
-writes ``pcp_kv_<machine>_mps.json``)::
+same cache bytes into every replica without quantizing or fencing, and torch's ``index_copy_``
+of those bytes (the floor rule of ``benchmarks/shared.py`` picks the floor; writes
+``pcp_kv_<machine>_mps.json``; ``--host-smoke`` runs it on the host backend)::
 
     python benchmarks/pcp_kv.py --shared --worlds 2,4,8
 """
@@ -340,9 +341,11 @@ def shared_rank(ctx) -> None:
 
     w, dev = ctx.world, ctx.device
     tokens, layers = ctx.settings["pcp_tokens"], ctx.settings["pcp_layers"]
+    if ctx.backend == "host":  # --host-smoke: Triton's interpreter, small
+        tokens, layers = 64, 2
     total = tokens * w
     layout = pcp.CacheLayout(num_blocks=total // 64 + 1, num_layers=layers, base=0)
-    buf = ss.SymmetricBuffer(layout.end, backend="cuda", channels=4)
+    buf = ss.SymmetricBuffer(layout.end, backend=ctx.backend, channels=4)
     try:
         view = buf.view(list(range(w)))
         me = view.local_index
@@ -383,6 +386,17 @@ def shared_rank(ctx) -> None:
             b = layout.main_kv(buf, 1).view(-1, pcp.MainKVLayout.TOKEN_BYTES)[:total, 528:]
             return True if torch.equal(a, b) else "k_pe bytes differ from the writer's"
 
+        # torch's kernel for the same bytes: each layer's 788 cache bytes a token (as int32 words) copied
+        # into a local stand-in of every replica at its slot, one index_copy_ a layer.
+        n_slots, words = layout.num_blocks * layout.block_size, token_bytes // 4
+        cache = torch.empty(w * n_slots, words, dtype=torch.int32, device=dev)
+        to = torch.cat([slots + r * n_slots for r in range(w)])
+        words_in = torch.randint(-(2**30), 2**30, (w * rows, words), dtype=torch.int32, device=dev)
+
+        def torch_floor() -> None:
+            for _ in range(layers):
+                cache.index_copy_(0, to, words_in)
+
         moves = (
             f"{split.tokens_per_rank} tokens' bf16 rows read ({2 * sum(widths)} B each), their {token_bytes} cache "
             f"bytes (656 + 132) stored into each of the {w} replicas: "
@@ -404,6 +418,9 @@ def shared_rank(ctx) -> None:
                 iters=max(5, ctx.iters // 20),
                 calls=layers,
                 check=check if writer is direct else None,
+                torch_floor={"index_copy_ of the cache bytes into every replica": torch_floor},
+                bytes_moved=rows * 2 * sum(widths) + rows * token_bytes * w,
+                tags={"what": "pcp_writer", "fused": writer is fused},
             )
     finally:
         ctx.barrier()

@@ -3,11 +3,12 @@
 What the lead runs on a machine with one GPU and NVIDIA's MPS (all four benchmarks, worlds 2, 4
 and 8, in one process under one MPS daemon, nothing started after the budget is spent)::
 
-    PYTHONPATH=. python benchmarks/shared.py --all --worlds 2,4,8 --budget-s 420 --out benchmarks/results
+    PYTHONPATH=. python benchmarks/shared.py --all --worlds 2,4,8 --budget-s 330 --out benchmarks/results
 
 One benchmark alone: ``python benchmarks/fence.py --shared --worlds 2,4,8`` (``collectives.py``,
 ``moe.py``, ``pcp_kv.py`` the same). ``--dry-run`` writes the files from made-up numbers without
-touching a GPU (what CI can run).
+touching a GPU, and ``--host-smoke`` runs the benchmarks' code on the host backend
+(``benchmarks/shared_host.py``): what CI can run.
 
 With ``SYMMSYNC_SHARE_GPUS=1`` and an MPS daemon (``symmsync.testing.mps()``), ``symmsync.testing.run``
 puts the ``W`` ranks of a world on the one GPU, each on ``100 // W`` percent of its SMs, their
@@ -16,6 +17,19 @@ there, each beside a floor kernel (``benchmarks/floors.py``): the loads and stor
 does, through the same peer pointers, without synchronization, timed the same way on the same
 ranks in the same run. Timing: CUDA-graph replay of ``--iters`` calls started together on every
 rank (after a barrier), ``--reps`` replays, each rank's median, the slower rank's kept.
+
+The floor rule: each floor kernel is timed beside torch's own kernels for the same bytes
+(``index_select``, ``index_add_``, ``copy_``, ``sum``, on the same rank and SM share, in the same
+run); a floor kernel slower than 1.1x torch's figure is no floor, and torch's figure replaces
+it. Both are recorded in the row (``floors``), with which one was used. A large ``copy_`` of
+the same run (every rank at once) gives the copy bandwidth (``copy_gbps`` in each world's
+``notes``); a row that says what it moves (``bytes_moved``, read + written) also gives its time
+at that bandwidth (``copy_us``) and its ratio to it (``copy_ratio``).
+
+The budget (``--budget-s``) is shared among the worlds in proportion to the square root of
+their sizes, the first getting 40 s more for the compiles (what a world leaves goes to the
+next), so every world measures its first figures; a world stops starting figures at its
+share's end and records the rest as skipped.
 
 What such a figure means: the peers' memory is the GPU's own HBM, so nothing here is an NVLink
 figure. The ratio to the floor is what it can say: how much the protocol (publishes, waits,
@@ -46,7 +60,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from shared_results import Results  # noqa: E402 - after the path above
+from shared_results import Figure, Results, choose_floor, fake_results  # noqa: E402 - after the path above
 
 #: The benchmarks with a ``shared_rank(ctx)``, in the order ``--all`` runs them (module = name).
 BENCHES = ("fence", "collectives", "moe", "pcp_kv")
@@ -57,23 +71,10 @@ MIN_START_S = 20.0
 GRACE_S = 45.0
 #: Wait budget of the operations' device-side waits (s): a hang traps soon, compiles still fit.
 WAIT_S = 30.0
-
-
-@dataclasses.dataclass
-class Figure:
-    """One row: an operation's time beside its floor's, and their ratio."""
-
-    figure: str
-    value: float | None
-    floor: float | None
-    ratio: float | None
-    floor_kernel: str
-    floor_moves: str
-    units: str
-    timing: str
-    sm_share_percent: int
-    more: dict[str, Any]
-    error: str | None = None
+#: Seconds the first world of a run gets before the budget is shared: it compiles the kernels.
+COMPILE_S = 40.0
+#: Bytes of the large copy_ that gives a run's copy bandwidth (on each rank, every rank at once).
+COPY_BYTES = 256 << 20
 
 
 # ============================================================================ inside a rank
@@ -81,6 +82,9 @@ class Rank:
     """What a benchmark's ``shared_rank(ctx)`` gets on every rank: its world, device, SM share, and
     :meth:`figure`, which times an operation and its floor and records the row (rank 0 writes it
     to the progress file at once, so a world that dies keeps what it measured)."""
+
+    backend = "cuda"  # the symmetric buffers' backend
+    copy_bytes = COPY_BYTES  # of copy_gbps()'s copy
 
     def __init__(self, settings: dict, progress: str, deadline: float):
         import torch
@@ -95,13 +99,20 @@ class Rank:
         self.wait_s = settings.get("wait_s", WAIT_S)
         self.bench = ""
         self._progress, self._deadline = progress, deadline
+        self._copy: float | None = None  # copy_gbps(), once a world
+        self._copy_noted: set[str] = set()
 
     # -- the ranks' agreement (gloo, on the host)
-    def barrier(self) -> None:
+    def sync(self) -> None:
+        """Wait for this rank's device."""
         import torch
-        import torch.distributed as dist
 
         torch.cuda.synchronize()
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        self.sync()
         dist.barrier()
 
     def agree(self, local: Any) -> list:
@@ -230,17 +241,42 @@ class Rank:
         more: dict[str, Callable[[], Any]] | None = None,
         check: Callable[[], Any] | None = None,
         units: str = "µs per call",
-    ) -> None:
+        torch_floor: dict[str, Callable[[], Any]] | None = None,
+        bytes_moved: int | None = None,
+        tags: dict[str, Any] | None = None,
+    ) -> dict | None:
         """Time ``fn`` and its floor (and each of ``more``: other floors, references) the same way,
-        then ``check`` (what the floor computed, against the operation), and record the row."""
+        then ``check`` (what the floor computed, against the operation), and record the row.
+
+        ``torch_floor``: torch's own kernels for the same bytes (each a candidate, the fastest is
+        torch's figure); the floor rule (:func:`shared_results.choose_floor`) picks the floor the
+        ratio is taken to. ``bytes_moved``: the bytes the operation reads and writes on this rank
+        (the most of any rank is kept), for its time at the run's copy bandwidth
+        (:meth:`copy_gbps`). Returns the row (as recorded)."""
         if not self.time_left():
             row = Figure(name, None, None, None, floor_kernel, floor_moves, units, mode, self.sm_share, {},
-                         "skipped: budget")  # fmt: skip
+                         "skipped: budget", tags=dict(tags or {}))  # fmt: skip
             self.emit("row", row=dataclasses.asdict(row))
             self.say(f"{name}: skipped: budget")
-            return
+            return None
         value = self.time(fn, mode, iters, calls)
-        floor = self.time(floor_fn, mode, iters, calls)
+        kernel = self.time(floor_fn, mode, iters, calls)
+        floors: dict[str, Any] = {}
+        floor: float | str | None = kernel
+        if torch_floor:
+            cands = {k: self.time(f, mode, iters, calls) for k, f in torch_floor.items()}
+            good = {k: v for k, v in cands.items() if not isinstance(v, str)}
+            best = min(good, key=good.get) if good else None
+            floor, used = choose_floor(kernel, good[best] if best else None)
+            floors = {
+                "kernel": floor_kernel,
+                "kernel_us": kernel,
+                "torch": best or "; ".join(cands),
+                "torch_us": good[best] if best else None,
+                "torch_candidates_us": cands,
+                "used": used,
+            }
+            floor = floor if floor is not None else kernel
         extra: dict[str, Any] = {}
         for key, other in (more or {}).items():
             extra[key] = self.time(other, mode, iters, calls)
@@ -248,9 +284,17 @@ class Rank:
             extra["check"] = self.run_check(check)
         errors = [f"{what}: {v}" for what, v in (("value", value), ("floor", floor)) if isinstance(v, str)]
         ok = not errors
+        num = value if not isinstance(value, str) else None
+        copy_us = copy_ratio = None
+        if bytes_moved is not None:  # the most any rank moves (the time is the slower rank's)
+            bytes_moved = max(self.agree(bytes_moved))
+            gbps = self.copy_gbps()
+            if gbps:
+                copy_us = round(bytes_moved / (gbps * 1e3), 3)
+                copy_ratio = round(num / copy_us, 3) if num is not None and copy_us else None
         row = Figure(
             name,
-            value if ok or not isinstance(value, str) else None,
+            num,
             floor if not isinstance(floor, str) else None,
             round(value / floor, 3) if ok and floor else None,
             floor_kernel,
@@ -260,12 +304,65 @@ class Rank:
             self.sm_share,
             extra,
             "; ".join(errors) or None,
+            floors,
+            bytes_moved,
+            copy_us,
+            copy_ratio,
+            dict(tags or {}),
         )
         self.emit("row", row=dataclasses.asdict(row))
         if ok:
-            self.say(f"{name}: {value:.2f} µs, floor {floor:.2f} µs, ratio {value / floor:.2f}  {extra or ''}")
+            used = f" ({floors['used']})" if floors else ""
+            self.say(f"{name}: {value:.2f} µs, floor {floor:.2f} µs{used}, ratio {value / floor:.2f}  {extra or ''}")
         else:
             self.say(f"{name}: {row.error}")
+        return dataclasses.asdict(row)
+
+    def note(self, key: str, value: Any) -> None:
+        """A figure of the run that is not a row (a bandwidth, a sweep's winners): in the world's notes."""
+        self.emit("note", key=key, value=value)
+
+    def copy_gbps(self) -> float | None:
+        """GB/s of a large ``copy_`` (:data:`COPY_BYTES`), every rank at once on its SM share, (read +
+        written) / time, in graph replay: measured once a world, noted in each benchmark's world."""
+        import torch
+
+        if self._copy is None:
+            a = torch.empty(self.copy_bytes, dtype=torch.uint8, device=self.device)
+            b = torch.empty_like(a)
+            t = self.time(lambda: b.copy_(a), "graph", iters=10)
+            self._copy = round(2 * self.copy_bytes / t / 1e3, 1) if not isinstance(t, str) and t else 0.0
+            del a, b
+        if self.bench not in self._copy_noted:
+            self.note("copy_gbps", self._copy)
+            self._copy_noted.add(self.bench)
+        return self._copy or None
+
+    def host_us(self, fn: Callable[[], Any], calls: int = 50) -> float | str:
+        """Host time per call: wall time of ``calls`` back-to-back calls of ``fn`` with nothing
+        synchronized in between (the device catches up afterwards), each rank's median of the
+        reps, the slower rank's kept. Every rank makes the same calls."""
+        err: str | None = None
+        times: list[float] = []
+        try:
+            for _ in range(3):
+                fn()
+        except Exception as e:  # noqa: BLE001
+            err = f"warm-up: {e!r}"
+        for _ in range(self.reps):
+            self.barrier()
+            if err is None:
+                try:
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        fn()
+                    times.append((time.perf_counter() - t0) / calls * 1e6)
+                    self.sync()
+                except Exception as e:  # noqa: BLE001
+                    err = f"host: {e!r}"
+        every = self.agree(statistics.median(times) if err is None else err)
+        bad = [f"rank {r}: {v}" for r, v in enumerate(every) if isinstance(v, str)]
+        return "error: " + "; ".join(bad)[:1500] if bad else round(max(every), 3)
 
     def run_check(self, check: Callable[[], Any]) -> str:
         """``check()`` on every rank (it returns True or a short string): "ok on every rank", or what failed."""
@@ -286,7 +383,8 @@ def _rank_main(benches: list[str], settings: dict, progress: str, deadline: floa
     if ctx.rank == 0:
         import common
 
-        ctx.emit("machine", machine=common.machine(), sm_share_percent=ctx.sm_share, sms=ctx.sms)
+        info = {**common.machine(), "device": torch.cuda.get_device_name(ctx.device)}
+        ctx.emit("machine", machine=info, sm_share_percent=ctx.sm_share, sms=ctx.sms)
     for bench in benches:
         ctx.bench = bench
         ctx.emit("start")
@@ -338,6 +436,19 @@ def _machine_name() -> str:
     return re.sub(r"[^a-z0-9]+", "", names[0].lower().replace("nvidia", "")) + f"x{len(names)}"
 
 
+def world_deadline(worlds: list[int], deadline: float, now: float | None = None, extra: float = 0.0) -> float:
+    """When the first of ``worlds`` (the worlds not yet run) must stop starting figures: ``extra``
+    seconds (the first world of a run compiles the kernels), then the budget left shared among them
+    in proportion to the square root of their sizes (a larger world starts more processes and runs
+    each figure slower), so that the last world gets its share too. What a world leaves unused goes
+    to the ones after it."""
+    now = time.time() if now is None else now
+    left = max(0.0, deadline - now)
+    extra = min(extra, left)
+    weights = [w**0.5 for w in worlds]
+    return min(deadline, now + extra + (left - extra) * weights[0] / sum(weights))
+
+
 def run_world(world: int, benches: list[str], results: Results, settings: dict, deadline: float, tmp: str) -> None:
     """The benchmarks at one world: one run of ``world`` ranks, started again (for those not yet
     begun) when its processes die; what cannot start before the budget is spent is skipped."""
@@ -365,29 +476,6 @@ def run_world(world: int, benches: list[str], results: Results, settings: dict, 
         results.by[b][world].status = "error: not started (the world kept dying)"
 
 
-def _fake_results(benches: list[str], worlds: list[int], settings: dict, out: str) -> Results:
-    """Made-up rows (no GPU touched): the files and the table, for ``--dry-run``."""
-    import random
-
-    rnd = random.Random(0)
-    res = Results(benches, worlds, settings, out, "dryrun")
-    res.machine = {"gpus": ["(dry run: no GPU)"], "gpu_count": 0}
-    for b in benches:
-        for w in worlds:
-            wr = res.by[b][w]
-            wr.status, wr.sm_share_percent = "ok (dry run: made-up numbers)", 100 // w
-            for i in range(3):
-                v, f = rnd.uniform(2, 50) * w, rnd.uniform(1, 10) * w
-                row = Figure(f"{b} figure {i}", v, f, v / f, "fake_floor", "nothing (dry run)", "µs per call", "graph",
-                             100 // w, {"empty kernel": 0.5, "check": "ok on every rank"})  # fmt: skip
-                wr.rows.append(dataclasses.asdict(row))
-            wr.rows.append(dataclasses.asdict(
-                Figure(f"{b} failing figure", None, 1.0, None, "fake_floor", "nothing", "µs per call", "graph",
-                       100 // w, {}, "value: error: rank 1: capture: RuntimeError('made up')")))  # fmt: skip
-        res.by[b][worlds[-1]].status = "skipped: budget"
-    return res
-
-
 def parse(argv: list[str] | None, bench: str | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     if bench is None:
@@ -396,12 +484,15 @@ def parse(argv: list[str] | None, bench: str | None) -> argparse.Namespace:
     p.add_argument("--shared", action="store_true", help="(the flag the benchmark scripts take to come here)")
     p.add_argument("--worlds", default="2,4,8", help="ranks on the one GPU, comma separated")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
-    p.add_argument("--budget-s", type=float, default=420.0, help="nothing new starts after this many seconds")
+    p.add_argument("--budget-s", type=float, default=330.0, help="nothing new starts after this many seconds")
     p.add_argument("--iters", type=int, default=200, help="calls per captured graph")
     p.add_argument("--reps", type=int, default=5, help="replays per figure (the median is kept)")
     p.add_argument("--pcp-tokens", type=int, default=8192, help="pcp_kv: tokens per rank")
     p.add_argument("--pcp-layers", type=int, default=8, help="pcp_kv: layers per timed call")
     p.add_argument("--dry-run", action="store_true", help="write the files from made-up numbers; no GPU")
+    p.add_argument("--host-smoke", action="store_true",
+                   help="run the benchmarks' code on the host backend (2 processes, Triton's interpreter, small "
+                        "sizes; benchmarks/shared_host.py): every path of the GPU run, no GPU figure")  # fmt: skip
     args = p.parse_args(argv)
     if bench is not None:
         args.benches = [bench]
@@ -433,8 +524,12 @@ def main(argv: list[str] | None = None, bench: str | None = None) -> int:
         "pcp_layers": args.pcp_layers,
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
     }
+    if args.host_smoke:
+        import shared_host
+
+        return shared_host.smoke(args.benches, settings, args.out)
     if args.dry_run:
-        res = _fake_results(args.benches, args.worlds, settings, args.out)
+        res = fake_results(args.benches, args.worlds, settings, args.out)
         for b in args.benches:
             name = res.write(b)
             print(res.table(b), flush=True)
@@ -463,8 +558,9 @@ def main(argv: list[str] | None = None, bench: str | None = None) -> int:
                 print(
                     f"MPS daemon in {daemon.pipe_dir}; worlds {args.worlds}; budget {args.budget_s:.0f} s", flush=True
                 )
-                for world in args.worlds:
-                    run_world(world, args.benches, results, settings, deadline, tmp)
+                for i, world in enumerate(args.worlds):
+                    until = world_deadline(args.worlds[i:], deadline, extra=COMPILE_S if i == 0 else 0.0)
+                    run_world(world, args.benches, results, settings, until, tmp)
                     results.write_all()  # after every world: a run cut short keeps what it measured
         except ConfigError as e:  # no MPS here: the ranks would time-slice, and the figures mean nothing
             print(f"benchmarks/shared.py: MPS could not be started: {e}", file=sys.stderr)

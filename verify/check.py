@@ -39,6 +39,7 @@ MODEL = os.path.join(HERE, "fence.pml")
 SIGNALS = "signals.pml"
 COLLECTIVES = "collectives.pml"
 MOE = "moe.pml"
+GEMM = "gemm.pml"
 
 #: Seconds one step (spin -a, gcc, pan) may take before the check counts as failed.
 STEP_TIMEOUT_S = 300
@@ -55,6 +56,7 @@ HEAVY = frozenset(
     {
         "ends-3r", "abort-split-3r", "channels-crash-2r", "abort-channels-2r", "abort-views-4r", "refuse-3r",
         "coll-mix-2r", "coll-mix-3r", "coll-refuse-3r", "moe-3r", "moe-mismatch-3r", "moe-refuse-3r",
+        "gemm-3r", "gemm-refuse-3r",
     }
 )  # fmt: skip
 
@@ -302,7 +304,7 @@ CONFIGS: tuple[Config, ...] = (
         "moe-2r",
         ("N=2", "S=4"),
         "pass",
-        "2 members, 4 steps, dispatch and combine in turn: parity regions, headers, release signals, counted waits",
+        "2 members, 4 steps, combine and dispatch in turn: counts first, rows once, headers, release signals, waits",
         model=MOE,
     ),
     C("moe-3r", ("N=3", "S=3"), "pass", "3 members, 3 steps", model=MOE),
@@ -311,7 +313,7 @@ CONFIGS: tuple[Config, ...] = (
         "moe-noparity",
         ("N=2", "S=4", "ONEKIND", "BUG_NOPARITY"),
         "overwrite",
-        "dispatches back to back, one region per sender, no parity",
+        "dispatches back to back, one copy of the counts and rows, no parity",
         model=MOE,
     ),
     C(
@@ -324,8 +326,8 @@ CONFIGS: tuple[Config, ...] = (
     C(
         "moe-early",
         ("N=2", "S=4", "BUG_EARLY"),
-        "final",
-        "the signal before the stores: a header not landed yet fails a step every member made alike",
+        "stale",
+        "the signals before the stores: a dispatch's rows read before they land",
         model=MOE,
     ),
     C("moe-mismatch", ("N=2", "S=3", "MISMATCH"), "pass", "a dispatch against a combine: all stop", model=MOE),
@@ -345,6 +347,53 @@ CONFIGS: tuple[Config, ...] = (
         "stale",
         "a dispatch against a combine, no header check: a step read that was never sent",
         model=MOE,
+    ),
+    C(
+        "moe-nocountwait",
+        ("N=2", "S=4", "BUG_NOCOUNTWAIT"),
+        "stale",
+        "a dispatch's rows stored before its counts wait: offsets from counts not landed yet",
+        model=MOE,
+    ),
+    # ---- symmsync.gemm's tile signals (gemm.pml): calls back to back, no host barrier ----
+    C(
+        "gemm-2r",
+        ("N=2", "C=3"),
+        "pass",
+        "2 members, 3 calls: header and blocks in either order, parity regions, a wait per block",
+        model=GEMM,
+    ),
+    C("gemm-3r", ("N=3", "C=2"), "pass", "3 members, 2 calls", model=GEMM),
+    C("gemm-mismatch", ("N=2", "C=3", "MISMATCH"), "pass", "a member's rows differ at call 2: all stop", model=GEMM),
+    C(
+        "gemm-refuse",
+        ("N=2", "C=3", "REFUSE"),
+        "pass",
+        "a member refuses call 2: nobody reads it, all go on",
+        model=GEMM,
+    ),
+    C("gemm-refuse-3r", ("N=3", "C=3", "REFUSE"), "pass", "the same with 3 members", model=GEMM),
+    C(
+        "gemm-noparity",
+        ("N=2", "C=3", "BUG_NOPARITY"),
+        "overwrite",
+        "one region per sender, no parity: a fast member's next call overwrites a block being read",
+        model=GEMM,
+    ),
+    C("gemm-nowait", ("N=2", "C=3", "BUG_NOWAIT"), "stale", "no block waits: a block read before it lands", model=GEMM),
+    C(
+        "gemm-early",
+        ("N=2", "C=3", "BUG_EARLY"),
+        "stale",
+        "a block's signal before its stores: a block read before it lands",
+        model=GEMM,
+    ),
+    C(
+        "gemm-noheader",
+        ("N=2", "C=3", "REFUSE", "BUG_NOHEADER"),
+        "stale",
+        "a member refuses call 2, no header check: its next call's signal passes an old block off as call 2's",
+        model=GEMM,
     ),
 )
 del C
@@ -386,8 +435,8 @@ def classify(output: str) -> tuple[str, str]:
                     return "refusal", line
                 if "pay[" in line or "tile[" in line:
                     return "payload", line
-                if any(f"{a}[" in line for a in ("inp", "hdr", "sym", "red", "rows")):
-                    # collectives.pml's and moe.pml's READ: the value read is an earlier call's, or a later one's
+                if any(f"{a}[" in line for a in ("inp", "hdr", "sym", "red", "rows", "cnt", "blk")):
+                    # collectives.pml's, moe.pml's and gemm.pml's READ: an earlier call's value, or a later one's
                     return ("stale" if ">=k)" in line else "overwrite"), line
                 if "sent[" in line:
                     return "arrival", line

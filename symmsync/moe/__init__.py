@@ -12,6 +12,8 @@ device primitives of :mod:`symmsync.language` and the agreement of
     recv, counts, handle = disp.dispatch(x, topk_idx)      # rows for this member's experts
     y = disp.combine(expert_out, topk_weights, handle)      # [tokens, hidden]
 
+A dispatch moves each row once: its senders learn every member's counts first, then store the
+row straight into its packed place, where the receiver's ``recv`` is a view (:mod:`.protocol`).
 Deterministic by contract: a received row's place is fixed by (source member, token index,
 expert) and the combine sums a token's contributions in float32 in the order of its top-k
 entries, so every run gives the same bits (docs/moe.md states the order).

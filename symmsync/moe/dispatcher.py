@@ -3,12 +3,14 @@
 A :class:`Dispatcher` is made with the consumer kit (:mod:`symmsync.core.consumer`) and owns a
 workspace in the view's buffer (:mod:`.layout`) and a :class:`~symmsync.Signals` object of one
 slot; a dispatch or a combine is two bound launches (:mod:`.kernels`, in the order of
-:mod:`.protocol`), with no host synchronization and no host barrier between calls. A bad
+:mod:`.protocol`), with no host synchronization and no host barrier between calls. A dispatch
+moves each row once, into the receiver's workspace, where its ``recv`` is a view. A bad
 argument fails the call on every member and nothing else; steps that differ fail the dispatcher.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple
 
 import torch
@@ -27,7 +29,12 @@ from . import layout as L
 #: The most entries per token (``top_k``) a dispatcher takes.
 MAX_TOP_K = 32
 _CHUNK = 2048  # channels of a row a program moves (at most): rows x chunks spread a step's programs
-_ROWS = 4  # received rows a program of a read (or a combine's send) moves
+_ROWS = 4  # received rows a program of a combine's send moves at a time
+#: The default of ``programs`` per multiprocessor, a dispatch's and a combine's (under Triton's interpreter: in
+#: all): tuning knobs, every value gives the same bytes. The combine's 4: the fastest in each of three rounds of
+#: a sweep of 1, 2, 4, 8, 16 at worlds 2, 4, 8 on one H100 (docs/performance.md); the dispatch's was indifferent.
+PROGRAMS_PER_SM, COMBINE_PROGRAMS_PER_SM, PROGRAMS_INTERPRETED = 2, 4, 4
+PHASE_TIMES_ENV = "SYMMSYNC_MOE_PHASE_TIMES"
 _NO_GRAD = "dispatch and combine have"  # no autograd formula (symmsync.checks.tensor_problem words it)
 
 
@@ -43,9 +50,9 @@ class Pending:
     ``combine(..., wait=False)``): launch other work, then call :meth:`wait` once, before any
     other call of the dispatcher, to launch the receive and get the call's results.
 
-    Between the two the send's rows travel while the stream runs what was launched in between
-    (an expert's GEMM, attention): the step synchronizes only in its receive, so nothing waits
-    for the members until :meth:`wait` is launched. Both launches are ordinary kernel launches:
+    Between the two the rows travel while the stream runs what was launched in between (an
+    expert's GEMM, attention): a dispatch's send waits only for every member's counts, a
+    combine's for nothing; the rows are awaited in the receive. Both are ordinary kernel launches:
     a CUDA graph captures the pair and what lies between them like any other launches.
     """
 
@@ -58,12 +65,8 @@ class Pending:
         """True once :meth:`wait` ran."""
 
     def wait(self) -> Any:
-        """Launch the step's receive and return what the call returns with ``wait=True``
-        (raising what it raises).
-
-        Raises:
-            ConfigError: called a second time.
-        """
+        """Launch the step's receive and return what the call returns with ``wait=True`` (raising
+        what it raises); a second call raises :class:`~symmsync.ConfigError`."""
         if self.done:
             raise ConfigError(
                 f"rank {self.rank}: moe.Dispatcher: the pending {self.what}'s wait() was called already: "
@@ -80,7 +83,8 @@ class Handle(NamedTuple):
         topk_idx: the routing this member dispatched (``[tokens, top_k]``, int64).
         src: ``[local experts, members * max_tokens]`` int64: for received row ``offsets[e][s] + j``
             of local expert ``e``, ``t * top_k + k`` (token ``t`` of member ``s``, its entry ``k``);
-            past ``counts[e]`` not written.
+            past ``counts[e]`` not written. A view of the dispatcher's workspace, as ``recv``: it
+            holds until this member's dispatch after next (:meth:`Dispatcher.dispatch`).
         per_source: ``[local experts, members]`` int64: the rows each member sent each local expert
             (-1 everywhere after a failed dispatch: its combine then sends nothing and returns NaN).
         offsets: ``[local experts, members]`` int64: where member ``s``'s rows start among local
@@ -119,10 +123,12 @@ class Dispatcher(Consumer):
         offset: where the workspace starts in the view's buffer (a multiple of 128;
             :func:`~symmsync.moe.buffer_bytes` says how much it takes).
         timeout_s: wait budget of every wait (default: the buffer's).
-        programs: the programs of the launches sized by the device (a read, a combine's send,
-            a combine's sum; each program waits once, then loops over its share). Default: two
-            for each multiprocessor the device reports (under MPS, its share's); four on the
-            host backend. A tuning knob: every value gives the same bytes.
+        programs: the programs of the launches sized by the device (a dispatch's send, a
+            combine's send, a combine's sum; each program waits once, then loops over its share).
+            Default: :data:`PROGRAMS_PER_SM` (a combine's: :data:`COMBINE_PROGRAMS_PER_SM`) for
+            each multiprocessor the device reports (under MPS, its share's);
+            :data:`PROGRAMS_INTERPRETED` on the host backend. A tuning knob: every value gives the
+            same bytes.
 
     Made collectively, before compile and capture: every rank of the buffer's group constructs
     its object at the same time, the members of the view with the same arguments, or every
@@ -223,20 +229,26 @@ class Dispatcher(Consumer):
         self._bits = self._interp and dtype is torch.bfloat16
         # the steps' own words (protocol.py), on the device; their headers and outcomes are the kit's
         self._state = torch.zeros(protocol.STATE_WORDS, dtype=torch.int64, device=buf.device)
+        # a dispatch's counts, added up by its send's program 0 and read back as zeros (kernels._counts)
+        self._tally = torch.zeros(num_experts, dtype=torch.int32, device=buf.device)
+        self._dispatches = 0  # dispatches launched: the next one's buffer is this modulo 2 (layout.py)
+        timed = os.environ.get(PHASE_TIMES_ENV) == "1"  # a profiling switch: kernels.py's _stamp
+        self.phase_times = torch.zeros(8 if timed else 1, dtype=torch.int64, device=buf.device)
+        """The last dispatch's clock stamps (ns) with ``SYMMSYNC_MOE_PHASE_TIMES=1`` at construction."""
         self._groups = hidden // L.FP8_GROUP if fp8 else 1
         self._chunks = -(-hidden // min(_pow2(hidden), _CHUNK))  # a send's (or reduce's) programs per row
+        # The programs of a launch sized by the device (few wait, few find nothing to do); each loops
+        # over its share (a combine's send's, a few per local expert and source, over blocks of rows).
+        self.programs = programs or self.device_programs(PROGRAMS_PER_SM, PROGRAMS_INTERPRETED)
+        """The programs of a dispatch's send (the ``programs`` argument, or its default)."""
+        self.combine_programs = programs or self.device_programs(COMBINE_PROGRAMS_PER_SM, PROGRAMS_INTERPRETED)
+        """The programs of a combine's launches (the ``programs`` argument, or its default)."""
         row_blocks = -(-max_tokens // _ROWS)  # blocks of rows a source may send an expert
-        # The programs of a launch sized by the device: about two a multiprocessor (a few under the
-        # interpreter), so that few programs wait (a read, a combine's sum: each waits once) or find
-        # nothing to do; each loops over its share (a read's and a combine's send's, a few per local
-        # expert and source, over that source's blocks of rows).
-        if programs is None:
-            programs = self.device_programs(2, 4)
-        self.programs = programs
-        """The programs of each launch sized by the device (the ``programs`` argument, or its default)."""
-        self._blocks = max(1, min(row_blocks, -(-programs // (self.local_experts * view.size))))
+        self._blocks = max(1, min(row_blocks, -(-self.combine_programs // (self.local_experts * view.size))))
         self._launches = self._launchers(caps.traps)
         dev, i64 = buf.device, torch.int64
+        # What a dispatch into buffer b returns (recv, scales, src): views of the workspace, made once
+        self._buffers = tuple(self._views(b) for b in range(2))
         # What a refused step launches with: no tokens, no rows (its header says why).
         self._no_tokens = (
             torch.empty((0, hidden), dtype=dtype, device=dev),
@@ -249,8 +261,16 @@ class Dispatcher(Consumer):
             torch.empty((0, top_k), dtype=torch.float32, device=dev),
             Handle(self._no_tokens[1], torch.zeros((self.local_experts, rows), dtype=i64, device=dev), per, per),
         )
-        self._bound: dict[tuple, BoundLaunch] = {}  # (kernel, grid) -> its launch, packed once
+        self._bound: dict[tuple, BoundLaunch] = {}  # (kernel, grid, buffer) -> its launch, packed once
         self._pending: Pending | None = None  # a step launched with wait=False, until its wait()
+
+    def _views(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(recv, scales, src)`` over this member's dispatch buffer ``b`` (``scales`` empty without fp8)."""
+        ws, el, rows, h, view = self.workspace, self.local_experts, self.size * self.max_tokens, self.hidden, self.view
+        at = b * ws.dispatch_stride
+        recv = view.tensor(ws.rows + at, (el, rows, h), torch.float8_e4m3fn if self.fp8 else self.dtype)
+        scales = view.tensor(ws.scales + at, (el, rows, self._groups) if self.fp8 else (0,), torch.float32)
+        return recv, scales, view.tensor(ws.src + at, (el, rows), torch.int64)
 
     def _launchers(self, traps: bool) -> dict[str, tuple[Launcher, dict[str, Any], tuple[str, ...]]]:
         """Each kernel's launcher, its fixed arguments by name, and the names a call passes."""
@@ -259,29 +279,28 @@ class Dispatcher(Consumer):
         hb = min(_pow2(h), _CHUNK)
         steps = dict(state=self._state, sig=sig, me=me)
         waits = dict(steps, timeout_ns=timeout_ns, record=record)
-        regions = dict(
-            rows_off=ws.rows, scales_off=ws.scales, src_off=ws.src, counts_off=ws.counts, stride=ws.dispatch_stride
-        )
+        stamps = dict(times=self.phase_times)
+        tally = dict(tally=self._tally)
+        both = dict(TIMES=self.phase_times.numel() > 1, SP=_pow2(size), TRAP=traps, E=self.num_experts, EL=el)
+        counts = dict(counts_off=ws.counts, counts_stride=ws.counts_stride, rows_off=ws.rows)
+        rows = dict(scales_off=ws.scales, src_off=ws.src)
+        tokens = dict(BT=_pow2(self.max_tokens), KP=_pow2(self.top_k), EP=_pow2(self.num_experts))
         combine = dict(comb_off=ws.combine, stride=ws.combine_stride)
         sync = dict(SIZE=size, NSLOTS=protocol.SLOTS)
         exact = {} if self._interp else {"enable_fp_fusion": False}  # the documented order, no FMA
         return {
             "dispatch_send": (
                 Launcher(
-                    kernels.dispatch_send, (1,), 4, **sync, E=self.num_experts, EL=el, M=self.max_tokens, H=h, HB=hb,
-                    C=self._chunks, TOPK=self.top_k, BT=_pow2(self.max_tokens), KP=_pow2(self.top_k), FP8=self.fp8,
-                    GB=max(1, hb // L.FP8_GROUP), BITS=self._bits,
+                    kernels.dispatch_send, (1,), 4, **sync, **both, M=self.max_tokens, H=h, HB=hb, C=self._chunks,
+                    TOPK=self.top_k, **tokens, FP8=self.fp8, GB=max(1, hb // L.FP8_GROUP), BITS=self._bits,
                 ),
-                dict(steps, **regions),
+                dict(waits, **counts, **rows, **stamps, **tally),
                 ("x", "topk", "T", "refused"),
             ),
-            "dispatch_read": (
-                Launcher(
-                    kernels.dispatch_read, (1,), 4, **sync, SP=_pow2(size), TRAP=traps, EL=el, M=self.max_tokens,
-                    H=h, HP=_pow2(h), RB=_ROWS, FP8=self.fp8, G=self._groups, GP=_pow2(self._groups),
-                ),
-                dict(waits, **regions),
-                ("recv", "scales", "counts_out", "per_source", "offsets", "src"),
+            "dispatch_recv": (
+                Launcher(kernels.dispatch_recv, (1,), 4, **sync, **both, ELP=_pow2(el)),
+                dict(waits, **counts, **stamps),
+                ("counts_out", "per_source", "offsets"),
             ),
             "combine_send": (
                 Launcher(kernels.combine_send, (1,), 4, **sync, M=self.max_tokens, H=h, HP=_pow2(h), RB=_ROWS),
@@ -298,14 +317,16 @@ class Dispatcher(Consumer):
             ),
         }  # fmt: skip
 
-    def _launch(self, name: str, grid: tuple[int, int, int], *values: Any) -> None:
-        """Launch kernel ``name`` on ``grid`` with a call's ``values`` (its bound launch, packed at
-        the first call of that grid: a later call repacks only what changed); a launch that raised
-        fails the dispatcher (it may have run in part)."""
-        bound = self._bound.get((name, grid))
+    def _launch(self, name: str, grid: tuple[int, int, int], b: int, *values: Any) -> None:
+        """Launch kernel ``name`` on ``grid`` (a dispatch's: into buffer ``b``; else ``b`` is -1) with a
+        call's ``values`` (its bound launch, packed at its first call: a later call repacks only what
+        changed); a launch that raised fails the dispatcher (it may have run in part)."""
+        bound = self._bound.get((name, grid, b))
         if bound is None:
             launcher, fixed, per_call = self._launches[name]
-            bound = self._bound[(name, grid)] = self.bind(launcher, grid=grid, per_call=per_call, **fixed)
+            at = max(b, 0) * self.workspace.dispatch_stride  # buffer b's regions: buffer 0's, moved
+            fixed = {k: v + at if k in ("rows_off", "scales_off", "src_off") else v for k, v in fixed.items()}
+            bound = self._bound[(name, grid, b)] = self.bind(launcher, grid=grid, per_call=per_call, **fixed)
         try:
             bound(*values)
         except Exception as e:
@@ -407,13 +428,18 @@ class Dispatcher(Consumer):
             float32). Packed: ``recv[e][:counts[e]]`` holds every row local expert ``e`` received, in
             (source member, token index) order: member ``s``'s from ``handle.offsets[e][s]``, its
             ``j``-th token routed to ``e`` at ``handle.offsets[e][s] + j``. Rows past ``counts[e]``
-            are not written (their bytes are whatever the allocator gave). ``counts`` is
-            ``[local experts]`` int64, the rows each received (on the device); ``handle`` goes to
-            :meth:`combine` (its ``per_source`` holds the count per member).
+            are not written by this call (their bytes are an earlier call's, or zeros). ``counts``
+            is ``[local experts]`` int64, the rows each received (on the device); ``handle`` goes
+            to :meth:`combine` (its ``per_source`` holds the count per member).
 
         Every member must call it, in the same order of dispatches and combines. Two launches
         (:mod:`symmsync.moe.protocol`), no host synchronization: the ids are checked on the
-        device. New tensors are returned; the workspace may be reused at once.
+        device. The senders store the rows where ``recv`` is, once: ``recv`` (and its scales)
+        and ``handle.src`` are views of this member's workspace, in one of two buffers taken in
+        turn, valid until this member launches its dispatch after next (work launched on the
+        dispatcher's stream before that dispatch reads them safely; a combine of this handle
+        may come after the next dispatch). Clone what must live longer. ``counts``,
+        ``handle.per_source`` and ``handle.offsets`` are new (one allocation).
 
         Raises:
             InputError: a bad argument on this member (found on the host, or an expert id out of
@@ -452,29 +478,21 @@ class Dispatcher(Consumer):
         self.check_usable()
         bad = self._dispatch_problem(x, topk_idx) or _wait_problem(wait)
         refused = self.start_call(bad)  # a refusal staged with its reason: the step goes on, sending nothing
-        el, size, dev = self.local_experts, self.size, self._device
-        rows = size * self.max_tokens
+        el, size = self.local_experts, self.size
         if bad is not None:  # the step is made all the same: nothing sent, the refusal in its header
             x, topk_idx = self._no_tokens
         tokens = x.shape[0]
-        if self.fp8:
-            recv = torch.empty((el, rows, self.hidden), dtype=torch.float8_e4m3fn, device=dev)
-            scales = torch.empty((el, rows, self._groups), dtype=torch.float32, device=dev)
-            recv_k = recv.view(torch.uint8)
-        else:
-            recv = torch.empty((el, rows, self.hidden), dtype=self.dtype, device=dev)
-            scales = torch.empty(0, dtype=torch.float32, device=dev)
-            recv_k = recv.view(torch.int16) if self._bits else recv
-        src = torch.empty((el, rows), dtype=torch.int64, device=dev)
-        counts = torch.empty(el, dtype=torch.int64, device=dev)
-        per_source = torch.empty((el, size), dtype=torch.int64, device=dev)
-        offsets = torch.empty((el, size), dtype=torch.int64, device=dev)
-        self._launch("dispatch_send", (max(tokens, 1), self._chunks, 1), kernel_view(x), topk_idx, tokens, refused)
+        b = self._dispatches % 2  # the buffer the rows land in (its offset: a size word of the step's header)
+        self._dispatches += 1
+        recv, scales, src = self._buffers[b]
+        small = torch.empty(el * (1 + 2 * size), dtype=torch.int64, device=self._device)  # one allocation
+        counts, (per_source, offsets) = small[:el], small[el:].view(2, el, size).unbind()
+        grid = (min(max(tokens, 1) * self._chunks, self.programs), 1, 1)
+        self._launch("dispatch_send", grid, b, kernel_view(x), topk_idx, tokens, refused)
 
         def receive() -> tuple[torch.Tensor, ...]:
             self._pending = None
-            grid = (el * size, self._blocks, 1)
-            self._launch("dispatch_read", grid, recv_k, scales, counts, per_source, offsets, src)
+            self._launch("dispatch_recv", (1, 1, 1), b, counts, per_source, offsets)
             self.finish_call(bad, "dispatch")  # the host backend: what the step found; then this member's refusal
             return recv, scales, counts, src, per_source, offsets
 
@@ -543,13 +561,13 @@ class Dispatcher(Consumer):
         tokens = handle.topk_idx.shape[0]
         y = torch.empty((tokens, self.hidden), dtype=self.dtype, device=self._device)
         send = (el * size, self._blocks, 1)
-        self._launch("combine_send", send, kernel_view(expert_out), handle.per_source, handle.offsets, handle.src,
+        self._launch("combine_send", send, -1, kernel_view(expert_out), handle.per_source, handle.offsets, handle.src,
                      refused)  # fmt: skip
 
         def receive() -> torch.Tensor:
             self._pending = None
-            grid = (min(max(tokens, 1) * self._chunks, self.programs), 1, 1)
-            self._launch("combine_reduce", grid, kernel_view(y), handle.topk_idx, topk_weights, tokens,
+            grid = (min(max(tokens, 1) * self._chunks, self.combine_programs), 1, 1)
+            self._launch("combine_reduce", grid, -1, kernel_view(y), handle.topk_idx, topk_weights, tokens,
                          handle.per_source)  # fmt: skip
             self.finish_call(bad, "combine")
             return y

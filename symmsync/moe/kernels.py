@@ -1,23 +1,35 @@
 """The dispatcher's kernels: two launches per step (:mod:`.protocol` says why and in what order),
 each bound once (:mod:`symmsync.core.launch`).
 
-Placement, computed by the sender with a prefix count (no atomics): token ``t`` of member
-``s`` routed to expert ``e`` (owned by member ``e // EL`` as its local expert ``e % EL``) lands
-in row ``p`` of source ``s``'s block of that expert in the receiver's region, ``p`` the number
-of tokens ``t' < t`` of ``s`` routed to ``e``. The receiver packs the blocks: local expert
-``e``'s received rows are ``recv[e][:counts[e]]``, source ``s``'s from ``offsets[e][s]``, in
-(source member, token index) order. An entry ``topk_idx[t, k]`` is skipped when it is -1, or
-when an earlier entry of the same token names the same expert (a (token, expert) pair is sent
-once); one below -1 or not below the number of experts refuses the step on every member
-(:func:`.protocol.refuse_id`).
+Placement, computed by the sender with prefix counts (no atomic decides a row's place): token
+``t`` of member ``s`` routed to expert ``e`` (owned by member ``e // EL`` as its local expert
+``e % EL``) lands in row ``offsets[e][s] + p`` of that expert's packed rows in the receiver's
+buffer, ``p`` the number of tokens ``t' < t`` of ``s`` routed to ``e`` and ``offsets[e][s]`` the
+rows every member before ``s`` sends ``e`` (from the counts every member sent first). So local
+expert ``e``'s received rows are ``recv[e][:counts[e]]``, in (source member, token index) order,
+stored once, where the receiver's dispatch returns them. An entry ``topk_idx[t, k]`` is skipped
+when it is -1, or when an earlier entry of the same token names the same expert (a (token,
+expert) pair is sent once); one below -1 or not below the number of experts refuses the step on
+every member.
 
-Programs: a dispatch's send runs one program per (token, chunk of ``HB`` channels), which
-loads (and quantizes) its chunk once and stores it for each of the token's experts. The
-other launches are sized by the device, not by ``max_tokens`` (about two programs a
-multiprocessor), so that few programs wait or find nothing to do: a read's and a combine's
-send's, a few per (local expert and source), loop over blocks of ``RB`` rows as far as that
-source's count; a combine's reduce's loop over (token, chunk) pairs. Each moves whole chunks
-of a row with one masked access per chunk.
+Programs: every launch but a dispatch's receive (one program) is sized by the device, not by
+``max_tokens`` (``programs``: two a multiprocessor for a dispatch, four for a combine), so that
+few programs wait or find nothing to do: a dispatch's send's and a combine's reduce's loop over (token, chunk of ``HB``
+channels) items, loading (and quantizing) a chunk once and storing it for each of the token's
+experts; a combine's send's, a few per (local expert and source), loop over blocks of ``RB``
+rows as far as that source's count. Each moves whole chunks of a row with one masked access per
+chunk. Every program of a dispatch's send reads the call's ids once (``BT`` tokens, the
+dispatcher's ``max_tokens`` rounded up to a power of 2, masked past the call's) and finds the
+earliest id out of range; program 0 counts them with one atomic add per entry that sends a row
+into the dispatcher's ``tally`` (:func:`_counts`: integer sums, the same every run).
+
+Where the time goes (a dispatch): the send's phase A (program 0: the counts, O(tokens x top_k)
+adds and one exchange per expert, the header, one release per member), its wait for every other
+member's phase A (the step's one synchronization before the rows move), phase B (the rows, once,
+at the wire's rate), the last program's release, the receive's wait for every member's last
+release and its few stores. ``benchmarks/moe.py`` times the launches, ``benchmarks/moe_phases.py``
+the phases (:func:`_stamp`); Nsight Compute's source view of ``dispatch_send`` splits phase B's
+stores from the waits (``wait_signal``'s poll loop).
 
 Element types under Triton's interpreter: numpy has no bfloat16, so bfloat16 tensors
 travel as their int16 bits (``BITS``) and are widened and rounded by integer arithmetic
@@ -41,141 +53,183 @@ _FLOOR = tl.constexpr(AMAX_FLOOR)
 _FP8_MAX = tl.constexpr(E4M3_MAX)
 _DISPATCH = tl.constexpr(protocol.DISPATCH)
 _COMBINE = tl.constexpr(protocol.COMBINE)
+_COUNTS = tl.constexpr(protocol.COUNTS)
+_END = tl.constexpr(protocol.END)
 _SENT = tl.constexpr(protocol.SENT)
+_PER_STEP = tl.constexpr(protocol.PER_STEP)
+_REFUSED_EXPERT_ID = tl.constexpr(protocol.REFUSED_EXPERT_ID)
+_FAR = tl.constexpr(1 << 30)  # past any entry's index (int32): the earliest bad entry's minimum
 
 
 @triton.jit
-def _sources(counts, el, SIZE: tl.constexpr, SP: tl.constexpr):
-    """Member-indexed counts of local expert ``el`` (``[SP]``, zeros past ``SIZE``) from a counts array."""
-    m = tl.arange(0, SP)
-    return m, tl.load(counts + el * SIZE + m, mask=m < SIZE, other=0)
+def _stamp(times, WORD: tl.constexpr, mine, TIMES: tl.constexpr):
+    """With ``TIMES`` (a dispatcher made under ``SYMMSYNC_MOE_PHASE_TIMES=1``), ``times[WORD]`` = the
+    clock (ns, ``ssl.clock_ns``) where ``mine``: a dispatch's send starts (0), its program 0 posted
+    its counts (1) and passed its counts wait (2), program 0's rows are stored (3), the last program
+    signalled (4); its receive passed its wait (5). Without ``TIMES`` nothing is compiled in."""
+    if TIMES:
+        if mine:
+            tl.store(times + WORD, ssl.clock_ns())
+
+
+@triton.jit
+def _entries(topk, T, t0, E: tl.constexpr, TOPK: tl.constexpr, BT: tl.constexpr, KP: tl.constexpr):
+    """This member's routing of tokens ``t0 .. t0 + BT - 1``: ``(tt, kk, ids, sent, bad)``, ``ids``
+    ``[BT, KP]`` (-1 past the tokens and entries), ``sent`` the entries that send a row (an expert id
+    that no earlier entry of the token named), ``bad`` the entries out of range (below -1, or not
+    below ``E``)."""
+    tt = t0 + tl.arange(0, BT)[:, None]
+    kk = tl.arange(0, KP)[None, :]
+    live = (tt < T) & (kk < TOPK)
+    ids = tl.load(topk + tt * TOPK + kk, mask=live, other=-1)
+    again = tl.zeros([BT, KP], dtype=tl.int32)
+    for j in tl.static_range(TOPK):  # an earlier entry of the token named the same expert
+        col = tl.load(topk + tt * TOPK + j, mask=tt < T, other=-1)
+        again += ((ids == col) & (kk > j)).to(tl.int32)
+    sent = live & (ids >= 0) & (ids < E) & (again == 0)
+    bad = live & ((ids < -1) | (ids >= E))
+    return tt, kk, ids, sent, bad
+
+
+@triton.jit
+def _counts(
+    topk, calls, sig, me, n, tally, named, tt, kk, bad, code, counts_off, rows_off,
+    SIZE: tl.constexpr, NSLOTS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, EP: tl.constexpr,
+):  # fmt: skip
+    """Phase A of a dispatch (program 0 of its send): this member's count of rows for every expert
+    (0 for all when it refuses the step), into every member's counts ``[me]``, then its header, then
+    its first signal (:func:`.protocol.post`); the header's size word is ``rows_off``, the step's rows
+    buffer. ``named`` is :func:`_entries`'s ids where they send a row, -1 elsewhere (int32): one
+    relaxed GPU-scope add per sent entry into ``tally`` (the dispatcher's ``E`` words, zero between
+    dispatches), a block barrier, then one exchange per expert reads each count and leaves 0 (what
+    the next step, or a graph's replay, starts from). O(tokens x top_k) adds, not a compare per
+    (token, entry, expert); the sums do not depend on the adds' order: the same counts every run."""
+    ex = tl.arange(0, EP)
+    named = tl.where(code == 0, named, -1)  # a refused step counts nothing: it sends 0 counts
+    tl.atomic_add(tally + named, 1, mask=named >= 0, sem="relaxed", scope="gpu")
+    tl.debug_barrier()  # every thread's adds before any thread's exchange
+    cnt = tl.atomic_xchg(tally + ex, 0, mask=ex < E, sem="relaxed", scope="gpu").to(tl.int64)
+    for m in tl.static_range(SIZE):
+        tl.store(ssl.data_ptr(sig, m, counts_off + me * E * 8, tl.int64) + ex, cnt, mask=ex < E)
+    first = tl.min(tl.min(tl.where(bad, tt * TOPK + kk, _FAR), axis=1), axis=0)  # the earliest bad entry
+    where = tl.where(code == _REFUSED_EXPERT_ID, first, 0)
+    value = tl.load(topk + where, mask=code == _REFUSED_EXPERT_ID, other=0)
+    protocol.post(calls, sig, me, n, code, where, value, rows_off, _DISPATCH, SIZE, NSLOTS, 1)
 
 
 @triton.jit
 def dispatch_send(
-    x, topk, T, refused, calls, state, sig, me, rows_off, scales_off, src_off, counts_off, stride,
-    SIZE: tl.constexpr, NSLOTS: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, M: tl.constexpr,
-    H: tl.constexpr, HB: tl.constexpr, C: tl.constexpr, TOPK: tl.constexpr, BT: tl.constexpr,
-    KP: tl.constexpr, FP8: tl.constexpr, GB: tl.constexpr, BITS: tl.constexpr,
+    x, topk, T, refused, calls, state, sig, me, timeout_ns, record, times, tally,
+    rows_off, scales_off, src_off, counts_off, counts_stride,
+    TIMES: tl.constexpr, SIZE: tl.constexpr, SP: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr,
+    E: tl.constexpr, EL: tl.constexpr, M: tl.constexpr, H: tl.constexpr, HB: tl.constexpr, C: tl.constexpr,
+    TOPK: tl.constexpr, BT: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, FP8: tl.constexpr,
+    GB: tl.constexpr, BITS: tl.constexpr,
 ):  # fmt: skip
-    """Step 1 of a dispatch: program ``(t, c)`` loads chunk ``c`` of token ``t``'s row once (with
-    ``FP8``, quantizes it once: its codes and scales), then stores it, and from chunk 0 the source
-    index, into the region of the expert of each entry ``k`` of the token that no earlier entry
-    named; the earliest id out of range is kept (:func:`.protocol.refuse_id`). The ``P`` programs share the
-    counts: the ``p``-th (in ``(t, c)`` order) stores this member's count of experts
-    ``p, p + P, ..`` into their receivers' regions, before its arrival as its rows, from the ids
-    of every token loaded once. The last
-    program to arrive notifies (:func:`.protocol.notify`)."""
-    t = tl.program_id(0)
-    c = tl.program_id(1)
-    base = protocol.parity(calls) * stride
-    if t < T:
+    """A dispatch's one send launch (:mod:`.protocol`, phases A and B): program 0 stores this
+    member's counts, header and first signal (:func:`_counts`); every program waits for every other
+    member's counts and header and checks the step (:func:`.protocol.check`), then, when the step
+    may go on, takes the (token ``t``, chunk ``c``) items ``i = t * C + c`` it is given (``p, p + P,
+    ..``, ``P`` the grid, sized by the device): loads (with ``FP8``, quantizes) the chunk once and
+    stores it, and from chunk 0 the source index, straight into its packed place in the receiver's
+    buffer (``rows_off``, ``scales_off``, ``src_off``) for each entry of the token that no earlier
+    entry named (its place: the sent entries of earlier tokens naming its expert, counted in
+    ``named``, plus every earlier member's count). The last program to arrive signals every member
+    again (:func:`.protocol.sent`). ``tally``: the counts' ``E`` int32 words (:func:`_counts`). With
+    ``TIMES``, clock stamps into ``times`` (:func:`_stamp`)."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    _stamp(times, 0, pid == 0, TIMES)
+    n = ssl.call_number(calls)
+    counts_off += protocol.parity(calls) * counts_stride
+    tt, kk, ids, sent, bad = _entries(topk, T, 0, E, TOPK, BT, KP)
+    named = tl.where(sent, ids, -1).to(tl.int32)  # the expert of each entry that sends a row (ids < E: exact)
+    code = protocol.refusal(refused, tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0) > 0)
+    if pid == 0:
+        _counts(topk, calls, sig, me, n, tally, named, tt, kk, bad, code, counts_off, rows_off, SIZE, NSLOTS, E, TOPK,
+                EP)  # fmt: skip
+    _stamp(times, 1, pid == 0, TIMES)
+    n, status, who = protocol.check(
+        calls, sig, me, timeout_ns, record, state, rows_off, code, _DISPATCH, _COUNTS, SIZE, NSLOTS, TRAP
+    )
+    _stamp(times, 2, pid == 0, TIMES)
+    if status == ssl.CALL_OK:
+        own = ssl.data_ptr(sig, me, counts_off, tl.int64)  # every member's counts, as they sent them
+        s = tl.arange(0, SP)
         ks = tl.arange(0, KP)
-        mine = tl.load(topk + t * TOPK + ks, mask=ks < TOPK, other=-1)  # this token's entries
-        tt = tl.arange(0, BT)[:, None]
-        kk = tl.arange(0, KP)[None, :]
-        earlier = tl.load(topk + tt * TOPK + kk, mask=(tt < t) & (kk < TOPK), other=-1)  # earlier tokens' ids
-        if FP8:
-            g = tl.arange(0, GB)[:, None]
-            ch = tl.arange(0, _GROUP)[None, :]
-            col = c * HB + g * _GROUP + ch
-            live = col < H
-            v = to_f32(tl.load(x + t * H + col, mask=live, other=0), BITS)
-            amax = tl.max(tl.abs(v), axis=1)
-            sc = tl.math.div_rn(tl.maximum(amax, _FLOOR), _FP8_MAX)
-            vals = to_e4m3(tl.math.div_rn(v, sc[:, None]))
-            gs = tl.arange(0, GB)
-        else:
-            col = c * HB + tl.arange(0, HB)
-            live = col < H
-            vals = tl.load(x + t * H + col, mask=live)
-        for k in tl.static_range(TOPK):
-            e = tl.load(topk + t * TOPK + k)
-            again = tl.sum(((ks < k) & (mine == e)).to(tl.int32), axis=0)  # an earlier entry named it
-            if (c == 0) & ((e < -1) | (e >= E)):
-                protocol.refuse_id(state, t * TOPK + k)
-            if (e >= 0) & (e < E) & (again == 0):
-                pos = tl.sum(tl.max((earlier == e).to(tl.int32), axis=1), axis=0)  # earlier tokens sent to e
-                m = e // EL
-                row = ((e % EL) * SIZE + me) * M + pos
-                if FP8:
-                    dst = ssl.data_ptr(sig, m, rows_off + base + row * H, tl.uint8)
-                    tl.store(dst + col, vals, mask=live)
-                    sdst = ssl.data_ptr(sig, m, scales_off + base + row * (H // _GROUP) * 4, tl.float32)
-                    tl.store(sdst + c * (HB // _GROUP) + gs, sc, mask=c * HB + gs * _GROUP < H)
-                else:
-                    ELEM: tl.constexpr = x.dtype.element_ty.primitive_bitwidth // 8
-                    dst = ssl.data_ptr(sig, m, rows_off + base + row * H * ELEM, x.dtype.element_ty)
-                    tl.store(dst + col, vals, mask=live)
-                if c == 0:
-                    tl.store(ssl.data_ptr(sig, m, src_off + base + row * 8, tl.int64), t * TOPK + k)
-    programs = tl.maximum(T, 1) * C
-    ex = t * C + c  # this program's first expert to count
-    if ex < E:
-        tn = tl.arange(0, BT)[:, None]
-        kn = tl.arange(0, KP)[None, :]
-        ids = tl.load(topk + tn * TOPK + kn, mask=(tn < T) & (kn < TOPK), other=-1)  # every token's, loaded once
-        while ex < E:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
-            # a token counts once, however many of its entries name the expert
-            n = tl.sum(tl.max((ids == ex).to(tl.int32), axis=1), axis=0).to(tl.int64)
-            dst = ssl.data_ptr(sig, ex // EL, counts_off + base + ((ex % EL) * SIZE + me) * 8, tl.int64)
-            tl.store(dst, n)
-            ex += programs
+        i = pid
+        while i < T * C:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
+            t = i // C
+            c = i % C
+            mine = tl.load(topk + t * TOPK + ks, mask=ks < TOPK, other=-1)  # this token's entries
+            if FP8:
+                g = tl.arange(0, GB)[:, None]
+                ch = tl.arange(0, _GROUP)[None, :]
+                col = c * HB + g * _GROUP + ch
+                live = col < H
+                v = to_f32(tl.load(x + t * H + col, mask=live, other=0), BITS)
+                amax = tl.max(tl.abs(v), axis=1)
+                sc = tl.math.div_rn(tl.maximum(amax, _FLOOR), _FP8_MAX)
+                vals = to_e4m3(tl.math.div_rn(v, sc[:, None]))
+                gs = tl.arange(0, GB)
+            else:
+                col = c * HB + tl.arange(0, HB)
+                live = col < H
+                vals = tl.load(x + t * H + col, mask=live)
+            for k in tl.static_range(TOPK):
+                e = tl.load(topk + t * TOPK + k)
+                again = tl.sum(((ks < k) & (mine == e)).to(tl.int32), axis=0)  # an earlier entry named it
+                if (e >= 0) & (e < E) & (again == 0):
+                    pos = tl.sum(tl.sum(((named == e.to(tl.int32)) & (tt < t)).to(tl.int32), axis=1), axis=0)
+                    before = tl.sum(tl.load(own + s * E + e, mask=s < me, other=0), axis=0)  # earlier members'
+                    m = e // EL
+                    row = (e % EL).to(tl.int64) * (SIZE * M) + before + pos  # int64: a region may pass 2 GiB
+                    if FP8:
+                        dst = ssl.data_ptr(sig, m, rows_off + row * H, tl.uint8)
+                        tl.store(dst + col, vals, mask=live)
+                        sdst = ssl.data_ptr(sig, m, scales_off + row * (H // _GROUP) * 4, tl.float32)
+                        tl.store(sdst + c * (HB // _GROUP) + gs, sc, mask=c * HB + gs * _GROUP < H)
+                    else:
+                        ELEM: tl.constexpr = x.dtype.element_ty.primitive_bitwidth // 8
+                        dst = ssl.data_ptr(sig, m, rows_off + row * H * ELEM, x.dtype.element_ty)
+                        tl.store(dst + col, vals, mask=live)
+                    if c == 0:
+                        tl.store(ssl.data_ptr(sig, m, src_off + row * 8, tl.int64), t * TOPK + k)
+            i += programs
+    _stamp(times, 3, pid == 0, TIMES)
     if protocol.arrive_last(state, _SENT, programs):
-        protocol.keep_id(state, topk)
-        protocol.notify(calls, sig, me, state, refused, _DISPATCH, SIZE, NSLOTS)
+        protocol.sent(sig, me, state, SIZE, NSLOTS)
+        _stamp(times, 4, True, TIMES)
 
 
 @triton.jit
-def dispatch_read(
-    recv, scales, counts_out, per_source, offsets, src, calls, state, sig, me, timeout_ns, record,
-    rows_off, scales_off, src_off, counts_off, stride,
-    SIZE: tl.constexpr, SP: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr, EL: tl.constexpr,
-    M: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, RB: tl.constexpr, FP8: tl.constexpr,
-    G: tl.constexpr, GP: tl.constexpr,
+def dispatch_recv(
+    counts_out, per_source, offsets, calls, state, sig, me, timeout_ns, record, times, rows_off, counts_off,
+    counts_stride, TIMES: tl.constexpr, SIZE: tl.constexpr, SP: tl.constexpr, NSLOTS: tl.constexpr,
+    TRAP: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, ELP: tl.constexpr,
 ):  # fmt: skip
-    """Step 2 of a dispatch: program ``(e * SIZE + s, b)`` waits and checks the step
-    (:func:`.protocol.check`) once, then copies blocks ``b, b + B, b + 2B ..`` (``B`` the grid's
-    second axis) of ``RB`` rows of what member ``s`` sent local expert ``e`` to their packed
-    places, ``recv[e][offsets[e][s] + j]`` (and their scales and source indices), as far as the
-    rows ``s`` sent: the grid is sized by the device, not by ``max_tokens``, so that few programs
-    wait. Program ``(e * SIZE, 0)`` stores ``e``'s counts, per source and in all, and the offsets
-    (when the step failed: ``per_source`` -1, the counts and offsets 0: no rows, and its combine
-    knows). The last program to arrive counts the step."""
-    pid = tl.program_id(0)
-    el = pid // SIZE
-    s = pid % SIZE
-    b = tl.program_id(1)
-    step, status, who = protocol.check(calls, sig, me, timeout_ns, record, state, _DISPATCH, SIZE, NSLOTS, TRAP)
+    """A dispatch's receive (one program): waits for every member's rows and checks the step
+    (:func:`.protocol.check`), then stores the counts of this member's experts, per source and in
+    all, and the offsets, from the counts every member sent it (when the step failed:
+    ``per_source`` -1, the counts and offsets 0: no rows, and its combine knows). It copies no row:
+    the senders stored them in their packed places. It counts the step."""
+    refused = ssl.posted_refusal(calls)
+    counts_off += protocol.parity(calls) * counts_stride  # read before the step is counted
+    step, status, who = protocol.check(
+        calls, sig, me, timeout_ns, record, state, rows_off, refused, _DISPATCH, _END, SIZE, NSLOTS, TRAP
+    )
+    _stamp(times, 5, True, TIMES)
     ok = status == ssl.CALL_OK
-    base = (step % 2) * stride
-    own_counts = ssl.data_ptr(sig, me, counts_off + base, tl.int64)
-    m, cnt = _sources(own_counts, el, SIZE, SP)
+    own = ssl.data_ptr(sig, me, counts_off, tl.int64)
+    s = tl.arange(0, SP)[:, None]
+    el = tl.arange(0, ELP)[None, :]
+    live = (s < SIZE) & (el < EL)
+    cnt = tl.load(own + s * E + me * EL + el, mask=live, other=0)
     cnt = tl.where(ok, cnt, 0)
-    start = tl.sum(tl.where(m < s, cnt, 0), axis=0)
-    n = tl.sum(tl.where(m == s, cnt, 0), axis=0)
-    if (s == 0) & (b == 0):  # a failed step's per_source holds -1: its combine knows (y NaN, nothing sent)
-        tl.store(per_source + el * SIZE + m, tl.where(ok, cnt, -1), mask=m < SIZE)
-        tl.store(offsets + el * SIZE + m, tl.cumsum(cnt, axis=0) - cnt, mask=m < SIZE)
-        tl.store(counts_out + el, tl.sum(cnt, axis=0))
-    cols = tl.arange(0, HP)
-    gs = tl.arange(0, GP)
-    ELEM: tl.constexpr = recv.dtype.element_ty.primitive_bitwidth // 8
-    first = ((el * SIZE + s) * M).to(tl.int64)  # int64: a member's region may pass 2 GiB
-    rows = ssl.data_ptr(sig, me, rows_off + base + first * H * ELEM, recv.dtype.element_ty)
-    srcs = ssl.data_ptr(sig, me, src_off + base + first * 8, tl.int64)
-    scl = ssl.data_ptr(sig, me, scales_off + base + first * G * 4, tl.float32)
-    blocks = tl.num_programs(1)
-    while b * RB < n:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
-        for i in tl.static_range(RB):
-            j = b * RB + i
-            if j < n:
-                to = el * (SIZE * M) + start + j
-                tl.store(recv + to * H + cols, tl.load(rows + j * H + cols, mask=cols < H), mask=cols < H)
-                if FP8:
-                    tl.store(scales + to * G + gs, tl.load(scl + j * G + gs, mask=gs < G), mask=gs < G)
-                tl.store(src + to, tl.load(srcs + j))
-        b += blocks
+    tl.store(per_source + el * SIZE + s, tl.where(ok, cnt, -1), mask=live)
+    tl.store(offsets + el * SIZE + s, tl.cumsum(cnt, axis=0) - cnt, mask=live)
+    e1 = tl.arange(0, ELP)
+    tl.store(counts_out + e1, tl.sum(cnt, axis=0), mask=e1 < EL)
     protocol.finish(calls, me, step, state, status, who, _DISPATCH, SIZE)
 
 
@@ -186,29 +240,32 @@ def combine_send(
     RB: tl.constexpr,
 ):  # fmt: skip
     """Step 1 of a combine: program ``(e * SIZE + s, b)`` stores the expert's outputs for the blocks
-    ``b, b + B, ..`` (``B`` the grid's second axis, sized by the device as a read's) of ``RB`` rows
-    of member ``s``'s (packed from ``offsets[e][s]``), as far as the rows ``s`` sent, into ``s``'s
-    combine region, at the row their source index names (token ``t``, entry ``k``). The last
-    program to arrive notifies (:func:`.protocol.notify`)."""
+    ``b, b + B, ..`` (``B`` the grid's second axis, sized by the device) of ``RB`` rows of member
+    ``s``'s (packed from ``offsets[e][s]``), as far as the rows ``s`` sent, into ``s``'s combine
+    region, at the row their source index names (token ``t``, entry ``k``). The last program to
+    arrive posts the header and signals every member both of the step's signals
+    (:func:`.protocol.post`)."""
     pid = tl.program_id(0)
     el = pid // SIZE
     s = pid % SIZE
     b = tl.program_id(1)
+    n = ssl.call_number(calls)
     base = protocol.parity(calls) * stride
-    n = tl.load(per_source + el * SIZE + s)
+    count = tl.load(per_source + el * SIZE + s)
     start = tl.load(offsets + el * SIZE + s)
     cols = tl.arange(0, HP)
     dst = ssl.data_ptr(sig, s, comb_off + base, out.dtype.element_ty)  # member s's region, looked up once
-    while b * RB < n:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
+    while b * RB < count:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
         for i in tl.static_range(RB):
             j = b * RB + i
-            if j < n:
+            if j < count:
                 row = el * (SIZE * M) + start + j
                 slot = tl.load(src + row)
                 tl.store(dst + slot * H + cols, tl.load(out + row * H + cols, mask=cols < H), mask=cols < H)
         b += tl.num_programs(1)
     if protocol.arrive_last(state, _SENT, tl.num_programs(0) * tl.num_programs(1)):
-        protocol.notify(calls, sig, me, state, refused, _COMBINE, SIZE, NSLOTS)
+        code = protocol.refusal(refused, refused < 0)  # no id of its own to refuse
+        protocol.post(calls, sig, me, n, code, 0, 0, 0, _COMBINE, SIZE, NSLOTS, _PER_STEP)
 
 
 @triton.jit
@@ -219,14 +276,16 @@ def combine_reduce(
 ):  # fmt: skip
     """Step 2 of a combine: each program waits and checks the step (:func:`.protocol.check`) once,
     then sums the (token ``t``, chunk ``c``) items ``i = t * C + c`` it is given (``i = p, p + P, ..``,
-    ``P`` the grid, sized by the device as a read's: few programs wait) in float32, in the order
+    ``P`` the grid, sized by the device: few programs wait) in float32, in the order
     ``k = 0 .. top_k - 1``: ``acc = acc + w[t, k] * out_k`` (``out_k`` the row its expert sent back;
     an entry naming the expert of an earlier entry reads that entry's row), then rounds once
     (NaN when the step failed, or the handle's dispatch did: its ``per_source`` holds -1, and no row
     was sent back). The last program to arrive counts the step."""
-    step, status, who = protocol.check(calls, sig, me, timeout_ns, record, state, _COMBINE, SIZE, NSLOTS, TRAP)
+    base = protocol.parity(calls) * stride  # read before the step is counted
+    step, status, who = protocol.check(
+        calls, sig, me, timeout_ns, record, state, 0, ssl.posted_refusal(calls), _COMBINE, _END, SIZE, NSLOTS, TRAP
+    )
     ok = (status == ssl.CALL_OK) & (tl.load(per_source) >= 0)  # and the handle's dispatch went well
-    base = (step % 2) * stride
     own = ssl.data_ptr(sig, me, comb_off + base, y.dtype.element_ty)
     i = tl.program_id(0)
     while i < T * C:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors

@@ -2,24 +2,30 @@
 
 A dispatcher owns one workspace in the view's buffer, at the same byte offset in every
 member (``offset``, a multiple of 128). Push model: a sender stores its rows into the
-receiver's workspace through the view's pointer table, so each member's workspace holds
-what the others sent it. Two copies of everything, by parity (the call's number modulo 2,
-counted on the device), so a call's stores never land where a member may still read the
-previous call's::
+receiver's workspace through the view's pointer table, straight into their packed places,
+so each member's workspace holds what the others sent it, as the dispatch returns it::
 
-    dispatch[q], q = 0, 1                     (what this member's local experts receive)
-      rows     [EL][W][M] rows of `hidden` elements (fp8: `hidden` e4m3 bytes)
-      scales   [EL][W][M][hidden / 128] float32          (fp8 only)
-      src      [EL][W][M] int64: t * top_k + k of the row at its source (token t, entry k)
-      counts   [EL][W] int64: rows member s sent to local expert e (all of them, 0 too)
+    dispatch[b], b = 0, 1                     (what this member's local experts receive; b chosen
+                                               by the host: the dispatcher's dispatches modulo 2)
+      rows     [EL][W * M] rows of `hidden` elements (fp8: `hidden` e4m3 bytes): recv, packed
+      scales   [EL][W * M][hidden / 128] float32      (fp8 only)
+      src      [EL][W * M] int64: t * top_k + k of the row at its source (token t, entry k)
+    counts[q], q = 0, 1                       (q: the step's number modulo 2, counted on the device)
+      [W][E] int64: counts[s][e], the rows member s sends expert e (every member's, for every expert)
     combine[q], q = 0, 1                      (what this member's tokens get back)
       rows     [M][top_k] rows of `hidden` elements of the dispatcher's dtype
+
+A dispatch's ``recv`` (its scales) and its handle's ``src`` are views of ``dispatch[b]``: the
+rows move once, from the sender's tokens to their packed places (:mod:`.protocol`). Two copies by
+the host's count, so that a dispatch's outputs outlive the next dispatch (its handle can wait for
+a combine after it); two copies of the counts and the combine's rows by the device's count, so
+that a step's stores never land where a member may still read the previous step's.
 
 (A step's header, its refusal and its outcome are the consumer kit's, in memory of the
 dispatcher's own: :mod:`symmsync.language.calls`.)
 
-``EL`` = local experts (``num_experts // W``), ``W`` = members, ``M`` = ``max_tokens``.
-Every region starts on a line of 128 bytes.
+``EL`` = local experts (``num_experts // W``), ``E`` = ``num_experts``, ``W`` = members,
+``M`` = ``max_tokens``. Every region starts on a line of 128 bytes.
 """
 
 from __future__ import annotations
@@ -49,8 +55,10 @@ class Workspace:
 
     Attributes:
         offset: where the workspace starts in the buffer's user region.
-        rows, scales, src, counts: parity 0's dispatch regions (``scales`` 0 bytes without fp8).
-        dispatch_stride: bytes from parity 0's dispatch regions to parity 1's.
+        rows, scales, src: buffer 0's dispatch regions (``scales`` 0 bytes without fp8).
+        dispatch_stride: bytes from buffer 0's dispatch regions to buffer 1's.
+        counts: parity 0's counts.
+        counts_stride: bytes from parity 0's counts to parity 1's.
         combine: parity 0's combine rows.
         combine_stride: bytes from parity 0's combine rows to parity 1's.
         row_bytes: bytes of one dispatched row (its scales apart).
@@ -61,8 +69,9 @@ class Workspace:
     rows: int
     scales: int
     src: int
-    counts: int
     dispatch_stride: int
+    counts: int
+    counts_stride: int
     combine: int
     combine_stride: int
     row_bytes: int
@@ -86,12 +95,13 @@ class Workspace:
         rows = offset
         scales = rows + round_up(rows_per_member * row_bytes, LINE)
         src = scales + (round_up(rows_per_member * (hidden // FP8_GROUP) * 4, LINE) if fp8 else 0)
-        counts = src + round_up(rows_per_member * 8, LINE)
-        dispatch_stride = counts + round_up((num_experts // size) * size * 8, LINE) - rows
-        combine = rows + 2 * dispatch_stride
+        dispatch_stride = src + round_up(rows_per_member * 8, LINE) - rows
+        counts = rows + 2 * dispatch_stride
+        counts_stride = round_up(size * num_experts * 8, LINE)
+        combine = counts + 2 * counts_stride
         combine_stride = round_up(max_tokens * top_k * hidden * dtype.itemsize, LINE)
         end = combine + 2 * combine_stride
-        regions = (rows, scales, src, counts, dispatch_stride, combine, combine_stride)
+        regions = (rows, scales, src, dispatch_stride, counts, counts_stride, combine, combine_stride)
         return cls(offset, *regions, row_bytes, end - offset)
 
 
@@ -107,11 +117,12 @@ def buffer_bytes(
 ) -> int:
     """Bytes a dispatcher's workspace takes in every member's buffer (the sizing rule).
 
-    About ``2 (E M h b + M k h c)`` bytes: two parities of the rows every local expert may
+    About ``2 (E M h b + M k h c)`` bytes: two copies of the rows every local expert may
     receive from every member (``E`` experts in all, ``M`` = ``max_tokens``, ``h`` = ``hidden``,
     ``b`` bytes a row element takes: the dtype's, or 1 + 4/128 with fp8) and of the rows this
     member's tokens get back (``k`` = ``top_k``, ``c`` the dtype's bytes), plus 8 bytes per
-    received row and per (expert, member) of bookkeeping, each region rounded up to 128 bytes.
+    received row (its source index) and, twice, 8 per (member, expert) (the counts), each region
+    rounded up to 128 bytes.
     The sizes are those of the arguments of :class:`~symmsync.moe.Dispatcher` (``size``: the
     view's members). (Its call headers and signal slots live in memory of its own, apart.)
     """

@@ -14,7 +14,9 @@ dispatch op also takes the sizes its outputs' shapes depend on (local experts, m
 ``max_tokens``, ``fp8``), so that its fake reads nothing from the object a handle names (a graph
 cache keys a graph by its nodes and constants, not by the object). Each op runs the eager
 call's checked path (:meth:`Dispatcher.eager_dispatch`, :meth:`Dispatcher.eager_combine`)
-and returns new tensors, never an input (functional, as the collectives' ops). Marked side-effecting
+and returns no input (functional, as the collectives' ops): the dispatch's ``recv``, ``scales`` and
+``src`` are views of the dispatcher's workspace, where the senders stored the rows (valid until its
+dispatch after next), its counts new tensors; the combine's ``y`` is new. Marked side-effecting
 (:func:`symmsync.ops.oplib.define`): the members wait for every call.
 """
 

@@ -111,7 +111,7 @@ def _layers(n):
             time.sleep(0.002)
         recv, counts, handle = disp.dispatch(x, ids)
         y = disp.combine(_experts(disp, recv), w, handle)
-        kept.append((x, ids, w, recv, handle, y))
+        kept.append((x, ids, w, recv.clone(), handle._replace(src=handle.src.clone()), y))  # views: until 2 on
     disp.synchronize()
     wrong = [i for i, k in enumerate(kept) if not _check(disp, *k, me)]
     buf.close()

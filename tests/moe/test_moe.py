@@ -19,6 +19,7 @@ torch.distributed (gloo), apart from the dispatcher.
   calls' bits, and a call made while a step is pending refused.
 """
 
+import os
 import random
 import time
 
@@ -82,6 +83,13 @@ def layer(disp, x, ids, w):
     return recv, counts, handle, y
 
 
+def kept(recv, counts, handle, y=None):
+    """A layer's results, kept past the dispatch after next: ``recv`` and ``handle.src`` are views
+    of the dispatcher's workspace, valid until then (docs/moe.md, "Sizing and memory")."""
+    recv = tuple(t.clone() for t in recv) if isinstance(recv, tuple) else recv.clone()
+    return recv, counts, handle._replace(src=handle.src.clone()), y
+
+
 # ---------------------------------------------------------------------- rank functions
 def every_routing(num_experts, dtype_name, seed, hidden=HIDDEN, programs=None):
     dtype = getattr(torch, dtype_name)
@@ -96,6 +104,8 @@ def every_routing(num_experts, dtype_name, seed, hidden=HIDDEN, programs=None):
             x, ids, w = routings.routing(kind, me, world, num_experts, MAX_TOKENS, hidden, TOP_K, dtype, seed + i)
             got = layer(disp, x, ids, w)
             wrong += [f"{kind}: {s}" for s in compare(disp, i, got, (gathered(x), gathered(ids), gathered(w)), me)]
+            if disp._tally.any():  # noqa: SLF001 - the send's program 0 reads its counts back as zeros
+                wrong.append(f"{kind}: the counts' tally is {disp._tally.tolist()} after the dispatch, not zeros")  # noqa: SLF001
     finally:
         buf.close()
     return wrong
@@ -114,10 +124,9 @@ def back_to_back(layers, num_experts, max_tokens, hidden, top_k, slow, seed, com
             if me == slow:
                 time.sleep(rng.uniform(0, 0.004))
             if combine:
-                results.append(layer(disp, x, ids, w))
+                results.append(kept(*layer(disp, x, ids, w)))
             else:
-                recv, counts, handle = disp.dispatch(x, ids)
-                results.append((recv, counts, handle, None))
+                results.append(kept(*disp.dispatch(x, ids)))
             inputs.append((x, ids, w))
         everyone = gathered(inputs)  # after the loop: no barrier between the layers
         wrong = []
@@ -162,6 +171,45 @@ def fp8_rows(seed):
     finally:
         buf.close()
     return wrong
+
+
+def two_in_flight(seed):
+    """Two dispatches, then their two combines (dispatch A, dispatch B, combine A, combine B): the
+    first dispatch's ``recv`` and handle, views of the workspace, hold past the second dispatch."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    buf, disp = make(2 * world, MAX_TOKENS, HIDDEN, torch.bfloat16, TOP_K)
+    wrong = []
+    try:
+        ins = [routings.routing("random", me, world, 2 * world, MAX_TOKENS, HIDDEN, TOP_K, torch.bfloat16, seed + i)
+               for i in range(2)]  # fmt: skip
+        got = [disp.dispatch(x, ids) for x, ids, _ in ins]
+        ys = [disp.combine(experts(disp, recv), w, handle) for (recv, _, handle), (_, _, w) in zip(got, ins)]
+        for i, ((recv, counts, handle), y, (x, ids, w)) in enumerate(zip(got, ys, ins)):
+            wrong += compare(disp, i, (recv, counts, handle, y), (gathered(x), gathered(ids), gathered(w)), me)
+    finally:
+        buf.close()
+    return wrong
+
+
+def phase_stamps(seed):
+    """One layer on a dispatcher made with its phase clock on: the oracle's verdict, and whether the
+    last dispatch's stamps (``disp.phase_times``) are in the order of its phases."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    os.environ[moe.dispatcher.PHASE_TIMES_ENV] = "1"
+    try:
+        buf, disp = make(2 * world, MAX_TOKENS, HIDDEN, torch.bfloat16, TOP_K)
+    finally:
+        del os.environ[moe.dispatcher.PHASE_TIMES_ENV]
+    try:
+        x, ids, w = routings.routing("random", me, world, 2 * world, MAX_TOKENS, HIDDEN, TOP_K, torch.bfloat16, seed)
+        recv, counts, handle = disp.dispatch(x, ids)
+        t = disp.phase_times.tolist()
+        y = disp.combine(experts(disp, recv), w, handle)
+        wrong = compare(disp, 0, (recv, counts, handle, y), (gathered(x), gathered(ids), gathered(w)), me)
+        ordered = 0 < t[0] <= t[1] <= t[2] <= t[3] <= t[4] <= t[5]
+    finally:
+        buf.close()
+    return wrong, ordered, t
 
 
 def overlapped(seed):
@@ -280,6 +328,15 @@ def wait_not_a_bool():
     wrong = compare(disp, 0, layer(disp, x, ids, w), (gathered(x), gathered(ids), gathered(w)), me)
     buf.close()
     return raised, wrong
+
+
+def test_a_dispatchs_outputs_hold_past_the_next_dispatch(host_ranks):
+    assert host_ranks(two_in_flight, 2, 13, timeout_s=300) == [[], []]
+
+
+def test_the_phase_clock_stamps_a_dispatchs_phases_in_order(host_ranks):
+    for wrong, ordered, stamps in host_ranks(phase_stamps, 2, 17, timeout_s=300):
+        assert wrong == [] and ordered, (wrong, stamps)
 
 
 def test_a_wait_that_is_no_bool_is_refused_on_every_member_and_the_next_layer_is_right(host_ranks):

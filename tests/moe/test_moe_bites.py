@@ -6,17 +6,19 @@ oracle fails). The kernels call the protocol through the module's attributes, wh
 interpreter resolves when a kernel runs, so a variant put in the module's place before a
 call is what the kernels run; every rank puts the shipped functions back before it returns
 (the ranks are the ``host_ranks`` pool's). One rank is late (a host sleep before its call, or a
-spin inside its read launch), so that the race the step closes is real.
+spin inside its launches after their waits), so that the race the step closes is real.
 
-* the dispatch's wait (``check`` neither waiting nor checking in a dispatch's read): the
-  receiver reads its region before a late sender's rows land;
+* the dispatch's receive wait (``check`` neither waiting nor checking in a dispatch's
+  receive): the receiver returns its rows before a slow sender's rows land;
+* the dispatch's counts wait (the same in a dispatch's send): a sender stores its rows before
+  a late member's counts land, at offsets that are not the rows' packed places;
 * the combine's wait (the same in a combine's reduce): a member sums before a late expert
   owner's outputs land;
-* the parity (``parity`` always 0): back-to-back dispatches with a slow reader, whose region
-  the next dispatch of the other member overwrites while it reads;
+* the parity (``parity`` always 0): back-to-back dispatches with a slow reader, whose counts
+  the next dispatch of the other member overwrites while it reads them;
 * the header check (``check`` that waits but never compares the members' step headers): one
-  member dispatches while the other combines, and a member reads a step the other never made
-  instead of raising :class:`~symmsync.moe.StepMismatch` on both.
+  member dispatches while the other combines, and a member takes a step the other never made
+  for its own instead of raising :class:`~symmsync.moe.StepMismatch` on both.
 """
 
 import time
@@ -36,7 +38,7 @@ from symmsync.moe import protocol
 
 LATE_S = 0.4
 LAG_NS = 400_000_000
-READ_LAG_NS = 0  # set per process: the read launch's spin (the slow reader's)
+READ_LAG_NS = 0  # set per process: the slow member's spin after its waits
 
 
 SHIPPED_CHECK = protocol.check  # what the variants wrap (the module's attribute is replaced)
@@ -49,41 +51,62 @@ def _ok(calls):
 
 
 @triton.jit
-def no_dispatch_wait(calls, sig, me, timeout_ns, record, state, KIND: tl.constexpr, SIZE: tl.constexpr,
-                     NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
-    """``check`` that neither waits nor checks in a dispatch's read."""
-    if KIND == 0:
+def no_receive_wait(calls, sig, me, timeout_ns, record, state, a, refused, KIND: tl.constexpr, PHASE: tl.constexpr,
+                    SIZE: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
+    """``check`` that neither waits nor checks in a dispatch's receive (a slow sender's send else)."""
+    if (KIND == 0) and (PHASE == 1):
         return _ok(calls)
     else:
-        return SHIPPED_CHECK(calls, sig, me, timeout_ns, record, state, KIND, SIZE, NSLOTS, TRAP)
+        return slow_sender(calls, sig, me, timeout_ns, record, state, a, refused, KIND, PHASE, SIZE, NSLOTS, TRAP)
 
 
 @triton.jit
-def no_combine_wait(calls, sig, me, timeout_ns, record, state, KIND: tl.constexpr, SIZE: tl.constexpr,
-                    NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
+def no_counts_wait(calls, sig, me, timeout_ns, record, state, a, refused, KIND: tl.constexpr, PHASE: tl.constexpr,
+                   SIZE: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
+    """``check`` that neither waits nor checks in a dispatch's send: its rows go before the counts."""
+    if (KIND == 0) and (PHASE == 0):
+        return _ok(calls)
+    else:
+        return SHIPPED_CHECK(calls, sig, me, timeout_ns, record, state, a, refused, KIND, PHASE, SIZE, NSLOTS, TRAP)
+
+
+@triton.jit
+def no_combine_wait(calls, sig, me, timeout_ns, record, state, a, refused, KIND: tl.constexpr, PHASE: tl.constexpr,
+                    SIZE: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
     """``check`` that neither waits nor checks in a combine's reduce."""
     if KIND == 1:
         return _ok(calls)
     else:
-        return SHIPPED_CHECK(calls, sig, me, timeout_ns, record, state, KIND, SIZE, NSLOTS, TRAP)
+        return SHIPPED_CHECK(calls, sig, me, timeout_ns, record, state, a, refused, KIND, PHASE, SIZE, NSLOTS, TRAP)
 
 
 @triton.jit
-def no_header_check(calls, sig, me, timeout_ns, record, state, KIND: tl.constexpr, SIZE: tl.constexpr,
-                    NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
+def no_header_check(calls, sig, me, timeout_ns, record, state, a, refused, KIND: tl.constexpr, PHASE: tl.constexpr,
+                    SIZE: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
     """``check`` that waits but never compares the members' headers."""
     n = ssl.call_number(calls)
     for m in tl.static_range(SIZE):
-        ssl.wait_signal(sig, me, m, 0, n + 1, ssl.GE, timeout_ns, record, SIZE, NSLOTS, TRAP)
+        if (m != me) | (tl.full((), PHASE, tl.int32) == 1):
+            ssl.wait_signal(sig, me, m, 0, 2 * n + 1 + PHASE, ssl.GE, timeout_ns, record, SIZE, NSLOTS, TRAP)
     return _ok(calls)
 
 
 @triton.jit
-def slow_check(calls, sig, me, timeout_ns, record, state, KIND: tl.constexpr, SIZE: tl.constexpr,
-               NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
-    """The shipped ``check``, then a spin of ``READ_LAG_NS`` before the program reads (a slow reader)."""
-    out = SHIPPED_CHECK(calls, sig, me, timeout_ns, record, state, KIND, SIZE, NSLOTS, TRAP)
+def slow_check(calls, sig, me, timeout_ns, record, state, a, refused, KIND: tl.constexpr, PHASE: tl.constexpr,
+               SIZE: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
+    """The shipped ``check``, then a spin of ``READ_LAG_NS`` before the program goes on (a slow member)."""
+    out = SHIPPED_CHECK(calls, sig, me, timeout_ns, record, state, a, refused, KIND, PHASE, SIZE, NSLOTS, TRAP)
     spin(READ_LAG_NS)
+    return out
+
+
+@triton.jit
+def slow_sender(calls, sig, me, timeout_ns, record, state, a, refused, KIND: tl.constexpr, PHASE: tl.constexpr,
+                SIZE: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
+    """The shipped ``check``, then, in a dispatch's send, a spin of ``READ_LAG_NS`` before its rows."""
+    out = SHIPPED_CHECK(calls, sig, me, timeout_ns, record, state, a, refused, KIND, PHASE, SIZE, NSLOTS, TRAP)
+    if (KIND == 0) and (PHASE == 0):
+        spin(READ_LAG_NS)
     return out
 
 
@@ -94,10 +117,12 @@ def no_parity(calls):
 
 
 VARIANTS = {
-    "dispatch_wait": {"check": no_dispatch_wait},
+    "receive_wait": {"check": no_receive_wait},
+    "counts_wait": {"check": no_counts_wait},
     "combine_wait": {"check": no_combine_wait},
     "header_check": {"check": no_header_check},
     "slow_reader": {"check": slow_check},
+    "slow_sender": {"check": slow_sender},
     "parity": {"parity": no_parity, "check": slow_check},
 }
 
@@ -107,26 +132,26 @@ def replaced(name):
     return helpers.replaced(protocol, **VARIANTS.get(name, {}))
 
 
-def scenario(variant, late, layers, with_combine):
+def scenario(variant, late, layers, with_combine, who=1):
     """Layers on a fresh dispatcher under ``variant``; the oracle's verdict per layer (a list of
-    what differed; empty: exact). ``late``: ``"dispatch"``/``"combine"``: rank 1 sleeps before that
-    call; ``"read"``: rank 1's read launches spin."""
+    what differed; empty: exact). ``late``: ``"dispatch"``/``"combine"``: rank ``who`` sleeps before
+    that call; ``"read"``: its launches spin after their waits (the slow variants')."""
     global READ_LAG_NS
     world, me = dist.get_world_size(), dist.get_rank()
-    READ_LAG_NS = LAG_NS if (late == "read" and me == 1) else 0
+    READ_LAG_NS = LAG_NS if (late == "read" and me == who) else 0
     buf, disp = make(4, 3, 32, torch.bfloat16, 2, timeout_s=60)
     wrong, inputs, outs = [], [], []
     try:
         with replaced(variant):
             for i in range(layers):
                 x, ids, w = routings.routing("random", me, world, 4, 3, 32, 2, torch.bfloat16, 100 + i)
-                if late == "dispatch" and me == 1:
+                if late == "dispatch" and me == who:
                     time.sleep(LATE_S)
                 recv, counts, handle = disp.dispatch(x, ids)
                 y = None
                 if with_combine:
                     out = experts(disp, recv)
-                    if late == "combine" and me == 1:
+                    if late == "combine" and me == who:
                         time.sleep(LATE_S)
                     y = disp.combine(out, w, handle)
                 outs.append((recv.clone(), handle.per_source.clone(), y))
@@ -146,19 +171,26 @@ def scenario(variant, late, layers, with_combine):
     return wrong
 
 
-def _bites(host_ranks, variant, late, layers=2, with_combine=True, shipped=None):
-    held = host_ranks(scenario, 2, shipped, late, layers, with_combine, timeout_s=300)
+def _bites(host_ranks, variant, late, layers=2, with_combine=True, shipped=None, who=1):
+    held = host_ranks(scenario, 2, shipped, late, layers, with_combine, who, timeout_s=300)
     assert held == [[], []], f"the shipped protocol must hold here: {held}"
-    broken = host_ranks(scenario, 2, variant, late, layers, with_combine, timeout_s=300)
+    broken = host_ranks(scenario, 2, variant, late, layers, with_combine, who, timeout_s=300)
     assert any(broken), f"with the {variant} taken out the oracle must fail: {broken}"
     print(f"{variant} taken out: {broken}")  # shown with -s: what the oracle caught
     return broken
 
 
-def test_the_dispatch_wait_bites(host_ranks):
-    # Dispatches only: without its wait a member runs ahead into its next step, whose wait (one
-    # count for every step) and header check would then catch it as a mismatch instead.
-    broken = _bites(host_ranks, "dispatch_wait", "dispatch", with_combine=False)
+def test_the_dispatch_receive_wait_bites(host_ranks):
+    # Dispatches only, rank 1 slow between its counts and its rows: without the receive's wait rank
+    # 0 returns its rows before rank 1's land (the next step's waits would catch a mismatch instead).
+    broken = _bites(host_ranks, "receive_wait", "read", with_combine=False, shipped="slow_sender")
+    assert any("received rows" in s for s in broken[0]), broken
+
+
+def test_the_dispatch_counts_wait_bites(host_ranks):
+    # Rank 0 late: rank 1, storing before it has rank 0's counts, puts its rows at offset 0 of
+    # each expert, where rank 0's rows land too (rank 0's own offsets are 0: it needs no counts).
+    broken = _bites(host_ranks, "counts_wait", "dispatch", with_combine=False, who=0)
     assert any("received rows" in s for r in broken for s in r), broken
 
 

@@ -446,9 +446,10 @@ _SHIPPED_CHECK = _protocol.check
 
 
 @triton.jit
-def blind_check(calls, sig, me, timeout_ns, record, state, KIND: tl.constexpr, SIZE: tl.constexpr,
-                NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
+def blind_check(calls, sig, me, timeout_ns, record, state, a, refused, KIND: tl.constexpr, PHASE: tl.constexpr,
+                SIZE: tl.constexpr, NSLOTS: tl.constexpr, TRAP: tl.constexpr):  # fmt: skip
     """The shipped check, blind to a member's refusal (its status read as OK)."""
-    n, status, who = _SHIPPED_CHECK(calls, sig, me, timeout_ns, record, state, KIND, SIZE, NSLOTS, TRAP)
+    n, status, who = _SHIPPED_CHECK(calls, sig, me, timeout_ns, record, state, a, refused, KIND, PHASE, SIZE, NSLOTS,
+                                    TRAP)  # fmt: skip
     refused = status == 1
     return n, tl.where(refused, 0, status), tl.where(refused, -1, who)

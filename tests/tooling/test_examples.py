@@ -91,6 +91,17 @@ EXPECTED = {
             f"rank {r}: the next layer: bit for bit again",
         )
     ],
+    "14_tp_mlp.py": [
+        line
+        for r in (0, 1)
+        for line in (
+            f"rank {r}: 2 x 16 tokens through the MLP: bit for bit, eagerly and compiled",
+            "rank 1: InputError: a must be torch.bfloat16, got torch.float32"
+            if r == 1
+            else "rank 0: PeerRefused: rank 1 refused: a must be torch.bfloat16, got torch.float32",
+            f"rank {r}: the next call is right",
+        )
+    ],
 }
 HOST_ONLY = {
     "01_buffer.py": [f"rank {r}: host backend, 1024 bytes on cpu" for r in (0, 1)],

@@ -125,22 +125,19 @@ SCRIPT = textwrap.dedent(
     out["collective_flags"] = [R.GRID_STALL]
     from symmsync.moe import kernels as MK
     common = {"calls": "*i64", "state": "*i64", "sig": "*i64", "me": "i32", "stride": "i64"}
-    regions = {"rows_off": "i64", "scales_off": "i64", "src_off": "i64", "counts_off": "i64"}
-    waits = {"timeout_ns": "i64", "record": "i64"}
+    regions = {"rows_off": "i64", "scales_off": "i64", "src_off": "i64", "counts_off": "i64", "counts_stride": "i64"}
+    waits = {"timeout_ns": "i64", "record": "i64", "times": "*i64"}
+    send = {"x": "*bf16", "topk": "*i64", "T": "i32", "refused": "i32", "tally": "*i32", **common, **waits, **regions}
+    send_consts = dict(TIMES=False, SIZE=4, SP=4, NSLOTS=1, TRAP=True, E=8, EL=2, M=16, H=512, HB=512, C=1, TOPK=4,
+                       BT=16, KP=4, EP=8, FP8=False, GB=4, BITS=False)
     moe = {
-        "moe_dispatch_send": (MK.dispatch_send,
-                              {"x": "*bf16", "topk": "*i64", "T": "i32", "refused": "i32", **common, **regions},
-                              dict(SIZE=4, NSLOTS=1, E=8, EL=2, M=16, H=512, HB=512, C=1, TOPK=4, BT=16, KP=4,
-                                   FP8=False, GB=4, BITS=False)),
-        "moe_dispatch_send_fp8": (MK.dispatch_send,
-                                  {"x": "*bf16", "topk": "*i64", "T": "i32", "refused": "i32", **common, **regions},
-                                  dict(SIZE=4, NSLOTS=1, E=8, EL=2, M=16, H=512, HB=512, C=1, TOPK=4, BT=16, KP=4,
-                                       FP8=True, GB=4, BITS=False)),
-        "moe_dispatch_read": (MK.dispatch_read,
-                              {"recv": "*bf16", "scales": "*fp32", "counts_out": "*i64", "per_source": "*i64",
-                               "offsets": "*i64", "src": "*i64", **common, **waits, **regions},
-                              dict(SIZE=4, SP=4, NSLOTS=1, TRAP=True, EL=2, M=16, H=512, HP=512, RB=4, FP8=False,
-                                   G=4, GP=4)),
+        "moe_dispatch_send": (MK.dispatch_send, send, send_consts),
+        "moe_dispatch_send_fp8": (MK.dispatch_send, send, {**send_consts, "FP8": True}),
+        "moe_dispatch_send_timed": (MK.dispatch_send, send, {**send_consts, "TIMES": True}),
+        "moe_dispatch_recv": (MK.dispatch_recv,
+                              {"counts_out": "*i64", "per_source": "*i64", "offsets": "*i64", **common, **waits,
+                               **regions},
+                              dict(TIMES=False, SIZE=4, SP=4, NSLOTS=1, TRAP=True, E=8, EL=2, ELP=2)),
         "moe_combine_send": (MK.combine_send,
                              {"out": "*bf16", "per_source": "*i64", "offsets": "*i64", "src": "*i64",
                               "refused": "i32", "comb_off": "i64", **common},
@@ -336,7 +333,8 @@ def test_a_collective_sets_its_record_flag_with_a_plain_store_between_system_fen
 MOE_KERNELS = [
     "moe_dispatch_send",
     "moe_dispatch_send_fp8",
-    "moe_dispatch_read",
+    "moe_dispatch_send_timed",
+    "moe_dispatch_recv",
     "moe_combine_send",
     "moe_combine_reduce",
 ]
@@ -356,5 +354,7 @@ def test_the_moe_kernels_compile_and_count_their_programs_at_gpu_scope(ptx, name
     assert adds and all("gpu" in line and "acq_rel" in line for line in adds), adds
     if "send" in name:  # the last program's signals: release reductions at system scope
         assert _lines(text, "red.release.sys"), name
-    else:  # every program's wait: acquire loads at system scope, a trap after the record
+    if "send" not in name or "dispatch" in name:  # every program's wait: acquire loads, a trap after the record
         assert _lines(text, "ld.acquire.sys") and _lines(text, "trap;"), name
+    if "timed" in name:  # the phase clock: the global timer
+        assert _lines(text, "%globaltimer"), name

@@ -64,6 +64,19 @@ def test_the_new_consumer_tutorial_runs_under_torchrun():
         assert proc.stdout.count(line) == 1, (line, proc.stdout)
 
 
+def test_the_tp_mlp_tutorial_runs_under_torchrun():
+    # symmsync.gemm's two consumers in a plain torchrun job (examples/14_tp_mlp.py): compiled, a refused call.
+    proc = torchrun("examples/14_tp_mlp.py")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for line in (
+        "rank 0: 2 x 16 tokens through the MLP: bit for bit, eagerly and compiled",
+        "rank 1: 2 x 16 tokens through the MLP: bit for bit, eagerly and compiled",
+        "rank 0: PeerRefused: rank 1 refused: a must be torch.bfloat16, got torch.float32",
+        "rank 1: InputError: a must be torch.bfloat16, got torch.float32",
+    ):
+        assert proc.stdout.count(line) == 1, (line, proc.stdout)
+
+
 def _job_section() -> str:
     text = (ROOT / "examples" / "torchrun_job.py").read_text()
     return text.split("# --8<-- [start:job]\n")[1].split("# --8<-- [end:job]")[0]

@@ -1,6 +1,6 @@
 """The model-checked protocols (verify/fence.pml, the fence; verify/signals.pml, the point-to-point
 signals and their pipelined transfer; verify/collectives.pml, the collectives' slot protocol;
-verify/moe.pml, the MoE dispatcher's steps):
+verify/moe.pml, the MoE dispatcher's steps; verify/gemm.pml, symmsync.gemm's tile signals):
 every correct configuration verifies exhaustively with 0 errors, and every known-bug variant
 yields its counterexample.
 
@@ -127,7 +127,25 @@ def test_the_moe_model_covers_mismatches_refusals_and_the_bugs_it_must_catch():
         }, kind
     bugs = {next(f for f in c.flags if f.startswith("BUG_")): c.expect for c in moe.values() if c.expect != "pass"}
     assert bugs["BUG_NOPARITY"] == "overwrite" and bugs["BUG_NOHEADER"] == "stale" and bugs["BUG_NOREFUSE"] == "stale"
+    # a dispatch's rows stored before its counts wait: offsets from counts not landed yet
+    assert bugs["BUG_NOCOUNTWAIT"] == "stale"
     for n, c in moe.items():
+        if c.expect != "pass":  # the correct configuration it plants its bug in is checked too
+            assert tuple(f for f in c.flags if not f.startswith("BUG_")) in {k.flags for k in correct.values()}, n
+
+
+def test_the_gemm_model_covers_both_sizes_mismatches_refusals_and_the_bugs_it_must_catch():
+    gemm = {n: c for n, c in CONFIGS.items() if c.model == "gemm.pml"}
+    correct = {n: c for n, c in gemm.items() if c.expect == "pass"}
+    sizes = {next(f for f in c.flags if f.startswith("N=")) for c in correct.values()}
+    assert sizes == {"N=2", "N=3"} and any("MISMATCH" in c.flags for c in correct.values())
+    assert {next(f for f in c.flags if f.startswith("N=")) for c in correct.values() if "REFUSE" in c.flags} == {
+        "N=2",
+        "N=3",
+    }
+    bugs = {next(f for f in c.flags if f.startswith("BUG_")): c.expect for c in gemm.values() if c.expect != "pass"}
+    assert bugs == {"BUG_NOPARITY": "overwrite", "BUG_NOWAIT": "stale", "BUG_EARLY": "stale", "BUG_NOHEADER": "stale"}
+    for n, c in gemm.items():
         if c.expect != "pass":  # the correct configuration it plants its bug in is checked too
             assert tuple(f for f in c.flags if not f.startswith("BUG_")) in {k.flags for k in correct.values()}, n
 

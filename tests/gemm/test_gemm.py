@@ -1,0 +1,78 @@
+"""symmsync.gemm on the host backend: both consumers against plain-torch oracles (tests/gemm_cases.py)
+at worlds 2 and 3, bit for bit; a refused call fails on every member with NaN in its outputs and
+the next call is right; members whose rows differ raise CallMismatch on every member; compiled."""
+
+import pytest
+import torch
+from gemm_cases import compiled, exact, mismatch, refused
+
+import symmsync as ss
+from symmsync import gemm
+
+# (m, b transposed, out= given): one row, a partial tile, several tiles and signal blocks, max_rows
+BAD = "a must be torch.bfloat16, got torch.float64"
+SHAPES = [(1, False, False), (5, True, True), (20, False, True), (32, True, False)]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_both_consumers_equal_the_oracles_bit_for_bit_in_bfloat16(host_ranks, world):
+    assert host_ranks(exact, world, "host", torch.bfloat16, SHAPES, timeout_s=300) == [[]] * world
+
+
+def test_float32_and_float16_equal_the_oracles(host_ranks):
+    for dtype in (torch.float32, torch.float16):
+        assert host_ranks(exact, 2, "host", dtype, SHAPES[1:3], calls=1, timeout_s=300) == [[], []]
+
+
+@pytest.mark.parametrize("refuser", [0, 1])
+def test_a_refused_call_fails_on_every_member_with_nan_and_the_next_is_right(host_ranks, refuser):
+    seen = host_ranks(refused, 2, "host", refuser, timeout_s=300)
+    for rank, per in enumerate(seen):
+        for name, (raised, nan, ok) in per.items():
+            assert ok == [True, True], (rank, name, ok)
+            if rank == refuser:
+                assert raised.startswith("InputError") and BAD in raised, raised
+            else:
+                assert raised == f"PeerRefused: rank {refuser}: {BAD}", raised
+                assert nan, f"rank {rank} {name}: the refused call's out= must hold NaN only"
+
+
+def test_members_whose_rows_differ_raise_call_mismatch_on_every_member(host_ranks):
+    assert host_ranks(mismatch, 2, "host", timeout_s=300) == [("CallMismatch", "CallMismatch")] * 2
+
+
+def test_both_consumers_run_in_a_compiled_graph(host_ranks):
+    assert host_ranks(compiled, 2, "host", timeout_s=300) == [True, True]
+
+
+def _bad_arguments(case):
+    import torch.distributed as dist
+
+    w = dist.get_world_size()
+    with ss.SymmetricBuffer(1 << 16, backend="host") as buf:
+        view = buf.view(list(range(w)))
+        kw = {"max_rows": 8, "k": 32, "dtype": torch.bfloat16}
+        if case == "k":
+            kw["k"] = 3 if dist.get_rank() == 1 else 32  # 6 bytes: rows would not stay aligned
+        if case == "dtype":
+            kw["dtype"] = torch.int32
+        if case == "fits":
+            kw["max_rows"] = 4096
+        try:
+            gemm.AllGatherMatmul(view, **kw).close()
+        except ss.SymmSyncError as e:
+            return type(e).__name__, str(e)
+    return None
+
+
+@pytest.mark.parametrize(
+    "case, error, words",
+    [
+        ("k", "ConfigError", "k=3 torch.bfloat16 elements are not a multiple of 16 bytes"),
+        ("dtype", "ConfigError", "dtype must be one of"),
+        ("fits", "BoundsError", "allocate symmsync.gemm's *_bytes(...) more"),
+    ],
+)
+def test_a_bad_argument_on_any_member_raises_on_every_member(host_ranks, case, error, words):
+    for got in host_ranks(_bad_arguments, 2, case, timeout_s=120):
+        assert got is not None and got[0] == error and words in got[1], got
