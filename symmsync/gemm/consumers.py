@@ -267,9 +267,17 @@ class MatmulReduceScatter(_TileConsumer):
     (docs/gemm.md).
 
     Args:
-        view, max_rows, dtype, offset, timeout_s, programs, tiles: as :class:`AllGatherMatmul`'s
-            (``max_rows``: the most rows ``m`` of a member's result).
+        view: the members (a :class:`~symmsync.PeerView`); made collectively by all of them.
+        max_rows: the most rows ``m`` of a member's result in a call.
         n: the result's width (every member's and every call's).
+        dtype: bfloat16, float16 or float32.
+        offset: where its bytes start in the buffer (``matmul_reduce_scatter_bytes(...)`` of them).
+        timeout_s: the waits' budget (default: the buffer's).
+        programs: the launch's programs (default: one a multiprocessor).
+        tiles: its :class:`Tiles` (default: the device's).
+
+    Raises:
+        ConfigError, BoundsError: a bad argument on any member (raised on every member).
     """
 
     NAME = "gemm.MatmulReduceScatter"
