@@ -317,10 +317,12 @@ def moe(cases: dict, failed: dict, notes: dict, keep: list) -> None:
 
     prepare(cases, failed, "moe.torch_op", lambda: lambda: x.mul(2))
     prepare(cases, failed, "moe.index_select", lambda: lambda: x.index_select(0, rows))
-    prepare(cases, failed, "moe.dispatch", lambda: lambda: disp.dispatch(x, ids))
-    prepare(cases, failed, "moe.combine", lambda: lambda: disp.combine(recv, w, handle))
-    prepare(cases, failed, "moe.dispatch_no_launch", lambda: lambda: bare.dispatch(x, ids))
-    prepare(cases, failed, "moe.combine_no_launch", lambda: lambda: bare.combine(recv, w, handle))
+    # A combine takes a handle of its dispatcher's last two dispatches: each dispatch case keeps its latest.
+    last = {disp: handle, bare: bare.dispatch(x, ids)[2]}
+    prepare(cases, failed, "moe.dispatch", lambda: lambda: last.__setitem__(disp, disp.dispatch(x, ids)[2]))
+    prepare(cases, failed, "moe.combine", lambda: lambda: disp.combine(recv, w, last[disp]))
+    prepare(cases, failed, "moe.dispatch_no_launch", lambda: lambda: last.__setitem__(bare, bare.dispatch(x, ids)[2]))
+    prepare(cases, failed, "moe.combine_no_launch", lambda: lambda: bare.combine(recv, w, last[bare]))
     prepare(cases, failed, "moe.dispatch_outputs", lambda: outputs)
     prepare(cases, failed, "moe.dispatch_outputs_merged", lambda: merged)
     prepare(cases, failed, "moe.empty", lambda: lambda: torch.empty((M, H), dtype=torch.bfloat16, device="cuda"))

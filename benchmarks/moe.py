@@ -66,7 +66,9 @@ def measure(disp, tokens: int, hidden: int, seed: int, timer) -> dict:
     recv, counts, handle = disp.dispatch(x, ids)
     shape = (disp.local_experts, disp.size * disp.max_tokens, hidden)
     out = torch.zeros(shape, dtype=torch.bfloat16, device=dev)
-    return {"dispatch": timer(lambda: disp.dispatch(x, ids)), "combine": timer(lambda: disp.combine(out, w, handle))}
+    d = timer(lambda: disp.dispatch(x, ids))
+    recv, counts, handle = disp.dispatch(x, ids)  # a combine takes a handle of the last two dispatches
+    return {"dispatch": d, "combine": timer(lambda: disp.combine(out, w, handle))}
 
 
 # ---------------------------------------------------------------------- the host-backend smoke run

@@ -281,6 +281,8 @@ def _step_figures(ctx, z: Sizes, k: Kind, T: int, mode: str, expert_out: torch.T
         tags={**tags, "step": "dispatch", "torch_rows": [ROWS_DISPATCH] if mode == "graph" else []},
     )
     fy = torch.empty(T, H, dtype=bf16, device=dev)
+    with torch.no_grad():  # the timed dispatches left this handle behind: a combine takes one of the last two
+        recv, counts, handle = disp.dispatch(x, ids)
 
     def floor_combine() -> None:
         floors.moe_return_floor[(EL * w,)](expert_out, handle.src, per_source, offsets, fptrs, lay["combine"],
@@ -351,6 +353,7 @@ def _host_cost(ctx, z: Sizes, k: Kind, expert_out: torch.Tensor) -> None:
     with torch.no_grad():
         _, _, handle = disp.dispatch(x, ids)
         d = ctx.host_us(lambda: disp.dispatch(x, ids), n)
+        _, _, handle = disp.dispatch(x, ids)  # a combine takes a handle of the last two dispatches
         c = ctx.host_us(lambda: disp.combine(expert_out, weights, handle), n)
     t = ctx.host_us(lambda: x.index_select(0, rows), n)
     note = {"tokens": T, "calls": n, "dispatch": d, "combine": c, f"torch index_select of {T * z.top_k} rows": t}
@@ -391,6 +394,8 @@ def _sweep(ctx, z: Sizes, k: Kind, expert_out: torch.Tensor) -> None:
                     with torch.no_grad():
                         _, _, h = disp.dispatch(x, ids)
                     d = ctx.time(lambda disp=disp: disp.dispatch(x, ids), "graph", iters)
+                    with torch.no_grad():  # a combine takes a handle of the last two dispatches
+                        _, _, h = disp.dispatch(x, ids)
                     c = ctx.time(lambda disp=disp, h=h: disp.combine(expert_out, weights, h), "graph", iters)
                     ok = ctx.run_check(lambda disp=disp, h=h: True if torch.equal(
                         disp.combine(expert_out, weights, h).view(torch.int16), want.view(torch.int16))

@@ -51,14 +51,14 @@ def buffer_bytes(w, max_rows, k, n, dtype):
     return gemm.all_gather_matmul_bytes(w, max_rows, k, dtype) + gemm.matmul_reduce_scatter_bytes(w, max_rows, n, dtype)
 
 
-def exact(backend, dtype, shapes, max_rows=32, k=32, n=48, calls=2):
-    """Every (m, transposed, out) of ``shapes`` through both consumers, ``calls`` times each with
-    new inputs; what differed from the oracles (empty: all exact)."""
+def exact(backend, dtype, shapes, max_rows=32, k=32, n=48, calls=2, **kw):
+    """Every (m, transposed, out) of ``shapes`` through both consumers (made with ``kw``), ``calls``
+    times each with new inputs; what differed from the oracles (empty: all exact)."""
     w, me = dist.get_world_size(), dist.get_rank()
     wrong = []
     with ss.SymmetricBuffer(buffer_bytes(w, max_rows, k, n, dtype), backend=backend) as buf:
         dev = buf.device
-        ag, rs = made(buf, max_rows, k, n, dtype)
+        ag, rs = made(buf, max_rows, k, n, dtype, **kw)
         with ag, rs:
             for i, (m, transposed, give_out) in enumerate(shapes):
                 for call in range(calls):

@@ -12,6 +12,7 @@ import triton
 import symmsync as ss
 from symmsync.backends.mode import kernels_interpreted
 from symmsync.core.launch import Launcher, kernel_view
+from symmsync.core.signals import MAX_SLOTS
 
 from . import kernels
 
@@ -26,8 +27,6 @@ __all__ = [
 
 #: The element types of a call's tensors.
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: Signal slots a Signals object may have per peer (``symmsync.Signals``' bound).
-MAX_SLOTS = 4096
 _LINE = 128
 _NO_GRAD = "the gemm consumers have"
 
@@ -77,7 +76,7 @@ class _TileConsumer(ss.Consumer):
     KINDS = ("call",)
     WORDS = ("rows", "", "", "")
     KERNEL: Any = None
-    PER_CALL = ("a", "b", "out", "m", "", "sbk", "sbn")
+    PER_CALL: tuple[str, ...] = ()  # the parameters a call passes (each consumer's own)
 
     def _make(self, view: Any, max_rows: Any, width: tuple[str, Any], dtype: Any, offset: Any, timeout_s: Any,
               programs: Any, tiles: Tiles | None, nbytes: Any, slots: Any) -> None:  # fmt: skip
@@ -111,8 +110,8 @@ class _TileConsumer(ss.Consumer):
         self.max_rows, self.dtype, self.offset, self.tiles = max_rows, dtype, offset, tiles
         self.size = view.size
         self.programs = programs or self.device_programs(1, 1)
-        """The programs of a launch: one a multiprocessor (the device's, or under MPS its share's),
-        all resident, so that no program waits for one that cannot run; one under the interpreter."""
+        """The programs of a launch: one a multiprocessor (the device's, or under MPS its share's);
+        one under the interpreter. Sends are claimed by the programs that run (:mod:`.kernels`)."""
         self.bits = kernels_interpreted() and dtype is torch.bfloat16
         dev = view.buffer.device
         self.nothing = (torch.empty((0, 1), dtype=dtype, device=dev), torch.empty((1, 1), dtype=dtype, device=dev))
@@ -123,7 +122,7 @@ class _TileConsumer(ss.Consumer):
     def _launch(self, bm: int, fixed: dict[str, Any], *values: Any, problem: str | None = None) -> None:
         """One call: the bound launch for tile rows ``bm`` and the constants ``fixed`` (packed at its
         first call)."""
-        key = (bm, *sorted(fixed.items()))
+        key = (bm, *fixed.values())  # each consumer's constants come in one order
         bound = self._bound.get(key)
         if bound is None:
             t = self.tiles
@@ -212,11 +211,12 @@ class AllGatherMatmul(_TileConsumer):
             lambda t: 1 + -(-max_rows // t.rows),
         )  # fmt: skip
         self.k = k
+        self._ck = min(64, triton.next_power_of_2(k))  # the columns a send moves at a time
 
     def _constants(self, m: int, n: int, k: int) -> dict[str, Any]:
         """A call's compile-time constants (``m`` rows, ``n`` columns, ``k`` the products' depth)."""
         bn = self._cols(m)
-        return {"K": self.k, "CK": min(64, triton.next_power_of_2(self.k)), "BN": bn, "EVEN_N": n % bn == 0}
+        return {"K": self.k, "CK": self._ck, "BN": bn, "EVEN_N": n % bn == 0}
 
     def _cols(self, m: int) -> int:
         """A call's tile columns: half the tiling's when every member's rows fit one tile (a call

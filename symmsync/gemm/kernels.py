@@ -1,40 +1,46 @@
 """The two kernels of :mod:`symmsync.gemm` and their tile protocol: one launch per call each.
 
-Both run a persistent grid (every program resident: one a multiprocessor by default, one under
-Triton's interpreter, which runs programs one after another), so a program that waits for a
-peer's tile never keeps one of its own member's producers from running. A call's number ``c``
-is the consumer kit's (counted on the device); ``q = c % 2`` picks the copy of the regions.
-Signal slot 0 of every member carries the header's release (``HDR``); slot ``1 + i`` the
-release of the ``i``-th block of tiles (a *signal block*: ``RB`` rows, and for the
-reduce-scatter ``BAND`` column tiles). Every signal is a ``SET`` of ``c + 1``, every wait a
-``GE c + 1``: numbers the device computes, so a replayed graph needs no reset.
+Both run a persistent grid (one program a multiprocessor by default, one under Triton's
+interpreter, which runs programs one after another). A call's *sends* (its header, and its
+blocks of rows or partial sums) are units handed out by an atomic count (``claims``) to
+whichever program asks first, so every send is made by a program that runs: no wait depends on
+which programs are resident (a first version that gave each program its sends by its index
+deadlocked under MPS; docs/gemm.md). A call's number ``c`` is the consumer kit's (counted on the
+device); ``q = c % 2`` picks the copy of the regions. Signal slot 0 of every member carries the
+header's release (``HDR``); slot ``1 + i`` the release of the ``i``-th block of tiles (a
+*signal block*: ``RB`` rows, and for the reduce-scatter ``BAND`` column tiles). Every signal is
+a ``SET`` of ``c + 1``, every wait a ``GE c + 1``: numbers the device computes, so a replayed
+graph needs no reset.
 
 All-gather + GEMM (member ``me`` of ``SIZE``; ``a`` its ``m`` rows, ``b`` its ``k x n``)::
 
-    program 0:   post_call(c, m); block barrier; signal(p, HDR, c + 1) for every member p
-    every program, its share of (signal block i, member p != me), the next members first:
-                 store rows [i*RB, (i+1)*RB) of a into p's region [q][me]; block barrier;
-                 signal(p, 1 + i, c + 1)                            [release, system scope]
-    every program: wait(p, HDR, GE c + 1) for every p != me; status = check_call(c, m)
-                 its share of the output tiles (source s, rows, columns), its own rows first:
-                   if status is OK: s == me: a's rows; else wait(s, 1 + i, GE c + 1), then
-                   region [q][s]'s rows; out[s*m + rows, cols] = rows @ b (float32 sums)
-                   else: out[s*m + rows, cols] = NaN
-                 end_call(c, status)    (every program; the last keeps a failure, counts c)
+    claimed units:  unit 0: post_call(c, m); block barrier; signal(p, HDR, c + 1) for every p
+                    unit u: block u // SIZE of a's rows into member (me + u) % SIZE's region
+                    [q][me] (its own first); block barrier; signal(it, 1 + block, c + 1)
+                                                                  [release, system scope]
+    every program:  wait(p, HDR, GE c + 1) for every p != me; status = check_call(c, m)
+                    its share of the tiles of the gathered SIZE * m rows (its own first; a tile
+                    may hold several members' rows): if status is OK, wait(s, 1 + block,
+                    GE c + 1) for every block of every member s whose rows the tile holds (its
+                    own too), then tile = those rows of regions [q][s] @ b (float32 sums);
+                    else tile = NaN
+                    end_call(c, status)  (every program; the last keeps a failure, counts c,
+                    and resets the claims)
 
 GEMM + reduce-scatter (``a`` is ``SIZE * m`` rows, block ``d`` the partial sum of member
 ``d``'s output rows; ``out`` this member's ``m x n``)::
 
-    program 0:   as above (post_call, HDR)
-    every program, its share of (member d != me, signal block i), the next members first:
-                 P = a[d*m + rows] @ b[:, band's columns], rounded to the dtype; stored into
-                 d's region [q][me]; block barrier; signal(d, 1 + i, c + 1)
-    every program: wait HDRs; status = check_call(c, m)
-                 its share of this member's signal blocks: if status is OK, wait(s, 1 + i,
-                 GE c + 1) for every s != me; for each tile: P_me = a[me*m + rows] @ b
-                 rounded to the dtype; acc = P_0; acc += P_1; ... (float32, member order, each
-                 P_s != P_me read from region [q][s]); out = acc rounded; else NaN
-                 end_call(c, status)
+    claimed units:  unit 0 as above; then, GROUPED (m <= RB): a tile of j members' rows (its
+                    own too) @ a band of b's columns, each row's partial rounded to the dtype and
+                    stored into its member's region [q][me]; block barrier; signal each of the
+                    j members (1 + band); else: one signal block of one other member d's rows,
+                    stored into d's region [q][me]; block barrier; signal(d, 1 + block, c + 1)
+    every program:  wait HDRs; status = check_call(c, m)
+                    its share of this member's signal blocks: if status is OK, wait for every
+                    member's partial of the block (its own too when GROUPED); for each tile:
+                    acc = P_0; acc += P_1; ... (float32, member order; P_me computed here, not
+                    GROUPED); out = acc rounded to the dtype; else NaN
+                    end_call(c, status)
 
 Why a tile is read only once it is whole: its stores precede the block barrier and the
 release of its signal; a reader acquires the signal's value before its loads (the

@@ -229,9 +229,10 @@ class Dispatcher(Consumer):
         self._bits = self._interp and dtype is torch.bfloat16
         # the steps' own words (protocol.py), on the device; their headers and outcomes are the kit's
         self._state = torch.zeros(protocol.STATE_WORDS, dtype=torch.int64, device=buf.device)
-        # a dispatch's counts, added up by its send's program 0 and read back as zeros (kernels._counts)
+        # a dispatch's counts, added up by its send's first-ticket program and read back as zeros (kernels._counts)
         self._tally = torch.zeros(num_experts, dtype=torch.int32, device=buf.device)
         self._dispatches = 0  # dispatches launched: the next one's buffer is this modulo 2 (layout.py)
+        self._live: list[int] = []  # the last two dispatches' per_source: the handles whose rows still hold
         timed = os.environ.get(PHASE_TIMES_ENV) == "1"  # a profiling switch: kernels.py's _stamp
         self.phase_times = torch.zeros(8 if timed else 1, dtype=torch.int64, device=buf.device)
         """The last dispatch's clock stamps (ns) with ``SYMMSYNC_MOE_PHASE_TIMES=1`` at construction."""
@@ -389,14 +390,14 @@ class Dispatcher(Consumer):
         """What is wrong with a combine's arguments on this member, or ``None``."""
         if not isinstance(handle, Handle) or not all(isinstance(t, torch.Tensor) for t in handle):
             return f"handle must be the Handle this dispatcher's dispatch returned, got {type(handle).__name__}"
-        rows = self.size * self.max_tokens
-        want = (self.local_experts, rows)
-        per = (self.local_experts, self.size)
+        want, per = (self.local_experts, self.size * self.max_tokens), (self.local_experts, self.size)
         if handle.src.shape != want or handle.per_source.shape != per or handle.offsets.shape != per:
             return "handle comes from another dispatcher (its shapes differ)"
+        if handle.per_source.data_ptr() not in self._live:  # its src was rewritten by the dispatch after next
+            return "handle is from neither of this dispatcher's last two dispatches (its rows were reused)"
         tokens = handle.topk_idx.shape[0]
         return self.tensor_problem(
-            "expert_out", expert_out, dtype=self.dtype, shape=(self.local_experts, rows, self.hidden)
+            "expert_out", expert_out, dtype=self.dtype, shape=(*want, self.hidden)
         ) or self.tensor_problem("topk_weights", topk_weights, dtype=torch.float32, shape=(tokens, self.top_k))
 
     def accepts(self, x: Any, topk_idx: Any) -> bool:
@@ -487,6 +488,7 @@ class Dispatcher(Consumer):
         recv, scales, src = self._buffers[b]
         small = torch.empty(el * (1 + 2 * size), dtype=torch.int64, device=self._device)  # one allocation
         counts, (per_source, offsets) = small[:el], small[el:].view(2, el, size).unbind()
+        self._live = [*self._live[-1:], per_source.data_ptr()]
         grid = (min(max(tokens, 1) * self._chunks, self.programs), 1, 1)
         self._launch("dispatch_send", grid, b, kernel_view(x), topk_idx, tokens, refused)
 

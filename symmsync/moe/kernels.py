@@ -20,10 +20,10 @@ experts; a combine's send's, a few per (local expert and source), loop over bloc
 rows as far as that source's count. Each moves whole chunks of a row with one masked access per
 chunk. Every program of a dispatch's send reads the call's ids once (``BT`` tokens, the
 dispatcher's ``max_tokens`` rounded up to a power of 2, masked past the call's) and finds the
-earliest id out of range; program 0 counts them with one atomic add per entry that sends a row
-into the dispatcher's ``tally`` (:func:`_counts`: integer sums, the same every run).
+earliest id out of range; the program with the launch's first ticket counts them with one atomic
+add per entry that sends a row into the dispatcher's ``tally`` (:func:`_counts`: integer sums, the same every run).
 
-Where the time goes (a dispatch): the send's phase A (program 0: the counts, O(tokens x top_k)
+Where the time goes (a dispatch): the send's phase A (the first ticket's program: the counts, O(tokens x top_k)
 adds and one exchange per expert, the header, one release per member), its wait for every other
 member's phase A (the step's one synchronization before the rows move), phase B (the rows, once,
 at the wire's rate), the last program's release, the receive's wait for every member's last
@@ -64,7 +64,7 @@ _FAR = tl.constexpr(1 << 30)  # past any entry's index (int32): the earliest bad
 @triton.jit
 def _stamp(times, WORD: tl.constexpr, mine, TIMES: tl.constexpr):
     """With ``TIMES`` (a dispatcher made under ``SYMMSYNC_MOE_PHASE_TIMES=1``), ``times[WORD]`` = the
-    clock (ns, ``ssl.clock_ns``) where ``mine``: a dispatch's send starts (0), its program 0 posted
+    clock (ns, ``ssl.clock_ns``) where ``mine``: a dispatch's send starts (0), its first ticket's program posted
     its counts (1) and passed its counts wait (2), program 0's rows are stored (3), the last program
     signalled (4); its receive passed its wait (5). Without ``TIMES`` nothing is compiled in."""
     if TIMES:
@@ -96,14 +96,14 @@ def _counts(
     topk, calls, sig, me, n, tally, named, tt, kk, bad, code, counts_off, rows_off,
     SIZE: tl.constexpr, NSLOTS: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr, EP: tl.constexpr,
 ):  # fmt: skip
-    """Phase A of a dispatch (program 0 of its send): this member's count of rows for every expert
-    (0 for all when it refuses the step), into every member's counts ``[me]``, then its header, then
-    its first signal (:func:`.protocol.post`); the header's size word is ``rows_off``, the step's rows
-    buffer. ``named`` is :func:`_entries`'s ids where they send a row, -1 elsewhere (int32): one
-    relaxed GPU-scope add per sent entry into ``tally`` (the dispatcher's ``E`` words, zero between
-    dispatches), a block barrier, then one exchange per expert reads each count and leaves 0 (what
-    the next step, or a graph's replay, starts from). O(tokens x top_k) adds, not a compare per
-    (token, entry, expert); the sums do not depend on the adds' order: the same counts every run."""
+    """Phase A of a dispatch (the program of its send that took the first ticket): this member's count of rows for
+    every expert (0 for all when it refuses the step), into every member's counts ``[me]``, then its header, then
+    its first signal (:func:`.protocol.post`); the header's size word is ``rows_off``, the step's rows buffer.
+    ``named`` is :func:`_entries`'s ids where they send a row, -1 elsewhere (int32): one relaxed GPU-scope add per
+    sent entry into ``tally`` (the dispatcher's ``E`` words, zero between dispatches), a block barrier, then one
+    exchange per expert reads each count and leaves 0 (what the next step, or a graph's replay, starts from).
+    O(tokens x top_k) adds, not a compare per (token, entry, expert); the sums do not depend on the adds' order: the
+    same counts every run."""
     ex = tl.arange(0, EP)
     named = tl.where(code == 0, named, -1)  # a refused step counts nothing: it sends 0 counts
     tl.atomic_add(tally + named, 1, mask=named >= 0, sem="relaxed", scope="gpu")
@@ -126,7 +126,7 @@ def dispatch_send(
     TOPK: tl.constexpr, BT: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, FP8: tl.constexpr,
     GB: tl.constexpr, BITS: tl.constexpr,
 ):  # fmt: skip
-    """A dispatch's one send launch (:mod:`.protocol`, phases A and B): program 0 stores this
+    """A dispatch's one send launch (:mod:`.protocol`, phases A and B): the first ticket's program stores this
     member's counts, header and first signal (:func:`_counts`); every program waits for every other
     member's counts and header and checks the step (:func:`.protocol.check`), then, when the step
     may go on, takes the (token ``t``, chunk ``c``) items ``i = t * C + c`` it is given (``p, p + P,
@@ -145,10 +145,11 @@ def dispatch_send(
     tt, kk, ids, sent, bad = _entries(topk, T, 0, E, TOPK, BT, KP)
     named = tl.where(sent, ids, -1).to(tl.int32)  # the expert of each entry that sends a row (ids < E: exact)
     code = protocol.refusal(refused, tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0) > 0)
-    if pid == 0:
+    first = protocol.first_in(state)  # a program that runs posts the counts, not necessarily program 0
+    if first:
         _counts(topk, calls, sig, me, n, tally, named, tt, kk, bad, code, counts_off, rows_off, SIZE, NSLOTS, E, TOPK,
                 EP)  # fmt: skip
-    _stamp(times, 1, pid == 0, TIMES)
+    _stamp(times, 1, first, TIMES)
     n, status, who = protocol.check(
         calls, sig, me, timeout_ns, record, state, rows_off, code, _DISPATCH, _COUNTS, SIZE, NSLOTS, TRAP
     )
@@ -197,7 +198,7 @@ def dispatch_send(
                         tl.store(ssl.data_ptr(sig, m, src_off + row * 8, tl.int64), t * TOPK + k)
             i += programs
     _stamp(times, 3, pid == 0, TIMES)
-    if protocol.arrive_last(state, _SENT, programs):
+    if protocol.sent_last(state, programs):
         protocol.sent(sig, me, state, SIZE, NSLOTS)
         _stamp(times, 4, True, TIMES)
 

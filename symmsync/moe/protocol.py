@@ -11,10 +11,11 @@ moves each row once, into its final packed place; its counts travel first::
     b = the host's count of dispatches % 2      # the copy of the rows (its offset: the header's size word)
     dispatch
     1. send (one launch, programs sized by the device):
-       A. program 0: this member's count of rows for every expert into every member's counts[q]
-          (all zeros when it refuses the step); post_call(n, DISPATCH, rows[b], refusal) into every
-          member's header memory (the kit's); block barrier; signal(m, 0, ADD 1) for every
-          member m (itself too)                                           [release, system]
+       A. the program that takes the launch's first ticket (first_in()): this member's count of
+          rows for every expert into every member's counts[q] (all zeros when it refuses the
+          step); post_call(n, DISPATCH, rows[b], refusal) into every member's header memory (the
+          kit's); block barrier; signal(m, 0, ADD 1) for every member m (itself too)
+                                                                          [release, system]
        B. every program: wait until every *other* member's count reached 2n + 1 (wait_signal GE,
           bounded; acquire, system), then check every member's header (check(): the kit's
           check_call). When every wait returned, every header is this step's and nobody
@@ -41,7 +42,7 @@ release on the arrival counter; the last program acquires every arrival before i
 which release at system scope (causality is transitive across the two scopes, as the fence's
 ``arrive`` argues); a member reads only after its wait observed that signal (acquire), in a
 later launch (the receive's wait comes before the user's kernels on the stream). Counts are
-stored by program 0 before its own release, and a sender reads the others' counts only after
+stored by the first ticket's program before its own release, and a sender reads the others' counts only after
 its wait on 2n + 1 observed them. A wait that times out or sees an abort fails the step
 (``WAIT_FAILED``): nothing half-sent is ever read as data (the host raises first on the host
 backend; a GPU traps), and a member whose counts wait failed stores no row and withholds its
@@ -61,7 +62,7 @@ the host raises :class:`~symmsync.moe.StepMismatch`, and the dispatcher fails.
 
 Why a bad input fails one step and nothing else: a member whose call is refused (its
 arguments failed the host's checks, or its send found an expert id out of range on the
-device: program 0 reads every id once, for the counts) still makes the step: it sends zero
+device: the first ticket's program counts every id once) still makes the step: it sends zero
 counts and no rows, and its header says why (the kit's ``REFUSED_HOST`` with its reason, or
 :data:`REFUSED_EXPERT_ID` with the earliest such entry and its value). Every member sees it in
 its checks (``REFUSED``): no member stores a row, and every receive reports no rows; the step
@@ -98,7 +99,8 @@ member like a fence's.
 Why phase B waits inside the send launch, with no launch between the phases: a third launch
 per step would cost its launch on the host and a kernel boundary on the device. The wait does
 not depend on the launch's own programs (a member's own counts are not awaited: it computes
-them), only on every other member's program 0, which waits for nothing before its signal.
+them), only on every other member's first-ticket program, which runs (it took a ticket) and waits
+for nothing before its signal.
 
 These functions are the seam the tests reach: ``tests/moe/test_moe_bites.py`` replaces
 them (the interpreter resolves a kernel's module attributes when it runs) to show that each
@@ -124,13 +126,14 @@ PER_STEP = 2
 COUNTS, END = 0, 1
 #: ``state`` words, on the device (the step's own; its header and outcome are the kit's).
 #: ``SENT``: the send launch's arrival counter (0 between launches). ``FAILED``: a wait of the step
-#: failed (the step's later waits are not made: one record, one budget).
-SENT, FAILED = range(2)
-STATE_WORDS = 2
+#: failed (the step's later waits are not made: one record, one budget). ``FIRST``: the send launch's
+#: tickets (0 between launches): the program that takes the first posts the counts (:func:`first_in`).
+SENT, FAILED, FIRST = range(3)
+STATE_WORDS = 3
 #: The refusal code of an expert id out of range (the kit's first code of a consumer's own).
 REFUSED_EXPERT_ID = ssl_calls.REFUSED_DEVICE
 
-_SENT, _FAILED = tl.constexpr(SENT), tl.constexpr(FAILED)
+_SENT, _FAILED, _FIRST = tl.constexpr(SENT), tl.constexpr(FAILED), tl.constexpr(FIRST)
 _REFUSED_HOST = tl.constexpr(ssl_calls.REFUSED_HOST)
 _REFUSED_EXPERT_ID = tl.constexpr(REFUSED_EXPERT_ID)
 _PER_STEP = tl.constexpr(PER_STEP)
@@ -172,6 +175,25 @@ def arrive_last(state, WORD: tl.constexpr, total):
     last = n == total - 1
     if last:
         tl.atomic_xchg(state + WORD, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def first_in(state):
+    """True for the one program of a dispatch's send that takes the launch's first ticket: the
+    program that posts the counts and header is one that runs, whichever the device started first
+    (the others wait for every other member's, never for their own launch's). The last program to
+    arrive resets the tickets (:func:`sent_last`)."""
+    return tl.atomic_add(state + _FIRST, 1, sem="acq_rel", scope="gpu") == 0
+
+
+@triton.jit
+def sent_last(state, total):
+    """:func:`arrive_last` on the send's arrivals, and the last program resets the tickets too
+    (every program took its ticket before it arrived)."""
+    last = arrive_last(state, _SENT, total)
+    if last:
+        tl.atomic_xchg(state + _FIRST, 0, sem="relaxed", scope="gpu")
     return last
 
 

@@ -19,6 +19,14 @@ def test_both_consumers_equal_the_oracles_bit_for_bit_in_bfloat16(host_ranks, wo
     assert host_ranks(exact, world, "host", torch.bfloat16, SHAPES, timeout_s=300) == [[]] * world
 
 
+def test_groups_that_do_not_divide_the_members_and_several_programs_equal_the_oracles(host_ranks):
+    # At 3 members a reduce-scatter tile of 16 rows holds 2 members' 6 or 7 rows (the third member's
+    # alone); 3 programs a launch claim the sends among them (the interpreter runs them in turn).
+    assert host_ranks(exact, 3, "host", torch.bfloat16, [(6, False, False), (7, True, True)], calls=1,
+                      timeout_s=300) == [[]] * 3  # fmt: skip
+    assert host_ranks(exact, 2, "host", torch.float32, SHAPES, calls=1, programs=3, timeout_s=300) == [[], []]
+
+
 def test_float32_and_float16_equal_the_oracles(host_ranks):
     for dtype in (torch.float32, torch.float16):
         assert host_ranks(exact, 2, "host", dtype, SHAPES[1:3], calls=1, timeout_s=300) == [[], []]

@@ -191,6 +191,29 @@ def two_in_flight(seed):
     return wrong
 
 
+def stale_handle(seed):
+    """Three dispatches, then a combine with the first one's handle (its ``src`` rewritten by the
+    third dispatch): what it raised, whether its ``y`` was plausible, and whether the third
+    dispatch's combine is then right."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    buf, disp = make(2 * world, MAX_TOKENS, HIDDEN, torch.bfloat16, TOP_K)
+    try:
+        ins = [routings.routing("random", me, world, 2 * world, MAX_TOKENS, HIDDEN, TOP_K, torch.bfloat16, seed + i)
+               for i in range(3)]  # fmt: skip
+        got = [disp.dispatch(x, ids) for x, ids, _ in ins]
+        try:
+            disp.combine(experts(disp, got[0][0]), ins[0][2], got[0][2])
+            raised = None
+        except ss.SymmSyncError as e:
+            raised = f"{type(e).__name__}: {e}"
+        (recv, counts, handle), (x, ids, w) = got[2], ins[2]
+        y = disp.combine(experts(disp, recv), w, handle)
+        wrong = compare(disp, 2, (recv, counts, handle, y), (gathered(x), gathered(ids), gathered(w)), me)
+    finally:
+        buf.close()
+    return raised, wrong
+
+
 def phase_stamps(seed):
     """One layer on a dispatcher made with its phase clock on: the oracle's verdict, and whether the
     last dispatch's stamps (``disp.phase_times``) are in the order of its phases."""
@@ -332,6 +355,14 @@ def wait_not_a_bool():
 
 def test_a_dispatchs_outputs_hold_past_the_next_dispatch(host_ranks):
     assert host_ranks(two_in_flight, 2, 13, timeout_s=300) == [[], []]
+
+
+def test_a_combine_with_a_handle_older_than_the_last_two_dispatches_is_refused(host_ranks):
+    # Its src is a view of the rows buffer the dispatch after next reused: refused on every member
+    # (each passed such a handle), never summed into plausible rows; the next combine is right.
+    for rank, (raised, wrong) in enumerate(host_ranks(stale_handle, 2, 29, timeout_s=300)):
+        assert raised and raised.startswith("InputError") and "last two dispatches" in raised, (rank, raised)
+        assert wrong == [], (rank, wrong)
 
 
 def test_the_phase_clock_stamps_a_dispatchs_phases_in_order(host_ranks):
