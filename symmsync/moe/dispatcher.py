@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..backends import mode
+from ..backends import mode, part_of
 from ..core.consumer import Consumer
 from ..core.launch import BoundLaunch, Launcher, kernel_view
 from ..core.making import Making
@@ -265,13 +265,17 @@ class Dispatcher(Consumer):
         self._bound: dict[tuple, BoundLaunch] = {}  # (kernel, grid, buffer) -> its launch, packed once
         self._pending: Pending | None = None  # a step launched with wait=False, until its wait()
 
-    def _views(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(recv, scales, src)`` over this member's dispatch buffer ``b`` (``scales`` empty without fp8)."""
-        ws, el, rows, h, view = self.workspace, self.local_experts, self.size * self.max_tokens, self.hidden, self.view
-        at = b * ws.dispatch_stride
-        recv = view.tensor(ws.rows + at, (el, rows, h), torch.float8_e4m3fn if self.fp8 else self.dtype)
-        scales = view.tensor(ws.scales + at, (el, rows, self._groups) if self.fp8 else (0,), torch.float32)
-        return recv, scales, view.tensor(ws.src + at, (el, rows), torch.int64)
+    def _views(self, b: int) -> tuple[torch.Tensor, ...]:
+        """``(recv, scales, src)`` over this member's dispatch buffer ``b`` (``scales`` empty without
+        fp8), each with a storage of its own over its bytes: an op's returns share no storage."""
+        ws, el, rows = self.workspace, self.local_experts, self.size * self.max_tokens
+        parts = (
+            (ws.rows, (el, rows, self.hidden), torch.float8_e4m3fn if self.fp8 else self.dtype),
+            (ws.scales, (el, rows, self._groups) if self.fp8 else (0,), torch.float32),
+            (ws.src, (el, rows), torch.int64),
+        )
+        views = [self.view.tensor(offset + b * ws.dispatch_stride, shape, dtype) for offset, shape, dtype in parts]
+        return tuple(part_of(t, 0, t.numel() * t.element_size()).view(t.dtype).view(t.shape) for t in views)
 
     def _launchers(self, traps: bool) -> dict[str, tuple[Launcher, dict[str, Any], tuple[str, ...]]]:
         """Each kernel's launcher, its fixed arguments by name, and the names a call passes."""
@@ -363,10 +367,7 @@ class Dispatcher(Consumer):
         wrong = (topk_idx < -1) | (topk_idx >= self.num_experts)
         if bool(wrong.any()):
             t, k = (int(i) for i in wrong.nonzero()[0])
-            return (
-                f"topk_idx[{t}, {k}] = {int(topk_idx[t, k])} is no expert id: ids run from 0 to "
-                f"{self.num_experts - 1} (num_experts={self.num_experts}), -1 masks an entry"
-            )
+            return self.describe_refusal(protocol.REFUSED_EXPERT_ID, t * self.top_k + k, int(topk_idx[t, k]))
         return None
 
     def _dispatch_problem(self, x: Any, topk_idx: Any) -> str | None:

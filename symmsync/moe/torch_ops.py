@@ -14,9 +14,10 @@ dispatch op also takes the sizes its outputs' shapes depend on (local experts, m
 ``max_tokens``, ``fp8``), so that its fake reads nothing from the object a handle names (a graph
 cache keys a graph by its nodes and constants, not by the object). Each op runs the eager
 call's checked path (:meth:`Dispatcher.eager_dispatch`, :meth:`Dispatcher.eager_combine`)
-and returns no input (functional, as the collectives' ops): the dispatch's ``recv``, ``scales`` and
-``src`` are views of the dispatcher's workspace, where the senders stored the rows (valid until its
-dispatch after next), its counts new tensors; the combine's ``y`` is new. Marked side-effecting
+and returns no input, and no two of its returns share a storage (torch checks both): the
+dispatch's ``recv``, ``scales`` and ``src`` are tensors over the dispatcher's workspace, where the
+senders stored the rows (valid until its dispatch after next), each with a storage of its own; its
+counts, ``per_source`` and ``offsets`` are new tensors; the combine's ``y`` is new. Marked side-effecting
 (:func:`symmsync.ops.oplib.define`): the members wait for every call.
 """
 
@@ -27,7 +28,10 @@ from .dispatcher import Dispatcher
 
 
 def _dispatch(x, topk_idx, handle, local_experts, size, max_tokens, fp8):
-    return handles.lookup(handle, Dispatcher).eager_dispatch(x, topk_idx)
+    recv, scales, counts, src, per_source, offsets = handles.lookup(handle, Dispatcher).eager_dispatch(x, topk_idx)
+    # An op's returns share no storage: counts and offsets are copied out of the one allocation they
+    # share with per_source (which stays: a combine knows the handles still live by it).
+    return recv, scales, counts.clone(), src, per_source, offsets.clone()
 
 
 def _dispatch_fake(x, topk_idx, handle, local_experts, size, max_tokens, fp8):
