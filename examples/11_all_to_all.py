@@ -92,7 +92,7 @@ class AllToAll(ss.Consumer):
         if bad is None and (x.numel() % self.view.size or x.numel() > self.view.size * self.max_block):
             bad = f"x has {x.numel()} elements: not {self.view.size} blocks of at most {self.max_block}"
         if bad is None and out is not None:
-            bad = self.tensor_problem("out", out, dtype=torch.float32, numel=x.numel())
+            bad = self.tensor_problem("out", out, dtype=torch.float32, numel=x.numel(), apart=dict(x=x))
         if bad is not None:  # the call is made all the same: it sends nothing, and fails on every member
             return self.run(self.launch, self.nothing, self.nothing, 0, problem=bad)
         out = torch.empty_like(x) if out is None else out

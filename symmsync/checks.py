@@ -103,6 +103,21 @@ def index_problem(name: str, v: Any, n: int, of: str) -> str | None:
     return None
 
 
+def byte_span(t: torch.Tensor) -> int:
+    """The bytes from ``t``'s first element to the end of its last (non-negative strides): 0 for
+    an empty tensor."""
+    if t.numel() == 0:
+        return 0
+    return (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def shares_bytes(t: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether the byte ranges of ``t`` and ``other`` (:func:`byte_span` from each one's first
+    element) overlap on one device."""
+    lo, olo = t.data_ptr(), other.data_ptr()
+    return t.device == other.device and lo < olo + byte_span(other) and olo < lo + byte_span(t)
+
+
 def tensor_problem(
     name: str,
     t: Any,
@@ -114,6 +129,7 @@ def tensor_problem(
     memory: str,
     no_grad: str,
     shape_note: str = "",
+    apart: dict[str, torch.Tensor] | None = None,
 ) -> str | None:
     """What is wrong with ``t`` as the tensor argument ``name`` of a consumer's call, or ``None``:
     the one rule of every consumer's tensor checks (the collectives, the writer, the dispatcher).
@@ -121,7 +137,8 @@ def tensor_problem(
     ``t`` passes when it is a ``torch.Tensor`` (any subclass: an ``nn.Parameter`` is a tensor)
     of ``dtype`` (one of them, for a tuple), ``shape`` (or ``numel`` elements), on the device
     whose index is ``device_index`` (-1: the CPU), contiguous, and not requiring grad while grad
-    mode is on. The sentence names the first property that differs, and what it is and should be.
+    mode is on, and shares no byte with the tensors ``apart`` names (an output the call writes while
+    it reads them). The sentence names the first property that differs, and what it is and should be.
 
     Args:
         name: the argument, as the message names it (``"norm_weight"``).
@@ -134,6 +151,8 @@ def tensor_problem(
         no_grad: the call and its verb, as the message says it has no autograd formula (``"the collectives
             have"``).
         shape_note: why the shape is what it must be, after the shape's sentence.
+        apart: the call's other tensors, by name, that ``t`` may not overlap (for an ``out=``: the
+            inputs the call reads while it writes ``out``).
     """
     if not isinstance(t, torch.Tensor):
         return f"{name} must be a torch.Tensor, got {type(t).__name__}"
@@ -160,6 +179,12 @@ def tensor_problem(
             f"{name} requires grad and grad mode is on, but {no_grad} no autograd formula (a backward would get "
             "no gradient through it): call it under torch.no_grad() or torch.inference_mode()"
         )
+    for other, o in (apart or {}).items():
+        if isinstance(o, torch.Tensor) and shares_bytes(t, o):
+            return (
+                f"{name} shares memory with {other} (the call reads {other} while it writes {name}): "
+                f"give {name} memory of its own"
+            )
     return None
 
 

@@ -82,10 +82,12 @@ def exact(backend, dtype, shapes, max_rows=32, k=32, n=48, calls=2, **kw):
     return wrong
 
 
-def refused(backend, refuser, dtype=torch.bfloat16, max_rows=16, k=32, n=32):
-    """Call 0 right; call 1 refused by ``refuser`` (a float64 ``a``) on both consumers, the others'
-    ``out=`` first filled with 7; call 2 right. Per consumer: what call 1 raised, whether its
-    ``out`` held NaN only, and whether calls 0 and 2 were exact."""
+def refused(backend, refuser, dtype=torch.bfloat16, max_rows=16, k=32, n=32, how="dtype"):
+    """Call 0 right; call 1 refused by ``refuser`` on both consumers (``how``: ``"dtype"``, a float64
+    ``a``; ``"overlap"``, an ``out=`` over the first bytes of its ``a``), the others' ``out=`` first
+    filled with 7; call 2 right. Per consumer: what call 1 raised, whether its ``out`` held NaN only
+    (the refuser's: whether its ``a`` and ``out`` kept their bytes), and whether calls 0 and 2 were
+    exact."""
     w, me = dist.get_world_size(), dist.get_rank()
     m = 8
     seen = {}
@@ -102,8 +104,14 @@ def refused(backend, refuser, dtype=torch.bfloat16, max_rows=16, k=32, n=32):
                     x = rows[me].to(dev)
                     if call == 1:
                         out = torch.full(want.shape, 7.0, dtype=dtype, device=dev)
+                        a = x.double() if me == refuser and how == "dtype" else x
+                        if me == refuser and how == "overlap":  # out's bytes start where a's do
+                            a = torch.full((max(x.numel(), out.numel()),), 7.0, dtype=dtype, device=dev)
+                            a[: x.numel()] = x.flatten()
+                            a, out = a[: x.numel()].view(x.shape), a[: out.numel()].view(out.shape)
+                            kept = a.clone(), out.clone()
                         try:
-                            op(x.double() if me == refuser else x, bs[me].to(dev), out=out)
+                            op(a, bs[me].to(dev), out=out)
                         except ss.InputError as e:
                             raised = f"InputError: {e}"
                         except ss.PeerRefused as e:
@@ -116,6 +124,8 @@ def refused(backend, refuser, dtype=torch.bfloat16, max_rows=16, k=32, n=32):
                                 raised = f"PeerRefused: rank {e.origin}: {e.reason}"
                         elif me != refuser:
                             nan = bool(torch.isnan(out).all())
+                        if me == refuser and how == "overlap":
+                            nan = torch.equal(a, kept[0]) and torch.equal(out, kept[1])
                     else:
                         ok.append(torch.equal(op(x, bs[me].to(dev)).cpu(), want))
                 seen[name] = (raised, nan, ok)

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .. import backends
-from ..checks import check_index, int_problem, is_int, require
+from ..checks import byte_span, check_index, int_problem, is_int, require
 from ..errors import CLOSED_REASON, BoundsError, ClosedError, ConfigError, SizeMismatchError
 from ..language.cells import CellLayout
 from . import adoption, liveness, memory, nodes
@@ -440,7 +440,7 @@ class SymmetricBuffer:
             require(f"expected a tensor, got {type(t).__name__}", rank=self._rank, call=call)
         base, room = self._memory.data.own.ptr, self._memory.room(self._nbytes)
         off = t.data_ptr() - base
-        span = 0 if t.numel() == 0 else (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+        span = byte_span(t)
         if t.device != self._device or off < 0 or off + span > room:
             require(
                 f"the tensor at {t.data_ptr():#x} ({span} bytes on {t.device}) is not inside this rank's "

@@ -243,7 +243,9 @@ class AllGatherMatmul(_TileConsumer):
         bad = bad or self._weights(b, self.k, None)
         m = a.shape[0] if bad is None else 0
         if bad is None and out is not None:
-            bad = self.tensor_problem("out", out, dtype=self.dtype, shape=(self.size * m, b.shape[1]))
+            bad = self.tensor_problem(
+                "out", out, dtype=self.dtype, shape=(self.size * m, b.shape[1]), apart=dict(a=a, b=b)
+            )
         if bad is not None:
             return self._refused(bad)
         n = b.shape[1]
@@ -333,7 +335,7 @@ class MatmulReduceScatter(_TileConsumer):
         bad = bad or self._weights(b, a.shape[1], self.n)
         m = a.shape[0] // w if bad is None else 0
         if bad is None and out is not None:
-            bad = self.tensor_problem("out", out, dtype=self.dtype, shape=(m, self.n))
+            bad = self.tensor_problem("out", out, dtype=self.dtype, shape=(m, self.n), apart=dict(a=a, b=b))
         if bad is not None:
             return self._refused(bad)
         out = torch.empty((m, self.n), dtype=self.dtype, device=a.device) if out is None else out

@@ -45,6 +45,20 @@ def test_a_refused_call_fails_on_every_member_with_nan_and_the_next_is_right(hos
                 assert nan, f"rank {rank} {name}: the refused call's out= must hold NaN only"
 
 
+def test_an_out_that_overlaps_a_is_refused_on_every_member_and_the_refusers_bytes_are_kept(host_ranks):
+    words = "out shares memory with a (the call reads a while it writes out): give out memory of its own"
+    seen = host_ranks(refused, 2, "host", 1, how="overlap", timeout_s=300)
+    for rank, per in enumerate(seen):
+        for name, (raised, held, ok) in per.items():
+            assert ok == [True, True], (rank, name, ok)
+            if rank == 1:
+                assert raised.startswith("InputError") and words in raised, raised
+                assert held, f"{name}: the refuser's a and out= must keep their bytes"
+            else:
+                assert raised == f"PeerRefused: rank 1: {words}", raised
+                assert held, f"rank 0 {name}: the refused call's out= must hold NaN only"
+
+
 def test_members_whose_rows_differ_raise_call_mismatch_on_every_member(host_ranks):
     assert host_ranks(mismatch, 2, "host", timeout_s=300) == [("CallMismatch", "CallMismatch")] * 2
 
