@@ -147,7 +147,7 @@ class Dispatcher(Consumer):
     KINDS = ("dispatch", "combine")  # by the kind a step's header carries (protocol.DISPATCH, COMBINE)
     MISMATCH = StepMismatch
     REFUSED_OUTCOME = (
-        "no member's step did anything (its counts are 0, a combine's rows NaN), and the next call goes on"
+        "no member's step did anything (its counts are 0, its rows and a combine's NaN), and the next call goes on"
     )
 
     def __init__(
@@ -430,7 +430,7 @@ class Dispatcher(Consumer):
             float32). Packed: ``recv[e][:counts[e]]`` holds every row local expert ``e`` received, in
             (source member, token index) order: member ``s``'s from ``handle.offsets[e][s]``, its
             ``j``-th token routed to ``e`` at ``handle.offsets[e][s] + j``. Rows past ``counts[e]``
-            are not written by this call (their bytes are an earlier call's, or zeros). ``counts``
+            are an earlier call's, or zeros (a failed call's: every row NaN, ``counts`` 0). ``counts``
             is ``[local experts]`` int64, the rows each received (on the device); ``handle`` goes
             to :meth:`combine` (its ``per_source`` holds the count per member).
 

@@ -118,6 +118,31 @@ def _counts(
 
 
 @triton.jit
+def _rows_nan(sig, me, rows_off, scales_off, pid, programs, DT: tl.constexpr, ROWS: tl.constexpr, H: tl.constexpr,
+              HB: tl.constexpr, C: tl.constexpr, FP8: tl.constexpr, GB: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
+    """NaN in every one of this member's ``ROWS`` received rows (with ``FP8``: the e4m3 NaN code, and
+    NaN scales), the (row, chunk) items ``pid, pid + programs, ..``."""
+    i = pid
+    while i < ROWS * C:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
+        row = (i // C).to(tl.int64)
+        c = i % C
+        col = c * HB + tl.arange(0, HB)
+        if FP8:
+            tl.store(ssl.data_ptr(sig, me, rows_off + row * H, tl.uint8) + col, tl.full([HB], 0x7F, tl.uint8),
+                     mask=col < H)  # fmt: skip
+            g = tl.arange(0, GB)
+            sdst = ssl.data_ptr(sig, me, scales_off + row * (H // _GROUP) * 4, tl.float32)
+            tl.store(
+                sdst + c * (HB // _GROUP) + g, tl.full([GB], float("nan"), tl.float32), mask=c * HB + g * _GROUP < H
+            )
+        else:
+            ELEM: tl.constexpr = DT.primitive_bitwidth // 8
+            dst = ssl.data_ptr(sig, me, rows_off + row * H * ELEM, DT)
+            tl.store(dst + col, from_f32(tl.full([HB], float("nan"), tl.float32), DT, BITS), mask=col < H)
+        i += programs
+
+
+@triton.jit
 def dispatch_send(
     x, topk, T, refused, calls, state, sig, me, timeout_ns, record, times, tally,
     rows_off, scales_off, src_off, counts_off, counts_stride,
@@ -135,7 +160,8 @@ def dispatch_send(
     buffer (``rows_off``, ``scales_off``, ``src_off``) for each entry of the token that no earlier
     entry named (its place: the sent entries of earlier tokens naming its expert, counted in
     ``named``, plus every earlier member's count). The last program to arrive signals every member
-    again (:func:`.protocol.sent`). ``tally``: the counts' ``E`` int32 words (:func:`_counts`). With
+    again (:func:`.protocol.sent`). When the step failed, it stores NaN in this member's received rows
+    instead (:func:`_rows_nan`: no member sends a row). ``tally``: the counts' ``E`` int32 words (:func:`_counts`). With
     ``TIMES``, clock stamps into ``times`` (:func:`_stamp`)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -160,7 +186,7 @@ def dispatch_send(
         ks = tl.arange(0, KP)
         i = pid
         while i < T * C:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
-            t = i // C
+            t = (i // C).to(tl.int64)  # int64: t * H may pass 2^31 elements
             c = i % C
             mine = tl.load(topk + t * TOPK + ks, mask=ks < TOPK, other=-1)  # this token's entries
             if FP8:
@@ -197,6 +223,9 @@ def dispatch_send(
                     if c == 0:
                         tl.store(ssl.data_ptr(sig, m, src_off + row * 8, tl.int64), t * TOPK + k)
             i += programs
+    else:  # a failed step sends no row: this member's rows read NaN, never an earlier dispatch's
+        _rows_nan(sig, me, rows_off, scales_off, pid, programs, x.dtype.element_ty, EL * SIZE * M, H, HB, C, FP8,
+                  GB, BITS)  # fmt: skip
     _stamp(times, 3, pid == 0, TIMES)
     if protocol.sent_last(state, programs):
         protocol.sent(sig, me, state, SIZE, NSLOTS)
@@ -290,7 +319,7 @@ def combine_reduce(
     own = ssl.data_ptr(sig, me, comb_off + base, y.dtype.element_ty)
     i = tl.program_id(0)
     while i < T * C:  # a while loop: the interpreter of triton 3.6 cannot range() over tensors
-        t = i // C
+        t = (i // C).to(tl.int64)  # int64: (t * TOPK + k) * H may pass 2^31 elements
         cols = (i % C) * HB + tl.arange(0, HB)
         acc = tl.zeros([HB], dtype=tl.float32)
         for k in tl.static_range(TOPK):
