@@ -233,7 +233,7 @@ class Consumer:
     def tensor_problem(self, name: str, t: Any, **want: Any) -> str | None:
         """What is wrong with the tensor argument ``name`` of a call, or ``None``: the one rule of
         every consumer (:func:`symmsync.checks.tensor_problem`, whose keywords ``want`` takes: ``dtype``,
-        ``shape``, ``numel``, ``shape_note``), on this consumer's device and in its words."""
+        ``shape``, ``numel``, ``shape_note``, ``apart``), on this consumer's device and in its words."""
         return tensor_problem(
             name, t, device_index=self.device_index, memory=self._kit_memory_words, no_grad=self._kit_no_grad, **want
         )
