@@ -12,9 +12,9 @@ interpreter too.
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# A torch op whose returns share a storage (with an input or with each other) is an error, as in
-# torch's own CI (where it is otherwise a warning): every run of the suite, here or in CI, holds
-# symmsync's ops to it, the ranks' processes too (they inherit the environment).
+# A torch op whose returns share a storage (with an input or with each other) is an error wherever
+# the environment sets CI, and elsewhere only a warning: every run of the suite holds symmsync's ops
+# to the error, the ranks' processes too (they inherit the environment).
 os.environ.setdefault("TORCHINDUCTOR_ERROR_ON_CUSTOM_OP_ALIASING", "1")
 
 import pytest  # noqa: E402
