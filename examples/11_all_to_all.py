@@ -84,6 +84,8 @@ class AllToAll(ss.Consumer):
 
     def __call__(self, x, out=None):
         if torch.compiler.is_compiling():  # a graph names the object by an int
+            if out is not None:  # the op returns a new tensor: never drop an out= silently
+                raise ss.ConfigError(f"rank {self.rank}: AllToAll under torch.compile: out= is eager-only")
             return all_to_all_op(x, self.op_handle)
         return self.eager(x, out)
 

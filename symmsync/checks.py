@@ -113,9 +113,13 @@ def byte_span(t: torch.Tensor) -> int:
 
 def shares_bytes(t: torch.Tensor, other: torch.Tensor) -> bool:
     """Whether the byte ranges of ``t`` and ``other`` (:func:`byte_span` from each one's first
-    element) overlap on one device."""
+    element: for a strided tensor, the bytes between its elements too) overlap on one device; an
+    empty tensor shares none."""
+    span, other_span = byte_span(t), byte_span(other)
+    if span == 0 or other_span == 0 or t.device != other.device:
+        return False
     lo, olo = t.data_ptr(), other.data_ptr()
-    return t.device == other.device and lo < olo + byte_span(other) and olo < lo + byte_span(t)
+    return lo < olo + other_span and olo < lo + span
 
 
 def tensor_problem(

@@ -10,6 +10,8 @@ every product and sum exact in float32 and in the dtype, so the results must be 
 bit whatever order a GEMM sums its products in.
 """
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -156,9 +158,14 @@ def mismatch(backend, dtype=torch.float32, max_rows=16, k=32, n=32):
     return first, later
 
 
+def _with_out(op, x, b, out):
+    return op(x, b, out=out)
+
+
 def compiled(backend, dtype=torch.bfloat16, max_rows=16, k=32, n=32):
     """Both consumers inside one ``torch.compile``'d function (fullgraph); True when its results
-    equal the oracles'."""
+    equal the oracles' and an ``out=`` in a compiled call of either raised the ConfigError while
+    tracing (Dynamo reports it as ``Unsupported`` carrying its text), not a call that drops it."""
     w, me = dist.get_world_size(), dist.get_rank()
     m = 4
     with ss.SymmetricBuffer(buffer_bytes(w, max_rows, k, n, dtype), backend=backend) as buf:
@@ -174,6 +181,15 @@ def compiled(backend, dtype=torch.bfloat16, max_rows=16, k=32, n=32):
 
             fn = torch.compile(step, fullgraph=True, backend="aot_eager")
             g, s = fn(rows[me].to(dev), big[me].to(dev), bs[me].to(dev))
-            return torch.equal(g.cpu(), gathered_reference(rows, bs[me])) and torch.equal(
+            right = torch.equal(g.cpu(), gathered_reference(rows, bs[me])) and torch.equal(
                 s.cpu(), scattered_reference(big, bs, me, m)
             )
+            refused = []
+            b = bs[me].to(dev)
+            for op, x, shape in ((ag, rows[me], (w * m, n)), (rs, big[me], (m, n))):
+                args = (x.to(dev), b, torch.empty(shape, dtype=dtype, device=dev))
+                try:
+                    torch.compile(functools.partial(_with_out, op), fullgraph=True, backend="eager")(*args)
+                except Exception as e:  # noqa: BLE001 - Dynamo reports the ConfigError it traced as Unsupported
+                    refused.append("ConfigError" in str(e) and "out= is eager-only" in str(e))
+            return right and refused == [True, True]

@@ -171,6 +171,17 @@ class _TileConsumer(ss.Consumer):
         finally:
             self.sigs.close()  # its signal memory
 
+    def _traced(self, out: Any) -> int:
+        """A call ``torch.compile`` traces: the members (what its op's fake sizes the result by; a
+        fake reads nothing from the object, which a graph cache does not key on). Raises
+        :class:`~symmsync.ConfigError` while tracing for an ``out=`` (the op returns a new tensor)."""
+        if out is not None:
+            raise ss.ConfigError(
+                f"rank {self.rank}: {self.NAME} under torch.compile: out= is eager-only (the op returns a new "
+                "tensor; docs/gemm.md)"
+            )
+        return self.size
+
     def _refused(self, problem: str) -> None:
         """The call, refused: it sends nothing, and fails on every member."""
         a, b = self.nothing
@@ -232,7 +243,7 @@ class AllGatherMatmul(_TileConsumer):
 
     def __call__(self, a, b, out=None):
         if torch.compiler.is_compiling():  # a graph names the object by an int
-            return all_gather_matmul_op(a, b, self.op_handle)
+            return all_gather_matmul_op(a, b, self.op_handle, self._traced(out))
         return self.eager(a, b, out)
 
     def eager(self, a, b, out=None):
@@ -320,7 +331,7 @@ class MatmulReduceScatter(_TileConsumer):
 
     def __call__(self, a, b, out=None):
         if torch.compiler.is_compiling():
-            return matmul_reduce_scatter_op(a, b, self.op_handle)
+            return matmul_reduce_scatter_op(a, b, self.op_handle, self._traced(out))
         return self.eager(a, b, out)
 
     def eager(self, a, b, out=None):
@@ -364,16 +375,17 @@ def _bands(n: int, max_rows: int, tiles: Tiles) -> tuple[int, int]:
     return band, -(-cols // band)
 
 
+# The ops take the members (``size``): a fake sizes the result from its arguments alone.
 all_gather_matmul_op = ss.define_op(  # side-effecting: a compiled graph never drops it
     "symmsync::all_gather_matmul",
-    "(Tensor a, Tensor b, int handle) -> Tensor",
-    lambda a, b, handle: AllGatherMatmul.from_handle(handle).eager(a, b),
-    lambda a, b, handle: a.new_empty((AllGatherMatmul.from_handle(handle).size * a.shape[0], b.shape[1])),
+    "(Tensor a, Tensor b, int handle, int size) -> Tensor",
+    lambda a, b, handle, size: AllGatherMatmul.from_handle(handle).eager(a, b),
+    lambda a, b, handle, size: a.new_empty((size * a.shape[0], b.shape[1])),
 )
 
 matmul_reduce_scatter_op = ss.define_op(
     "symmsync::matmul_reduce_scatter",
-    "(Tensor a, Tensor b, int handle) -> Tensor",
-    lambda a, b, handle: MatmulReduceScatter.from_handle(handle).eager(a, b),
-    lambda a, b, handle: a.new_empty((a.shape[0] // MatmulReduceScatter.from_handle(handle).size, b.shape[1])),
+    "(Tensor a, Tensor b, int handle, int size) -> Tensor",
+    lambda a, b, handle, size: MatmulReduceScatter.from_handle(handle).eager(a, b),
+    lambda a, b, handle, size: a.new_empty((a.shape[0] // size, b.shape[1])),
 )

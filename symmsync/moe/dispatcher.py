@@ -430,7 +430,7 @@ class Dispatcher(Consumer):
             float32). Packed: ``recv[e][:counts[e]]`` holds every row local expert ``e`` received, in
             (source member, token index) order: member ``s``'s from ``handle.offsets[e][s]``, its
             ``j``-th token routed to ``e`` at ``handle.offsets[e][s] + j``. Rows past ``counts[e]``
-            are an earlier call's, or zeros (a failed call's: every row NaN, ``counts`` 0). ``counts``
+            are an earlier call's, or zeros (a refused or differing call's: all NaN, ``counts`` 0). ``counts``
             is ``[local experts]`` int64, the rows each received (on the device); ``handle`` goes
             to :meth:`combine` (its ``per_source`` holds the count per member).
 
@@ -441,7 +441,7 @@ class Dispatcher(Consumer):
         turn, valid until this member launches its dispatch after next (work launched on the
         dispatcher's stream before that dispatch reads them safely; a combine of this handle
         may come after the next dispatch). Clone what must live longer. ``counts``,
-        ``handle.per_source`` and ``handle.offsets`` are new (one allocation).
+        ``handle.per_source`` and ``handle.offsets`` are new.
 
         Raises:
             InputError: a bad argument on this member (found on the host, or an expert id out of
@@ -487,10 +487,10 @@ class Dispatcher(Consumer):
         b = self._dispatches % 2  # the buffer the rows land in (its offset: a size word of the step's header)
         self._dispatches += 1
         recv, scales, src = self._buffers[b]
-        small = torch.empty(el * (1 + 2 * size), dtype=torch.int64, device=self._device)  # one allocation
-        counts, (per_source, offsets) = small[:el], small[el:].view(2, el, size).unbind()
+        shapes = (el, (el, size), (el, size))  # three allocations: an op's returns share no storage
+        counts, per_source, offsets = (torch.empty(n, dtype=torch.int64, device=self._device) for n in shapes)
         self._live = [*self._live[-1:], per_source.data_ptr()]
-        grid = (min(max(tokens, 1) * self._chunks, self.programs), 1, 1)
+        grid = (self.programs if bad else min(max(tokens, 1) * self._chunks, self.programs), 1, 1)  # bad: NaN rows
         self._launch("dispatch_send", grid, b, kernel_view(x), topk_idx, tokens, refused)
 
         def receive() -> tuple[torch.Tensor, ...]:

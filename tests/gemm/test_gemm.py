@@ -63,8 +63,19 @@ def test_members_whose_rows_differ_raise_call_mismatch_on_every_member(host_rank
     assert host_ranks(mismatch, 2, "host", timeout_s=300) == [("CallMismatch", "CallMismatch")] * 2
 
 
-def test_both_consumers_run_in_a_compiled_graph(host_ranks):
+def test_both_consumers_run_in_a_compiled_graph_and_refuse_an_out_there(host_ranks):
     assert host_ranks(compiled, 2, "host", timeout_s=300) == [True, True]
+
+
+def test_the_ops_fakes_size_their_results_from_their_arguments_alone():
+    # No object has handle -1: a fake that looked the consumer up would raise (and a graph cache,
+    # which keys a graph by its nodes and constants, could hand a graph traced for 2 members to 3).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        b = torch.empty(32, 48)
+        assert gemm.consumers.all_gather_matmul_op(torch.empty(4, 32), b, -1, 3).shape == (12, 48)
+        assert gemm.consumers.matmul_reduce_scatter_op(torch.empty(12, 32), b, -1, 3).shape == (4, 48)
 
 
 def _bad_arguments(case):
